@@ -1,0 +1,26 @@
+"""Readers for HF safetensors directories and GGUF files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lever_actors.checkpoints.checkpoint import Checkpoint
+from lever_actors.errors import CheckpointError
+
+
+def load_checkpoint(path: str | Path, dtype: torch.dtype) -> Checkpoint:
+    """Load an HF directory or a .gguf file whole into DRAM, converting weights to `dtype`."""
+    path = Path(path)
+    if path.is_dir():
+        from lever_actors.checkpoints.hf import load_hf
+
+        return load_hf(path, dtype)
+    if path.is_file() and path.suffix == ".gguf":
+        from lever_actors.checkpoints.gguf_file import load_gguf
+
+        return load_gguf(path, dtype)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    raise CheckpointError(f"{path}: expected an HF checkpoint directory or a .gguf file")

@@ -1,0 +1,17 @@
+"""Exception types the library raises for bad input; each message names the file and the cause."""
+
+
+class LeverError(Exception):
+    """Base of every error lever_actors raises on purpose."""
+
+
+class CheckpointError(LeverError, ValueError):
+    """A checkpoint (HF directory, GGUF file) is missing, malformed or unsupported."""
+
+
+class FetchError(LeverError):
+    """Fetching or verifying the real model files failed."""
+
+
+class ConfigError(LeverError, ValueError):
+    """A configuration value is invalid."""

@@ -1,0 +1,57 @@
+"""A preallocated per-model KV cache: committed prefix plus a pending block being verified."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lever_actors.errors import ConfigError
+from lever_actors.model.args import ModelArgs
+
+
+class KVCache:
+    """Keys/values for every layer: [n_layers, n_kv_heads, capacity, head_dim].
+
+    A forward pass writes its n new tokens into the pending block [length, length+n) at
+    each layer; afterwards the caller commits all of them, keeps a subset (the accepted
+    path of a token tree) or drops them. Positions before `length` are never touched.
+    """
+
+    def __init__(self, args: ModelArgs, capacity: int, dtype: torch.dtype) -> None:
+        shape = (args.n_layers, args.n_kv_heads, capacity, args.head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype)
+        self.values = torch.zeros(shape, dtype=dtype)
+        self.capacity = capacity
+        self.length = 0
+
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: [n_kv_heads, n, hd] -> views of the whole context [n_kv_heads, length+n, hd]"""
+        end = self.length + k.shape[1]
+        if end > self.capacity:
+            raise ConfigError(f"KV cache full: {end} positions needed, capacity {self.capacity}")
+        self.keys[layer, :, self.length : end] = k
+        self.values[layer, :, self.length : end] = v
+        return self.keys[layer, :, :end], self.values[layer, :, :end]
+
+    def commit(self, n: int) -> None:
+        """Keep all n pending positions, in order."""
+        self.length += n
+
+    def keep(self, offsets: Sequence[int]) -> None:
+        """Keep the pending positions at these offsets (ascending), packed after the prefix."""
+        if list(offsets) != list(range(len(offsets))):
+            src = torch.tensor(offsets, dtype=torch.int64) + self.length
+            dst = slice(self.length, self.length + len(offsets))
+            # index_select copies first, so overlapping source and destination are safe
+            self.keys[:, :, dst] = self.keys.index_select(2, src)
+            self.values[:, :, dst] = self.values.index_select(2, src)
+        self.length += len(offsets)
+
+    def truncate(self, length: int) -> None:
+        """Roll back to the first `length` committed positions."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        self.length = length

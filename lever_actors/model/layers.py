@@ -1,0 +1,65 @@
+"""One decoder layer as a pure function of its inputs, so weights can arrive per layer."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lever_actors.model.args import ModelArgs
+from lever_actors.model.kv_cache import KVCache
+from lever_actors.model.rope import apply_rope
+from lever_actors.model.weights import LayerTensors
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., dim]. Low-precision inputs are normalised in float32, float64 stays float64."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    h = x.to(compute)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def attention(
+    x: torch.Tensor,
+    w: LayerTensors,
+    args: ModelArgs,
+    cache: KVCache,
+    layer: int,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """x: [n, d_model] normed; mask: [n, context+n] bool (True = may attend) or None = all."""
+    n = x.shape[0]
+    q = F.linear(x, w["wq"], w.get("bq")).view(n, args.n_heads, args.head_dim).transpose(0, 1)
+    k = F.linear(x, w["wk"], w.get("bk")).view(n, args.n_kv_heads, args.head_dim).transpose(0, 1)
+    v = F.linear(x, w["wv"], w.get("bv")).view(n, args.n_kv_heads, args.head_dim).transpose(0, 1)
+    if args.qk_norm:
+        q = rms_norm(q, w["q_norm"], args.norm_eps)
+        k = rms_norm(k, w["k_norm"], args.norm_eps)
+    cos, sin = rope
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    keys, values = cache.write(layer, k, v)
+    # q: [n_heads, n, hd]; keys/values: [n_kv_heads, context+n, hd]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, enable_gqa=True
+    )
+    return F.linear(out[0].transpose(0, 1).reshape(n, -1), w["wo"])
+
+
+def feed_forward(x: torch.Tensor, w: LayerTensors) -> torch.Tensor:
+    """SwiGLU. x: [n, d_model] normed -> [n, d_model]"""
+    return F.linear(F.silu(F.linear(x, w["w_gate"])) * F.linear(x, w["w_up"]), w["w_down"])
+
+
+def layer_forward(
+    x: torch.Tensor,
+    w: LayerTensors,
+    args: ModelArgs,
+    cache: KVCache,
+    layer: int,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """x: [n, d_model] residual stream of the n pending tokens -> the same after this layer."""
+    x = x + attention(rms_norm(x, w["attn_norm"], args.norm_eps), w, args, cache, layer, rope, mask)
+    return x + feed_forward(rms_norm(x, w["ffn_norm"], args.norm_eps), w)

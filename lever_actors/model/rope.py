@@ -1,0 +1,60 @@
+"""Rotary position embedding, with the 'linear' and 'llama3' frequency scalings.
+
+Angles are computed in float32 whatever the model dtype: that is the convention the
+checkpoints were trained and published with, so every dtype sees the same rotation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lever_actors.model.args import ModelArgs, RopeScaling
+
+
+def inverse_frequencies(args: ModelArgs) -> torch.Tensor:
+    """Per-pair rotation speeds. -> [head_dim // 2] float32"""
+    exponents = torch.arange(0, args.head_dim, 2, dtype=torch.int64).float() / args.head_dim
+    inv_freq = 1.0 / (args.rope_theta**exponents)
+    if args.rope_scaling is None:
+        return inv_freq
+    if args.rope_scaling.kind == "linear":
+        return inv_freq / args.rope_scaling.factor
+    return _llama3_scaled(inv_freq, args.rope_scaling)
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class Rope:
+    """Turns positions into the cos/sin tables one layer's attention needs."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        self.inv_freq = inverse_frequencies(args)
+
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [n] int64 -> cos, sin: [n, head_dim] in `dtype`"""
+        angles = positions[:, None].float() * self.inv_freq[None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [heads, n, head_dim]; rotates each half-split pair (the HF weight layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

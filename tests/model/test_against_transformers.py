@@ -1,0 +1,100 @@
+"""Our transformer math equals transformers' on tiny random float64 checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lever_actors.checkpoints.hf import load_hf
+from lever_actors.model.greedy import greedy_cached, greedy_reference
+from lever_actors.model.transformer import Transformer
+from tests.tiny_hf import ARCHS, full_precision_norms, save_tiny, tiny_model
+
+CASES = [
+    pytest.param(("llama", {}), id="llama"),
+    pytest.param(("llama", {"tie": True}), id="llama-tied"),
+    pytest.param(
+        (
+            "llama",
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 32,
+                }
+            },
+        ),
+        id="llama-rope-llama3",
+    ),
+    pytest.param(
+        ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}), id="llama-rope-linear"
+    ),
+    pytest.param(("qwen2", {}), id="qwen2"),
+    pytest.param(("qwen2", {"tie": True}), id="qwen2-tied"),
+    pytest.param(("qwen3", {}), id="qwen3"),
+]
+
+
+@pytest.fixture(params=CASES)
+def pair(request, tmp_path):
+    arch, kwargs = request.param
+    theirs = tiny_model(arch, **kwargs)
+    ours = load_hf(save_tiny(theirs, tmp_path / arch), torch.float64)
+    return theirs, Transformer(ours.args, ours.weights)
+
+
+def test_logits_equal_transformers(pair):
+    theirs, ours = pair
+    tokens = torch.randint(
+        0, ours.args.vocab_size, (40,), generator=torch.Generator().manual_seed(1)
+    )
+    with full_precision_norms(), torch.no_grad():
+        expected = theirs(tokens[None]).logits[0]
+    got = ours.logits(ours.forward(tokens, ours.new_cache(len(tokens))))
+    assert got.dtype == torch.float64
+    assert (got - expected).abs().max().item() <= 1e-9
+
+
+def test_cached_chunks_equal_one_pass(pair):
+    _, ours = pair
+    tokens = torch.arange(30) % ours.args.vocab_size
+    whole = ours.logits(ours.forward(tokens, ours.new_cache(30)))
+    cache = ours.new_cache(30)
+    parts = []
+    for chunk in (tokens[:7], tokens[7:8], tokens[8:20], tokens[20:]):
+        parts.append(ours.logits(ours.forward(chunk, cache)))
+        cache.commit(len(chunk))
+    assert (torch.cat(parts) - whole).abs().max().item() <= 1e-12
+
+
+def _their_greedy(theirs, prompt: list[int], n: int) -> list[int]:
+    with full_precision_norms(), torch.no_grad():
+        out = theirs.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("decode", [greedy_reference, greedy_cached], ids=["no-cache", "kv-cache"])
+def test_greedy_equals_transformers_generate(pair, decode):
+    theirs, ours = pair
+    prompt = [3, 14, 15, 92, 65, 35]
+    assert decode(ours, prompt, 32) == _their_greedy(theirs, prompt, 32)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_stop_token_ends_generation(arch, tmp_path):
+    ours = load_hf(save_tiny(tiny_model(arch), tmp_path), torch.float64)
+    model = Transformer(ours.args, ours.weights)
+    free = greedy_cached(model, [1, 2, 3], 12)
+    stop = free[4]
+    first = free.index(stop)
+    assert greedy_cached(model, [1, 2, 3], 12, frozenset({stop})) == free[: first + 1]
+    assert greedy_reference(model, [1, 2, 3], 12, frozenset({stop})) == free[: first + 1]
