@@ -1,0 +1,246 @@
+"""Text <-> token ids for a checkpoint: an HF tokenizer.json, or the vocabulary in GGUF metadata."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import gguf
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+
+from lever_actors.errors import CheckpointError
+
+# Pre-tokenizer split patterns, keyed by GGUF `tokenizer.ggml.pre`.
+_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+_LLAMA3_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+_SPLITS = {
+    "qwen2": _QWEN2_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "default": _GPT2_SPLIT,
+    "gpt2": _GPT2_SPLIT,
+}
+_NFC_PRE = {"qwen2"}  # Qwen's own tokenizer.json normalizes to NFC first
+_WHOLE_WORD_PRE = {"llama-bpe", "llama3"}  # Llama 3 looks a whole pre-token up before merging
+
+# GGUF token types (llama.cpp's enum).
+_CONTROL, _USER_DEFINED = 3, 4
+# Special tokens that end a turn or a document; the model stops on any of them it has.
+_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
+_CHATML = "<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+class Tokenizer:
+    """Wraps a `tokenizers.Tokenizer` with the model's special tokens and chat template."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        eos_ids: list[int],
+        bos_id: int | None,
+        chat_template: str | None,
+        vocab_size: int,
+    ) -> None:
+        self.backend = backend
+        self.bos_id = bos_id
+        self.chat_template = chat_template
+        self.vocab_size = vocab_size
+        self._eos_id = next(iter(eos_ids), None)  # the primary one, for chat templates
+        ends = (backend.token_to_id(t) for t in _END_TOKENS)
+        self.eos_ids: frozenset[int] = frozenset(eos_ids) | {i for i in ends if i is not None}
+
+    @classmethod
+    def from_file(cls, path: Path) -> Tokenizer:
+        """An HF tokenizer.json; tokenizer_config.json and generation_config.json beside it."""
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as cause:  # tokenizers raises a bare Exception on a bad file
+            raise CheckpointError(f"{path}: cannot read tokenizer: {cause}") from cause
+        config = _read_json(path.parent / "tokenizer_config.json")
+        generation = _read_json(path.parent / "generation_config.json")
+        template_file = path.parent / "chat_template.jinja"  # newer transformers save it apart
+        template = config.get("chat_template")
+        if template is None and template_file.is_file():
+            template = template_file.read_text()
+        eos_ids = [backend.token_to_id(_token_text(config.get("eos_token")) or "")]
+        eos = generation.get("eos_token_id")
+        eos_ids += eos if isinstance(eos, list) else [eos]
+        bos_id = backend.token_to_id(_token_text(config.get("bos_token")) or "")
+        return cls(
+            backend,
+            eos_ids=[i for i in eos_ids if i is not None],
+            bos_id=bos_id,
+            chat_template=template if isinstance(template, str) else None,
+            vocab_size=backend.get_vocab_size(with_added_tokens=True),
+        )
+
+    @classmethod
+    def from_gguf(cls, reader: gguf.GGUFReader, source: Path) -> Tokenizer:
+        """A byte-level BPE tokenizer rebuilt from `tokenizer.ggml.*` metadata."""
+
+        def meta(key: str, default: Any = None) -> Any:
+            field = reader.get_field(key)
+            return default if field is None else field.contents()
+
+        kind = meta("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise CheckpointError(
+                f"{source}: unsupported tokenizer.ggml.model {kind!r}; "
+                "supported: gpt2 (byte-level BPE)"
+            )
+        pre = meta("tokenizer.ggml.pre", "default")
+        if pre not in _SPLITS:
+            raise CheckpointError(
+                f"{source}: unsupported tokenizer.ggml.pre {pre!r}; supported: {', '.join(_SPLITS)}"
+            )
+        tokens: list[str] = meta("tokenizer.ggml.tokens")
+        types: list[int] = meta("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in meta("tokenizer.ggml.merges", [])]
+        if len(types) != len(tokens):
+            raise CheckpointError(f"{source}: {len(tokens)} tokens but {len(types)} token types")
+        try:
+            vocab = {t: i for i, t in enumerate(tokens)}
+            bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _WHOLE_WORD_PRE)
+        except Exception as cause:  # tokenizers rejects merges naming tokens outside the vocab
+            raise CheckpointError(f"{source}: bad tokenizer vocab or merges: {cause}") from cause
+        backend = tokenizers.Tokenizer(bpe)
+        if pre in _NFC_PRE:
+            backend.normalizer = normalizers.NFC()
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        backend.decoder = decoders.ByteLevel()
+        # Control and user-defined tokens must match whole in text, never be cut into bytes.
+        typed = list(zip(tokens, types, strict=True))
+        backend.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t, k in typed if k == _CONTROL]
+        )
+        backend.add_tokens(
+            [AddedToken(t, special=False, normalized=False) for t, k in typed if k == _USER_DEFINED]
+        )
+        bos_id = meta("tokenizer.ggml.bos_token_id")
+        if meta("tokenizer.ggml.add_bos_token", False) and bos_id is not None:
+            bos = tokens[bos_id]
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 $B:1", special_tokens=[(bos, bos_id)]
+            )
+        eos_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+        eos_ids = [meta(f"tokenizer.ggml.{key}") for key in eos_keys]
+        return cls(
+            backend,
+            eos_ids=[i for i in eos_ids if i is not None],
+            bos_id=bos_id,
+            chat_template=meta("tokenizer.chat_template"),
+            vocab_size=len(tokens),
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; BOS is prepended only where the model's config asks for it."""
+        return self.backend.encode(text).ids
+
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special)
+
+    def apply_chat_template(self, user_text: str) -> str:
+        """One user turn followed by the assistant's prompt, in the model's own chat format."""
+        if self.chat_template is None:
+            return _CHATML.format(text=user_text)
+        try:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError:  # jinja2 ships with torch, but stay usable without it
+            return _CHATML.format(text=user_text)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = _to_json
+        env.globals["raise_exception"] = _raise_template_error
+        return env.from_string(self.chat_template).render(
+            messages=[{"role": "user", "content": user_text}],
+            add_generation_prompt=True,
+            bos_token=self._token(self.bos_id),
+            eos_token=self._token(self._eos_id),
+        )
+
+    def save(self, directory: Path) -> None:
+        """Write tokenizer.json and the config files `from_file` reads back."""
+        self.backend.save(str(directory / "tokenizer.json"))
+        config = {
+            "eos_token": self._token(self._eos_id) or None,
+            "bos_token": self._token(self.bos_id) or None,
+            "chat_template": self.chat_template,
+        }
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False))
+        generation = {"eos_token_id": sorted(self.eos_ids)}
+        (directory / "generation_config.json").write_text(json.dumps(generation))
+
+    def stream_decoder(self, skip_special: bool = False) -> StreamDecoder:
+        return StreamDecoder(self, skip_special)
+
+    def _token(self, token_id: int | None) -> str:
+        return "" if token_id is None else self.backend.id_to_token(token_id) or ""
+
+
+class StreamDecoder:
+    """Turns token ids, one at a time, into text deltas that never split a UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special
+        self._ids: list[int] = []
+        self._prefix = 0  # ids[_prefix:_read] were emitted last; decoding from there gives context
+        self._read = 0
+
+    def push(self, token_id: int) -> str:
+        """The text `token_id` completes; empty while a multi-byte character is partial."""
+        self._ids.append(token_id)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """Whatever is still held back (an unfinished character decodes to U+FFFD)."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        # Decoding a window rather than one id keeps decoders that drop a leading space correct.
+        done = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        if len(text) <= len(done) or (text.endswith("\ufffd") and not final):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(done) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special=self._skip_special)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as cause:
+        raise CheckpointError(f"{path}: cannot read JSON: {cause}") from cause
+
+
+def _token_text(token: str | dict[str, Any] | None) -> str | None:
+    # tokenizer_config.json spells special tokens as a string or as {"content": ...}.
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _to_json(value: Any, indent: int | None = None) -> str:
+    # HF templates expect plain JSON, not jinja2's HTML-escaped tojson.
+    return json.dumps(value, indent=indent, ensure_ascii=False)
+
+
+def _raise_template_error(message: str) -> None:
+    raise ValueError(f"chat template: {message}")
