@@ -1,0 +1,116 @@
+"""Convert an HF directory or GGUF file into the flash layout (see device/layout.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgspec
+import torch
+
+from lever_actors.checkpoints import load_checkpoint
+from lever_actors.checkpoints.checkpoint import Checkpoint
+from lever_actors.device.layout import (
+    DTYPE_NAMES,
+    MANIFEST_NAME,
+    MANIFEST_VERSION,
+    TOKENIZER_NAME,
+    WEIGHTS_NAME,
+    Extent,
+    Manifest,
+    TensorEntry,
+    align_up,
+    layer_key,
+)
+from lever_actors.errors import CheckpointError
+from lever_actors.model.weights import layer_tensor_names
+
+TENSOR_ALIGNMENT = 64  # tensors inside an extent start on cache-line boundaries
+Progress = Callable[[int, int, str], None]
+
+
+def convert(src: Path, out: Path, dtype: torch.dtype, progress: Progress | None = None) -> Manifest:
+    """Write the flash layout of `src` to directory `out`, which must not exist yet.
+
+    Everything is written under a temporary name beside `out` and renamed at the end, so an
+    interrupted conversion leaves nothing that loads.
+    """
+    if dtype not in DTYPE_NAMES.values():
+        raise CheckpointError(f"cannot store weights as {dtype}; choose one of {list(DTYPE_NAMES)}")
+    if out.exists():
+        raise CheckpointError(f"{out}: already exists; remove it or choose another output")
+    checkpoint = load_checkpoint(src, dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        extents = _write_weights(checkpoint, tmp / WEIGHTS_NAME, progress)
+        tokenizer = None
+        if checkpoint.tokenizer is not None:
+            checkpoint.tokenizer.save(tmp)
+            tokenizer = TOKENIZER_NAME
+        manifest = Manifest(
+            version=MANIFEST_VERSION,
+            args=checkpoint.args,
+            dtype=next(name for name, d in DTYPE_NAMES.items() if d == dtype),
+            source=str(src),
+            extents=tuple(extents),
+            tokenizer=tokenizer,
+        )
+        (tmp / MANIFEST_NAME).write_bytes(msgspec.json.format(msgspec.json.encode(manifest)))
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _extent_tensors(checkpoint: Checkpoint) -> Iterator[tuple[str, list[tuple[str, torch.Tensor]]]]:
+    """Extents in file order: embedding, layers, final norm, then the LM head unless tied."""
+    w = checkpoint.weights
+    yield "embed", [("embed", w.embed)]
+    names = layer_tensor_names(checkpoint.args)
+    for i, layer in enumerate(w.layers):
+        yield layer_key(i), [(name, layer[name]) for name in names]
+    yield "final_norm", [("final_norm", w.final_norm)]
+    if not checkpoint.args.tie_embeddings:
+        yield "lm_head", [("lm_head", w.lm_head)]
+
+
+def _write_weights(checkpoint: Checkpoint, path: Path, progress: Progress | None) -> list[Extent]:
+    planned = list(_extent_tensors(checkpoint))
+    total = sum(t.numel() * t.element_size() for _, tensors in planned for _, t in tensors)
+    done = 0
+    extents = []
+    with open(path, "wb") as f:
+        for key, tensors in planned:
+            start = f.tell()
+            entries = []
+            for name, tensor in tensors:
+                f.write(bytes(-(f.tell() - start) % TENSOR_ALIGNMENT))
+                data = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+                entries.append(
+                    TensorEntry(
+                        name=name,
+                        offset=f.tell() - start,
+                        nbytes=len(data),
+                        dtype=str(tensor.dtype).removeprefix("torch."),
+                        shape=tuple(tensor.shape),
+                        crc32=zlib.crc32(data),
+                    )
+                )
+                f.write(data)
+                done += len(data)
+                if progress:
+                    progress(done, total, f"convert {key}")
+            f.write(bytes(align_up(f.tell()) - f.tell()))
+            extents.append(
+                Extent(key=key, offset=start, nbytes=f.tell() - start, tensors=tuple(entries))
+            )
+        f.flush()
+        os.fsync(f.fileno())
+    return extents

@@ -1,0 +1,33 @@
+"""Load a whole flash layout into DRAM as a Checkpoint (a draft model, or memory-resident runs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lever_actors.checkpoints.checkpoint import Checkpoint
+from lever_actors.checkpoints.tokenizer import Tokenizer
+from lever_actors.device.flash import FlashStore
+from lever_actors.device.layout import layer_key
+from lever_actors.model.weights import ModelWeights
+
+
+def load_flash_layout(directory: Path, dtype: torch.dtype) -> Checkpoint:
+    store = FlashStore(directory)
+    try:
+        manifest = store.manifest
+        extents = {e.key: store.load_extent(e) for e in manifest.extents}
+    finally:
+        store.close()
+    embed = extents["embed"]["embed"]
+    weights = ModelWeights(
+        embed=embed,
+        final_norm=extents["final_norm"]["final_norm"],
+        lm_head=embed if manifest.args.tie_embeddings else extents["lm_head"]["lm_head"],
+        layers=[extents[layer_key(i)] for i in range(manifest.args.n_layers)],
+    )
+    tokenizer = Tokenizer.from_file(directory / manifest.tokenizer) if manifest.tokenizer else None
+    return Checkpoint(
+        args=manifest.args, weights=weights.to(dtype), tokenizer=tokenizer, source=directory
+    )
