@@ -11,12 +11,19 @@ import transformers
 ARCHS = ("llama", "qwen2", "qwen3")
 
 
-def tiny_config(arch: str, *, tie: bool = False, rope_scaling: dict | None = None, vocab: int = 97):
+def tiny_config(
+    arch: str,
+    *,
+    tie: bool = False,
+    rope_scaling: dict | None = None,
+    vocab: int = 97,
+    layers: int = 2,
+):
     common = dict(
         vocab_size=vocab,
         hidden_size=32,
         intermediate_size=48,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,

@@ -1,0 +1,83 @@
+"""The prefetcher actor: streams target layers from flash into a ring of DRAM slots, forever."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import trio
+
+from lever_actors.channels.messages import LayerWeights, SlotRelease
+from lever_actors.device.budget import ResidencyPlan
+from lever_actors.device.flash import AlignedBuffer, FlashStore
+from lever_actors.device.layout import layer_key
+
+
+@dataclass
+class PrefetchStats:
+    layers_sent: int = 0
+    slot_wait_seconds: float = 0.0  # time spent with every slot full, waiting for a release
+    max_slots_held: int = 0  # most slots filled and not yet released at any moment
+
+
+class Prefetcher:
+    """Walks the layers in order, pass after pass: a resident layer is sent as is, a streamed
+    one is read into a free slot first. It waits only when every slot is in use, so reading
+    the next layers (of this pass or the next) overlaps the verifier's compute."""
+
+    def __init__(
+        self, store: FlashStore, plan: ResidencyPlan, resident_layers: dict[int, dict]
+    ) -> None:
+        self.store = store
+        self.plan = plan
+        self.resident_layers = resident_layers
+        self.stats = PrefetchStats()
+
+    async def run(
+        self,
+        inbox: trio.MemoryReceiveChannel[SlotRelease],
+        outbox: trio.MemorySendChannel[LayerWeights],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        manifest = self.store.manifest
+        async with inbox, outbox:
+            slots = [AlignedBuffer(self.plan.slot_bytes) for _ in range(self.plan.ring_slots)]
+            free = list(range(len(slots)))
+            task_status.started()
+            try:
+                for pass_index in itertools.count():
+                    for layer in range(manifest.args.n_layers):
+                        if layer in self.resident_layers:
+                            message = LayerWeights(
+                                layer, pass_index, self.resident_layers[layer], None
+                            )
+                        else:
+                            slot = await self._free_slot(free, inbox, len(slots))
+                            tensors = await trio.to_thread.run_sync(
+                                self.store.read_extent,
+                                manifest.extent(layer_key(layer)),
+                                slots[slot],
+                            )
+                            message = LayerWeights(layer, pass_index, tensors, slot)
+                        await outbox.send(message)
+                        self.stats.layers_sent += 1
+            except (trio.BrokenResourceError, trio.EndOfChannel):
+                return  # the consumer is gone: stop streaming
+
+    async def _free_slot(
+        self, free: list[int], inbox: trio.MemoryReceiveChannel[SlotRelease], n_slots: int
+    ) -> int:
+        while True:
+            try:
+                free.append(inbox.receive_nowait().slot)
+            except trio.WouldBlock:
+                break
+        if not free:
+            started = time.perf_counter()
+            free.append((await inbox.receive()).slot)
+            self.stats.slot_wait_seconds += time.perf_counter() - started
+        slot = free.pop(0)
+        self.stats.max_slots_held = max(self.stats.max_slots_held, n_slots - len(free))
+        return slot

@@ -1,0 +1,68 @@
+"""The flash-resident target: a flash layout opened under a DRAM budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lever_actors.actors.prefetcher import Prefetcher
+from lever_actors.checkpoints.tokenizer import Tokenizer
+from lever_actors.device.budget import ResidencyPlan, head_key, parse_bytes, plan_residency
+from lever_actors.device.flash import FlashStore
+from lever_actors.device.layout import layer_key
+from lever_actors.model.kv_cache import KVCache
+from lever_actors.model.layers import output_logits
+from lever_actors.model.rope import Rope
+
+
+class FlashTarget:
+    """Holds the resident extents the plan chose, reads the rest through a Prefetcher."""
+
+    def __init__(
+        self,
+        directory: Path,
+        dram_budget: int | str,
+        *,
+        ring_slots: int = 2,
+        throttle: str = "none",
+        verify: bool = False,
+    ) -> None:
+        self.store = FlashStore(directory, throttle=throttle, verify=verify)
+        self.manifest = self.store.manifest
+        self.args = self.manifest.args
+        self.dtype = self.manifest.torch_dtype
+        self.plan: ResidencyPlan = plan_residency(
+            self.manifest, parse_bytes(dram_budget), ring_slots
+        )
+        resident = {
+            key: self.store.load_extent(self.manifest.extent(key)) for key in self.plan.resident
+        }
+        self.lm_head = resident[head_key(self.manifest)][head_key(self.manifest)]
+        self.final_norm = resident["final_norm"]["final_norm"]
+        self.embed_table = resident["embed"]["embed"] if "embed" in resident else None
+        self.resident_layers = {
+            i: resident[layer_key(i)] for i in range(self.args.n_layers) if layer_key(i) in resident
+        }
+        self.rope = Rope(self.args)
+        tokenizer_file = self.manifest.tokenizer
+        self.tokenizer = Tokenizer.from_file(directory / tokenizer_file) if tokenizer_file else None
+
+    def prefetcher(self) -> Prefetcher:
+        return Prefetcher(self.store, self.plan, self.resident_layers)
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache(self.args, capacity, self.dtype)
+
+    def embed(self, tokens: list[int]) -> torch.Tensor:
+        """-> [n, d_model]; rows come from flash when the table is not resident."""
+        if self.embed_table is not None:
+            return self.embed_table[torch.tensor(tokens)]
+        return self.store.read_rows(self.manifest.extent("embed"), tokens)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, d_model] -> [n, vocab]"""
+        return output_logits(hidden, self.final_norm, self.lm_head, self.args.norm_eps)
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,69 @@
+"""The prefetcher alone: a layout in, layers out, never more slots than the ring holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+
+from lever_actors.channels.messages import LayerWeights, SlotRelease
+from lever_actors.checkpoints.convert import convert
+from lever_actors.device.budget import minimum_budget
+from lever_actors.device.layout import read_manifest
+from lever_actors.target import FlashTarget
+from tests.tiny_hf import save_tiny, tiny_model
+
+
+@pytest.fixture(scope="module")
+def layout(tmp_path_factory):
+    hf = save_tiny(tiny_model("llama", layers=6), tmp_path_factory.mktemp("hf") / "m")
+    out = tmp_path_factory.mktemp("flash") / "layout"
+    convert(hf, out, torch.float64)
+    return out
+
+
+@pytest.mark.parametrize("ring_slots", [2, 3])
+async def test_slow_consumer_never_sees_more_slots_than_the_ring(layout, ring_slots):
+    manifest = read_manifest(layout)
+    budget = minimum_budget(manifest, ring_slots) + manifest.layer(0).nbytes
+    target = FlashTarget(layout, budget, ring_slots=ring_slots)
+    prefetcher = target.prefetcher()
+    layers_send, layers_recv = trio.open_memory_channel[LayerWeights](ring_slots)
+    release_send, release_recv = trio.open_memory_channel[SlotRelease](ring_slots)
+    received: list[tuple[int, int, int | None]] = []
+    held: set[int] = set()
+    most_held = 0
+    async with trio.open_nursery() as nursery:
+        await nursery.start(prefetcher.run, release_recv, layers_send)
+        async with layers_recv, release_send:
+            for _ in range(3 * manifest.args.n_layers):
+                message = await layers_recv.receive()
+                received.append((message.pass_index, message.layer, message.slot))
+                if message.slot is not None:
+                    assert message.slot not in held  # a slot is never handed out twice
+                    held.add(message.slot)
+                    most_held = max(most_held, len(held))
+                    await trio.sleep(0.01)  # slow consumer: the prefetcher must wait for slots
+                    held.discard(message.slot)
+                    await release_send.send(SlotRelease(message.slot))
+        # leaving the block closed our channel ends; the nursery only exits if the actor stopped
+    expected = [(p, layer) for p in range(3) for layer in range(manifest.args.n_layers)]
+    assert [(p, layer) for p, layer, _ in received] == expected
+    assert all((slot is None) == (layer == 0) for _, layer, slot in received)
+    assert most_held <= ring_slots
+    assert prefetcher.stats.max_slots_held <= ring_slots
+    assert prefetcher.stats.slot_wait_seconds > 0
+
+
+async def test_closing_the_consumer_end_stops_the_prefetcher(layout):
+    target = FlashTarget(layout, minimum_budget(read_manifest(layout)))
+    prefetcher = target.prefetcher()
+    layers_send, layers_recv = trio.open_memory_channel[LayerWeights](2)
+    release_send, release_recv = trio.open_memory_channel[SlotRelease](2)
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(prefetcher.run, release_recv, layers_send)
+            await layers_recv.receive()
+            await layers_recv.aclose()
+            await release_send.aclose()
+    assert prefetcher.stats.layers_sent >= 1
