@@ -63,3 +63,10 @@ def layer_forward(
     """x: [n, d_model] residual stream of the n pending tokens -> the same after this layer."""
     x = x + attention(rms_norm(x, w["attn_norm"], args.norm_eps), w, args, cache, layer, rope, mask)
     return x + feed_forward(rms_norm(x, w["ffn_norm"], args.norm_eps), w)
+
+
+def output_logits(
+    hidden: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Final norm + LM head. hidden: [n, d_model] -> [n, vocab]"""
+    return F.linear(rms_norm(hidden, final_norm, eps), lm_head)

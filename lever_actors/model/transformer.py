@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from lever_actors.model.args import ModelArgs
 from lever_actors.model.kv_cache import KVCache
-from lever_actors.model.layers import layer_forward, rms_norm
+from lever_actors.model.layers import layer_forward, output_logits
 from lever_actors.model.masks import causal_mask
 from lever_actors.model.rope import Rope
 from lever_actors.model.weights import ModelWeights
@@ -50,5 +49,5 @@ class Transformer:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, d_model] -> [n, vocab]"""
-        normed = rms_norm(hidden, self.weights.final_norm, self.args.norm_eps)
-        return F.linear(normed, self.weights.lm_head)
+        w = self.weights
+        return output_logits(hidden, w.final_norm, w.lm_head, self.args.norm_eps)

@@ -1,0 +1,274 @@
+"""The `lever-actors` command: generate, fetch-models, convert, profile-disk, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+import structlog
+import torch
+
+from lever_actors.errors import LeverError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+STORE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _configure_logging(args.verbose)
+    try:
+        return args.command(args)
+    except LeverError as e:
+        print(f"lever-actors: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lever-actors", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="where real models and prompt sets are kept (default: $XDG_CACHE_HOME/lever_actors)",
+    )
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="stream greedy text from a model")
+    gen.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="HF directory or GGUF file (default: the real 1.5B target, fetched on first use)",
+    )
+    gen.add_argument(
+        "--target",
+        type=Path,
+        default=None,
+        help="flash layout directory (from `convert`): stream the target's layers from flash",
+    )
+    gen.add_argument(
+        "--dram-budget",
+        default=None,
+        help="bytes of target weights held in DRAM with --target, e.g. 1.5GiB (default: all)",
+    )
+    gen.add_argument(
+        "--throttle", default="none", help="flash bandwidth profile: none, ufs3.1, ufs4.0"
+    )
+    gen.add_argument("--verify", action="store_true", help="check tensor checksums as they load")
+    gen.add_argument("--prompt", default=DEFAULT_PROMPT)
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    gen.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
+    gen.set_defaults(command=_generate)
+
+    fetch = sub.add_parser("fetch-models", help="download, assemble and verify the real model pair")
+    fetch.set_defaults(command=_fetch_models)
+
+    conv = sub.add_parser("convert", help="write the flash layout of an HF directory or GGUF file")
+    conv.add_argument("src", type=Path)
+    conv.add_argument("out", type=Path)
+    conv.add_argument("--dtype", choices=sorted(STORE_DTYPES), default="bf16")
+    conv.set_defaults(command=_convert)
+
+    prof = sub.add_parser("profile-disk", help="raw O_DIRECT sequential read bandwidth")
+    prof.add_argument("path", type=Path, help="a file, or a flash layout (reads its weights)")
+    prof.add_argument("--block-size", default=None, help="default: the layout's largest layer")
+    prof.add_argument("--max-bytes", default="2GiB", help="stop after this much")
+    prof.set_defaults(command=_profile_disk)
+
+    bench = sub.add_parser("bench", help="measure decoding modes on the real model pair")
+    from lever_actors.bench.cli import add_bench_arguments
+
+    add_bench_arguments(bench)
+    return parser
+
+
+def _configure_logging(verbose: bool) -> None:
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.INFO if verbose else logging.WARNING
+        ),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+    )
+
+
+def cache_dir(args: argparse.Namespace) -> Path:
+    from lever_actors.checkpoints.fetch import default_cache_dir
+
+    return args.cache_dir or default_cache_dir()
+
+
+def real_model_path(args: argparse.Namespace, key: str) -> Path:
+    """The assembled GGUF of the real draft or target, fetched with a progress line if absent."""
+    from lever_actors.checkpoints.fetch import REAL_MODELS, fetch_model
+    from lever_actors.progress import ProgressLine
+
+    return fetch_model(REAL_MODELS[key], cache_dir(args), progress=ProgressLine())
+
+
+def real_target_layout(args: argparse.Namespace) -> Path:
+    """The real target's bf16 flash layout, fetched and converted on first use."""
+    from lever_actors.checkpoints.convert import convert
+    from lever_actors.progress import ProgressLine
+
+    gguf_path = real_model_path(args, "target")
+    layout = cache_dir(args) / "flash" / (gguf_path.stem + "-bf16")
+    if not layout.is_dir():
+        print(f"converting {gguf_path.name} to a bf16 flash layout (once)", file=sys.stderr)
+        convert(gguf_path, layout, torch.bfloat16, ProgressLine())
+    return layout
+
+
+def _fetch_models(args: argparse.Namespace) -> int:
+    from lever_actors.checkpoints.fetch import REAL_MODELS
+
+    for key in REAL_MODELS:
+        print(f"{key}: {real_model_path(args, key)}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    if args.max_new_tokens <= 0:
+        raise_usage("--max-new-tokens must be positive")
+    if args.target is not None and args.model is not None:
+        raise_usage("give either --model (held in DRAM) or --target (streamed from flash)")
+    if args.target is not None:
+        return _generate_from_flash(args)
+    if args.dram_budget is not None:
+        raise_usage("--dram-budget applies to a flash layout given with --target")
+    return _generate_in_memory(args)
+
+
+def _generate_in_memory(args: argparse.Namespace) -> int:
+    from lever_actors.checkpoints import load_checkpoint
+    from lever_actors.model.greedy import greedy_stream
+    from lever_actors.model.transformer import Transformer
+
+    path = args.model or real_model_path(args, "target")
+    started = time.perf_counter()
+    checkpoint = load_checkpoint(path, DTYPES[args.dtype])
+    prompt, printer = _prompt_and_printer(args, checkpoint.tokenizer, path)
+    model = Transformer(checkpoint.args, checkpoint.weights)
+    print(f"loaded {path.name} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    printer.start()
+    for token in greedy_stream(model, prompt, args.max_new_tokens, printer.stop_ids):
+        printer(token)
+    printer.finish()
+    return 0
+
+
+def _generate_from_flash(args: argparse.Namespace) -> int:
+    import trio
+
+    from lever_actors.device.budget import format_bytes
+    from lever_actors.flash_ar import flash_greedy
+    from lever_actors.target import FlashTarget
+
+    started = time.perf_counter()
+    budget = args.dram_budget or 2**62
+    target = FlashTarget(args.target, budget, throttle=args.throttle, verify=args.verify)
+    prompt, printer = _prompt_and_printer(args, target.tokenizer, args.target)
+    plan = target.plan
+    print(
+        f"loaded {args.target} in {time.perf_counter() - started:.1f} s: "
+        f"{len(plan.streamed_layers)}/{target.args.n_layers} layers streamed "
+        f"({target.store.mode}), {format_bytes(plan.used(target.manifest))} of weights in DRAM",
+        file=sys.stderr,
+    )
+    printer.start()
+    before = target.store.stats.bytes_read
+    stats = trio.run(flash_greedy, target, prompt, args.max_new_tokens, printer, printer.stop_ids)
+    printer.finish()
+    per_token = (target.store.stats.bytes_read - before) / max(stats.tokens, 1)
+    print(
+        f"flash: {format_bytes(int(per_token))} read per token; waited for layers "
+        f"{stats.layer_wait_seconds:.2f} s, computed {stats.compute_seconds:.2f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+class _TokenPrinter:
+    """Writes each token's text to stdout as it comes; the figures to stderr at the end."""
+
+    def __init__(self, tokenizer, prompt_tokens: int) -> None:
+        self.decoder = tokenizer.stream_decoder()
+        self.stop_ids: frozenset[int] = tokenizer.eos_ids
+        self.prompt_tokens = prompt_tokens
+        self.count = 0
+
+    def start(self) -> None:
+        self.started = self.first = time.perf_counter()
+
+    def __call__(self, token: int) -> None:
+        if self.count == 0:
+            self.first = time.perf_counter()
+        self.count += 1
+        sys.stdout.write(self.decoder.push(token))
+        sys.stdout.flush()
+
+    def finish(self) -> None:
+        sys.stdout.write(self.decoder.flush() + "\n")
+        elapsed = time.perf_counter() - self.first
+        rate = (self.count - 1) / elapsed if self.count > 1 else float("nan")
+        print(
+            f"{self.count} tokens; prompt {self.prompt_tokens} tokens, first token after "
+            f"{self.first - self.started:.2f} s; decode {rate:.2f} tok/s",
+            file=sys.stderr,
+        )
+
+
+def _prompt_and_printer(args: argparse.Namespace, tokenizer, path: Path):
+    if tokenizer is None:
+        raise_usage(f"{path} has no tokenizer; generate needs one to encode the prompt")
+    text = args.prompt if args.raw else tokenizer.apply_chat_template(args.prompt)
+    prompt = tokenizer.encode(text)
+    return prompt, _TokenPrinter(tokenizer, len(prompt))
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from lever_actors.checkpoints.convert import convert
+    from lever_actors.device.budget import format_bytes
+    from lever_actors.progress import ProgressLine
+
+    manifest = convert(args.src, args.out, STORE_DTYPES[args.dtype], ProgressLine())
+    print(f"{args.out}: {manifest.args.n_layers} layers, {format_bytes(manifest.file_bytes)}")
+    return 0
+
+
+def _profile_disk(args: argparse.Namespace) -> int:
+    from lever_actors.device.budget import parse_bytes
+    from lever_actors.device.disk_profile import profile_disk
+    from lever_actors.device.layout import WEIGHTS_NAME, read_manifest
+
+    path, block = args.path, args.block_size
+    if path.is_dir():
+        manifest = read_manifest(path)
+        path = path / WEIGHTS_NAME
+        block = block or max(manifest.layer(i).nbytes for i in range(manifest.args.n_layers))
+    profile = profile_disk(path, parse_bytes(block or "64MiB"), parse_bytes(args.max_bytes))
+    print(
+        f"{profile.path}: {profile.bandwidth / 1e9:.2f} GB/s ({profile.mode}, "
+        f"{profile.bytes_read / 1e9:.2f} GB in {profile.block_bytes / 2**20:.1f} MiB blocks, "
+        f"{profile.seconds:.2f} s)"
+    )
+    return 0
+
+
+def raise_usage(message: str) -> None:
+    from lever_actors.errors import ConfigError
+
+    raise ConfigError(message)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
