@@ -139,13 +139,11 @@ def _fetch_models(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens <= 0:
         raise_usage("--max-new-tokens must be positive")
-    if args.target is not None and args.model is not None:
-        raise_usage("give either --model (held in DRAM) or --target (streamed from flash)")
-    if args.target is not None:
-        return _generate_from_flash(args)
-    if args.dram_budget is not None:
-        raise_usage("--dram-budget applies to a flash layout given with --target")
-    return _generate_in_memory(args)
+    if args.model is not None:
+        if args.target or args.draft:
+            raise_usage("--model runs a model held in DRAM; --target/--draft run the pipeline")
+        return _generate_in_memory(args)
+    return _generate_with_engine(args)
 
 
 def _generate_in_memory(args: argparse.Namespace) -> int:
@@ -153,7 +151,7 @@ def _generate_in_memory(args: argparse.Namespace) -> int:
     from lever_actors.model.greedy import greedy_stream
     from lever_actors.model.transformer import Transformer
 
-    path = args.model or real_model_path(args, "target")
+    path = args.model
     started = time.perf_counter()
     checkpoint = load_checkpoint(path, DTYPES[args.dtype])
     prompt, printer = _prompt_and_printer(args, checkpoint.tokenizer, path)
@@ -166,32 +164,61 @@ def _generate_in_memory(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_from_flash(args: argparse.Namespace) -> int:
+def _generate_with_engine(args: argparse.Namespace) -> int:
+    """The pipeline: the target streamed from flash, the draft in DRAM. With neither given,
+    the real pair (fetched and converted on first use)."""
     import trio
 
+    from lever_actors.config import EngineConfig
+
+    real = args.target is None
+    target = args.target or real_target_layout(args)
+    draft = args.draft or (real_model_path(args, "draft") if real else None)
+    tree = args.tree or ("chain:4" if draft else "none")
+    config = EngineConfig(
+        target=str(target),
+        draft=str(draft) if draft and tree != "none" else None,
+        tree=tree,
+        dram_budget=args.dram_budget or ("25%" if real else "all"),
+        throttle=args.throttle,
+        verify_checksums=args.verify,
+        trace=str(args.trace) if args.trace else None,
+    )
+    return trio.run(_stream_from_engine, config, args)
+
+
+async def _stream_from_engine(config, args: argparse.Namespace) -> int:
     from lever_actors.device.budget import format_bytes
-    from lever_actors.flash_ar import flash_greedy
-    from lever_actors.target import FlashTarget
+    from lever_actors.engine import Engine
 
     started = time.perf_counter()
-    budget = args.dram_budget or 2**62
-    target = FlashTarget(args.target, budget, throttle=args.throttle, verify=args.verify)
-    prompt, printer = _prompt_and_printer(args, target.tokenizer, args.target)
-    plan = target.plan
+    async with Engine.open(config) as engine:
+        target, plan = engine.target, engine.target.plan
+        if engine.tokenizer is None:
+            raise_usage(f"{config.target} has no tokenizer; generate needs one")
+        print(
+            f"loaded in {time.perf_counter() - started:.1f} s: tree {config.tree}, "
+            f"{len(plan.streamed_layers)}/{target.args.n_layers} target layers streamed "
+            f"({target.store.mode}), {format_bytes(plan.used(target.manifest))} of target "
+            "weights in DRAM",
+            file=sys.stderr,
+        )
+        text = args.prompt if args.raw else engine.tokenizer.apply_chat_template(args.prompt)
+        before = target.store.stats.bytes_read
+        events = []
+        async for event in engine.stream(text, max_new_tokens=args.max_new_tokens):
+            events.append(event)
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        read = target.store.stats.bytes_read - before
+    steps = len({e.step for e in events})
+    first, last = events[0].elapsed_seconds, events[-1].elapsed_seconds
+    rate = (len(events) - 1) / (last - first) if len(events) > 1 and last > first else float("nan")
     print(
-        f"loaded {args.target} in {time.perf_counter() - started:.1f} s: "
-        f"{len(plan.streamed_layers)}/{target.args.n_layers} layers streamed "
-        f"({target.store.mode}), {format_bytes(plan.used(target.manifest))} of weights in DRAM",
-        file=sys.stderr,
-    )
-    printer.start()
-    before = target.store.stats.bytes_read
-    stats = trio.run(flash_greedy, target, prompt, args.max_new_tokens, printer, printer.stop_ids)
-    printer.finish()
-    per_token = (target.store.stats.bytes_read - before) / max(stats.tokens, 1)
-    print(
-        f"flash: {format_bytes(int(per_token))} read per token; waited for layers "
-        f"{stats.layer_wait_seconds:.2f} s, computed {stats.compute_seconds:.2f} s",
+        f"{len(events)} tokens in {steps} steps ({len(events) / steps:.2f} per step, "
+        f"{sum(e.from_draft for e in events)} from the draft); first token after {first:.2f} s; "
+        f"decode {rate:.2f} tok/s; {format_bytes(read // max(len(events), 1))} read per token",
         file=sys.stderr,
     )
     return 0

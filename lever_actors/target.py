@@ -8,7 +8,7 @@ import torch
 
 from lever_actors.actors.prefetcher import Prefetcher
 from lever_actors.checkpoints.tokenizer import Tokenizer
-from lever_actors.device.budget import ResidencyPlan, head_key, parse_bytes, plan_residency
+from lever_actors.device.budget import ResidencyPlan, head_key, plan_residency, resolve_budget
 from lever_actors.device.flash import FlashStore
 from lever_actors.device.layout import layer_key
 from lever_actors.model.kv_cache import KVCache
@@ -32,9 +32,8 @@ class FlashTarget:
         self.manifest = self.store.manifest
         self.args = self.manifest.args
         self.dtype = self.manifest.torch_dtype
-        self.plan: ResidencyPlan = plan_residency(
-            self.manifest, parse_bytes(dram_budget), ring_slots
-        )
+        budget = resolve_budget(dram_budget, self.manifest.file_bytes)
+        self.plan: ResidencyPlan = plan_residency(self.manifest, budget, ring_slots)
         resident = {
             key: self.store.load_extent(self.manifest.extent(key)) for key in self.plan.resident
         }

@@ -49,19 +49,17 @@ class Prefetcher:
             try:
                 for pass_index in itertools.count():
                     for layer in range(manifest.args.n_layers):
-                        if layer in self.resident_layers:
-                            message = LayerWeights(
-                                layer, pass_index, self.resident_layers[layer], None
-                            )
-                        else:
+                        slot = None
+                        tensors = self.resident_layers.get(layer)
+                        if tensors is None:
                             slot = await self._free_slot(free, inbox, len(slots))
+                            extent = manifest.extent(layer_key(layer))
                             tensors = await trio.to_thread.run_sync(
-                                self.store.read_extent,
-                                manifest.extent(layer_key(layer)),
-                                slots[slot],
+                                self.store.read_extent, extent, slots[slot]
                             )
-                            message = LayerWeights(layer, pass_index, tensors, slot)
-                        await outbox.send(message)
+                        await outbox.send(
+                            LayerWeights(step=pass_index, layer=layer, tensors=tensors, slot=slot)
+                        )
                         self.stats.layers_sent += 1
             except (trio.BrokenResourceError, trio.EndOfChannel):
                 return  # the consumer is gone: stop streaming

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
 import msgspec
+import trio
 
 from lever_actors.bench.prompts import PROMPT_SETS
 
-MODES = ("memory-ar", "flash-ar", "peer-memory")
+MODES = ("memory-ar", "flash-ar", "sd-chain", "sd-static", "peer-memory")
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +25,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--target",
         type=Path,
         default=None,
-        help="flash layout of the target (default: the real 1.5B target in bf16, made once)",
+        help="the target: a flash layout (needed by flash modes), or a GGUF file / HF directory "
+        "for memory modes (default: the real 1.5B target as a bf16 layout, made once)",
     )
     parser.add_argument(
         "--budgets",
@@ -31,6 +34,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="DRAM budgets for flash modes: percentages of the target's weights or sizes (1.5GiB)",
     )
     parser.add_argument("--throttle", default="none", help="flash profile: none, ufs3.1, ufs4.0")
+    parser.add_argument(
+        "--draft",
+        type=Path,
+        default=None,
+        help="draft model for SD modes (default: the real 0.5B draft GGUF, fetched on first use)",
+    )
+    parser.add_argument("--draft-dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    parser.add_argument("--chain", default="4", help="sd-chain lengths to run, e.g. 2,4,6,8")
+    parser.add_argument("--static-tree", default="4,2,2,1", help="sd-static widths per depth")
     parser.add_argument(
         "--prompt-sets", default="humaneval", help=f"comma-separated: {PROMPT_SETS}"
     )
@@ -49,25 +61,28 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench_command(args: argparse.Namespace) -> int:
     from lever_actors.bench.harness import PromptSet, markdown_table, run_bench
-    from lever_actors.bench.modes import FlashAR, MemoryAR, PeerMemory
     from lever_actors.bench.prompts import load_prompts
     from lever_actors.bench.results import write_results
     from lever_actors.checkpoints import load_checkpoint
     from lever_actors.cli import DTYPES, cache_dir, raise_usage, real_target_layout
     from lever_actors.device.disk_profile import profile_disk
-    from lever_actors.device.layout import WEIGHTS_NAME, read_manifest
+    from lever_actors.device.layout import MANIFEST_NAME, WEIGHTS_NAME, read_manifest
 
     modes_wanted = args.modes.split(",")
     unknown = sorted(set(modes_wanted) - set(MODES))
     if unknown:
         raise_usage(f"unknown bench mode(s) {', '.join(unknown)}; known: {', '.join(MODES)}")
-    layout = args.target or real_target_layout(args)
-    manifest = read_manifest(layout)
-    dtype = DTYPES[args.dtype] if args.dtype else manifest.torch_dtype
-    target = load_checkpoint(layout, dtype)
+    target_path = args.target or real_target_layout(args)
+    manifest = read_manifest(target_path) if (target_path / MANIFEST_NAME).is_file() else None
+    if manifest is None and set(modes_wanted) - {"memory-ar", "peer-memory"}:
+        raise_usage(f"flash modes need a flash layout as --target; {target_path} is not one")
+    dtype = DTYPES[args.dtype] if args.dtype else (manifest.torch_dtype if manifest else None)
+    if dtype is None:
+        raise_usage("--dtype is needed when --target is not a flash layout")
+    target = load_checkpoint(target_path, dtype)
     tokenizer = target.tokenizer
     if tokenizer is None:
-        raise_usage(f"{layout} has no tokenizer")
+        raise_usage(f"{target_path} has no tokenizer")
     prompt_sets = [
         PromptSet(
             name,
@@ -78,29 +93,26 @@ def run_bench_command(args: argparse.Namespace) -> int:
         )
         for name in args.prompt_sets.split(",")
     ]
-    modes = []
-    for name in modes_wanted:
-        if name == "memory-ar":
-            modes.append(MemoryAR(target))
-        elif name == "peer-memory":
-            modes.append(PeerMemory(Path(manifest.source), dtype))
-        else:
-            for label in args.budgets.split(","):
-                budget = _budget(label, manifest.file_bytes)
-                modes.append(FlashAR(layout, budget, label, args.throttle))
-    layer_bytes = max(manifest.layer(i).nbytes for i in range(manifest.args.n_layers))
-    disk = [profile_disk(layout / WEIGHTS_NAME, layer_bytes)]
+    modes = build_modes(args, modes_wanted, target, target_path, manifest, dtype)
+    disk = []
+    if manifest is not None:
+        layer_bytes = max(manifest.layer(i).nbytes for i in range(manifest.args.n_layers))
+        disk.append(profile_disk(target_path / WEIGHTS_NAME, layer_bytes))
     config = {
         k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "command"
     }
-    results = run_bench(
-        modes,
-        prompt_sets,
-        max_new_tokens=args.max_new_tokens,
-        stop_ids=tokenizer.eos_ids,
-        config=config,
+    results = trio.run(
+        functools.partial(
+            run_bench,
+            modes,
+            prompt_sets,
+            max_new_tokens=args.max_new_tokens,
+            stop_ids=tokenizer.eos_ids,
+            config=config,
+        )
     )
-    disk.append(profile_disk(layout / WEIGHTS_NAME, layer_bytes))
+    if manifest is not None:
+        disk.append(profile_disk(target_path / WEIGHTS_NAME, layer_bytes))
     results = msgspec.structs.replace(results, disk=disk)
     write_results(results, args.out)
     print(markdown_table(results))
@@ -112,9 +124,38 @@ def run_bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _budget(label: str, model_bytes: int) -> int:
-    from lever_actors.device.budget import parse_bytes
+def build_modes(args, wanted, target, target_path, manifest, dtype) -> list:
+    """The modes to compare, in the order asked; engine modes get one per budget (and per
+    chain length); the draft is loaded once and shared."""
+    from lever_actors.bench.modes import EngineMode, MemoryAR, PeerMemory
+    from lever_actors.cli import real_model_path
+    from lever_actors.config import EngineConfig
+    from lever_actors.engine import load_draft
 
-    if label.endswith("%"):
-        return int(model_bytes * float(label[:-1]) / 100)
-    return parse_bytes(label)
+    draft = None
+    if {"sd-chain", "sd-static"} & set(wanted):
+        draft_path = args.draft or real_model_path(args, "draft")
+        draft = load_draft(str(draft_path), args.draft_dtype)
+    trees = {
+        "flash-ar": ["none"],
+        "sd-chain": [f"chain:{k}" for k in args.chain.split(",")],
+        "sd-static": [f"static:{args.static_tree}"],
+    }
+    modes = []
+    for name in wanted:
+        if name == "memory-ar":
+            modes.append(MemoryAR(target))
+        elif name == "peer-memory":
+            modes.append(PeerMemory(Path(manifest.source) if manifest else target_path, dtype))
+        else:
+            for tree in trees[name]:
+                for label in args.budgets.split(","):
+                    config = EngineConfig(
+                        target=str(target_path),
+                        tree=tree,
+                        throttle=args.throttle,
+                        dram_budget=label,
+                    )
+                    mode_name = name if tree == "none" else f"sd-{tree}"
+                    modes.append(EngineMode(f"{mode_name}@{label}", config, draft))
+    return modes

@@ -6,6 +6,7 @@ import itertools
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 from lever_actors.bench.modes import Decoded, Mode
@@ -18,7 +19,7 @@ class PromptSet:
     prompts: list[list[int]]  # token ids, chat template already applied
 
 
-def run_bench(
+async def run_bench(
     modes: Sequence[Mode],
     prompt_sets: Sequence[PromptSet],
     *,
@@ -30,13 +31,29 @@ def run_bench(
     """The first mode is the reference that agreement is measured against. Modes take turns
     on each prompt so that drift of the machine hits every mode alike."""
     runs: list[PromptRun] = []
-    started = time.monotonic()
+    async with AsyncExitStack() as stack:
+        for mode in modes:
+            await mode.open(stack)
+        started = time.monotonic()
+        await _interleave(modes, prompt_sets, max_new_tokens, stop_ids, runs, started, log)
+    summaries = [_summarise(mode.name, s.name, runs) for s in prompt_sets for mode in modes]
+    return BenchResults(
+        machine=Machine.here(),
+        config=config,
+        reference_mode=modes[0].name,
+        runs=runs,
+        summaries=summaries,
+        ratios=_ratios([m.name for m in modes], runs),
+    )
+
+
+async def _interleave(modes, prompt_sets, max_new_tokens, stop_ids, runs, started, log) -> None:
     for prompt_set in prompt_sets:
         for index, prompt in enumerate(prompt_set.prompts):
             reference: list[int] | None = None
             for mode in modes:
                 t0 = time.perf_counter()
-                decoded = mode.decode(prompt, max_new_tokens, stop_ids)
+                decoded = await mode.decode(prompt, max_new_tokens, stop_ids)
                 reference = decoded.tokens if reference is None else reference
                 runs.append(
                     _prompt_run(mode.name, prompt_set.name, index, prompt, t0, decoded, reference)
@@ -48,15 +65,6 @@ def run_bench(
                     file=log,
                     flush=True,
                 )
-    summaries = [_summarise(mode.name, s.name, runs) for s in prompt_sets for mode in modes]
-    return BenchResults(
-        machine=Machine.here(),
-        config=config,
-        reference_mode=modes[0].name,
-        runs=runs,
-        summaries=summaries,
-        ratios=_ratios([m.name for m in modes], runs),
-    )
 
 
 def _prompt_run(
@@ -81,6 +89,7 @@ def _prompt_run(
         agreement=agreement(decoded.tokens, reference),
         tokens=decoded.tokens,
         bytes_read=decoded.bytes_read,
+        steps=decoded.steps,
     )
 
 
@@ -106,9 +115,16 @@ def _summarise(mode: str, prompt_set: str, runs: list[PromptRun]) -> ModeSummary
         mean_first_token_s=sum(r.first_token_s for r in mine) / len(mine),
         agreement=sum(r.agreement for r in mine) / len(mine),
         bytes_per_token=sum(r.bytes_read for r in mine) / sum(r.new_tokens for r in mine),
+        mean_accepted=_mean_accepted(mine),
         effective_bandwidth=sum(r.bytes_read for r in mine)
         / sum(r.first_token_s + r.decode_s for r in mine),
     )
+
+
+def _mean_accepted(runs: Sequence[PromptRun]) -> float:
+    """New tokens per target pass; nan for modes without passes (memory AR, the peer)."""
+    steps = sum(r.steps for r in runs)
+    return sum(r.new_tokens for r in runs) / steps if steps else float("nan")
 
 
 def _ratios(modes: list[str], runs: list[PromptRun]) -> dict[str, float]:
@@ -118,14 +134,14 @@ def _ratios(modes: list[str], runs: list[PromptRun]) -> dict[str, float]:
 
 def markdown_table(results: BenchResults) -> str:
     lines = [
-        "| mode | prompt set | decode tok/s | first token s | agreement | MB read/token "
-        "| effective GB/s |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | prompt set | decode tok/s | first token s | tokens/step | agreement "
+        "| MB read/token | effective GB/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for s in results.summaries:
         lines.append(
             f"| {s.mode} | {s.prompt_set} | {s.decode_tok_s:.2f} | {s.mean_first_token_s:.2f} "
-            f"| {100 * s.agreement:.1f}% | {s.bytes_per_token / 1e6:.1f} "
+            f"| {s.mean_accepted:.2f} | {100 * s.agreement:.1f}% | {s.bytes_per_token / 1e6:.1f} "
             f"| {s.effective_bandwidth / 1e9:.2f} |"
         )
     return "\n".join(lines)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -12,10 +13,10 @@ import torch
 import trio
 
 from lever_actors.checkpoints.checkpoint import Checkpoint
-from lever_actors.flash_ar import flash_greedy
+from lever_actors.config import EngineConfig
+from lever_actors.engine import Engine
 from lever_actors.model.greedy import greedy_stream
 from lever_actors.model.transformer import Transformer
-from lever_actors.target import FlashTarget
 
 
 @dataclass
@@ -23,6 +24,7 @@ class Decoded:
     tokens: list[int] = field(default_factory=list)
     stamps: list[float] = field(default_factory=list)  # perf_counter() as each token arrived
     bytes_read: int = 0  # from flash, while decoding this prompt
+    steps: int = 0  # target passes (verification steps); 0 for modes that have none
 
     def add(self, token: int) -> None:
         self.tokens.append(token)
@@ -32,7 +34,10 @@ class Decoded:
 class Mode(Protocol):
     name: str
 
-    def decode(
+    async def open(self, stack: AsyncExitStack) -> None:
+        """Load what the mode needs; anything to close goes on `stack`."""
+
+    async def decode(
         self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]
     ) -> Decoded: ...
 
@@ -52,22 +57,39 @@ class MemoryAR:
     def __init__(self, target: Checkpoint) -> None:
         self.model = Transformer(target.args, target.weights)
 
-    def decode(self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> Decoded:
-        return stamped(greedy_stream(self.model, prompt, max_new_tokens, stop_ids))
+    async def open(self, stack: AsyncExitStack) -> None:
+        pass
+
+    async def decode(
+        self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]
+    ) -> Decoded:
+        stream = greedy_stream(self.model, prompt, max_new_tokens, stop_ids)
+        return await trio.to_thread.run_sync(stamped, stream)
 
 
-class FlashAR:
-    """Ours, the target streamed from flash layer by layer for every token, under a budget."""
+class EngineMode:
+    """Ours through the actor pipeline: flash-AR (tree "none"), conventional SD, Lever."""
 
-    def __init__(self, layout: Path, budget: int, label: str, throttle: str = "none") -> None:
-        self.name = f"flash-ar@{label}"
-        self.target = FlashTarget(layout, budget, throttle=throttle)
+    def __init__(self, name: str, config: EngineConfig, draft: Transformer | None = None) -> None:
+        self.name = name
+        self.config = config
+        self.draft = draft
 
-    def decode(self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> Decoded:
+    async def open(self, stack: AsyncExitStack) -> None:
+        self.engine = await stack.enter_async_context(Engine.open(self.config, draft=self.draft))
+
+    async def decode(
+        self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]
+    ) -> Decoded:
         decoded = Decoded()
-        before = self.target.store.stats.bytes_read
-        trio.run(flash_greedy, self.target, prompt, max_new_tokens, decoded.add, stop_ids)
-        decoded.bytes_read = self.target.store.stats.bytes_read - before
+        stats = self.engine.target.store.stats
+        before = stats.bytes_read
+        steps = set()
+        async for event in self.engine.stream(prompt, max_new_tokens=max_new_tokens):
+            decoded.add(event.token)
+            steps.add(event.step)
+        decoded.bytes_read = stats.bytes_read - before
+        decoded.steps = len(steps)
         return decoded
 
 
@@ -77,13 +99,24 @@ class PeerMemory:
     name = "peer-memory"
 
     def __init__(self, gguf_path: Path, dtype: torch.dtype) -> None:
+        self.path = gguf_path
+        self.dtype = dtype
+
+    async def open(self, stack: AsyncExitStack) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype
+            str(self.path.parent), gguf_file=self.path.name, dtype=self.dtype
         ).eval()
 
-    def decode(self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> Decoded:
+    async def decode(
+        self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]
+    ) -> Decoded:
+        return await trio.to_thread.run_sync(self._generate, prompt, max_new_tokens, stop_ids)
+
+    def _generate(
+        self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]
+    ) -> Decoded:
         stamps = _StampingStreamer()
         with torch.inference_mode():
             out = self.model.generate(

@@ -45,6 +45,7 @@ class PromptRun(msgspec.Struct, frozen=True):
     agreement: float  # share of tokens equal to the reference mode's, position by position
     tokens: list[int]
     bytes_read: int = 0  # from flash during this prompt (prefill included)
+    steps: int = 0  # target passes; 0 for modes without a pipeline
 
     @property
     def decode_tok_s(self) -> float:
@@ -57,6 +58,7 @@ class ModeSummary(msgspec.Struct, frozen=True):
     decode_tok_s: float  # total decoded tokens / total decode seconds
     mean_first_token_s: float
     agreement: float
+    mean_accepted: float  # new tokens per target pass (nan where there are no passes)
     bytes_per_token: float  # flash bytes read per generated token
     effective_bandwidth: float  # flash bytes read / seconds of the request, bytes/s
 

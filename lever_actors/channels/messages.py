@@ -1,4 +1,5 @@
-"""Every message that crosses a channel between actors. Tensors ride in-process only."""
+"""Every message that crosses a channel between actors. Tensors ride in-process only;
+the trace codec (channels/trace.py) summarises them when messages are written out."""
 
 from __future__ import annotations
 
@@ -10,12 +11,32 @@ import msgspec
 class Message(msgspec.Struct, frozen=True, tag=True):
     """Shared tagged base: the tag names the type in traces."""
 
+    step: int  # the decoding step this message belongs to (-1 when it has none)
+
+
+class DraftRequest(Message, frozen=True):
+    """engine -> drafter: build the tree for this step from the committed context."""
+
+    max_nodes: int  # hard cap on draft nodes (not counting the committed chain)
+
+
+class DraftTree(Message, frozen=True):
+    """drafter -> verifier: committed tokens not yet in the target's cache, then draft nodes.
+
+    Nodes [0, n_committed) are a chain of committed tokens; the rest are proposals.
+    """
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+    n_committed: int
+    draft_probs: tuple[float, ...]  # per node: draft probability of its token (1.0 when committed)
+    draft_seconds: float
+
 
 class LayerWeights(Message, frozen=True):
-    """prefetcher -> verifier: one layer's tensors for pass `pass_index`, resident or in a slot."""
+    """prefetcher -> verifier: one layer's tensors for pass `step`, resident or in a slot."""
 
     layer: int
-    pass_index: int
     tensors: dict[str, Any]  # views into a ring slot: valid until that slot is released
     slot: int | None  # None for a resident layer, which needs no release
 
@@ -24,3 +45,73 @@ class SlotRelease(Message, frozen=True):
     """verifier -> prefetcher: the layer in this ring slot is done; the slot may be refilled."""
 
     slot: int
+
+
+class ExitProbe(Message, frozen=True):
+    """verifier -> pruner: hidden states of the live nodes at the exit layer."""
+
+    layer: int
+    nodes: tuple[int, ...]  # live node indices, in order
+    hidden: Any  # torch.Tensor [len(nodes), d_model]
+
+
+class PruneVerdict(Message, frozen=True):
+    """pruner -> verifier: nodes to drop; their descendants are dropped with them."""
+
+    dropped: tuple[int, ...]
+
+
+class FinalHidden(Message, frozen=True):
+    """verifier -> projector: last-layer hidden states of the nodes that survived pruning."""
+
+    tree: DraftTree
+    nodes: tuple[int, ...]  # live node indices, in order
+    hidden: Any  # torch.Tensor [len(nodes), d_model]
+    io_wait_seconds: float
+    verify_seconds: float
+
+
+class Verdict(Message, frozen=True):
+    """projector -> engine: the accepted path and the target's own next token."""
+
+    accepted: tuple[int, ...]  # node indices along the path, committed chain first
+    tokens: tuple[int, ...]  # new tokens: accepted draft tokens, then the bonus token
+    from_draft: tuple[bool, ...]  # per new token: was it proposed by the drafter
+    projected_nodes: int
+    project_seconds: float
+    io_wait_seconds: float
+    verify_seconds: float
+    draft_seconds: float
+    tree_nodes: int
+    live_nodes: int
+
+
+class Commit(Message, frozen=True):
+    """engine -> verifier, drafter: keep these tree nodes in the KV caches; `tokens` follow."""
+
+    accepted: tuple[int, ...]  # node indices of the step's tree to keep, in order
+    next_tokens: tuple[int, ...]  # committed tokens not in any cache yet (the bonus token)
+
+
+class TokenEvent(msgspec.Struct, frozen=True):
+    """engine -> user: one generated token."""
+
+    token: int
+    text: str  # the text this token completes (may be empty mid-character)
+    step: int
+    from_draft: bool
+    elapsed_seconds: float  # since the request started
+
+
+class StepStats(msgspec.Struct, frozen=True):
+    """engine -> user (in the result): what one step cost and achieved."""
+
+    step: int
+    tree_nodes: int
+    live_nodes: int  # after pruning
+    new_tokens: int
+    draft_seconds: float
+    io_wait_seconds: float
+    verify_seconds: float
+    project_seconds: float
+    step_seconds: float

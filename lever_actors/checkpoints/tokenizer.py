@@ -133,9 +133,9 @@ class Tokenizer:
         )
         bos_id = meta("tokenizer.ggml.bos_token_id")
         if meta("tokenizer.ggml.add_bos_token", False) and bos_id is not None:
-            bos = tokens[bos_id]
+            bos = tokens[bos_id]  # list-form templates, so a token with a space still parses
             backend.post_processor = processors.TemplateProcessing(
-                single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 $B:1", special_tokens=[(bos, bos_id)]
+                single=[bos, "$A"], pair=[bos, "$A", "$B:1"], special_tokens=[(bos, bos_id)]
             )
         eos_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
         eos_ids = [meta(f"tokenizer.ggml.{key}") for key in eos_keys]

@@ -39,6 +39,18 @@ def parse_bytes(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def resolve_budget(value: str | int, model_bytes: int) -> int:
+    """A budget as bytes: 'all', a percentage of the model ('25%'), or a size ('1.5GiB')."""
+    if value == "all":
+        return model_bytes
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            return int(model_bytes * float(value.strip()[:-1]) / 100)
+        except ValueError:
+            raise ConfigError(f"cannot read {value!r} as a percentage") from None
+    return parse_bytes(value)
+
+
 def format_bytes(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 

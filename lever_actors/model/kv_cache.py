@@ -26,14 +26,25 @@ class KVCache:
         self.length = 0
 
     def write(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        span: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: [n_kv_heads, n, hd] -> views of the whole context [n_kv_heads, length+n, hd]"""
-        end = self.length + k.shape[1]
+        """k, v: [n_kv_heads, n, hd] stored at pending `offsets` (default 0..n-1).
+        -> the context plus `span` pending slots (default n): [n_kv_heads, length+span, hd]"""
+        n = k.shape[1]
+        end = self.length + (span if span is not None else n)
         if end > self.capacity:
             raise ConfigError(f"KV cache full: {end} positions needed, capacity {self.capacity}")
-        self.keys[layer, :, self.length : end] = k
-        self.values[layer, :, self.length : end] = v
+        if offsets is None:
+            self.keys[layer, :, self.length : self.length + n] = k
+            self.values[layer, :, self.length : self.length + n] = v
+        else:
+            self.keys[layer, :, self.length + offsets] = k
+            self.values[layer, :, self.length + offsets] = v
         return self.keys[layer, :, :end], self.values[layer, :, :end]
 
     def commit(self, n: int) -> None:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from lever_actors.model.args import ModelArgs
 from lever_actors.model.kv_cache import KVCache
+from lever_actors.model.placement import Placement
 from lever_actors.model.rope import apply_rope
 from lever_actors.model.weights import LayerTensors
 
@@ -25,10 +26,9 @@ def attention(
     args: ModelArgs,
     cache: KVCache,
     layer: int,
-    rope: tuple[torch.Tensor, torch.Tensor],
-    mask: torch.Tensor | None,
+    place: Placement,
 ) -> torch.Tensor:
-    """x: [n, d_model] normed; mask: [n, context+n] bool (True = may attend) or None = all."""
+    """x: [n, d_model] normed -> [n, d_model]; k/v go into the cache where `place` says."""
     n = x.shape[0]
     q = F.linear(x, w["wq"], w.get("bq")).view(n, args.n_heads, args.head_dim).transpose(0, 1)
     k = F.linear(x, w["wk"], w.get("bk")).view(n, args.n_kv_heads, args.head_dim).transpose(0, 1)
@@ -36,12 +36,15 @@ def attention(
     if args.qk_norm:
         q = rms_norm(q, w["q_norm"], args.norm_eps)
         k = rms_norm(k, w["k_norm"], args.norm_eps)
-    cos, sin = rope
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    keys, values = cache.write(layer, k, v)
+    q, k = apply_rope(q, place.cos, place.sin), apply_rope(k, place.cos, place.sin)
+    keys, values = cache.write(layer, k, v, place.offsets, place.span)
     # q: [n_heads, n, hd]; keys/values: [n_kv_heads, context+n, hd]
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, enable_gqa=True
+        q.unsqueeze(0),
+        keys.unsqueeze(0),
+        values.unsqueeze(0),
+        attn_mask=place.mask,
+        enable_gqa=True,
     )
     return F.linear(out[0].transpose(0, 1).reshape(n, -1), w["wo"])
 
@@ -57,11 +60,10 @@ def layer_forward(
     args: ModelArgs,
     cache: KVCache,
     layer: int,
-    rope: tuple[torch.Tensor, torch.Tensor],
-    mask: torch.Tensor | None,
+    place: Placement,
 ) -> torch.Tensor:
     """x: [n, d_model] residual stream of the n pending tokens -> the same after this layer."""
-    x = x + attention(rms_norm(x, w["attn_norm"], args.norm_eps), w, args, cache, layer, rope, mask)
+    x = x + attention(rms_norm(x, w["attn_norm"], args.norm_eps), w, args, cache, layer, place)
     return x + feed_forward(rms_norm(x, w["ffn_norm"], args.norm_eps), w)
 
 

@@ -7,7 +7,7 @@ import torch
 from lever_actors.model.args import ModelArgs
 from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.layers import layer_forward, output_logits
-from lever_actors.model.masks import causal_mask
+from lever_actors.model.placement import Placement, chain_placement
 from lever_actors.model.rope import Rope
 from lever_actors.model.weights import ModelWeights
 
@@ -26,24 +26,17 @@ class Transformer:
 
     @torch.inference_mode()
     def forward(
-        self,
-        tokens: torch.Tensor,
-        cache: KVCache,
-        positions: torch.Tensor | None = None,
-        mask: torch.Tensor | None = None,
+        self, tokens: torch.Tensor, cache: KVCache, place: Placement | None = None
     ) -> torch.Tensor:
-        """tokens: [n] -> final hidden states [n, d_model]; leaves n pending positions in cache.
+        """tokens: [n] -> final hidden states [n, d_model], leaving n pending entries in cache.
 
-        Without `positions`/`mask` the tokens are a chain continuing the committed context.
+        Without `place` the tokens are a chain continuing the committed context.
         """
-        n = tokens.shape[0]
-        if positions is None:
-            positions = torch.arange(cache.length, cache.length + n)
-            mask = causal_mask(cache.length, n)
-        rope = self.rope.tables(positions, self.dtype)
+        if place is None:
+            place = chain_placement(self.rope, cache.length, tokens.shape[0], self.dtype)
         x = self.weights.embed[tokens]
         for i, layer in enumerate(self.weights.layers):
-            x = layer_forward(x, layer, self.args, cache, i, rope, mask)
+            x = layer_forward(x, layer, self.args, cache, i, place)
         return x
 
     @torch.inference_mode()

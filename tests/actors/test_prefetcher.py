@@ -38,14 +38,14 @@ async def test_slow_consumer_never_sees_more_slots_than_the_ring(layout, ring_sl
         async with layers_recv, release_send:
             for _ in range(3 * manifest.args.n_layers):
                 message = await layers_recv.receive()
-                received.append((message.pass_index, message.layer, message.slot))
+                received.append((message.step, message.layer, message.slot))
                 if message.slot is not None:
                     assert message.slot not in held  # a slot is never handed out twice
                     held.add(message.slot)
                     most_held = max(most_held, len(held))
                     await trio.sleep(0.01)  # slow consumer: the prefetcher must wait for slots
                     held.discard(message.slot)
-                    await release_send.send(SlotRelease(message.slot))
+                    await release_send.send(SlotRelease(step=message.step, slot=message.slot))
         # leaving the block closed our channel ends; the nursery only exits if the actor stopped
     expected = [(p, layer) for p in range(3) for layer in range(manifest.args.n_layers)]
     assert [(p, layer) for p, layer, _ in received] == expected

@@ -1,4 +1,5 @@
-"""Flash-offloaded greedy decoding equals the reference, under every kind of DRAM budget."""
+"""Flash-offloaded autoregressive decoding (the engine with no drafting) equals the
+reference greedy decoder under every kind of DRAM budget, and reads what it should."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import trio
 
 from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.hf import load_hf
+from lever_actors.config import EngineConfig
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import read_manifest
-from lever_actors.flash_ar import flash_greedy
+from lever_actors.engine import Engine
 from lever_actors.model.greedy import greedy_reference
 from lever_actors.model.transformer import Transformer
-from lever_actors.target import FlashTarget
 from tests.tiny_hf import save_tiny, tiny_model
 
 PROMPT = [3, 14, 15, 92, 65]
@@ -43,22 +44,29 @@ def budgets(layout: Path) -> dict[str, int]:
     }
 
 
-async def decode(target: FlashTarget) -> list[int]:
-    tokens: list[int] = []
-    await flash_greedy(target, PROMPT, NEW_TOKENS, tokens.append)
-    return tokens
+def flash_ar(layout: Path, budget: int) -> EngineConfig:
+    return EngineConfig(target=str(layout), dram_budget=budget, tree="none")
+
+
+async def decode(engine: Engine, n: int = NEW_TOKENS) -> list[int]:
+    return (await engine.generate(PROMPT, max_new_tokens=n)).tokens
 
 
 @pytest.mark.parametrize("budget", ["everything", "minimum", "mixed"])
 async def test_flash_decoding_equals_reference(source, budget):
     layout, expected = source
-    target = FlashTarget(layout, budgets(layout)[budget])
-    assert await decode(target) == expected
+    async with Engine.open(flash_ar(layout, budgets(layout)[budget])) as engine:
+        assert await decode(engine) == expected
 
 
 async def test_bytes_read_per_token_are_one_pass_of_streamed_layers(source):
     layout, _ = source
-    target = FlashTarget(layout, budgets(layout)["mixed"])
+    async with Engine.open(flash_ar(layout, budgets(layout)["mixed"])) as engine:
+        target = engine.target
+        await check_reads(engine, target)
+
+
+async def check_reads(engine, target):
     manifest, plan = target.manifest, target.plan
     reads: Counter[int] = Counter()
     read_extent = target.store.read_extent
@@ -70,7 +78,7 @@ async def test_bytes_read_per_token_are_one_pass_of_streamed_layers(source):
     target.store.read_extent = counting
     loaded = target.store.stats.bytes_read
     assert loaded == sum(manifest.extent(k).nbytes for k in plan.resident)
-    await decode(target)
+    await decode(engine)
     assert plan.streamed_layers == (1, 2, 3) and "layer.0" in plan.resident
     streamed = [f"layer.{i}" for i in plan.streamed_layers]
     assert set(reads) == set(streamed)  # resident layers were read once, at load, never again
@@ -86,24 +94,16 @@ async def test_bytes_read_per_token_are_one_pass_of_streamed_layers(source):
 
 async def test_everything_resident_reads_nothing_while_decoding(source):
     layout, _ = source
-    target = FlashTarget(layout, budgets(layout)["everything"])
-    loaded = target.store.stats.bytes_read
-    await decode(target)
-    assert target.store.stats.bytes_read == loaded == read_manifest(layout).file_bytes
+    async with Engine.open(flash_ar(layout, budgets(layout)["everything"])) as engine:
+        loaded = engine.target.store.stats.bytes_read
+        await decode(engine)
+        assert engine.target.store.stats.bytes_read == loaded == read_manifest(layout).file_bytes
 
 
-async def test_stop_token(source):
+async def test_cancelling_a_request_leaves_the_engine_serving(source):
     layout, expected = source
-    target = FlashTarget(layout, budgets(layout)["minimum"])
-    tokens: list[int] = []
-    await flash_greedy(target, PROMPT, NEW_TOKENS, tokens.append, frozenset({expected[3]}))
-    assert tokens == expected[: expected.index(expected[3]) + 1]
-
-
-async def test_cancelling_stops_prefetcher_and_threads(source):
-    layout, _ = source
-    target = FlashTarget(layout, budgets(layout)["minimum"])
-    with trio.move_on_after(0.05):
-        await flash_greedy(target, PROMPT, 10_000, lambda _: None)
-    # a fresh request still decodes correctly on the same target
-    assert len(await decode(target)) == NEW_TOKENS
+    async with Engine.open(flash_ar(layout, budgets(layout)["minimum"])) as engine:
+        with trio.move_on_after(0.05):
+            await decode(engine, 200)
+        assert await decode(engine) == expected
+        assert engine.npu.running == engine.cpu.running == 0

@@ -1,0 +1,153 @@
+"""The verifier actor: runs the flash-resident target over the whole tree, layer by layer."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import trio
+
+from lever_actors.actors.jitter import Jitter
+from lever_actors.channels.messages import (
+    Commit,
+    DraftTree,
+    ExitProbe,
+    FinalHidden,
+    LayerWeights,
+    PruneVerdict,
+    SlotRelease,
+)
+from lever_actors.device.units import ComputeUnit
+from lever_actors.model.layers import layer_forward
+from lever_actors.model.placement import tree_placement
+from lever_actors.model.tree import TokenTree
+from lever_actors.target import FlashTarget
+
+
+@dataclass
+class VerifierInbox:
+    trees: trio.MemoryReceiveChannel[DraftTree]
+    layers: trio.MemoryReceiveChannel[LayerWeights]
+    verdicts: trio.MemoryReceiveChannel[PruneVerdict]
+    commits: trio.MemoryReceiveChannel[Commit]
+
+
+@dataclass
+class VerifierOutbox:
+    releases: trio.MemorySendChannel[SlotRelease]
+    probes: trio.MemorySendChannel[ExitProbe]
+    finals: trio.MemorySendChannel[FinalHidden]
+
+
+class Verifier:
+    """One tree per step: each layer is applied to the live nodes as soon as it arrives and
+    its slot released at once. At the exit layer the pruner may drop nodes; they and their
+    descendants skip the remaining layers. The target's KV cache keeps the accepted path."""
+
+    def __init__(
+        self,
+        target: FlashTarget,
+        capacity: int,
+        exit_layer: int | None,
+        unit: ComputeUnit,
+        jitter: Jitter,
+    ) -> None:
+        self.target = target
+        self.capacity = capacity
+        self.exit_layer = exit_layer
+        self.unit = unit
+        self.jitter = jitter
+
+    async def run(
+        self,
+        inbox: VerifierInbox,
+        outbox: VerifierOutbox,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        async with inbox.trees, inbox.layers, inbox.verdicts, inbox.commits:
+            async with outbox.releases, outbox.probes, outbox.finals:
+                cache = self.target.new_cache(self.capacity)
+                task_status.started()
+                async for message in inbox.trees:
+                    await self.jitter()
+                    final = await self._verify(message, cache, inbox, outbox)
+                    await outbox.finals.send(final)
+                    try:
+                        commit = await inbox.commits.receive()
+                    except trio.EndOfChannel:
+                        return
+                    cache.keep(list(commit.accepted))
+
+    async def _verify(
+        self, message: DraftTree, cache, inbox: VerifierInbox, outbox: VerifierOutbox
+    ):
+        target = self.target
+        tree = TokenTree(message.tokens, message.parents)
+        place = tree_placement(target.rope, cache.length, tree, target.dtype)
+        x = await self.unit.run(target.embed, list(tree.tokens))  # [n, d_model]
+        live = list(range(len(tree)))
+        io_wait = compute = 0.0
+        for layer in range(target.args.n_layers):
+            waited = time.perf_counter()
+            weights = await inbox.layers.receive()
+            started = time.perf_counter()
+            if (weights.step, weights.layer) != (message.step, layer):
+                raise RuntimeError(
+                    f"verifier expected layer {layer} of step {message.step}, got layer "
+                    f"{weights.layer} of step {weights.step}"
+                )
+            index = torch.tensor(live)
+            x = await self.unit.run(
+                _apply_layer,
+                x,
+                index,
+                weights.tensors,
+                target.args,
+                cache,
+                layer,
+                place.rows(index),
+            )
+            io_wait += started - waited
+            compute += time.perf_counter() - started
+            if weights.slot is not None:
+                await outbox.releases.send(SlotRelease(step=message.step, slot=weights.slot))
+            if layer == self.exit_layer and len(tree) > message.n_committed:
+                live = await self._prune(message, tree, live, x, layer, inbox, outbox)
+        return FinalHidden(
+            step=message.step,
+            tree=message,
+            nodes=tuple(live),
+            hidden=x[live],
+            io_wait_seconds=io_wait,
+            verify_seconds=compute,
+        )
+
+    async def _prune(
+        self,
+        message: DraftTree,
+        tree: TokenTree,
+        live: list[int],
+        x: torch.Tensor,
+        layer: int,
+        inbox: VerifierInbox,
+        outbox: VerifierOutbox,
+    ) -> list[int]:
+        await outbox.probes.send(
+            ExitProbe(step=message.step, layer=layer, nodes=tuple(live), hidden=x[live])
+        )
+        verdict = await inbox.verdicts.receive()
+        # committed tokens are never dropped: their KV entries must reach the cache
+        dropped = [n for n in verdict.dropped if n >= message.n_committed]
+        alive = tree.without(dropped)
+        return [n for n in live if alive[n]]
+
+
+def _apply_layer(x, index, weights, args, cache, layer, place) -> torch.Tensor:
+    """x: [n, d_model] for the whole tree; only rows `index` advance through this layer."""
+    if len(index) == x.shape[0]:
+        return layer_forward(x, weights, args, cache, layer, place)
+    out = x.clone()
+    out[index] = layer_forward(x[index], weights, args, cache, layer, place)
+    return out

@@ -1,0 +1,41 @@
+"""Bounded, typed channels between actors, opened by name, with statistics and tracing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import trio
+
+from lever_actors.channels.trace import Tracer
+
+T = TypeVar("T")
+
+
+@dataclass
+class Channel(Generic[T]):
+    name: str
+    message_type: type
+    send: Any  # trio.MemorySendChannel[T], or a tracing wrapper with the same methods
+    receive: trio.MemoryReceiveChannel[T]
+
+
+class ChannelSet:
+    """Every channel of one request. Capacities are always explicit: nothing is unbounded."""
+
+    def __init__(self, trace_path: str | None = None) -> None:
+        self.channels: dict[str, Channel] = {}
+        self.tracer = Tracer(trace_path) if trace_path else None
+
+    def open(self, name: str, message_type: type, capacity: int) -> Channel:
+        if capacity < 1:
+            raise ValueError(f"channel {name} needs a capacity of at least 1, got {capacity}")
+        send, receive = trio.open_memory_channel[message_type](capacity)
+        if self.tracer is not None:
+            send = self.tracer.wrap(name, send)
+        channel = Channel(name, message_type, send, receive)
+        self.channels[name] = channel
+        return channel
+
+    def statistics(self) -> dict[str, trio.MemoryChannelStatistics]:
+        return {name: c.receive.statistics() for name, c in self.channels.items()}

@@ -1,0 +1,105 @@
+"""The trace codec: every message sent, one JSON record per line, tensors summarised.
+
+Records decode back into typed `TraceRecord`s whose `message` is the original Struct type,
+with each tensor field replaced by a `TensorSummary`-shaped dict.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from lever_actors.channels.messages import (
+    Commit,
+    DraftRequest,
+    DraftTree,
+    ExitProbe,
+    FinalHidden,
+    LayerWeights,
+    PruneVerdict,
+    SlotRelease,
+    Verdict,
+)
+
+AnyMessage = (
+    DraftRequest
+    | DraftTree
+    | LayerWeights
+    | SlotRelease
+    | ExitProbe
+    | PruneVerdict
+    | FinalHidden
+    | Verdict
+    | Commit
+)
+
+
+class TensorSummary(msgspec.Struct, frozen=True):
+    shape: list[int]
+    dtype: str
+
+
+class TraceRecord(msgspec.Struct, frozen=True):
+    seconds: float  # since the tracer opened
+    channel: str
+    message: AnyMessage
+
+
+def _summarise(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+    raise NotImplementedError(f"cannot trace a {type(value).__name__}")
+
+
+class Tracer:
+    def __init__(self, path: str | Path) -> None:
+        self.file = open(path, "ab")  # noqa: SIM115 - closed with the last traced channel
+        self.encoder = msgspec.json.Encoder(enc_hook=_summarise)
+        self.started = time.perf_counter()
+        self.open_channels = 0
+
+    def wrap(self, name: str, send) -> _TracedSend:
+        self.open_channels += 1
+        return _TracedSend(self, name, send)
+
+    def record(self, channel: str, message: Any) -> None:
+        record = TraceRecord(time.perf_counter() - self.started, channel, message)
+        self.file.write(self.encoder.encode(record) + b"\n")
+
+    def channel_closed(self) -> None:
+        self.open_channels -= 1
+        if self.open_channels == 0:
+            self.file.close()
+
+
+class _TracedSend:
+    """A send channel end that records each message before sending it."""
+
+    def __init__(self, tracer: Tracer, name: str, inner) -> None:
+        self.tracer, self.name, self.inner = tracer, name, inner
+        self.closed = False
+
+    async def send(self, message: Any) -> None:
+        self.tracer.record(self.name, message)
+        await self.inner.send(message)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+        if not self.closed:
+            self.closed = True
+            self.tracer.channel_closed()
+
+    async def __aenter__(self) -> _TracedSend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def read_trace(path: str | Path) -> list[TraceRecord]:
+    decoder = msgspec.json.Decoder(TraceRecord)
+    return [decoder.decode(line) for line in Path(path).read_bytes().splitlines() if line]

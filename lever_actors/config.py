@@ -1,0 +1,99 @@
+"""Engine configuration: msgspec Structs, validated once when the engine opens."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import msgspec
+
+from lever_actors.errors import ConfigError
+
+
+class TreeSpec(msgspec.Struct, frozen=True):
+    """Shape policy of the draft tree.
+
+    none: no drafting (autoregressive); chain: k greedy tokens; static: at depth d every node
+    takes its top widths[d] children (SpecInfer/Sequoia style).
+    """
+
+    kind: Literal["none", "chain", "static"]
+    widths: tuple[int, ...] = ()  # chain: (1,)*k
+
+    @classmethod
+    def parse(cls, text: str) -> TreeSpec:
+        """'none', 'chain:4' or 'static:3,2,1'."""
+        if text == "none":
+            return cls("none")
+        match = re.fullmatch(r"(chain|static):(\d+(?:,\d+)*)", text.strip())
+        if not match:
+            raise ConfigError(f"cannot read tree {text!r}; use none, chain:K or static:W1,W2,...")
+        numbers = tuple(int(n) for n in match.group(2).split(","))
+        if any(n < 1 for n in numbers):
+            raise ConfigError(f"tree {text!r}: every size must be at least 1")
+        if match.group(1) == "chain":
+            if len(numbers) != 1:
+                raise ConfigError(f"tree {text!r}: chain takes one length, e.g. chain:4")
+            return cls("chain", (1,) * numbers[0])
+        return cls("static", numbers)
+
+    @property
+    def max_nodes(self) -> int:
+        total, level = 0, 1
+        for width in self.widths:
+            level *= width
+            total += level
+        return total
+
+    def __str__(self) -> str:
+        if self.kind == "none":
+            return "none"
+        if self.kind == "chain":
+            return f"chain:{len(self.widths)}"
+        return "static:" + ",".join(map(str, self.widths))
+
+
+class ChannelSizes(msgspec.Struct, frozen=True):
+    """Capacity of every bounded channel between actors."""
+
+    requests: int = 1
+    trees: int = 1
+    probes: int = 1
+    verdicts: int = 1
+    finals: int = 1
+    commits: int = 1
+    results: int = 1
+    events: int = 64  # tokens buffered for a slow consumer of stream()
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    target: str  # flash layout directory
+    draft: str | None = None  # HF directory, GGUF file or flash layout; held whole in DRAM
+    dram_budget: str | int = "all"  # target weights in DRAM: bytes, "1.5GiB", or "all"
+    ring_slots: int = 2
+    tree: str = "chain:4"
+    draft_dtype: str = "float32"
+    throttle: str = "none"
+    verify_checksums: bool = False
+    channels: ChannelSizes = ChannelSizes()
+    jitter_seconds: float = 0.0  # random sleeps between actor steps, for scheduling fuzz tests
+    seed: int = 0
+    trace: str | None = None  # write every message to this file
+
+    def tree_spec(self) -> TreeSpec:
+        return TreeSpec.parse(self.tree)
+
+    def validate(self) -> None:
+        """Raise ConfigError for any value that cannot work, before anything is loaded."""
+        self.tree_spec()  # raises on a malformed tree
+        if self.ring_slots < 2:
+            raise ConfigError(f"ring_slots must be at least 2, got {self.ring_slots}")
+        if self.draft_dtype not in ("float32", "bfloat16", "float64"):
+            raise ConfigError(
+                f"draft_dtype must be float32, bfloat16 or float64, got {self.draft_dtype!r}"
+            )
+        for name in ChannelSizes.__struct_fields__:
+            if getattr(self.channels, name) < 1:
+                raise ConfigError(f"channel {name} needs capacity >= 1")
+        if self.jitter_seconds < 0:
+            raise ConfigError("jitter_seconds must be >= 0")

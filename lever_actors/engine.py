@@ -1,0 +1,348 @@
+"""The engine: loads the models once, then serves requests by wiring the five actors.
+
+Each request runs its actors in a nursery of its own, inside the engine's nursery, so that
+a request that ends early (break, cancellation, an error) takes all its actors and
+channels with it and the next request starts clean. Requests are served one at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import torch
+import trio
+
+from lever_actors.actors.drafter import Drafter, DrafterInbox
+from lever_actors.actors.jitter import Jitter
+from lever_actors.actors.projector import Projector
+from lever_actors.actors.pruner import Pruner, keep_everything
+from lever_actors.actors.verifier import Verifier, VerifierInbox, VerifierOutbox
+from lever_actors.channels.bounded import ChannelSet
+from lever_actors.channels.messages import (
+    Commit,
+    DraftRequest,
+    DraftTree,
+    ExitProbe,
+    FinalHidden,
+    LayerWeights,
+    PruneVerdict,
+    SlotRelease,
+    StepStats,
+    TokenEvent,
+    Verdict,
+)
+from lever_actors.checkpoints import load_checkpoint
+from lever_actors.checkpoints.tokenizer import Tokenizer
+from lever_actors.config import EngineConfig
+from lever_actors.device.units import ComputeUnit
+from lever_actors.errors import ConfigError
+from lever_actors.model.transformer import Transformer
+from lever_actors.target import FlashTarget
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+class GenerationResult(msgspec.Struct, frozen=True):
+    tokens: list[int]
+    text: str
+    steps: list[StepStats]
+    prefill_seconds: float  # request start to the first token
+    decode_seconds: float  # first token to last token
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        n = len(self.tokens) - 1
+        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else float("nan")
+
+    @property
+    def mean_accepted(self) -> float:
+        """New tokens per step (accepted draft tokens + the bonus token)."""
+        return sum(s.new_tokens for s in self.steps) / max(len(self.steps), 1)
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    max_new_tokens: int
+    stop: tuple[str, ...]
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    error: BaseException | None = None
+    steps: list[StepStats] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        target: FlashTarget,
+        draft: DraftModel | None,
+        nursery: trio.Nursery,
+    ) -> None:
+        self.config = config
+        self.target = target
+        self.tokenizer: Tokenizer | None = target.tokenizer
+        self.spec = config.tree_spec()
+        drafting = self.spec.kind != "none"
+        self.draft = draft.model if draft is not None and drafting else None
+        self.npu = ComputeUnit("npu")
+        self.cpu = ComputeUnit("cpu")
+        self._nursery = nursery
+        self._one_at_a_time = trio.Lock()
+        self.channels: ChannelSet | None = None  # those of the latest request, for statistics
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls, config: EngineConfig, *, draft: DraftModel | None = None
+    ) -> AsyncIterator[Engine]:
+        """Validate the config, load both models, and serve requests until the block ends.
+
+        `draft` may pass an already loaded draft model (engines can share one); otherwise
+        it is loaded from `config.draft`.
+        """
+        config.validate()
+        if config.tree_spec().kind != "none" and draft is None and config.draft is None:
+            raise ConfigError(f"tree {config.tree!r} needs a draft model; set draft")
+        target = await trio.to_thread.run_sync(_open_target, config)
+        try:
+            if draft is None:
+                draft = await trio.to_thread.run_sync(_load_draft, config)
+            _check_same_vocabulary(target, draft)
+            async with trio.open_nursery() as nursery:
+                yield cls(config, target, draft, nursery)
+                nursery.cancel_scope.cancel()
+        finally:
+            target.close()
+
+    async def generate(
+        self, prompt: str | Sequence[int], *, max_new_tokens: int, stop: Sequence[str] = ()
+    ) -> GenerationResult:
+        """Run one request to the end; the result carries per-step statistics."""
+        events: list[TokenEvent] = []
+        request = self._request(prompt, max_new_tokens, stop)
+        async for event in self._events(request):
+            events.append(event)
+        first = events[0].elapsed_seconds if events else 0.0
+        last = events[-1].elapsed_seconds if events else 0.0
+        return GenerationResult(
+            tokens=[e.token for e in events],
+            text="".join(e.text for e in events),
+            steps=request.steps,
+            prefill_seconds=first,
+            decode_seconds=last - first,
+        )
+
+    async def stream(
+        self, prompt: str | Sequence[int], *, max_new_tokens: int, stop: Sequence[str] = ()
+    ) -> AsyncIterator[TokenEvent]:
+        """Yield each token as it is accepted. Leaving the loop early cancels the request."""
+        async for event in self._events(self._request(prompt, max_new_tokens, stop)):
+            yield event
+
+    def _request(
+        self, prompt: str | Sequence[int], max_new_tokens: int, stop: Sequence[str]
+    ) -> _Request:
+        """Check everything about a request before any work starts."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError("this target has no tokenizer: pass the prompt as token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ConfigError("the prompt is empty")
+        vocab = self.target.args.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ConfigError(f"prompt token ids must be in [0, {vocab})")
+        if max_new_tokens <= 0:
+            raise ConfigError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        limit = self.target.args.max_seq_len
+        if len(ids) + max_new_tokens > limit:
+            raise ConfigError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"model's context of {limit} tokens"
+            )
+        return _Request(ids, max_new_tokens, tuple(stop))
+
+    async def _events(self, request: _Request) -> AsyncIterator[TokenEvent]:
+        send, receive = trio.open_memory_channel[TokenEvent](self.config.channels.events)
+        self._nursery.start_soon(self._serve, request, send)
+        try:
+            async with receive:
+                async for event in receive:
+                    yield event
+        finally:
+            request.scope.cancel()  # a consumer that stopped early ends the request
+        if request.error is not None:
+            raise request.error
+
+    async def _serve(self, request: _Request, events: trio.MemorySendChannel[TokenEvent]) -> None:
+        async with events, self._one_at_a_time:
+            with request.scope:
+                try:
+                    await self._run_actors(request, events)
+                except Exception as error:  # handed to the consumer, who raises it
+                    request.error = _original(error)
+
+    async def _run_actors(
+        self, request: _Request, events: trio.MemorySendChannel[TokenEvent]
+    ) -> None:
+        config, target = self.config, self.target
+        sizes = config.channels
+        ch = self.channels = ChannelSet(config.trace)
+        requests = ch.open("requests", DraftRequest, sizes.requests)
+        trees = ch.open("trees", DraftTree, sizes.trees)
+        layers = ch.open("layers", LayerWeights, max(target.plan.ring_slots, 1))
+        releases = ch.open("releases", SlotRelease, max(target.plan.ring_slots, 1))
+        probes = ch.open("probes", ExitProbe, sizes.probes)
+        verdicts = ch.open("verdicts", PruneVerdict, sizes.verdicts)
+        finals = ch.open("finals", FinalHidden, sizes.finals)
+        results = ch.open("results", Verdict, sizes.results)
+        draft_commits = ch.open("draft_commits", Commit, sizes.commits)
+        verify_commits = ch.open("verify_commits", Commit, sizes.commits)
+
+        capacity = len(request.prompt) + request.max_new_tokens + self.spec.max_nodes + 2
+        jitter = _jitters(config)
+        exit_layer = target.args.n_layers // 2
+        drafter = Drafter(self.draft, self.spec, request.prompt, capacity, self.npu, next(jitter))
+        verifier = Verifier(target, capacity, exit_layer, self.npu, next(jitter))
+        pruner = Pruner(keep_everything, self.cpu, next(jitter))
+        projector = Projector(
+            target.final_norm, target.lm_head, target.args.norm_eps, self.cpu, next(jitter)
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(target.prefetcher().run, releases.receive, layers.send)
+            await nursery.start(
+                drafter.run, DrafterInbox(requests.receive, draft_commits.receive), trees.send
+            )
+            await nursery.start(
+                verifier.run,
+                VerifierInbox(
+                    trees.receive, layers.receive, verdicts.receive, verify_commits.receive
+                ),
+                VerifierOutbox(releases.send, probes.send, finals.send),
+            )
+            await nursery.start(pruner.run, probes.receive, verdicts.send)
+            await nursery.start(projector.run, finals.receive, results.send)
+            async with requests.send, draft_commits.send, verify_commits.send, results.receive:
+                await self._steps(
+                    request,
+                    events,
+                    requests.send,
+                    results.receive,
+                    (draft_commits.send, verify_commits.send),
+                )
+
+    async def _steps(self, request, events, requests, results, commits) -> None:
+        """The engine's own loop: ask for a tree, take the verdict, emit, commit."""
+        started = time.perf_counter()
+        decoder = self.tokenizer.stream_decoder() if self.tokenizer else None
+        stop_ids = self.tokenizer.eos_ids if self.tokenizer else frozenset()
+        text = ""
+        generated = 0
+        for step in range(request.max_new_tokens):
+            step_started = time.perf_counter()
+            await requests.send(DraftRequest(step=step, max_nodes=self.spec.max_nodes))
+            verdict: Verdict = await results.receive()
+            finished = False
+            for token, from_draft in zip(verdict.tokens, verdict.from_draft, strict=True):
+                delta = decoder.push(token) if decoder else ""
+                text += delta
+                generated += 1
+                await events.send(
+                    TokenEvent(
+                        token=token,
+                        text=delta,
+                        step=step,
+                        from_draft=from_draft,
+                        elapsed_seconds=time.perf_counter() - started,
+                    )
+                )
+                finished = (
+                    generated >= request.max_new_tokens
+                    or token in stop_ids
+                    or any(s in text for s in request.stop)
+                )
+                if finished:
+                    break
+            request.steps.append(
+                StepStats(
+                    step=step,
+                    tree_nodes=verdict.tree_nodes,
+                    live_nodes=verdict.live_nodes,
+                    new_tokens=len(verdict.tokens),
+                    draft_seconds=verdict.draft_seconds,
+                    io_wait_seconds=verdict.io_wait_seconds,
+                    verify_seconds=verdict.verify_seconds,
+                    project_seconds=verdict.project_seconds,
+                    step_seconds=time.perf_counter() - step_started,
+                )
+            )
+            if finished:
+                return
+            commit = Commit(step=step, accepted=verdict.accepted, next_tokens=verdict.tokens[-1:])
+            for channel in commits:
+                await channel.send(commit)
+
+
+def _original(error: BaseException) -> BaseException:
+    """The exception an actor raised, out of the groups the nurseries wrapped it in."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
+def _jitters(config: EngineConfig):
+    seed = config.seed
+    while True:
+        seed += 1
+        yield Jitter(config.jitter_seconds, seed)
+
+
+def _open_target(config: EngineConfig) -> FlashTarget:
+    return FlashTarget(
+        Path(config.target),
+        config.dram_budget,
+        ring_slots=config.ring_slots,
+        throttle=config.throttle,
+        verify=config.verify_checksums,
+    )
+
+
+@dataclass
+class DraftModel:
+    """The draft, held whole in DRAM; several engines may share one."""
+
+    model: Transformer
+    tokenizer: Tokenizer | None
+    source: str
+
+
+def load_draft(path: str, dtype: str) -> DraftModel:
+    """From an HF directory, a GGUF file or a flash layout."""
+    draft = load_checkpoint(path, DTYPES[dtype])
+    return DraftModel(Transformer(draft.args, draft.weights), draft.tokenizer, path)
+
+
+def _load_draft(config: EngineConfig) -> DraftModel | None:
+    if config.tree_spec().kind == "none" or config.draft is None:
+        return None
+    return load_draft(config.draft, config.draft_dtype)
+
+
+def _check_same_vocabulary(target: FlashTarget, draft: DraftModel | None) -> None:
+    if draft is None:
+        return
+    if draft.model.args.vocab_size != target.args.vocab_size:
+        raise ConfigError(
+            f"draft {draft.source} has a vocabulary of {draft.model.args.vocab_size} tokens, "
+            f"the target {target.args.vocab_size}: speculative decoding needs the same vocabulary"
+        )
+    ours, theirs = target.tokenizer, draft.tokenizer
+    if ours and theirs and ours.backend.get_vocab() != theirs.backend.get_vocab():
+        raise ConfigError(f"draft {draft.source} and the target use different tokenizers")

@@ -1,0 +1,46 @@
+"""Where a block of pending tokens sits: rotary tables, attention mask, cache offsets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lever_actors.model.masks import causal_mask
+from lever_actors.model.rope import Rope
+from lever_actors.model.tree import TokenTree
+
+
+@dataclass(frozen=True)
+class Placement:
+    """For n tokens written into a KV cache's pending block.
+
+    offsets: [n] each token's slot in the pending block (None: 0..n-1).
+    span: how much of the pending block attention sees (None: n).
+    mask: [n, context+span] bool, True = may attend (None: everything).
+    """
+
+    cos: torch.Tensor  # [n, head_dim]
+    sin: torch.Tensor  # [n, head_dim]
+    mask: torch.Tensor | None
+    offsets: torch.Tensor | None = None
+    span: int | None = None
+
+    def rows(self, index: torch.Tensor) -> Placement:
+        """The placement of a subset of the tokens (e.g. the nodes a pruner kept)."""
+        offsets = self.offsets[index] if self.offsets is not None else index
+        span = self.span if self.span is not None else self.cos.shape[0]
+        mask = self.mask[index] if self.mask is not None else None
+        return Placement(self.cos[index], self.sin[index], mask, offsets, span)
+
+
+def chain_placement(rope: Rope, context: int, n: int, dtype: torch.dtype) -> Placement:
+    """n tokens continuing the committed context, each seeing the ones before it."""
+    cos, sin = rope.tables(torch.arange(context, context + n), dtype)
+    return Placement(cos, sin, causal_mask(context, n))
+
+
+def tree_placement(rope: Rope, context: int, tree: TokenTree, dtype: torch.dtype) -> Placement:
+    """A whole tree at pending offsets 0..n-1; a node sees the context and its ancestors."""
+    cos, sin = rope.tables(tree.positions(context), dtype)
+    return Placement(cos, sin, tree.attention_mask(context))
