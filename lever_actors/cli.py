@@ -42,31 +42,31 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    gen = sub.add_parser("generate", help="stream greedy text from a model")
+    gen = sub.add_parser(
+        "generate",
+        help="stream greedy text: the pipeline (default: the real pair) or a model in DRAM",
+    )
+    gen.add_argument("--target", type=Path, help="flash layout of the target (from `convert`)")
+    gen.add_argument("--draft", type=Path, help="draft model: HF dir, GGUF file or flash layout")
+    gen.add_argument("--tree", help="none, chain:K or static:W1,W2,... (default: chain:4)")
+    gen.add_argument(
+        "--dram-budget",
+        help="target weights held in DRAM: 25%%, 1.5GiB or all (default: 25%% for the real "
+        "pair, else all)",
+    )
+    gen.add_argument("--throttle", default="none", help="flash profile: none, ufs3.1, ufs4.0")
+    gen.add_argument("--verify", action="store_true", help="check tensor checksums as they load")
+    gen.add_argument("--trace", type=Path, help="write every message between actors to FILE")
     gen.add_argument(
         "--model",
         type=Path,
-        default=None,
-        help="HF directory or GGUF file (default: the real 1.5B target, fetched on first use)",
+        help="instead of the pipeline: HF dir, GGUF or flash layout held whole in DRAM",
     )
     gen.add_argument(
-        "--target",
-        type=Path,
-        default=None,
-        help="flash layout directory (from `convert`): stream the target's layers from flash",
+        "--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype with --model"
     )
-    gen.add_argument(
-        "--dram-budget",
-        default=None,
-        help="bytes of target weights held in DRAM with --target, e.g. 1.5GiB (default: all)",
-    )
-    gen.add_argument(
-        "--throttle", default="none", help="flash bandwidth profile: none, ufs3.1, ufs4.0"
-    )
-    gen.add_argument("--verify", action="store_true", help="check tensor checksums as they load")
     gen.add_argument("--prompt", default=DEFAULT_PROMPT)
     gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     gen.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
     gen.set_defaults(command=_generate)
 
