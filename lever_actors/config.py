@@ -9,25 +9,38 @@ import msgspec
 
 from lever_actors.errors import ConfigError
 
+DEFAULT_GAINCOST_CAP = 64
+EARLY_EXIT = ("off", "none", "lens", "trained", "auto")
+
 
 class TreeSpec(msgspec.Struct, frozen=True):
     """Shape policy of the draft tree.
 
     none: no drafting (autoregressive); chain: k greedy tokens; static: at depth d every node
-    takes its top widths[d] children (SpecInfer/Sequoia style).
+    takes its top widths[d] children (SpecInfer/Sequoia style); gaincost: Lever's best-first
+    tree sized by expected tokens per second of predicted step time, up to `cap` nodes.
     """
 
-    kind: Literal["none", "chain", "static"]
+    kind: Literal["none", "chain", "static", "gaincost"]
     widths: tuple[int, ...] = ()  # chain: (1,)*k
+    cap: int = 0  # gaincost: most draft nodes
 
     @classmethod
     def parse(cls, text: str) -> TreeSpec:
-        """'none', 'chain:4' or 'static:3,2,1'."""
+        """'none', 'chain:4', 'static:3,2,1', 'gaincost' or 'gaincost:CAP'."""
         if text == "none":
             return cls("none")
+        gaincost = re.fullmatch(r"gaincost(?::(\d+))?", text.strip())
+        if gaincost:
+            cap = int(gaincost.group(1) or DEFAULT_GAINCOST_CAP)
+            if cap < 1:
+                raise ConfigError(f"tree {text!r}: the cap must be at least 1")
+            return cls("gaincost", cap=cap)
         match = re.fullmatch(r"(chain|static):(\d+(?:,\d+)*)", text.strip())
         if not match:
-            raise ConfigError(f"cannot read tree {text!r}; use none, chain:K or static:W1,W2,...")
+            raise ConfigError(
+                f"cannot read tree {text!r}; use none, chain:K, static:W1,W2,... or gaincost[:CAP]"
+            )
         numbers = tuple(int(n) for n in match.group(2).split(","))
         if any(n < 1 for n in numbers):
             raise ConfigError(f"tree {text!r}: every size must be at least 1")
@@ -39,6 +52,8 @@ class TreeSpec(msgspec.Struct, frozen=True):
 
     @property
     def max_nodes(self) -> int:
+        if self.kind == "gaincost":
+            return self.cap
         total, level = 0, 1
         for width in self.widths:
             level *= width
@@ -50,6 +65,8 @@ class TreeSpec(msgspec.Struct, frozen=True):
             return "none"
         if self.kind == "chain":
             return f"chain:{len(self.widths)}"
+        if self.kind == "gaincost":
+            return f"gaincost:{self.cap}"
         return "static:" + ",".join(map(str, self.widths))
 
 
@@ -71,7 +88,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     draft: str | None = None  # HF directory, GGUF file or flash layout; held whole in DRAM
     dram_budget: str | int = "all"  # target weights in DRAM: bytes, "1.5GiB", or "all"
     ring_slots: int = 2
-    tree: str = "chain:4"
+    tree: str = "gaincost"  # none, chain:K, static:W1,W2,... or gaincost[:CAP]
+    early_exit: str = "auto"  # off, none (keep all), lens, trained, auto (trained if saved)
+    exit_layer: int | None = None  # default: the middle layer
+    prune_threshold: float = 0.02  # drop a child scoring below this within its candidate set
+    audit_every: int = 10  # every n-th step runs pruned nodes anyway, to count false prunes
+    projection: str = "on_demand"  # on_demand (cpu unit, accepted path) or eager (npu, all)
     draft_dtype: str = "float32"
     throttle: str = "none"
     verify_checksums: bool = False
@@ -95,5 +117,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         for name in ChannelSizes.__struct_fields__:
             if getattr(self.channels, name) < 1:
                 raise ConfigError(f"channel {name} needs capacity >= 1")
+        if self.early_exit not in EARLY_EXIT:
+            raise ConfigError(f"early_exit must be one of {', '.join(EARLY_EXIT)}")
+        if self.projection not in ("on_demand", "eager"):
+            raise ConfigError("projection must be on_demand or eager")
+        if not 0 <= self.prune_threshold < 1:
+            raise ConfigError("prune_threshold must be in [0, 1)")
+        if self.audit_every < 0:
+            raise ConfigError("audit_every must be >= 0 (0: never)")
         if self.jitter_seconds < 0:
             raise ConfigError("jitter_seconds must be >= 0")

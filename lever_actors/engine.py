@@ -8,7 +8,7 @@ channels with it and the next request starts clean. Requests are served one at a
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,10 +17,10 @@ import msgspec
 import torch
 import trio
 
-from lever_actors.actors.drafter import Drafter, DrafterInbox
+from lever_actors.actors.drafter import Drafter, DrafterInbox, DraftPolicy
 from lever_actors.actors.jitter import Jitter
 from lever_actors.actors.projector import Projector
-from lever_actors.actors.pruner import Pruner, keep_everything
+from lever_actors.actors.pruner import Pruner
 from lever_actors.actors.verifier import Verifier, VerifierInbox, VerifierOutbox
 from lever_actors.channels.bounded import ChannelSet
 from lever_actors.channels.messages import (
@@ -42,6 +42,7 @@ from lever_actors.config import EngineConfig
 from lever_actors.device.units import ComputeUnit
 from lever_actors.errors import ConfigError
 from lever_actors.model.transformer import Transformer
+from lever_actors.policy.setup import Policies, build_policies
 from lever_actors.target import FlashTarget
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -80,15 +81,16 @@ class Engine:
         self,
         config: EngineConfig,
         target: FlashTarget,
-        draft: DraftModel | None,
+        draft: Transformer | None,
+        policies: Policies,
         nursery: trio.Nursery,
     ) -> None:
         self.config = config
         self.target = target
         self.tokenizer: Tokenizer | None = target.tokenizer
-        self.spec = config.tree_spec()
-        drafting = self.spec.kind != "none"
-        self.draft = draft.model if draft is not None and drafting else None
+        self.draft = draft
+        self.policies = policies
+        self.spec = policies.spec
         self.npu = ComputeUnit("npu")
         self.cpu = ComputeUnit("cpu")
         self._nursery = nursery
@@ -98,12 +100,17 @@ class Engine:
     @classmethod
     @asynccontextmanager
     async def open(
-        cls, config: EngineConfig, *, draft: DraftModel | None = None
+        cls,
+        config: EngineConfig,
+        *,
+        draft: DraftModel | None = None,
+        progress: Callable[[int, int, str], None] | None = None,
     ) -> AsyncIterator[Engine]:
         """Validate the config, load both models, and serve requests until the block ends.
 
         `draft` may pass an already loaded draft model (engines can share one); otherwise
-        it is loaded from `config.draft`.
+        it is loaded from `config.draft`. `progress(done, total, label)` hears about the
+        start-up profiling of the gain-cost tree.
         """
         config.validate()
         if config.tree_spec().kind != "none" and draft is None and config.draft is None:
@@ -113,9 +120,16 @@ class Engine:
             if draft is None:
                 draft = await trio.to_thread.run_sync(_load_draft, config)
             _check_same_vocabulary(target, draft)
-            async with trio.open_nursery() as nursery:
-                yield cls(config, target, draft, nursery)
-                nursery.cancel_scope.cancel()
+            model = draft.model if draft is not None and config.tree != "none" else None
+            policies = await trio.to_thread.run_sync(
+                build_policies, config, target, model, progress
+            )
+            try:
+                async with trio.open_nursery() as nursery:
+                    yield cls(config, target, model, policies, nursery)
+                    nursery.cancel_scope.cancel()  # requests still running end with the block
+            except BaseExceptionGroup as group:
+                raise _original(group) from None
         finally:
             target.close()
 
@@ -208,12 +222,22 @@ class Engine:
 
         capacity = len(request.prompt) + request.max_new_tokens + self.spec.max_nodes + 2
         jitter = _jitters(config)
-        exit_layer = target.args.n_layers // 2
-        drafter = Drafter(self.draft, self.spec, request.prompt, capacity, self.npu, next(jitter))
-        verifier = Verifier(target, capacity, exit_layer, self.npu, next(jitter))
-        pruner = Pruner(keep_everything, self.cpu, next(jitter))
+        p = self.policies
+        draft_policy = DraftPolicy(p.spec, p.cost, p.calibrator)
+        drafter = Drafter(
+            self.draft, draft_policy, request.prompt, capacity, (self.cpu, self.npu), next(jitter)
+        )
+        verifier = Verifier(
+            target, capacity, p.exit_layer, self.npu, next(jitter), config.audit_every
+        )
+        pruner = Pruner(p.prune, self.cpu, next(jitter))
         projector = Projector(
-            target.final_norm, target.lm_head, target.args.norm_eps, self.cpu, next(jitter)
+            target.final_norm,
+            target.lm_head,
+            target.args.norm_eps,
+            self.npu if p.eager_projection else self.cpu,
+            next(jitter),
+            p.eager_projection,
         )
         async with trio.open_nursery() as nursery:
             await nursery.start(target.prefetcher().run, releases.receive, layers.send)
@@ -275,6 +299,10 @@ class Engine:
                     step=step,
                     tree_nodes=verdict.tree_nodes,
                     live_nodes=verdict.live_nodes,
+                    pruned=verdict.pruned,
+                    saved_node_layers=verdict.saved_node_layers,
+                    audited=verdict.audited,
+                    false_prunes=verdict.false_prunes,
                     new_tokens=len(verdict.tokens),
                     draft_seconds=verdict.draft_seconds,
                     io_wait_seconds=verdict.io_wait_seconds,
@@ -283,11 +311,27 @@ class Engine:
                     step_seconds=time.perf_counter() - step_started,
                 )
             )
+            self._learn(verdict, request.steps[-1])
             if finished:
                 return
             commit = Commit(step=step, accepted=verdict.accepted, next_tokens=verdict.tokens[-1:])
             for channel in commits:
                 await channel.send(commit)
+
+    def _learn(self, verdict: Verdict, step: StepStats) -> None:
+        """Correct the cost model with what the step measured."""
+        cost = self.policies.cost
+        if cost is None:
+            return
+        reads = self.target.store.stats
+        cost.observe(
+            nodes=verdict.live_nodes,
+            draft_rounds=list(verdict.draft_rounds),
+            new_tokens=step.new_tokens,
+            verify_seconds=verdict.verify_seconds,
+            step_seconds=step.step_seconds,
+            read_bandwidth=reads.bytes_read / reads.read_seconds if reads.read_seconds else 0.0,
+        )
 
 
 def _original(error: BaseException) -> BaseException:

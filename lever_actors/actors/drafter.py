@@ -12,9 +12,14 @@ from lever_actors.actors.jitter import Jitter
 from lever_actors.channels.messages import Commit, DraftRequest, DraftTree
 from lever_actors.config import TreeSpec
 from lever_actors.device.units import ComputeUnit
-from lever_actors.model.placement import Placement
 from lever_actors.model.transformer import Transformer
-from lever_actors.model.tree import TokenTree
+from lever_actors.policy.calibration import AcceptanceCalibrator
+from lever_actors.policy.cost_model import CostModel
+from lever_actors.policy.trees import TreeBuilder, grow_gain_cost, grow_static
+
+# Draft forwards of at most this many nodes go to the "cpu" unit, wider ones to the batched
+# "npu" unit (on a machine without an accelerator both are CPU worker threads).
+SMALL_BATCH = 4
 
 
 @dataclass
@@ -23,26 +28,34 @@ class DrafterInbox:
     commits: trio.MemoryReceiveChannel[Commit]
 
 
+@dataclass
+class DraftPolicy:
+    spec: TreeSpec
+    cost: CostModel | None = None  # needed by the gain-cost tree
+    calibrator: AcceptanceCalibrator | None = None  # needed by the gain-cost tree
+
+
 class Drafter:
     """Keeps its own KV cache of the committed text. Each step it first runs the committed
-    tokens it has not seen, then grows the tree below the last one by its TreeSpec."""
+    tokens it has not seen, then grows the tree below the last one by its policy."""
 
     def __init__(
         self,
         model: Transformer | None,
-        spec: TreeSpec,
+        policy: DraftPolicy,
         prompt: list[int],
         capacity: int,
-        unit: ComputeUnit,
+        units: tuple[ComputeUnit, ComputeUnit],
         jitter: Jitter,
     ) -> None:
         self.model = model
-        self.spec = spec
-        self.unit = unit
+        self.policy = policy
+        self.cpu, self.npu = units
         self.jitter = jitter
         self.capacity = capacity
-        self.backlog: list[int] = []  # committed, in neither cache of ours nor the tree's chain
+        self.backlog: list[int] = []  # committed, seen by the target but not by us
         self.chain: list[int] = list(prompt)  # committed tokens the target has not seen yet
+        self.offsets: dict[int, int] = {}
 
     async def run(
         self,
@@ -57,7 +70,7 @@ class Drafter:
             task_status.started()
             async for request in inbox.requests:
                 await self.jitter()
-                tree, self.offsets = await self.unit.run(self.draft, request)
+                tree = await self.draft(request)
                 await outbox.send(tree)
                 try:
                     commit = await inbox.commits.receive()
@@ -65,102 +78,65 @@ class Drafter:
                     return
                 self.commit(commit, tree)
 
-    def draft(self, request: DraftRequest) -> tuple[DraftTree, dict[int, int]]:
-        """Blocking. -> the tree, and the pending-cache offset of every node we ran."""
+    async def draft(self, request: DraftRequest) -> DraftTree:
         started = time.perf_counter()
-        if self.spec.kind == "none":  # autoregressive: the tree is the committed chain alone
-            chain = TokenTree.chain(self.chain)
-            tree = DraftTree(
+        if self.policy.spec.kind == "none":  # autoregressive: the tree is the committed chain
+            n = len(self.chain)
+            return DraftTree(
                 step=request.step,
-                tokens=chain.tokens,
-                parents=chain.parents,
-                n_committed=len(chain),
-                draft_probs=(1.0,) * len(chain),
+                tokens=tuple(self.chain),
+                parents=tuple(range(-1, n - 1)),
+                n_committed=n,
+                draft_probs=(1.0,) * n,
+                draft_ranks=(0,) * n,
+                shadows=((),) * n,
                 draft_seconds=0.0,
+                draft_rounds=(),
             )
-            return tree, {}
         if self.backlog:
-            self.model.forward(torch.tensor(self.backlog), self.cache)
-            self.cache.commit(len(self.backlog))
-            self.backlog = []
-        grower = _TreeGrower(self.model, self.cache, self.chain)
-        grower.grow(self.spec, request.max_nodes)
-        tree = DraftTree(
+            await self.npu.run(self._absorb_backlog)
+        builder = TreeBuilder(self.model, self.cache, self.chain)
+        await self.npu.run(builder.run, list(range(len(self.chain))), 1)
+
+        async def run(nodes: list[int]) -> None:
+            unit = self.cpu if len(nodes) <= SMALL_BATCH else self.npu
+            await unit.run(builder.run, nodes)
+
+        spec = self.policy.spec
+        if spec.kind == "gaincost":
+            await grow_gain_cost(
+                builder, self.policy.cost, self.policy.calibrator, request.max_nodes, run
+            )
+        else:
+            await grow_static(builder, spec.widths, request.max_nodes, run)
+        self.offsets = builder.offsets
+        return DraftTree(
             step=request.step,
-            tokens=tuple(grower.tokens),
-            parents=tuple(grower.parents),
+            tokens=tuple(builder.tokens),
+            parents=tuple(builder.parents),
             n_committed=len(self.chain),
-            draft_probs=tuple(grower.probs),
+            draft_probs=tuple(builder.probs),
+            draft_ranks=tuple(builder.ranks),
+            shadows=builder.shadows(),
             draft_seconds=time.perf_counter() - started,
+            draft_rounds=tuple(builder.rounds),
         )
-        return tree, grower.offsets
+
+    def _absorb_backlog(self) -> None:
+        self.model.forward(torch.tensor(self.backlog), self.cache)
+        self.cache.commit(len(self.backlog))
+        self.backlog = []
 
     def commit(self, commit: Commit, tree: DraftTree) -> None:
         self.chain = list(commit.next_tokens)
         if self.model is None:
             return
+        if self.policy.calibrator is not None:
+            self.policy.calibrator.observe(
+                tree.parents, tree.draft_probs, tree.draft_ranks, tree.n_committed, commit.accepted
+            )
         # Nodes we ran form a prefix of the accepted path: keep those in the cache; the
         # accepted nodes we never ran (the deepest ones) are committed but still unseen.
         ran = [n for n in commit.accepted if n in self.offsets]
         self.cache.keep([self.offsets[n] for n in ran])
         self.backlog = [tree.tokens[n] for n in commit.accepted[len(ran) :]]
-
-
-class _TreeGrower:
-    """Builds one tree: the committed chain, then draft nodes, running the draft model on
-    each node whose children are wanted (at the next free slot of the pending block)."""
-
-    def __init__(self, model: Transformer, cache, chain: list[int]) -> None:
-        self.model = model
-        self.cache = cache
-        self.tokens = list(chain)
-        self.parents = list(range(-1, len(chain) - 1))
-        self.probs = [1.0] * len(chain)
-        self.offsets: dict[int, int] = {}
-        self.child_probs: dict[int, torch.Tensor] = {}  # node -> draft distribution of its child
-        self._run(list(range(len(chain))), wanted=1)
-
-    def grow(self, spec: TreeSpec, max_nodes: int) -> None:
-        level = [len(self.tokens) - 1]
-        budget = max_nodes
-        for depth, width in enumerate(spec.widths):
-            children = []
-            for node in level:
-                top = torch.topk(self.child_probs[node], min(width, budget))
-                for prob, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-                    children.append(self._add(node, token, prob))
-                budget -= len(top.values)
-            if depth + 1 < len(spec.widths) and budget > 0 and children:
-                self._run(children, wanted=len(children))
-            level = children
-            if budget <= 0:
-                return
-
-    def _add(self, parent: int, token: int, prob: float) -> int:
-        self.tokens.append(token)
-        self.parents.append(parent)
-        self.probs.append(prob)
-        return len(self.tokens) - 1
-
-    def _run(self, nodes: list[int], wanted: int) -> None:
-        """Run the draft model on `nodes` (whose ancestors have all run) in one batch; the
-        last `wanted` of them get the distribution of their children."""
-        tree = TokenTree(tuple(self.tokens), tuple(self.parents))
-        for node in nodes:
-            self.offsets[node] = len(self.offsets)
-        span = len(self.offsets)
-        ancestry = tree.ancestry()
-        columns = sorted(self.offsets, key=self.offsets.get)  # node at each pending offset
-        index = torch.tensor(nodes)
-        visible = ancestry[index][:, columns]  # [len(nodes), span]
-        context = self.cache.length
-        cos, sin = self.model.rope.tables(tree.positions(context)[index], self.model.dtype)
-        mask = torch.cat((torch.ones(len(nodes), context, dtype=torch.bool), visible), dim=1)
-        offsets = torch.tensor([self.offsets[n] for n in nodes])
-        place = Placement(cos, sin, mask, offsets, span)
-        hidden = self.model.forward(
-            torch.tensor([self.tokens[n] for n in nodes]), self.cache, place
-        )
-        probs = torch.softmax(self.model.logits(hidden[-wanted:]).float(), dim=-1)
-        for row, node in enumerate(nodes[-wanted:]):
-            self.child_probs[node] = probs[row]

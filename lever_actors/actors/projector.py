@@ -26,12 +26,14 @@ class Projector:
         eps: float,
         unit: ComputeUnit,
         jitter: Jitter,
+        eager: bool = False,
     ) -> None:
         self.final_norm = final_norm
         self.lm_head = lm_head
         self.eps = eps
-        self.unit = unit
+        self.unit = unit  # the "cpu" unit on demand, the batched "npu" unit when eager
         self.jitter = jitter
+        self.eager = eager  # project every live node in one batch, then walk
 
     async def run(
         self,
@@ -51,15 +53,16 @@ class Projector:
         message = final.tree
         tree = TokenTree(message.tokens, message.parents)
         row = {node: i for i, node in enumerate(final.nodes)}
+        eager_logits = self._project(final.hidden) if self.eager else None
         node = message.n_committed - 1
         accepted = list(range(message.n_committed))
         tokens: list[int] = []
         from_draft: list[bool] = []
         while True:
-            logits = output_logits(
-                final.hidden[row[node] : row[node] + 1], self.final_norm, self.lm_head, self.eps
-            )
-            token = int(logits.argmax())
+            if eager_logits is not None:
+                token = int(eager_logits[row[node]].argmax())
+            else:
+                token = int(self._project(final.hidden[row[node] : row[node] + 1]).argmax())
             child = next(
                 (c for c in tree.children(node) if c in row and tree.tokens[c] == token), None
             )
@@ -74,11 +77,20 @@ class Projector:
             accepted=tuple(accepted),
             tokens=tuple(tokens),
             from_draft=tuple(from_draft),
-            projected_nodes=len(tokens),
+            projected_nodes=len(final.nodes) if self.eager else len(tokens),
             project_seconds=time.perf_counter() - started,
             io_wait_seconds=final.io_wait_seconds,
             verify_seconds=final.verify_seconds,
             draft_seconds=message.draft_seconds,
+            draft_rounds=message.draft_rounds,
             tree_nodes=len(tree),
             live_nodes=len(final.nodes),
+            pruned=final.pruned,
+            saved_node_layers=final.saved_node_layers,
+            audited=final.audit,
+            false_prunes=len(set(final.would_drop) & set(accepted)),
         )
+
+    def _project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, d_model] -> logits [n, vocab]"""
+        return output_logits(hidden, self.final_norm, self.lm_head, self.eps)

@@ -52,12 +52,14 @@ class Verifier:
         exit_layer: int | None,
         unit: ComputeUnit,
         jitter: Jitter,
+        audit_every: int = 0,
     ) -> None:
         self.target = target
         self.capacity = capacity
-        self.exit_layer = exit_layer
+        self.exit_layer = exit_layer  # None: no probes, the pruner is out of the loop
         self.unit = unit
         self.jitter = jitter
+        self.audit_every = audit_every  # every n-th step the pruner's drops still run in full
 
     async def run(
         self,
@@ -88,6 +90,7 @@ class Verifier:
         place = tree_placement(target.rope, cache.length, tree, target.dtype)
         x = await self.unit.run(target.embed, list(tree.tokens))  # [n, d_model]
         live = list(range(len(tree)))
+        audit, would_drop = False, ()
         io_wait = compute = 0.0
         for layer in range(target.args.n_layers):
             waited = time.perf_counter()
@@ -114,7 +117,13 @@ class Verifier:
             if weights.slot is not None:
                 await outbox.releases.send(SlotRelease(step=message.step, slot=weights.slot))
             if layer == self.exit_layer and len(tree) > message.n_committed:
-                live = await self._prune(message, tree, live, x, layer, inbox, outbox)
+                kept = await self._prune(message, tree, live, x, layer, inbox, outbox)
+                audit = bool(self.audit_every) and message.step % self.audit_every == 0
+                if audit:
+                    would_drop = tuple(n for n in live if n not in kept)  # run them anyway
+                else:
+                    live = kept
+        pruned = len(tree) - len(live)
         return FinalHidden(
             step=message.step,
             tree=message,
@@ -122,6 +131,10 @@ class Verifier:
             hidden=x[live],
             io_wait_seconds=io_wait,
             verify_seconds=compute,
+            pruned=pruned,
+            saved_node_layers=pruned * (target.args.n_layers - 1 - (self.exit_layer or 0)),
+            audit=audit,
+            would_drop=would_drop,
         )
 
     async def _prune(
@@ -135,7 +148,9 @@ class Verifier:
         outbox: VerifierOutbox,
     ) -> list[int]:
         await outbox.probes.send(
-            ExitProbe(step=message.step, layer=layer, nodes=tuple(live), hidden=x[live])
+            ExitProbe(
+                step=message.step, tree=message, layer=layer, nodes=tuple(live), hidden=x[live]
+            )
         )
         verdict = await inbox.verdicts.receive()
         # committed tokens are never dropped: their KV entries must reach the cache

@@ -30,7 +30,10 @@ class DraftTree(Message, frozen=True):
     parents: tuple[int, ...]
     n_committed: int
     draft_probs: tuple[float, ...]  # per node: draft probability of its token (1.0 when committed)
+    draft_ranks: tuple[int, ...]  # per node: its place among its parent's candidates (0: first)
+    shadows: tuple[tuple[int, ...], ...]  # per node: best untaken candidates (empty if not run)
     draft_seconds: float
+    draft_rounds: tuple[int, ...]  # nodes in each draft forward
 
 
 class LayerWeights(Message, frozen=True):
@@ -50,6 +53,7 @@ class SlotRelease(Message, frozen=True):
 class ExitProbe(Message, frozen=True):
     """verifier -> pruner: hidden states of the live nodes at the exit layer."""
 
+    tree: DraftTree
     layer: int
     nodes: tuple[int, ...]  # live node indices, in order
     hidden: Any  # torch.Tensor [len(nodes), d_model]
@@ -69,6 +73,10 @@ class FinalHidden(Message, frozen=True):
     hidden: Any  # torch.Tensor [len(nodes), d_model]
     io_wait_seconds: float
     verify_seconds: float
+    pruned: int  # nodes that skipped the layers after the exit layer
+    saved_node_layers: int  # node-layer computations pruning saved
+    audit: bool  # an audit step: the pruner's drops were run in full anyway
+    would_drop: tuple[int, ...]  # on an audit step: the nodes the pruner dropped
 
 
 class Verdict(Message, frozen=True):
@@ -82,8 +90,13 @@ class Verdict(Message, frozen=True):
     io_wait_seconds: float
     verify_seconds: float
     draft_seconds: float
+    draft_rounds: tuple[int, ...]
     tree_nodes: int
     live_nodes: int
+    pruned: int
+    saved_node_layers: int
+    audited: bool  # this step checked the pruner: its drops were run in full anyway
+    false_prunes: int  # on an audit step: accepted nodes the pruner would have dropped
 
 
 class Commit(Message, frozen=True):
@@ -109,6 +122,10 @@ class StepStats(msgspec.Struct, frozen=True):
     step: int
     tree_nodes: int
     live_nodes: int  # after pruning
+    pruned: int
+    saved_node_layers: int
+    audited: bool
+    false_prunes: int
     new_tokens: int
     draft_seconds: float
     io_wait_seconds: float

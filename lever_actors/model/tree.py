@@ -21,7 +21,7 @@ class TokenTree:
             raise ValueError(f"{len(self.tokens)} tokens but {len(self.parents)} parents")
         depths: list[int] = []
         for i, parent in enumerate(self.parents):
-            if (parent == -1) != (i == 0) or parent >= i:
+            if (parent == -1) != (i == 0) or not -1 <= parent < i:
                 raise ValueError(
                     f"node {i} has parent {parent}: only node 0 is a root, "
                     "and parents come before their children"

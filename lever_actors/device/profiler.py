@@ -1,0 +1,106 @@
+"""Measures this machine's step costs at engine start, to seed the cost model."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from lever_actors.device.flash import AlignedBuffer
+from lever_actors.device.layout import layer_key
+from lever_actors.model.layers import layer_forward, output_logits
+from lever_actors.model.placement import chain_placement
+from lever_actors.model.transformer import Transformer
+from lever_actors.policy.cost_model import CostModel, Curve
+from lever_actors.target import FlashTarget
+
+VERIFY_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
+DRAFT_SIZES = [1, 2, 4, 8, 16, 32]
+CONTEXT = 64  # committed positions the probe attends to, like a short prompt
+
+Progress = Callable[[int, int, str], None]
+
+
+def profile_costs(
+    target: FlashTarget, draft: Transformer | None, progress: Progress | None = None
+) -> CostModel:
+    total = len(VERIFY_SIZES) + (len(DRAFT_SIZES) if draft else 0) + 2
+    done = 0
+
+    def tick(label: str) -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress(done, total, label)
+
+    layer, bandwidth = _one_layer(target)
+    _target_layer(target, layer, 2)  # the first call pays one-off set-up costs
+    if draft:
+        _draft_forward(draft, 2)
+    tick("profile flash")
+    verify = []
+    for n in VERIFY_SIZES:
+        verify.append(
+            _best_time(lambda n=n: _target_layer(target, layer, n)) * target.args.n_layers
+        )
+        tick("profile verify")
+    drafting = []
+    for n in DRAFT_SIZES if draft else []:
+        drafting.append(_best_time(lambda n=n: _draft_forward(draft, n)))
+        tick("profile draft")
+    hidden = torch.zeros(1, target.args.d_model, dtype=target.dtype)
+    project = _best_time(
+        lambda: output_logits(hidden, target.final_norm, target.lm_head, target.args.norm_eps)
+    )
+    tick("profile projection")
+    streamed = sum(target.manifest.layer(i).nbytes for i in target.plan.streamed_layers)
+    return CostModel(
+        flash_bandwidth=bandwidth,
+        streamed_bytes=streamed,
+        verify=Curve(list(VERIFY_SIZES), verify),
+        draft=Curve(list(DRAFT_SIZES), drafting) if draft else Curve([1], [0.0]),
+        project_seconds=project,
+    )
+
+
+def _one_layer(target: FlashTarget) -> tuple[dict[str, torch.Tensor], float]:
+    """A layer's weights to compute with, and the bandwidth seen reading it from flash."""
+    if target.plan.streamed_layers:
+        extent = target.manifest.extent(layer_key(target.plan.streamed_layers[0]))
+        buffer = AlignedBuffer(extent.nbytes)
+        started = time.perf_counter()
+        weights = target.store.read_extent(extent, buffer)
+        return weights, extent.nbytes / (time.perf_counter() - started)
+    return target.resident_layers[0], float("inf")
+
+
+def _target_layer(target: FlashTarget, weights: dict[str, torch.Tensor], n: int) -> None:
+    cache = target.new_cache(CONTEXT + n)
+    cache.commit(CONTEXT)
+    x = torch.zeros(n, target.args.d_model, dtype=target.dtype)
+    with torch.inference_mode():
+        layer_forward(
+            x,
+            weights,
+            target.args,
+            cache,
+            0,
+            chain_placement(target.rope, CONTEXT, n, target.dtype),
+        )
+
+
+def _draft_forward(draft: Transformer, n: int) -> None:
+    cache = draft.new_cache(CONTEXT + n)
+    cache.commit(CONTEXT)
+    hidden = draft.forward(torch.zeros(n, dtype=torch.int64), cache)
+    draft.logits(hidden)
+
+
+def _best_time(fn: Callable[[], object], repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best

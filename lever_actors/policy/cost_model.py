@@ -1,0 +1,78 @@
+"""What a decoding step costs: profiled once at engine start, then corrected online.
+
+All times are seconds. The verifier's compute and one draft forward are measured curves
+over the number of nodes; flash time is the streamed bytes over the measured bandwidth.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import msgspec
+
+ONLINE_WEIGHT = 0.2  # exponential moving average: recent steps count, one outlier does not
+
+
+class Curve(msgspec.Struct):
+    """Seconds as a function of a size, piecewise linear between measured points."""
+
+    sizes: list[int]
+    seconds: list[float]
+
+    def __call__(self, size: float) -> float:
+        sizes, seconds = self.sizes, self.seconds
+        if size <= sizes[0]:
+            return seconds[0] * max(size, 0) / sizes[0] if sizes[0] else seconds[0]
+        i = bisect.bisect_left(sizes, size)
+        if i == len(sizes):  # beyond the last point: extend the last segment's slope
+            i -= 1
+        lo, hi = sizes[i - 1], sizes[i]
+        slope = (seconds[i] - seconds[i - 1]) / (hi - lo)
+        return seconds[i - 1] + slope * (size - lo)
+
+    def scale(self, factor: float) -> None:
+        self.seconds = [s * factor for s in self.seconds]
+
+
+class CostModel(msgspec.Struct):
+    """The engine's beliefs about step costs; exposed in statistics."""
+
+    flash_bandwidth: float  # bytes/s while streaming
+    streamed_bytes: int  # read from flash per step (one pass over the streamed layers)
+    verify: Curve  # target compute of one full pass, by tree nodes
+    draft: Curve  # one draft-model forward, by nodes in the batch
+    project_seconds: float  # final norm + LM head for one node
+    overhead_seconds: float = 0.0  # per step, beyond the parts above (learned online)
+
+    @property
+    def io_seconds(self) -> float:
+        return self.streamed_bytes / self.flash_bandwidth if self.streamed_bytes else 0.0
+
+    def step_seconds(self, nodes: int, draft_rounds: list[int], expected_tokens: float) -> float:
+        """Predicted step time: drafting, then verification overlapped with its flash reads,
+        then projection along the expected accepted path."""
+        drafting = sum(self.draft(width) for width in draft_rounds)
+        verifying = max(self.io_seconds, self.verify(nodes))
+        return drafting + verifying + self.project_seconds * expected_tokens + self.overhead_seconds
+
+    def observe(
+        self,
+        *,
+        nodes: int,
+        draft_rounds: list[int],
+        new_tokens: int,
+        verify_seconds: float,
+        step_seconds: float,
+        read_bandwidth: float,
+    ) -> None:
+        """Correct the beliefs with one finished step: its compute time, its whole time, and
+        the bandwidth the flash store saw while reading (bytes over seconds inside reads)."""
+        predicted = self.verify(nodes)
+        if predicted > 0 and verify_seconds > 0:
+            self.verify.scale(1 + ONLINE_WEIGHT * (verify_seconds / predicted - 1))
+        if read_bandwidth > 0:
+            self.flash_bandwidth += ONLINE_WEIGHT * (read_bandwidth - self.flash_bandwidth)
+        unexplained = step_seconds - (
+            self.step_seconds(nodes, draft_rounds, new_tokens) - self.overhead_seconds
+        )
+        self.overhead_seconds += ONLINE_WEIGHT * (max(unexplained, 0.0) - self.overhead_seconds)

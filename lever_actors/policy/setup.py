@@ -1,0 +1,71 @@
+"""Turns an EngineConfig into the policies the actors follow."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lever_actors.actors.pruner import PrunePolicy, keep_everything
+from lever_actors.config import EngineConfig, TreeSpec
+from lever_actors.device.profiler import profile_costs
+from lever_actors.errors import ConfigError
+from lever_actors.model.transformer import Transformer
+from lever_actors.policy.calibration import AcceptanceCalibrator
+from lever_actors.policy.cost_model import CostModel
+from lever_actors.policy.exit_predictor import LensPredictor, LowRankAdapter
+from lever_actors.target import FlashTarget
+
+
+@dataclass
+class Policies:
+    spec: TreeSpec
+    cost: CostModel | None  # profiled for the gain-cost tree, None otherwise
+    calibrator: AcceptanceCalibrator
+    exit_layer: int | None  # None: the verifier sends no probes
+    prune: PrunePolicy
+    predictor: str  # which exit predictor prunes: off, none, lens or trained
+    eager_projection: bool
+
+
+def build_policies(
+    config: EngineConfig,
+    target: FlashTarget,
+    draft: Transformer | None,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> Policies:
+    """Blocking: may profile the machine (a second or two) and load a trained predictor."""
+    spec = config.tree_spec()
+    cost = profile_costs(target, draft, progress) if spec.kind == "gaincost" else None
+    n_layers = target.args.n_layers
+    exit_layer = n_layers // 2 if config.exit_layer is None else config.exit_layer
+    if not 0 <= exit_layer < n_layers:
+        raise ConfigError(f"exit_layer must be in [0, {n_layers}), got {exit_layer}")
+    adapter = LowRankAdapter.load(target.store.directory, target.dtype)
+    predictor = config.early_exit
+    if predictor == "auto":
+        predictor = "trained" if adapter is not None else "lens"
+    if predictor == "trained":
+        if adapter is None:
+            raise ConfigError(
+                f"early_exit 'trained' needs a predictor beside the target: run "
+                f"`lever-actors train-exit {target.store.directory}` first"
+            )
+        exit_layer = adapter.exit_layer  # the layer it was trained on
+    prune: PrunePolicy = keep_everything
+    if predictor in ("lens", "trained"):
+        prune = LensPredictor(
+            target.final_norm,
+            target.lm_head,
+            target.args.norm_eps,
+            config.prune_threshold,
+            adapter if predictor == "trained" else None,
+        )
+    return Policies(
+        spec=spec,
+        cost=cost,
+        calibrator=AcceptanceCalibrator(),
+        exit_layer=None if predictor == "off" else exit_layer,
+        prune=prune,
+        predictor=predictor,
+        eager_projection=config.projection == "eager",
+    )
