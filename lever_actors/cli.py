@@ -48,7 +48,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--target", type=Path, help="flash layout of the target (from `convert`)")
     gen.add_argument("--draft", type=Path, help="draft model: HF dir, GGUF file or flash layout")
-    gen.add_argument("--tree", help="none, chain:K or static:W1,W2,... (default: chain:4)")
+    gen.add_argument(
+        "--tree", help="none, chain:K, static:W1,W2,... or gaincost[:CAP] (default: gaincost)"
+    )
+    gen.add_argument("--early-exit", default="auto", help="off, none, lens, trained or auto")
+    gen.add_argument("--exit-layer", type=int, help="default: the middle layer")
+    gen.add_argument("--prune-threshold", type=float, default=0.02)
+    gen.add_argument("--projection", default="on_demand", help="on_demand or eager")
+    gen.add_argument("--units", default="split", help="split (npu + cpu) or single")
     gen.add_argument(
         "--dram-budget",
         help="target weights held in DRAM: 25%%, 1.5GiB or all (default: 25%% for the real "
@@ -84,6 +91,23 @@ def _parser() -> argparse.ArgumentParser:
     prof.add_argument("--block-size", default=None, help="default: the layout's largest layer")
     prof.add_argument("--max-bytes", default="2GiB", help="stop after this much")
     prof.set_defaults(command=_profile_disk)
+
+    train = sub.add_parser(
+        "train-exit", help="train the early-exit predictor of a flash layout, saved beside it"
+    )
+    train.add_argument("layout", type=Path, help="the target's flash layout (from `convert`)")
+    train.add_argument("--prompt-set", choices=["humaneval", "sharegpt"], default="humaneval")
+    train.add_argument("--prompts", type=int, default=16, help="how many prompts to train on")
+    train.add_argument(
+        "--continue-tokens", type=int, default=32, help="also train on greedy continuations"
+    )
+    train.add_argument("--exit-layer", type=int, default=None, help="default: the middle one")
+    train.add_argument("--rank", type=int, default=32)
+    train.add_argument("--steps", type=int, default=300)
+    train.add_argument("--lr", type=float, default=3e-3)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--out", type=Path, help="default: LAYOUT/exit_predictor.safetensors")
+    train.set_defaults(command=_train_exit)
 
     bench = sub.add_parser("bench", help="measure decoding modes on the real model pair")
     from lever_actors.bench.cli import add_bench_arguments
@@ -174,7 +198,7 @@ def _generate_with_engine(args: argparse.Namespace) -> int:
     real = args.target is None
     target = args.target or real_target_layout(args)
     draft = args.draft or (real_model_path(args, "draft") if real else None)
-    tree = args.tree or ("chain:4" if draft else "none")
+    tree = args.tree or ("gaincost" if draft else "none")
     config = EngineConfig(
         target=str(target),
         draft=str(draft) if draft and tree != "none" else None,
@@ -182,6 +206,11 @@ def _generate_with_engine(args: argparse.Namespace) -> int:
         dram_budget=args.dram_budget or ("25%" if real else "all"),
         throttle=args.throttle,
         verify_checksums=args.verify,
+        early_exit=args.early_exit,
+        exit_layer=args.exit_layer,
+        prune_threshold=args.prune_threshold,
+        projection=args.projection,
+        units=args.units,
         trace=str(args.trace) if args.trace else None,
     )
     return trio.run(_stream_from_engine, config, args)
@@ -190,9 +219,10 @@ def _generate_with_engine(args: argparse.Namespace) -> int:
 async def _stream_from_engine(config, args: argparse.Namespace) -> int:
     from lever_actors.device.budget import format_bytes
     from lever_actors.engine import Engine
+    from lever_actors.progress import ProgressLine
 
     started = time.perf_counter()
-    async with Engine.open(config) as engine:
+    async with Engine.open(config, progress=ProgressLine(unit="")) as engine:
         target, plan = engine.target, engine.target.plan
         if engine.tokenizer is None:
             raise_usage(f"{config.target} has no tokenizer; generate needs one")
@@ -288,6 +318,33 @@ def _profile_disk(args: argparse.Namespace) -> int:
         f"{profile.bytes_read / 1e9:.2f} GB in {profile.block_bytes / 2**20:.1f} MiB blocks, "
         f"{profile.seconds:.2f} s)"
     )
+    return 0
+
+
+def _train_exit(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from lever_actors.bench.prompts import load_prompts
+    from lever_actors.policy import exit_training as et
+    from lever_actors.progress import ProgressLine
+
+    prompts = load_prompts(args.prompt_set, cache_dir(args), args.prompts, args.seed)
+    texts, stop_ids = et.chat_token_ids(args.layout, prompts)
+    adapter, report = et.train_exit_predictor(
+        args.layout,
+        texts,
+        args.exit_layer,
+        rank=args.rank,
+        steps=args.steps,
+        lr=args.lr,
+        seed=args.seed,
+        progress=ProgressLine(unit=""),
+        continue_tokens=args.continue_tokens,
+        stop_ids=stop_ids,
+    )
+    path = et.save_adapter(adapter, args.out or et.predictor_path(args.layout))
+    print(msgspec.json.format(msgspec.json.encode(report)).decode())
+    print(f"held-out KD loss {report.lens_loss:.4f} (lens) -> {report.trained_loss:.4f}; {path}")
     return 0
 
 

@@ -94,6 +94,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     prune_threshold: float = 0.02  # drop a child scoring below this within its candidate set
     audit_every: int = 10  # every n-th step runs pruned nodes anyway, to count false prunes
     projection: str = "on_demand"  # on_demand (cpu unit, accepted path) or eager (npu, all)
+    units: str = "split"  # split: small work on the "cpu" unit beside the "npu"; single: one unit
     draft_dtype: str = "float32"
     throttle: str = "none"
     verify_checksums: bool = False
@@ -121,6 +122,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"early_exit must be one of {', '.join(EARLY_EXIT)}")
         if self.projection not in ("on_demand", "eager"):
             raise ConfigError("projection must be on_demand or eager")
+        if self.units not in ("split", "single"):
+            raise ConfigError("units must be split or single")
         if not 0 <= self.prune_threshold < 1:
             raise ConfigError("prune_threshold must be in [0, 1)")
         if self.audit_every < 0:

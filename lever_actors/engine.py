@@ -92,7 +92,7 @@ class Engine:
         self.policies = policies
         self.spec = policies.spec
         self.npu = ComputeUnit("npu")
-        self.cpu = ComputeUnit("cpu")
+        self.cpu = ComputeUnit("cpu") if config.units == "split" else self.npu
         self._nursery = nursery
         self._one_at_a_time = trio.Lock()
         self.channels: ChannelSet | None = None  # those of the latest request, for statistics

@@ -48,6 +48,7 @@ from lever_actors.model.args import SUPPORTED_ARCHITECTURES, ModelArgs, RopeScal
 from lever_actors.model.greedy import greedy_reference
 from lever_actors.model.transformer import Transformer
 from lever_actors.model.weights import layer_tensor_names
+from lever_actors.policy.exit_predictor import LowRankAdapter
 
 __all__ = [
     "DRAFT_RELATIONS",
@@ -58,6 +59,7 @@ __all__ = [
     "budgets",
     "channel_sizes",
     "draft_relations",
+    "early_exits",
     "engine_cases",
     "flash_layout",
     "hf_config",
@@ -66,12 +68,14 @@ __all__ = [
     "model_pair",
     "perturbed_checkpoint",
     "prompts",
+    "prune_thresholds",
     "random_hf_tensors",
     "reference_tokens",
     "ring_slots",
     "seeds",
     "tiny_checkpoint",
     "trees",
+    "with_exit_predictor",
     "write_perturbed_copy",
     "write_tiny_checkpoint",
     "write_tiny_tokenizer",
@@ -355,6 +359,24 @@ def budget_bytes(layout: Path, budget: float | str, ring_slots: int = 2) -> int 
     return least + round(budget * max(manifest.file_bytes - least, 0))
 
 
+def with_exit_predictor(layout: Path, exit_layer: int, *, seed: int = 0, rank: int = 4) -> Path:
+    """A cached copy of `layout` with a random low-rank exit predictor beside it (what
+    `lever-actors train-exit` would save), so early_exit "trained" has one to load."""
+    layout = Path(layout)
+
+    def make(path: Path) -> None:
+        shutil.copytree(layout, path)
+        d_model = read_manifest(layout).args.d_model
+        generator = torch.Generator().manual_seed(seed)
+        down, up = (
+            WEIGHT_STD * torch.randn(shape, generator=generator, dtype=torch.float64)
+            for shape in ((rank, d_model), (d_model, rank))
+        )
+        LowRankAdapter(down, up, exit_layer).save(path)
+
+    return _layouts.get(("predictor", layout, exit_layer, seed, rank), make)
+
+
 # --- the oracle -------------------------------------------------------------------------
 
 
@@ -492,15 +514,28 @@ def prompts(vocab_size: int, *, min_size: int = 1, max_size: int = 12) -> st.Sea
     return st.lists(tokens, min_size=min_size, max_size=max_size)
 
 
+TREE_KINDS = ("chain", "static", "gaincost", "none")  # hypothesis favours the first
+
+
 @st.composite
-def trees(draw: st.DrawFn, *, max_chain: int = 6, max_nodes: int = 24) -> str:
-    """ "none", "chain:1".."chain:6", or "static:W1,.." of depth 1-4 and widths 1-3, with at
-    most `max_nodes` draft nodes."""
-    kind = draw(st.sampled_from(["none", "chain", "static"]))
+def trees(
+    draw: st.DrawFn,
+    *,
+    kinds: Sequence[str] = TREE_KINDS,
+    max_chain: int = 6,
+    max_nodes: int = 24,
+) -> str:
+    """Tree policies of the given kinds: "none"; "chain:1".."chain:6"; "static:W1,.." of
+    depth 1-4 and widths 1-3; Lever's "gaincost" (default cap) or "gaincost:CAP". Static
+    trees and caps stay within `max_nodes` draft nodes."""
+    kind = draw(st.sampled_from(kinds))
     if kind == "none":
         return "none"
     if kind == "chain":
         return f"chain:{draw(st.integers(1, max_chain))}"
+    if kind == "gaincost":
+        cap = draw(st.one_of(st.none(), st.integers(1, max_nodes)))
+        return "gaincost" if cap is None else f"gaincost:{cap}"
     widths: list[int] = []
     level = total = 0
     for _ in range(draw(st.integers(1, 4))):
@@ -545,9 +580,25 @@ def channel_sizes() -> st.SearchStrategy[ChannelSizes]:
     )
 
 
-def jitters() -> st.SearchStrategy[float]:
-    """Maximum random pause (seconds) of each actor per message: none, or up to 2 ms."""
-    return st.one_of(st.just(0.0), st.floats(1e-5, 2e-3))
+def jitters(*, always: bool = False) -> st.SearchStrategy[float]:
+    """Maximum random pause (seconds) of each actor per message: none (unless `always`),
+    or up to 2 ms."""
+    some = st.floats(1e-5, 2e-3)
+    return some if always else st.one_of(st.just(0.0), some)
+
+
+EARLY_EXITS = ("lens", "trained", "none", "off")  # pruning ones first: more often drawn
+
+
+def early_exits(kinds: Sequence[str] = EARLY_EXITS) -> st.SearchStrategy[str]:
+    """The pruner's predictor. "trained" runs a random low-rank adapter (see
+    `with_exit_predictor`): exactness cannot depend on how good the predictor is."""
+    return st.sampled_from(kinds)
+
+
+def prune_thresholds() -> st.SearchStrategy[float]:
+    """From the default to thresholds that drop most branches."""
+    return st.one_of(st.floats(0.0, 0.9), st.sampled_from([0.02, 0.0]))
 
 
 def seeds() -> st.SearchStrategy[int]:
@@ -569,13 +620,18 @@ class EngineCase:
     tree: str
     budget: float | str
     ring_slots: int
+    early_exit: str
+    exit_layer: int | None
+    prune_threshold: float
+    audit_every: int
+    projection: str
     channels: ChannelSizes
     jitter_seconds: float
     seed: int
 
     def models(self, *, tokenizer: bool = False, eos_id: int | None = None) -> ModelPair:
         """Build (or reuse) the checkpoints; see `model_pair` for the keywords."""
-        return model_pair(
+        pair = model_pair(
             self.args,
             self.relation,
             self.model_seed,
@@ -584,6 +640,11 @@ class EngineCase:
             eos_id=eos_id,
             scale=self.scale,
         )
+        if self.early_exit != "trained":
+            return pair
+        exit_layer = self.args.n_layers // 2 if self.exit_layer is None else self.exit_layer
+        target = with_exit_predictor(pair.target, exit_layer, seed=self.model_seed)
+        return ModelPair(target=target, draft=pair.draft)
 
     def engine_config(self, *, tokenizer: bool = False, eos_id: int | None = None) -> EngineConfig:
         """The engine's config for this case, over `models(...)`."""
@@ -594,11 +655,20 @@ class EngineCase:
             dram_budget=budget_bytes(pair.target, self.budget, self.ring_slots),
             ring_slots=self.ring_slots,
             tree=self.tree,
+            early_exit=self.early_exit,
+            exit_layer=self.exit_layer,
+            prune_threshold=self.prune_threshold,
+            audit_every=self.audit_every,
+            projection=self.projection,
             draft_dtype="float64",
             channels=self.channels,
             jitter_seconds=self.jitter_seconds,
             seed=self.seed,
         )
+
+
+def _given(draw: st.DrawFn, strategy: st.SearchStrategy | None, default: st.SearchStrategy):
+    return draw(strategy if strategy is not None else default)
 
 
 @st.composite
@@ -611,12 +681,14 @@ def engine_cases(
     new_tokens: st.SearchStrategy[int] | None = None,
     tree_shapes: st.SearchStrategy[str] | None = None,
     dram_budgets: st.SearchStrategy[float | str] | None = None,
+    predictors: st.SearchStrategy[str] | None = None,
+    projections: st.SearchStrategy[str] | None = None,
     channels: st.SearchStrategy[ChannelSizes] | None = None,
     jitter: st.SearchStrategy[float] | None = None,
 ) -> EngineCase:
     """Every dimension at once; pass a narrower strategy for any of them."""
-    args = draw(models if models is not None else model_args())
-    relation = draw(relations if relations is not None else draft_relations())
+    args = _given(draw, models, model_args())
+    relation = _given(draw, relations, draft_relations())
     draft_args = None
     if relation == "independent":
         draft_args = draw(model_args(vocab_size=args.vocab_size, max_layers=2))
@@ -624,14 +696,19 @@ def engine_cases(
         args=args,
         relation=relation,
         draft_args=draft_args,
-        model_seed=draw(model_seeds if model_seeds is not None else seeds()),
+        model_seed=_given(draw, model_seeds, seeds()),
         scale=draw(st.sampled_from([0.003, 0.01, 0.03])) if relation == "perturbed" else 0.0,
         prompt=draw(prompts(args.vocab_size)),
-        max_new_tokens=draw(new_tokens if new_tokens is not None else st.integers(1, 24)),
-        tree=draw(tree_shapes if tree_shapes is not None else trees()),
-        budget=draw(dram_budgets if dram_budgets is not None else budgets()),
+        max_new_tokens=_given(draw, new_tokens, st.integers(1, 24)),
+        tree=_given(draw, tree_shapes, trees()),
+        budget=_given(draw, dram_budgets, budgets()),
         ring_slots=draw(ring_slots()),
-        channels=draw(channels if channels is not None else channel_sizes()),
-        jitter_seconds=draw(jitter if jitter is not None else jitters()),
+        early_exit=_given(draw, predictors, early_exits()),
+        exit_layer=draw(st.one_of(st.none(), st.integers(0, args.n_layers - 1))),
+        prune_threshold=draw(prune_thresholds()),
+        audit_every=draw(st.integers(0, 3)),
+        projection=_given(draw, projections, st.sampled_from(["on_demand", "eager"])),
+        channels=_given(draw, channels, channel_sizes()),
+        jitter_seconds=_given(draw, jitter, jitters()),
         seed=draw(seeds()),
     )

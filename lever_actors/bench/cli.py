@@ -12,7 +12,18 @@ import trio
 
 from lever_actors.bench.prompts import PROMPT_SETS
 
-MODES = ("memory-ar", "flash-ar", "sd-chain", "sd-static", "peer-memory")
+MODES = (
+    "memory-ar",
+    "flash-ar",
+    "sd-chain",
+    "sd-static",
+    "lever",
+    "lever-no-gaincost",
+    "lever-no-prune",
+    "lever-eager",
+    "lever-single-unit",
+    "peer-memory",
+)
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,6 +135,26 @@ def run_bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def engine_variants(args: argparse.Namespace, name: str) -> list[tuple[str, dict]]:
+    """(mode name, EngineConfig fields) for an engine-backed mode. Conventional SD runs with
+    the pruner and the gain-cost policy off; the Lever ablations turn one policy off each."""
+    conventional = {"early_exit": "off", "projection": "on_demand", "units": "single"}
+    static = f"static:{args.static_tree}"
+    variants = {
+        "flash-ar": [("flash-ar", {"tree": "none", "early_exit": "off"})],
+        "sd-chain": [
+            (f"sd-chain:{k}", {"tree": f"chain:{k}", **conventional}) for k in args.chain.split(",")
+        ],
+        "sd-static": [(f"sd-{static}", {"tree": static, **conventional})],
+        "lever": [("lever", {})],
+        "lever-no-gaincost": [("lever-no-gaincost", {"tree": static})],
+        "lever-no-prune": [("lever-no-prune", {"early_exit": "off"})],
+        "lever-eager": [("lever-eager", {"projection": "eager"})],
+        "lever-single-unit": [("lever-single-unit", {"units": "single"})],
+    }
+    return variants[name]
+
+
 def build_modes(args, wanted, target, target_path, manifest, dtype) -> list:
     """The modes to compare, in the order asked; engine modes get one per budget (and per
     chain length); the draft is loaded once and shared."""
@@ -133,14 +164,9 @@ def build_modes(args, wanted, target, target_path, manifest, dtype) -> list:
     from lever_actors.engine import load_draft
 
     draft = None
-    if {"sd-chain", "sd-static"} & set(wanted):
+    if set(wanted) - {"memory-ar", "peer-memory", "flash-ar"}:
         draft_path = args.draft or real_model_path(args, "draft")
         draft = load_draft(str(draft_path), args.draft_dtype)
-    trees = {
-        "flash-ar": ["none"],
-        "sd-chain": [f"chain:{k}" for k in args.chain.split(",")],
-        "sd-static": [f"static:{args.static_tree}"],
-    }
     modes = []
     for name in wanted:
         if name == "memory-ar":
@@ -148,14 +174,14 @@ def build_modes(args, wanted, target, target_path, manifest, dtype) -> list:
         elif name == "peer-memory":
             modes.append(PeerMemory(Path(manifest.source) if manifest else target_path, dtype))
         else:
-            for tree in trees[name]:
+            for mode_name, fields in engine_variants(args, name):
                 for label in args.budgets.split(","):
                     config = EngineConfig(
                         target=str(target_path),
-                        tree=tree,
                         throttle=args.throttle,
                         dram_budget=label,
+                        draft_dtype=args.draft_dtype,
+                        **fields,
                     )
-                    mode_name = name if tree == "none" else f"sd-{tree}"
                     modes.append(EngineMode(f"{mode_name}@{label}", config, draft))
     return modes

@@ -26,7 +26,7 @@ class Machine(msgspec.Struct, frozen=True):
         return cls(
             cpu=_cpu_name(),
             cores=os.cpu_count() or 0,
-            torch_version=torch.__version__,
+            torch_version=str(torch.__version__),
             python_version=platform.python_version(),
             date=datetime.now(UTC).strftime("%Y-%m-%d"),
         )
