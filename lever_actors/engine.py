@@ -72,6 +72,7 @@ class _Request:
     max_new_tokens: int
     stop: tuple[str, ...]
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    created: float = field(default_factory=time.perf_counter)
     error: BaseException | None = None
     steps: list[StepStats] = field(default_factory=list)
 
@@ -187,7 +188,7 @@ class Engine:
         send, receive = trio.open_memory_channel[TokenEvent](self.config.channels.events)
         self._nursery.start_soon(self._serve, request, send)
         try:
-            async with receive:
+            with receive:
                 async for event in receive:
                     yield event
         finally:
@@ -196,12 +197,13 @@ class Engine:
             raise request.error
 
     async def _serve(self, request: _Request, events: trio.MemorySendChannel[TokenEvent]) -> None:
-        async with events, self._one_at_a_time:
-            with request.scope:
-                try:
-                    await self._run_actors(request, events)
-                except Exception as error:  # handed to the consumer, who raises it
-                    request.error = _original(error)
+        with events:
+            async with self._one_at_a_time:
+                with request.scope:
+                    try:
+                        await self._run_actors(request, events)
+                    except Exception as error:  # handed to the consumer, who raises it
+                        request.error = _original(error)
 
     async def _run_actors(
         self, request: _Request, events: trio.MemorySendChannel[TokenEvent]
@@ -253,7 +255,7 @@ class Engine:
             )
             await nursery.start(pruner.run, probes.receive, verdicts.send)
             await nursery.start(projector.run, finals.receive, results.send)
-            async with requests.send, draft_commits.send, verify_commits.send, results.receive:
+            with requests.send, draft_commits.send, verify_commits.send, results.receive:
                 await self._steps(
                     request,
                     events,
@@ -264,7 +266,7 @@ class Engine:
 
     async def _steps(self, request, events, requests, results, commits) -> None:
         """The engine's own loop: ask for a tree, take the verdict, emit, commit."""
-        started = time.perf_counter()
+        started = request.created
         decoder = self.tokenizer.stream_decoder() if self.tokenizer else None
         stop_ids = self.tokenizer.eos_ids if self.tokenizer else frozenset()
         text = ""
@@ -274,7 +276,9 @@ class Engine:
             await requests.send(DraftRequest(step=step, max_nodes=self.spec.max_nodes))
             verdict: Verdict = await results.receive()
             finished = False
+            emitted = 0
             for token, from_draft in zip(verdict.tokens, verdict.from_draft, strict=True):
+                emitted += 1
                 delta = decoder.push(token) if decoder else ""
                 text += delta
                 generated += 1
@@ -303,7 +307,7 @@ class Engine:
                     saved_node_layers=verdict.saved_node_layers,
                     audited=verdict.audited,
                     false_prunes=verdict.false_prunes,
-                    new_tokens=len(verdict.tokens),
+                    new_tokens=emitted,
                     draft_seconds=verdict.draft_seconds,
                     io_wait_seconds=verdict.io_wait_seconds,
                     verify_seconds=verdict.verify_seconds,
@@ -334,10 +338,20 @@ class Engine:
         )
 
 
+CHANNEL_CLOSED = (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError)
+
+
 def _original(error: BaseException) -> BaseException:
-    """The exception an actor raised, out of the groups the nurseries wrapped it in."""
-    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
-        error = error.exceptions[0]
+    """The exception an actor raised, out of the groups the nurseries wrapped it in; a
+    peer that merely saw its channel close because of it does not count."""
+    while isinstance(error, BaseExceptionGroup):
+        causes = [e for e in error.exceptions if not isinstance(e, CHANNEL_CLOSED)]
+        if len(error.exceptions) == 1:
+            error = error.exceptions[0]
+        elif len(causes) == 1:
+            error = causes[0]
+        else:
+            break
     return error
 
 

@@ -64,7 +64,11 @@ class Drafter:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        async with inbox.requests, inbox.commits, outbox:
+        with (
+            inbox.requests,
+            inbox.commits,
+            outbox,
+        ):  # sync close: no checkpoint for a Cancelled to replace our error
             if self.model is not None:
                 self.cache = self.model.new_cache(self.capacity)
             task_status.started()

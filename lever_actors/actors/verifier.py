@@ -68,8 +68,12 @@ class Verifier:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        async with inbox.trees, inbox.layers, inbox.verdicts, inbox.commits:
-            async with outbox.releases, outbox.probes, outbox.finals:
+        with inbox.trees, inbox.layers, inbox.verdicts, inbox.commits:
+            with (
+                outbox.releases,
+                outbox.probes,
+                outbox.finals,
+            ):  # sync close: no checkpoint for a Cancelled to replace our error
                 cache = self.target.new_cache(self.capacity)
                 task_status.started()
                 async for message in inbox.trees:

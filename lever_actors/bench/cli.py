@@ -1,48 +1,39 @@
-"""`lever-actors bench`: decoding modes side by side on real prompts, results to JSON."""
+"""`lever-actors bench` (decoding modes side by side on real prompts, results to JSON,
+markdown and PNGs; `--sweep` for the scaling sweep) and `lever-actors report`."""
 
 from __future__ import annotations
 
 import argparse
-import functools
+import shlex
 import sys
 from pathlib import Path
 
-import msgspec
-import trio
-
 from lever_actors.bench.prompts import PROMPT_SETS
+from lever_actors.bench.specs import MODES
 
-MODES = (
-    "memory-ar",
-    "flash-ar",
-    "sd-chain",
-    "sd-static",
-    "lever",
-    "lever-no-gaincost",
-    "lever-no-prune",
-    "lever-eager",
-    "lever-single-unit",
-    "peer-memory",
-)
+DEFAULT_MODES = "memory-ar,flash-ar"
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--modes",
-        default="memory-ar,flash-ar",
-        help=f"comma-separated, the first is the agreement reference; known: {', '.join(MODES)}",
+        default=None,
+        help=f"comma-separated, the first is the agreement reference (default: {DEFAULT_MODES}; "
+        f"with --sweep: flash-ar,sd-chain,sd-static,lever); known: {', '.join(MODES)}",
     )
     parser.add_argument(
         "--target",
         type=Path,
         default=None,
-        help="the target: a flash layout (needed by flash modes), or a GGUF file / HF directory "
-        "for memory modes (default: the real 1.5B target as a bf16 layout, made once)",
+        help="the target: a flash layout (needed by flash and peer-offload modes), or a GGUF "
+        "file / HF directory for memory modes (default: the real 1.5B target as a bf16 layout, "
+        "made once)",
     )
     parser.add_argument(
         "--budgets",
         default="25%,50%,100%",
-        help="DRAM budgets for flash modes: percentages of the target's weights or sizes (1.5GiB)",
+        help="DRAM budgets for flash and peer-offload modes: percentages of the target's "
+        "weights or sizes (1.5GiB); the first is the one the summary compares at",
     )
     parser.add_argument("--throttle", default="none", help="flash profile: none, ufs3.1, ufs4.0")
     parser.add_argument(
@@ -55,7 +46,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chain", default="4", help="sd-chain lengths to run, e.g. 2,4,6,8")
     parser.add_argument("--static-tree", default="4,2,2,1", help="sd-static widths per depth")
     parser.add_argument(
-        "--prompt-sets", default="humaneval", help=f"comma-separated: {PROMPT_SETS}"
+        "--prompt-sets", default="humaneval", help=f"comma-separated: {','.join(PROMPT_SETS)}"
     )
     parser.add_argument("--prompts", type=int, default=5, help="prompts per set")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -66,122 +57,198 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="compute dtype of memory-resident modes (default: the layout's)",
     )
     parser.add_argument("--seed", type=int, default=0, help="picks the prompts")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/latest.json"))
+    parser.add_argument(
+        "--isolate",
+        action="store_true",
+        help="run each mode in its own child process, under a cgroup memory limit where the "
+        "machine allows (root + a cgroup memory controller); peak RSS per mode either way",
+    )
+    parser.add_argument(
+        "--order",
+        choices=("interleaved", "sequential"),
+        default="interleaved",
+        help="interleaved: modes take turns on each prompt (all open at once); sequential: "
+        "one mode at a time over all prompts (one mode's memory at a time)",
+    )
+    parser.add_argument(
+        "--memory-limit",
+        default=None,
+        help="with --isolate: one memory limit for every mode (default: the mode's target "
+        "budget + the draft's weights + --memory-overhead)",
+    )
+    parser.add_argument(
+        "--memory-overhead", default="2GiB", help="runtime headroom in the default limit"
+    )
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="scaling sweep: flash-ar, best SD and lever over --sweep-budgets x --sweep-throttles",
+    )
+    parser.add_argument("--sweep-budgets", default="10%,20%,30%,40%,50%,60%,70%,80%,90%,100%")
+    parser.add_argument("--sweep-throttles", default="ufs3.1,ufs4.0,none")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="results JSON; .md and .png files go beside it (default: bench/results/latest.json, "
+        "bench/results/sweep.json with --sweep)",
+    )
     parser.set_defaults(command=run_bench_command)
 
 
-def run_bench_command(args: argparse.Namespace) -> int:
-    from lever_actors.bench.harness import PromptSet, markdown_table, run_bench
-    from lever_actors.bench.prompts import load_prompts
-    from lever_actors.bench.results import write_results
-    from lever_actors.checkpoints import load_checkpoint
-    from lever_actors.cli import DTYPES, cache_dir, raise_usage, real_target_layout
-    from lever_actors.device.disk_profile import profile_disk
-    from lever_actors.device.layout import MANIFEST_NAME, WEIGHTS_NAME, read_manifest
+def add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("results", type=Path, help="a results JSON written by `bench`")
+    parser.add_argument(
+        "--readme",
+        type=Path,
+        default=None,
+        help="rewrite this file's section between <!-- results:start --> and "
+        "<!-- results:end --> from the results",
+    )
+    parser.add_argument("--no-plots", action="store_true", help="do not redraw the PNGs")
+    parser.set_defaults(command=run_report_command)
 
-    modes_wanted = args.modes.split(",")
-    unknown = sorted(set(modes_wanted) - set(MODES))
-    if unknown:
-        raise_usage(f"unknown bench mode(s) {', '.join(unknown)}; known: {', '.join(MODES)}")
-    target_path = args.target or real_target_layout(args)
-    manifest = read_manifest(target_path) if (target_path / MANIFEST_NAME).is_file() else None
-    if manifest is None and set(modes_wanted) - {"memory-ar", "peer-memory"}:
-        raise_usage(f"flash modes need a flash layout as --target; {target_path} is not one")
-    dtype = DTYPES[args.dtype] if args.dtype else (manifest.torch_dtype if manifest else None)
-    if dtype is None:
-        raise_usage("--dtype is needed when --target is not a flash layout")
-    target = load_checkpoint(target_path, dtype)
-    tokenizer = target.tokenizer
+
+def _split(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def options_from_args(args: argparse.Namespace):
+    from lever_actors.bench.specs import BenchOptions
+    from lever_actors.bench.sweep import SWEEP_FAMILIES
+    from lever_actors.cli import cache_dir
+
+    modes = args.modes or (",".join(SWEEP_FAMILIES) if args.sweep else DEFAULT_MODES)
+    options = BenchOptions(
+        modes=_split(modes),
+        budgets=_split(args.budgets),
+        throttle=args.throttle,
+        chain=tuple(int(k) for k in _split(args.chain)),
+        static_tree=args.static_tree,
+        draft_dtype=args.draft_dtype,
+        dtype=args.dtype,
+        prompt_sets=_split(args.prompt_sets),
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        isolate=args.isolate,
+        order=args.order,
+        memory_limit=args.memory_limit,
+        memory_overhead=args.memory_overhead,
+        cache_dir=str(cache_dir(args)),
+    )
+    options.validate()
+    return options
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    from lever_actors.bench.harness import PromptSet
+    from lever_actors.bench.prompts import load_prompts
+    from lever_actors.bench.specs import NEEDS_DRAFT
+    from lever_actors.cli import cache_dir, raise_usage, real_model_path, real_target_layout
+
+    options = options_from_args(args)
+    target = args.target or real_target_layout(args)
+    draft = args.draft
+    if draft is None and set(options.modes) & set(NEEDS_DRAFT):
+        draft = real_model_path(args, "draft")
+    tokenizer = _tokenizer(target)
     if tokenizer is None:
-        raise_usage(f"{target_path} has no tokenizer")
+        raise_usage(f"{target} has no tokenizer; bench needs one to encode the prompts")
     prompt_sets = [
         PromptSet(
             name,
             [
                 tokenizer.encode(tokenizer.apply_chat_template(text))
-                for text in load_prompts(name, cache_dir(args), args.prompts, args.seed)
+                for text in load_prompts(name, cache_dir(args), options.prompts, options.seed)
             ],
         )
-        for name in args.prompt_sets.split(",")
+        for name in options.prompt_sets
     ]
-    modes = build_modes(args, modes_wanted, target, target_path, manifest, dtype)
-    disk = []
-    if manifest is not None:
-        layer_bytes = max(manifest.layer(i).nbytes for i in range(manifest.args.n_layers))
-        disk.append(profile_disk(target_path / WEIGHTS_NAME, layer_bytes))
-    config = {
-        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "command"
-    }
-    results = trio.run(
-        functools.partial(
-            run_bench,
-            modes,
-            prompt_sets,
-            max_new_tokens=args.max_new_tokens,
-            stop_ids=tokenizer.eos_ids,
-            config=config,
-        )
+    command = shlex.join(["lever-actors", *sys.argv[1:]])
+    if args.sweep:
+        return _sweep(args, options, target, draft, prompt_sets, tokenizer.eos_ids, command)
+    from lever_actors.bench.report import render_markdown
+    from lever_actors.bench.run import bench
+
+    out = args.out or Path("bench/results/latest.json")
+    results = bench(
+        options,
+        target,
+        draft,
+        prompt_sets,
+        tokenizer.eos_ids,
+        out=out,
+        command=command,
+        plots=not args.no_plots,
     )
-    if manifest is not None:
-        disk.append(profile_disk(target_path / WEIGHTS_NAME, layer_bytes))
-    results = msgspec.structs.replace(results, disk=disk)
-    write_results(results, args.out)
-    print(markdown_table(results))
-    for profile in disk:
-        print(f"raw disk: {profile.bandwidth / 1e9:.2f} GB/s ({profile.mode})")
-    for name, ratio in results.ratios.items():
-        print(f"{name}: {ratio:.3f}")
-    print(f"results: {args.out}", file=sys.stderr)
+    print(render_markdown(results, out))
+    print(f"results: {out}", file=sys.stderr)
     return 0
 
 
-def engine_variants(args: argparse.Namespace, name: str) -> list[tuple[str, dict]]:
-    """(mode name, EngineConfig fields) for an engine-backed mode. Conventional SD runs with
-    the pruner and the gain-cost policy off; the Lever ablations turn one policy off each."""
-    conventional = {"early_exit": "off", "projection": "on_demand", "units": "single"}
-    static = f"static:{args.static_tree}"
-    variants = {
-        "flash-ar": [("flash-ar", {"tree": "none", "early_exit": "off"})],
-        "sd-chain": [
-            (f"sd-chain:{k}", {"tree": f"chain:{k}", **conventional}) for k in args.chain.split(",")
-        ],
-        "sd-static": [(f"sd-{static}", {"tree": static, **conventional})],
-        "lever": [("lever", {})],
-        "lever-no-gaincost": [("lever-no-gaincost", {"tree": static})],
-        "lever-no-prune": [("lever-no-prune", {"early_exit": "off"})],
-        "lever-eager": [("lever-eager", {"projection": "eager"})],
-        "lever-single-unit": [("lever-single-unit", {"units": "single"})],
-    }
-    return variants[name]
+def _sweep(args, options, target, draft, prompt_sets, stop_ids, command) -> int:
+    from lever_actors.bench.report import render_markdown
+    from lever_actors.bench.sweep import sweep
+
+    out = args.out or Path("bench/results/sweep.json")
+    results = sweep(
+        options,
+        target,
+        draft,
+        prompt_sets,
+        stop_ids,
+        budgets=_split(args.sweep_budgets),
+        throttles=_split(args.sweep_throttles),
+        out=out,
+        command=command,
+        plots=not args.no_plots,
+    )
+    print(render_markdown(results, out))
+    print(f"sweep results: {out}", file=sys.stderr)
+    return 0
 
 
-def build_modes(args, wanted, target, target_path, manifest, dtype) -> list:
-    """The modes to compare, in the order asked; engine modes get one per budget (and per
-    chain length); the draft is loaded once and shared."""
-    from lever_actors.bench.modes import EngineMode, MemoryAR, PeerMemory
-    from lever_actors.cli import real_model_path
-    from lever_actors.config import EngineConfig
-    from lever_actors.engine import load_draft
+def _tokenizer(target: Path):
+    from lever_actors.checkpoints import load_checkpoint
+    from lever_actors.checkpoints.tokenizer import Tokenizer
+    from lever_actors.device.layout import MANIFEST_NAME, read_manifest
 
-    draft = None
-    if set(wanted) - {"memory-ar", "peer-memory", "flash-ar"}:
-        draft_path = args.draft or real_model_path(args, "draft")
-        draft = load_draft(str(draft_path), args.draft_dtype)
-    modes = []
-    for name in wanted:
-        if name == "memory-ar":
-            modes.append(MemoryAR(target))
-        elif name == "peer-memory":
-            modes.append(PeerMemory(Path(manifest.source) if manifest else target_path, dtype))
-        else:
-            for mode_name, fields in engine_variants(args, name):
-                for label in args.budgets.split(","):
-                    config = EngineConfig(
-                        target=str(target_path),
-                        throttle=args.throttle,
-                        dram_budget=label,
-                        draft_dtype=args.draft_dtype,
-                        **fields,
-                    )
-                    modes.append(EngineMode(f"{mode_name}@{label}", config, draft))
-    return modes
+    if (target / MANIFEST_NAME).is_file():
+        manifest = read_manifest(target)
+        return Tokenizer.from_file(target / manifest.tokenizer) if manifest.tokenizer else None
+    if target.is_dir():
+        path = target / "tokenizer.json"
+        return Tokenizer.from_file(path) if path.is_file() else None
+    import torch
+
+    return load_checkpoint(target, torch.float32).tokenizer
+
+
+def run_report_command(args: argparse.Namespace) -> int:
+    from lever_actors.bench.report import (
+        readme_section,
+        render_markdown,
+        rewrite_readme,
+        write_plots,
+    )
+    from lever_actors.bench.results import BenchResults, read_results
+    from lever_actors.cli import raise_usage
+
+    results = read_results(args.results)
+    if not args.no_plots:
+        for path in write_plots(results, args.results):
+            print(f"plot: {path}", file=sys.stderr)
+    markdown = render_markdown(results, args.results)
+    from lever_actors.bench.report import output_paths
+
+    output_paths(args.results)["markdown"].write_text(markdown)
+    if args.readme is not None:
+        if not isinstance(results, BenchResults):
+            raise_usage(f"{args.results} holds sweep results; --readme takes a bench run's")
+        rewrite_readme(args.readme, readme_section(results, args.readme, args.results))
+        print(f"rewrote the results section of {args.readme}", file=sys.stderr)
+    else:
+        print(markdown)
+    return 0

@@ -1,7 +1,13 @@
-"""The benchmark's results file: msgspec Structs, validated when read back."""
+"""The benchmark's results files: msgspec Structs, validated when read back.
+
+A figure that cannot be computed (a failed mode, a mode without target passes) is None,
+written as null or left out, never NaN: every float in a file is finite.
+"""
 
 from __future__ import annotations
 
+import math
+import os
 import platform
 from datetime import UTC, datetime
 from pathlib import Path
@@ -10,6 +16,13 @@ import msgspec
 import torch
 
 from lever_actors.device.disk_profile import DiskProfile
+from lever_actors.errors import LeverError
+
+SCHEMA_VERSION = 2
+
+
+class ResultsError(LeverError, ValueError):
+    """A results file is missing, corrupted, or not of this schema."""
 
 
 class Machine(msgspec.Struct, frozen=True):
@@ -18,10 +31,13 @@ class Machine(msgspec.Struct, frozen=True):
     torch_version: str
     python_version: str
     date: str
+    memory_bytes: int = 0  # physical memory
+    cgroup: str = ""  # what memory isolation this machine offers (bench/isolation.py)
+    disk_bandwidth: float | None = None  # raw sequential read bytes/s, measured in the run
 
     @classmethod
     def here(cls) -> Machine:
-        import os
+        from lever_actors.bench.isolation import probe_cgroup
 
         return cls(
             cpu=_cpu_name(),
@@ -29,10 +45,26 @@ class Machine(msgspec.Struct, frozen=True):
             torch_version=str(torch.__version__),
             python_version=platform.python_version(),
             date=datetime.now(UTC).strftime("%Y-%m-%d"),
+            memory_bytes=_memory_bytes(),
+            cgroup=probe_cgroup().describe(),
         )
 
 
-class PromptRun(msgspec.Struct, frozen=True):
+class ModeInfo(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What one mode is and the memory it ran under."""
+
+    name: str  # e.g. "lever@25%", "sd-chain:4@25%", "peer-offload@25%", "memory-ar"
+    family: str  # the --modes name it came from: "lever", "sd-chain", "peer-assisted", ...
+    tree: str | None = None  # draft tree policy; None for autoregressive modes
+    budget: str | None = None  # the DRAM budget label; None for memory-resident modes
+    budget_bytes: int | None = None  # target weights allowed in DRAM
+    throttle: str = "none"  # flash profile
+    isolated: bool = False  # ran in its own child process
+    memory_limit_bytes: int | None = None  # the cgroup limit it ran under, if any
+    limit_enforced: bool = False  # True only when a kernel memory limit was in force
+
+
+class PromptRun(msgspec.Struct, frozen=True, omit_defaults=True):
     """One mode decoding one prompt."""
 
     mode: str
@@ -42,44 +74,155 @@ class PromptRun(msgspec.Struct, frozen=True):
     new_tokens: int
     first_token_s: float  # prefill + the first token
     decode_s: float  # the remaining new_tokens - 1 tokens
-    agreement: float  # share of tokens equal to the reference mode's, position by position
+    agreement: float | None  # share of tokens equal to the reference mode's, position by position
     tokens: list[int]
-    bytes_read: int = 0  # from flash during this prompt (prefill included)
-    steps: int = 0  # target passes; 0 for modes without a pipeline
+    bytes_read: int = 0  # from storage during this prompt (prefill included)
+    steps: int = 0  # target passes; 0 where a mode cannot count them
+    peak_rss_bytes: int | None = None  # of the process that ran the mode, so far
+    cgroup_peak_bytes: int | None = None  # of its cgroup (page cache included), so far
+    failed: str | None = None  # the error, when this prompt did not decode
 
     @property
-    def decode_tok_s(self) -> float:
-        return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else float("nan")
+    def decode_tok_s(self) -> float | None:
+        return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else None
 
 
-class ModeSummary(msgspec.Struct, frozen=True):
+class ModeSummary(msgspec.Struct, frozen=True, omit_defaults=True):
     mode: str
     prompt_set: str
-    decode_tok_s: float  # total decoded tokens / total decode seconds
-    mean_first_token_s: float
-    agreement: float
-    mean_accepted: float  # new tokens per target pass (nan where there are no passes)
-    bytes_per_token: float  # flash bytes read per generated token
-    effective_bandwidth: float  # flash bytes read / seconds of the request, bytes/s
+    prompts: int  # prompts decoded without failure
+    decode_tok_s: float | None = None  # total decoded tokens / total decode seconds
+    mean_first_token_s: float | None = None
+    agreement: float | None = None
+    mean_accepted: float | None = None  # new tokens per target pass
+    bytes_per_token: float | None = None  # storage bytes read per generated token
+    effective_bandwidth: float | None = None  # bytes read / seconds of the requests, bytes/s
+    peak_rss_bytes: int | None = None
+    cgroup_peak_bytes: int | None = None
+    failed: str | None = None  # the first error of this mode on this prompt set
 
 
-class BenchResults(msgspec.Struct, frozen=True):
+class Ratios(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Lever's decode tok/s over a baseline's; a baseline that is absent or failed is left out."""
+
+    lever_vs_flash_ar: float | None = None
+    lever_vs_best_sd: float | None = None
+    lever_vs_memory_ar: float | None = None
+    lever_vs_peer: float | None = None
+
+
+class Summary(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The headline ratios at one budget: averaged (arithmetic mean) over the prompt sets
+    where both modes ran, and per prompt set. `compared` names the modes behind each ratio."""
+
+    budget: str | None = None
+    lever_vs_flash_ar: float | None = None
+    lever_vs_best_sd: float | None = None
+    lever_vs_memory_ar: float | None = None
+    lever_vs_peer: float | None = None
+    per_prompt_set: dict[str, Ratios] = {}
+    compared: dict[str, dict[str, str]] = {}  # prompt set -> {"lever": mode, "best_sd": ...}
+
+
+class BenchResults(msgspec.Struct, frozen=True, tag="bench", tag_field="kind"):
     machine: Machine
+    command: str  # the command line that produced this file
     config: dict[str, object]
     reference_mode: str
+    modes: list[ModeInfo]
     runs: list[PromptRun]
     summaries: list[ModeSummary]
-    ratios: dict[str, float]  # "a_vs_b" -> decode tok/s of a / that of b, over all prompt sets
+    summary: Summary
     disk: list[DiskProfile] = []  # raw bandwidth measured in the same run
+    schema: int = SCHEMA_VERSION
+
+    def info(self, mode: str) -> ModeInfo:
+        return next(m for m in self.modes if m.name == mode)
+
+    @property
+    def prompt_sets(self) -> list[str]:
+        return list(dict.fromkeys(s.prompt_set for s in self.summaries))
 
 
-def write_results(results: BenchResults, path: Path) -> None:
+class SweepPoint(msgspec.Struct, frozen=True):
+    """One (flash profile, DRAM budget) point of a sweep: a bench run of its modes."""
+
+    throttle: str
+    budget: str
+    budget_bytes: int
+    target_bytes: int  # the target's weights, what a percentage budget is a share of
+    results: BenchResults
+
+
+class SweepResults(msgspec.Struct, frozen=True, tag="sweep", tag_field="kind"):
+    machine: Machine
+    command: str
+    config: dict[str, object]
+    points: list[SweepPoint]
+    disk: list[DiskProfile] = []
+    schema: int = SCHEMA_VERSION
+
+
+AnyResults = BenchResults | SweepResults
+
+
+def write_results(results: AnyResults, path: Path) -> None:
+    _check_finite(msgspec.to_builtins(results), "results")  # JSON would turn NaN into null
+    raw = msgspec.json.encode(results)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(msgspec.json.format(msgspec.json.encode(results), indent=2) + b"\n")
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    tmp.write_bytes(msgspec.json.format(raw, indent=2) + b"\n")
+    os.replace(tmp, path)
 
 
-def read_results(path: Path) -> BenchResults:
-    return msgspec.json.decode(path.read_bytes(), type=BenchResults)
+def read_results(path: Path) -> AnyResults:
+    """Read and validate a results file; a corrupted or foreign file raises ResultsError."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ResultsError(f"{path}: cannot read results ({e.strerror})") from None
+    try:
+        schema = msgspec.json.decode(raw, type=_SchemaOnly).schema
+    except msgspec.DecodeError as e:
+        raise ResultsError(f"{path}: not a results file ({e})") from None
+    if schema != SCHEMA_VERSION:
+        raise ResultsError(
+            f"{path}: results schema {schema}, this lever_actors reads schema {SCHEMA_VERSION}; "
+            "run the benchmark again"
+        )
+    try:
+        return msgspec.json.decode(raw, type=AnyResults)
+    except msgspec.DecodeError as e:
+        raise ResultsError(f"{path}: invalid results file ({e})") from None
+
+
+def read_bench_results(path: Path) -> BenchResults:
+    results = read_results(path)
+    if not isinstance(results, BenchResults):
+        raise ResultsError(f"{path}: holds sweep results; this needs the results of a bench run")
+    return results
+
+
+class _SchemaOnly(msgspec.Struct):
+    schema: int = 1  # files from before the schema field are schema 1
+
+
+def _check_finite(value: object, where: str) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where} is {value}: results hold finite figures or none")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_finite(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_finite(item, f"{where}[{i}]")
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
 
 
 def _cpu_name() -> str:

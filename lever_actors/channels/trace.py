@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 import torch
+import trio
 
 from lever_actors.channels.messages import (
     Commit,
@@ -87,17 +88,21 @@ class _TracedSend:
         self.tracer.record(self.name, message)
         await self.inner.send(message)
 
-    async def aclose(self) -> None:
-        await self.inner.aclose()
+    def close(self) -> None:
         if not self.closed:
             self.closed = True
             self.tracer.channel_closed()
+        self.inner.close()
 
-    async def __aenter__(self) -> _TracedSend:
+    async def aclose(self) -> None:
+        self.close()
+        await trio.lowlevel.checkpoint()
+
+    def __enter__(self) -> _TracedSend:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def read_trace(path: str | Path) -> list[TraceRecord]:

@@ -18,6 +18,7 @@ from lever_actors.target import FlashTarget
 VERIFY_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 DRAFT_SIZES = [1, 2, 4, 8, 16, 32]
 CONTEXT = 64  # committed positions the probe attends to, like a short prompt
+BANDWIDTH_READS = 4
 
 Progress = Callable[[int, int, str], None]
 
@@ -65,14 +66,18 @@ def profile_costs(
 
 
 def _one_layer(target: FlashTarget) -> tuple[dict[str, torch.Tensor], float]:
-    """A layer's weights to compute with, and the bandwidth seen reading it from flash."""
-    if target.plan.streamed_layers:
-        extent = target.manifest.extent(layer_key(target.plan.streamed_layers[0]))
-        buffer = AlignedBuffer(extent.nbytes)
-        started = time.perf_counter()
+    """A layer's weights to compute with, and the bandwidth seen reading a few streamed
+    layers back to back from flash (one read alone is too noisy to trust)."""
+    streamed = target.plan.streamed_layers
+    if not streamed:
+        return target.resident_layers[0], float("inf")
+    extents = [target.manifest.extent(layer_key(i)) for i in streamed[:BANDWIDTH_READS]]
+    buffer = AlignedBuffer(max(e.nbytes for e in extents))
+    started = time.perf_counter()
+    for extent in extents:
         weights = target.store.read_extent(extent, buffer)
-        return weights, extent.nbytes / (time.perf_counter() - started)
-    return target.resident_layers[0], float("inf")
+    seconds = time.perf_counter() - started
+    return weights, sum(e.nbytes for e in extents) / seconds
 
 
 def _target_layer(target: FlashTarget, weights: dict[str, torch.Tensor], n: int) -> None:

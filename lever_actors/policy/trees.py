@@ -80,7 +80,8 @@ class TreeBuilder:
             if probs is None:
                 out.append(())
                 continue
-            top = torch.topk(probs, SHADOWS + len(children.get(node, ()))).indices.tolist()
+            wanted = min(SHADOWS + len(children.get(node, ())), probs.numel())
+            top = torch.topk(probs, wanted).indices.tolist()
             taken = children.get(node, set())
             out.append(tuple(t for t in top if t not in taken)[:SHADOWS])
         return tuple(out)
@@ -95,7 +96,8 @@ async def grow_static(
     for depth, width in enumerate(widths):
         children = []
         for node in level:
-            top = torch.topk(builder.child_probs[node], min(width, budget))
+            probs = builder.child_probs[node]
+            top = torch.topk(probs, min(width, budget, probs.numel()))
             ranked = enumerate(zip(top.values.tolist(), top.indices.tolist(), strict=True))
             for rank, (prob, token) in ranked:
                 children.append(builder.add(node, token, prob, rank))
@@ -125,7 +127,8 @@ async def grow_gain_cost(
     candidates: list[tuple[float, int, int, float, int]] = []
 
     def offer(node: int) -> None:
-        top = torch.topk(builder.child_probs[node], CANDIDATES)
+        probs = builder.child_probs[node]
+        top = torch.topk(probs, min(CANDIDATES, probs.numel()))
         ranked = enumerate(zip(top.values.tolist(), top.indices.tolist(), strict=True))
         for rank, (prob, token) in ranked:
             gain = path_prob[node] * calibrator.acceptance(prob, rank)

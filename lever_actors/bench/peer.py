@@ -1,0 +1,124 @@
+"""The peer: the transformers library, as a Python user would run it today, on the same
+weights (needs the `dev` extra: transformers and accelerate).
+
+peer-memory: the whole model in DRAM. peer-offload: the target offloaded to disk through
+accelerate (`device_map="auto"`, `max_memory={"cpu": budget}`, `offload_folder`), plain
+greedy `generate`. peer-assisted: the same with `assistant_model=` our draft. The offloaded
+weights are read through the page cache, so their files are evicted before every prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import torch
+import trio
+
+from lever_actors.bench.isolation import evict_from_page_cache, storage_read_bytes
+from lever_actors.bench.modes import Decoded
+from lever_actors.bench.results import ModeInfo
+from lever_actors.device.layout import DTYPE_NAMES
+
+
+class PeerHF:
+    def __init__(
+        self,
+        info: ModeInfo,
+        model: str,  # an HF directory, or a .gguf file (transformers dequantizes it)
+        dtype: str,
+        *,
+        max_memory_bytes: int | None = None,  # DRAM for the target's weights; None: all
+        offload_folder: str | None = None,
+        assistant: str | None = None,  # HF directory of the draft
+        assistant_dtype: str | None = None,
+        evict: tuple[str, ...] = (),  # files and folders to evict before every prompt
+    ) -> None:
+        self.info = info
+        self.model_path = Path(model)
+        self.dtype = DTYPE_NAMES[dtype]
+        self.max_memory_bytes = max_memory_bytes
+        self.offload_folder = offload_folder
+        self.assistant_path = assistant
+        self.assistant_dtype = DTYPE_NAMES[assistant_dtype] if assistant_dtype else self.dtype
+        self.evict = [Path(p) for p in evict]
+        self.assistant = None
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    async def open(self, stack: AsyncExitStack) -> None:
+        await trio.to_thread.run_sync(self._load)
+
+    def _load(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        kwargs: dict = {"dtype": self.dtype}
+        if self.model_path.suffix == ".gguf":
+            directory, kwargs["gguf_file"] = self.model_path.parent, self.model_path.name
+        else:
+            directory = self.model_path
+        if self.max_memory_bytes is not None:
+            kwargs |= {
+                "device_map": "auto",
+                "max_memory": {"cpu": self.max_memory_bytes},
+                "offload_folder": self.offload_folder,
+            }
+        self.model = AutoModelForCausalLM.from_pretrained(str(directory), **kwargs).eval()
+        if self.assistant_path is not None:
+            self.assistant = AutoModelForCausalLM.from_pretrained(
+                self.assistant_path, dtype=self.assistant_dtype
+            ).eval()
+
+    async def decode(
+        self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]
+    ) -> Decoded:
+        return await trio.to_thread.run_sync(self._generate, prompt, max_new_tokens, stop_ids)
+
+    def _generate(
+        self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]
+    ) -> Decoded:
+        evict_from_page_cache(self.evict)
+        stamps = _StampingStreamer()
+        stops = sorted(stop_ids)
+        extra = {"assistant_model": self.assistant} if self.assistant is not None else {}
+        read_before = storage_read_bytes()
+        with torch.inference_mode():
+            out = self.model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=stops or None,
+                pad_token_id=stops[0] if stops else 0,
+                streamer=stamps,
+                **extra,
+            )
+        read_after = storage_read_bytes()
+        tokens = out[0, len(prompt) :].tolist()
+        decoded = Decoded(tokens, stamps.stamps[: len(tokens)], steps=stamps.steps)
+        if read_before is not None and read_after is not None:
+            decoded.bytes_read = read_after - read_before
+        return decoded
+
+
+class _StampingStreamer:
+    """transformers calls put() with the prompt first, then with the tokens of each step:
+    one token per step in plain decoding, the accepted ones plus one in assisted decoding."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+        self.steps = 0
+        self._seen_prompt = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self._seen_prompt:
+            now = time.perf_counter()
+            self.stamps.extend([now] * value.numel())
+            self.steps += 1
+        self._seen_prompt = True
+
+    def end(self) -> None:
+        pass

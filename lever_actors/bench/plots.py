@@ -1,0 +1,133 @@
+"""PNG plots of results (matplotlib, from the `bench` extra, imported only here). Each
+function returns the figures it plotted, so that tests can hold them to the raw results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lever_actors.bench.report import ReportError
+from lever_actors.bench.results import BenchResults, SweepResults
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ReportError("PNG plots need matplotlib: pip install 'lever-actors[bench]'") from None
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def throughput_data(results: BenchResults) -> dict[str, dict[str, float | None]]:
+    """mode -> prompt set -> decode tok/s divided by Lever's on that set (None: failed)."""
+    lever = {p: results.summary.compared.get(p, {}).get("lever") for p in results.prompt_sets}
+    rate = {(s.mode, s.prompt_set): s.decode_tok_s for s in results.summaries}
+    data: dict[str, dict[str, float | None]] = {}
+    for info in results.modes:
+        data[info.name] = {}
+        for p in results.prompt_sets:
+            ours, theirs = rate.get((info.name, p)), rate.get((lever[p], p))
+            data[info.name][p] = ours / theirs if ours is not None and theirs else None
+    return data
+
+
+def throughput_plot(results: BenchResults, path: Path) -> dict[str, dict[str, float | None]]:
+    plt = _pyplot()
+    data = throughput_data(results)
+    modes, sets = list(data), results.prompt_sets
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(modes) + 2), 4.5))
+    width = 0.8 / max(len(sets), 1)
+    for j, prompt_set in enumerate(sets):
+        xs = [i + (j - (len(sets) - 1) / 2) * width for i in range(len(modes))]
+        heights = [data[m][prompt_set] or 0.0 for m in modes]
+        ax.bar(xs, heights, width, label=prompt_set)
+        for x, m in zip(xs, modes, strict=True):
+            if data[m][prompt_set] is None:
+                ax.text(x, 0.02, "failed", rotation=90, ha="center", va="bottom", fontsize=7)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(modes)), modes, rotation=35, ha="right", fontsize=8)
+    ax.set_ylabel("decode tok/s relative to Lever")
+    ax.set_title(f"Throughput normalised to Lever ({results.machine.date})")
+    ax.legend(title="prompt set", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return data
+
+
+def accepted_data(results: BenchResults) -> dict[str, dict[str, float | None]]:
+    """mode (those with a draft tree) -> prompt set -> mean accepted tokens per step."""
+    accepted = {(s.mode, s.prompt_set): s.mean_accepted for s in results.summaries}
+    return {
+        info.name: {p: accepted.get((info.name, p)) for p in results.prompt_sets}
+        for info in results.modes
+        if info.tree is not None
+    }
+
+
+def accepted_plot(results: BenchResults, path: Path) -> dict[str, dict[str, float | None]]:
+    plt = _pyplot()
+    data = accepted_data(results)
+    modes, sets = list(data), results.prompt_sets
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(modes) + 2), 4.5))
+    width = 0.8 / max(len(sets), 1)
+    for j, prompt_set in enumerate(sets):
+        xs = [i + (j - (len(sets) - 1) / 2) * width for i in range(len(modes))]
+        ax.bar(xs, [data[m][prompt_set] or 0.0 for m in modes], width, label=prompt_set)
+    labels = [f"{m}\n({results.info(m).tree})" for m in modes]
+    ax.set_xticks(range(len(modes)), labels, rotation=35, ha="right", fontsize=8)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_ylabel("new tokens per target pass")
+    ax.set_title("Accepted tokens per step, per tree policy")
+    if modes:
+        ax.legend(title="prompt set", fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no speculative modes in this run", ha="center", transform=ax.transAxes)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return data
+
+
+def sweep_plot(
+    results: SweepResults, path: Path
+) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """One panel per flash profile: decode tok/s against the DRAM budget (% of the target)
+    for flash-AR, the best SD mode and Lever. Returns profile -> line -> [(budget %, tok/s)]."""
+    from lever_actors.bench.sweep import SWEEP_LINES, sweep_rates
+
+    plt = _pyplot()
+    rates = sweep_rates(results)
+    throttles = list(dict.fromkeys(p.throttle for p in results.points))
+    data: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    fig, axes = plt.subplots(1, len(throttles), figsize=(4.5 * len(throttles), 4), squeeze=False)
+    for ax, throttle in zip(axes[0], throttles, strict=True):
+        data[throttle] = {}
+        for line in SWEEP_LINES:
+            points = []
+            for p in results.points:
+                if p.throttle != throttle:
+                    continue
+                value = rates[(p.throttle, p.budget)].get(line, (None,))[0]
+                if value is not None:
+                    points.append((_percent(p), value))
+            data[throttle][line] = points
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=line)
+        ax.set_title(f"flash profile: {throttle}")
+        ax.set_xlabel("DRAM budget (% of target weights)")
+        ax.set_ylabel("decode tok/s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return data
+
+
+def _percent(point) -> float:
+    from lever_actors.bench.sweep import budget_percent
+
+    return budget_percent(point)

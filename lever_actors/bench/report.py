@@ -1,0 +1,289 @@
+"""Results as people read them: a markdown table, PNG plots, and the README's Results section
+(rewritten from a results file by `lever-actors report`, never typed by hand)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from lever_actors.bench.results import (
+    AnyResults,
+    BenchResults,
+    ModeSummary,
+    SweepResults,
+    write_results,
+)
+from lever_actors.errors import LeverError
+
+START_MARKER = "<!-- results:start -->"
+END_MARKER = "<!-- results:end -->"
+RATIO_LABELS = {
+    "flash_ar": "flash-AR",
+    "best_sd": "best SD",
+    "memory_ar": "memory-resident AR",
+    "peer": "transformers peer",
+}
+
+
+class ReportError(LeverError, ValueError):
+    """A README without well-formed results markers, or plots without matplotlib."""
+
+
+def output_paths(json_path: Path) -> dict[str, Path]:
+    """Where the files that go with a results JSON are written: beside it, same stem."""
+    stem = json_path.with_suffix("")
+    return {
+        "markdown": stem.with_name(stem.name + ".md"),
+        "throughput": stem.with_name(stem.name + "-throughput.png"),
+        "accepted": stem.with_name(stem.name + "-accepted.png"),
+        "sweep": stem.with_name(stem.name + "-sweep.png"),
+    }
+
+
+def write_outputs(results: AnyResults, json_path: Path, *, plots: bool = True, log=sys.stderr):
+    """The JSON, its markdown and (when matplotlib is installed) its PNGs; returns the paths."""
+    write_results(results, json_path)
+    paths = output_paths(json_path)
+    written = [json_path]
+    paths["markdown"].write_text(render_markdown(results, json_path))
+    written.append(paths["markdown"])
+    if plots:
+        try:
+            written += write_plots(results, json_path)
+        except ReportError as e:
+            print(f"no plots: {e}", file=log)
+    return written
+
+
+def write_plots(results: AnyResults, json_path: Path) -> list[Path]:
+    from lever_actors.bench import plots
+
+    paths = output_paths(json_path)
+    if isinstance(results, SweepResults):
+        plots.sweep_plot(results, paths["sweep"])
+        return [paths["sweep"]]
+    plots.throughput_plot(results, paths["throughput"])
+    plots.accepted_plot(results, paths["accepted"])
+    return [paths["throughput"], paths["accepted"]]
+
+
+def render_markdown(results: AnyResults, json_path: Path | None = None) -> str:
+    if isinstance(results, SweepResults):
+        return sweep_markdown(results)
+    parts = [
+        machine_line(results),
+        "",
+        summary_lines(results),
+        "",
+        markdown_table(results),
+    ]
+    notes = memory_note(results)
+    if notes:
+        parts += ["", notes]
+    return "\n".join(parts) + "\n"
+
+
+def machine_line(results: AnyResults) -> str:
+    m = results.machine
+    disk = ", ".join(f"{d.bandwidth / 1e9:.2f} GB/s ({d.mode})" for d in results.disk)
+    memory = f", {m.memory_bytes / 2**30:.0f} GiB RAM" if m.memory_bytes else ""
+    return (
+        f"Measured {m.date} on {m.cpu} ({m.cores} cores{memory}), torch {m.torch_version}, "
+        f"Python {m.python_version}; raw disk read bandwidth: {disk or 'not measured'}; "
+        f"{m.cgroup or 'memory isolation unknown'}."
+    )
+
+
+def summary_lines(results: BenchResults) -> str:
+    s = results.summary
+    at = f" at a {s.budget} DRAM budget" if s.budget else ""
+    if not s.per_prompt_set:
+        return f"No Lever figures{at} to compare (Lever absent or failed)."
+    lines = [
+        f"Lever's decode speed over each baseline{at} (tok/s ratio, > 1: Lever is faster):",
+        "",
+    ]
+    sets = list(s.per_prompt_set)
+    lines.append("| baseline | mean over prompt sets | " + " | ".join(sets) + " |")
+    lines.append("|---|---|" + "---|" * len(sets))
+    for key, label in RATIO_LABELS.items():
+        mean = getattr(s, f"lever_vs_{key}")
+        if mean is None:
+            continue
+        cells = []
+        for prompt_set in sets:
+            value = getattr(s.per_prompt_set[prompt_set], f"lever_vs_{key}")
+            mode = s.compared.get(prompt_set, {}).get(key)
+            cells.append(f"{value:.2f}x ({mode})" if value is not None else "—")
+        lines.append(f"| {label} | {mean:.2f}x | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown_table(results: BenchResults) -> str:
+    lines = [
+        "| mode | prompt set | decode tok/s | vs Lever | first token s | tokens/step "
+        "| agreement | MB read/token | effective GB/s | peak RSS GiB | memory limit GiB | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    lever = {p: _lever_rate(results, p) for p in results.prompt_sets}
+    for s in results.summaries:
+        info = results.info(s.mode)
+        ratio = (
+            s.decode_tok_s / lever[s.prompt_set]
+            if s.decode_tok_s is not None and lever[s.prompt_set]
+            else None
+        )
+        limit = _gib(info.memory_limit_bytes)
+        if info.memory_limit_bytes is not None:
+            limit += " (enforced)" if info.limit_enforced else " (not enforced)"
+        status = "ok" if s.failed is None else "failed: " + _cell(s.failed)
+        lines.append(
+            f"| {s.mode} | {s.prompt_set} | {_num(s.decode_tok_s)} | {_num(ratio)} "
+            f"| {_num(s.mean_first_token_s)} | {_num(s.mean_accepted)} "
+            f"| {_pct(s.agreement)} | {_num(s.bytes_per_token, 1e6, 1)} "
+            f"| {_num(s.effective_bandwidth, 1e9)} | {_gib(_peak(s))} | {limit} | {status} |"
+        )
+    return "\n".join(lines)
+
+
+def memory_note(results: BenchResults) -> str:
+    isolated = [m for m in results.modes if m.isolated]
+    if not isolated:
+        return (
+            "Peak RSS is of the one harness process that ran every mode (not per mode); "
+            "no memory limit was enforced."
+        )
+    enforced = [m for m in results.modes if m.limit_enforced]
+    if len(enforced) == len(results.modes):
+        return (
+            "Each mode ran in its own process under a kernel-enforced cgroup memory limit "
+            "(page cache included); peak RSS is that process's, the cgroup's peak is used "
+            "where it is higher."
+        )
+    return (
+        "Each mode ran in its own process; peak RSS is that process's. No memory limit was "
+        "enforced (limit_enforced: false)."
+    )
+
+
+def _lever_rate(results: BenchResults, prompt_set: str) -> float | None:
+    lever = results.summary.compared.get(prompt_set, {}).get("lever")
+    for s in results.summaries:
+        if s.mode == lever and s.prompt_set == prompt_set:
+            return s.decode_tok_s
+    return None
+
+
+def _peak(s: ModeSummary) -> int | None:
+    values = [v for v in (s.peak_rss_bytes, s.cgroup_peak_bytes) if v is not None]
+    return max(values) if values else None
+
+
+def _num(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
+    return "—" if value is None else f"{value / scale:.{digits}f}"
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.1f}%"
+
+
+def _gib(value: int | None) -> str:
+    return "—" if value is None else f"{value / 2**30:.2f}"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def sweep_markdown(results: SweepResults) -> str:
+    from lever_actors.bench.sweep import SWEEP_LINES, sweep_rates
+
+    rates = sweep_rates(results)
+    lines = [
+        machine_line(results),
+        "",
+        "Decode tok/s over all prompt sets; best SD is the fastest SD mode at each point.",
+        "",
+        "| flash profile | DRAM budget | " + " | ".join(SWEEP_LINES) + " | Lever vs flash-AR |",
+        "|---|---|" + "---|" * (len(SWEEP_LINES) + 1),
+    ]
+    for point in results.points:
+        row = rates[(point.throttle, point.budget)]
+        cells = []
+        for line in SWEEP_LINES:
+            value, mode, failed = row.get(line, (None, None, None))
+            if value is not None:
+                cells.append(f"{value:.2f}" + (f" ({mode})" if line == "best SD" else ""))
+            else:
+                cells.append("failed: " + _cell(failed) if failed else "—")
+        lever, flash = row.get("Lever", (None,))[0], row.get("flash-AR", (None,))[0]
+        ratio = f"{lever / flash:.2f}x" if lever is not None and flash else "—"
+        lines.append(
+            f"| {point.throttle} | {point.budget} | " + " | ".join(cells) + f" | {ratio} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def readme_section(results: BenchResults, readme: Path, json_path: Path) -> str:
+    """The text between the markers: machine, date, command, ratios, table, plots."""
+    base = readme.parent
+    paths = output_paths(json_path)
+    parts = [
+        f"<!-- generated by `lever-actors report {_rel(json_path, base)} --readme "
+        f"{_rel(readme, base)}`; edits here are overwritten -->",
+        "",
+        machine_line(results),
+        "",
+        "Produced by:",
+        "",
+        "```",
+        results.command or "(command not recorded)",
+        "```",
+        "",
+        summary_lines(results),
+        "",
+        markdown_table(results),
+        "",
+        memory_note(results),
+        "",
+        f"Raw figures: [{_rel(json_path, base)}]({_rel(json_path, base)}).",
+    ]
+    images = [
+        f"![{label}]({_rel(paths[key], base)})"
+        for key, label in (
+            ("throughput", "decode throughput normalised to Lever"),
+            ("accepted", "accepted tokens per step per tree policy"),
+        )
+        if paths[key].is_file()
+    ]
+    if images:
+        parts += ["", *images]
+    return "\n".join(parts)
+
+
+def rewrite_readme(readme: Path, section: str) -> None:
+    """Replace what lies between the results markers of `readme` with `section`; nothing
+    else in the file changes."""
+    try:
+        text = readme.read_text()
+    except OSError as e:
+        raise ReportError(f"{readme}: cannot read ({e.strerror})") from None
+    starts, ends = text.count(START_MARKER), text.count(END_MARKER)
+    if starts != 1 or ends != 1:
+        raise ReportError(
+            f"{readme}: needs exactly one {START_MARKER} and one {END_MARKER} line around the "
+            f"results section (found {starts} and {ends})"
+        )
+    head, rest = text.split(START_MARKER)
+    if END_MARKER not in rest:
+        raise ReportError(f"{readme}: {END_MARKER} comes before {START_MARKER}")
+    _, tail = rest.split(END_MARKER)
+    new = f"{head}{START_MARKER}\n{section.strip()}\n{END_MARKER}{tail}"
+    tmp = readme.with_name(f".{readme.name}.partial-{os.getpid()}")
+    tmp.write_text(new)
+    os.replace(tmp, readme)
+
+
+def _rel(path: Path, base: Path) -> str:
+    return os.path.relpath(path.resolve(), base.resolve())

@@ -1,0 +1,99 @@
+"""One benchmark run from options to files: plan the modes, run them (in this process or
+one child process each), measure the raw disk in the same run, write JSON, markdown, PNGs.
+The CLI adds prompt sets and a tokenizer; tests pass token ids directly."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+import trio
+
+from lever_actors.bench.harness import PromptSet, run_bench
+from lever_actors.bench.isolation import CgroupSupport, probe_cgroup
+from lever_actors.bench.report import write_outputs
+from lever_actors.bench.results import BenchResults, Machine
+from lever_actors.bench.specs import BenchOptions, PlannedMode, open_in_process, plan_modes
+from lever_actors.device.disk_profile import DiskProfile, profile_disk
+from lever_actors.device.layout import MANIFEST_NAME, WEIGHTS_NAME, read_manifest
+
+DISK_PROFILE_BYTES = 2**30  # read at most this much of the layout to measure the raw disk
+
+
+def make_modes(
+    planned: Sequence[PlannedMode],
+    options: BenchOptions,
+    cgroups: CgroupSupport | None = None,
+    drafts: dict | None = None,
+) -> list:
+    """Isolated: one child process per mode (under a memory cgroup where `cgroups` is
+    usable); else the modes run in this process and share loaded drafts through `drafts`."""
+    if options.isolate:
+        from lever_actors.bench.isolated_mode import ChildMode
+
+        return [ChildMode(p, cgroups) for p in planned]
+    drafts = {} if drafts is None else drafts
+    return [open_in_process(p, drafts) for p in planned]
+
+
+def measure_disk(target: Path) -> DiskProfile | None:
+    """Raw sequential read bandwidth under the target's flash layout, in layer-sized reads."""
+    if not (target / MANIFEST_NAME).is_file():
+        return None
+    manifest = read_manifest(target)
+    layer_bytes = max(manifest.layer(i).nbytes for i in range(manifest.args.n_layers))
+    return profile_disk(target / WEIGHTS_NAME, layer_bytes, DISK_PROFILE_BYTES)
+
+
+def with_disk(results, profiles: list[DiskProfile | None]):
+    profiles = [p for p in profiles if p is not None]
+    bandwidth = sum(p.bandwidth for p in profiles) / len(profiles) if profiles else None
+    machine = msgspec.structs.replace(results.machine, disk_bandwidth=bandwidth)
+    return msgspec.structs.replace(results, machine=machine, disk=profiles)
+
+
+def bench(
+    options: BenchOptions,
+    target: Path,
+    draft: Path | None,
+    prompt_sets: Sequence[PromptSet],
+    stop_ids: frozenset[int],
+    *,
+    out: Path | None = None,
+    command: str = "",
+    plots: bool = True,
+    log=sys.stderr,
+) -> BenchResults:
+    cgroups = probe_cgroup() if options.isolate else None
+    if cgroups is not None and not cgroups.usable:
+        print(f"--isolate: {cgroups.describe()}; peak RSS only", file=log)
+    planned = plan_modes(options, target, draft)
+    modes = make_modes(planned, options, cgroups)
+    before = measure_disk(target)
+    results = trio.run(
+        functools.partial(
+            run_bench,
+            modes,
+            prompt_sets,
+            max_new_tokens=options.max_new_tokens,
+            stop_ids=stop_ids,
+            config=msgspec.to_builtins(options),
+            command=command,
+            order=options.order,
+            budget=options.budgets[0] if options.budgets else None,
+            log=log,
+        )
+    )
+    results = with_disk(results, [before, measure_disk(target)])
+    if out is not None:
+        write_outputs(results, out, plots=plots, log=log)
+    return results
+
+
+def machine_here(disk: list[DiskProfile | None]) -> Machine:
+    profiles = [p for p in disk if p is not None]
+    bandwidth = sum(p.bandwidth for p in profiles) / len(profiles) if profiles else None
+    return msgspec.structs.replace(Machine.here(), disk_bandwidth=bandwidth)

@@ -1,0 +1,395 @@
+"""The verifier alone: trees, layers, prune verdicts and commits in; slot releases, exit
+probes and final hidden states out. Its final states equal a direct computation of the
+target over the tree, with pruned nodes and their descendants left out."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import trio
+
+import lever_actors.actors.verifier as verifier_module
+from lever_actors.actors.jitter import Jitter
+from lever_actors.actors.verifier import Verifier, VerifierInbox, VerifierOutbox
+from lever_actors.channels.messages import (
+    Commit,
+    DraftTree,
+    ExitProbe,
+    FinalHidden,
+    LayerWeights,
+    PruneVerdict,
+    SlotRelease,
+)
+from lever_actors.checkpoints import load_checkpoint
+from lever_actors.checkpoints.convert import convert
+from lever_actors.device.units import ComputeUnit
+from lever_actors.model.placement import tree_placement
+from lever_actors.model.transformer import Transformer
+from lever_actors.model.tree import TokenTree
+from lever_actors.model.weights import ModelWeights
+from lever_actors.target import FlashTarget
+from tests.tiny_hf import save_tiny, tiny_model
+
+PROMPT = [3, 14, 15, 92, 65]
+N_LAYERS = 4
+EXIT = 1
+TIMEOUT = 20
+# below the committed prompt (nodes 0..4): 5 -> {6 -> {8, 9}, 7 -> {10}}
+DRAFT_PARENTS = (4, 5, 5, 6, 6, 7)
+DRAFT_TOKENS = (20, 21, 22, 23, 24, 25)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def layout(request, tmp_path_factory):
+    hf = save_tiny(
+        tiny_model(request.param, seed=2, layers=N_LAYERS), tmp_path_factory.mktemp("hf") / "m"
+    )
+    out = tmp_path_factory.mktemp("flash") / "layout"
+    convert(hf, out, torch.float64)
+    return out
+
+
+@pytest.fixture
+def target(layout):
+    target = FlashTarget(layout, "all")
+    yield target
+    target.close()
+
+
+@pytest.fixture(scope="module")
+def reference(layout) -> Transformer:
+    checkpoint = load_checkpoint(layout, torch.float64)
+    return Transformer(checkpoint.args, checkpoint.weights)
+
+
+def draft_tree(step: int, committed: list[int], parents=DRAFT_PARENTS, tokens=DRAFT_TOKENS):
+    """The committed chain, then draft nodes whose parents are given relative to a
+    five-token chain (node 4 = the last committed token)."""
+    n = len(committed)
+    shift = n - len(PROMPT)
+    all_parents = tuple(range(-1, n - 1)) + tuple(p + shift for p in parents)
+    all_tokens = tuple(committed) + tuple(tokens)
+    return DraftTree(
+        step=step,
+        tokens=all_tokens,
+        parents=all_parents,
+        n_committed=n,
+        draft_probs=(1.0,) * n + (0.5,) * len(tokens),
+        draft_ranks=tuple(all_parents[:i].count(p) for i, p in enumerate(all_parents)),
+        shadows=((),) * len(all_tokens),
+        draft_seconds=0.0,
+        draft_rounds=(),
+    )
+
+
+def direct(
+    model: Transformer, context: list[int], tree: DraftTree, layers: int | None = None
+) -> torch.Tensor:
+    """The target's hidden states over the tree after `layers` layers (default all), the
+    committed context first run as a chain in a fresh cache. -> [len(tree), d_model]"""
+    if layers is not None:
+        w = model.weights
+        model = Transformer(
+            model.args, ModelWeights(w.embed, w.final_norm, w.lm_head, w.layers[:layers])
+        )
+    t = TokenTree(tree.tokens, tree.parents)
+    cache = model.new_cache(len(context) + len(t))
+    if context:
+        model.forward(torch.tensor(context), cache)
+        cache.commit(len(context))
+    place = tree_placement(model.rope, cache.length, t, model.dtype)
+    return model.forward(torch.tensor(t.tokens), cache, place)
+
+
+class Wired:
+    """A verifier with channels we hold the other ends of. Layers are fed by hand from the
+    target's resident weights, each tagged with a made-up ring slot to be released."""
+
+    def __init__(self, target: FlashTarget, exit_layer: int | None = EXIT, audit_every=0):
+        self.target = target
+        self.verifier = Verifier(
+            target, 64, exit_layer, ComputeUnit("npu"), Jitter(0, 0), audit_every
+        )
+        self.trees, trees = trio.open_memory_channel[DraftTree](1)
+        self.layers, layers = trio.open_memory_channel[LayerWeights](N_LAYERS)
+        self.verdicts, verdicts = trio.open_memory_channel[PruneVerdict](1)
+        self.commits, commits = trio.open_memory_channel[Commit](1)
+        releases, self.releases = trio.open_memory_channel[SlotRelease](N_LAYERS)
+        probes, self.probes = trio.open_memory_channel[ExitProbe](1)
+        finals, self.finals = trio.open_memory_channel[FinalHidden](1)
+        self.inbox = VerifierInbox(trees, layers, verdicts, commits)
+        self.released: list[SlotRelease] = []
+        self.outbox = VerifierOutbox(releases, probes, finals)
+
+    def ours(self):
+        """Our ends, for one `async with`."""
+        return (
+            self.trees,
+            self.layers,
+            self.verdicts,
+            self.commits,
+            self.releases,
+            self.probes,
+            self.finals,
+        )
+
+    async def send_layers(self, step: int, slots: bool = True) -> None:
+        for layer in range(N_LAYERS):
+            await self.layers.send(
+                LayerWeights(
+                    step=step,
+                    layer=layer,
+                    tensors=self.target.resident_layers[layer],
+                    slot=(10 + layer) if slots else None,
+                )
+            )
+
+    async def verify(self, tree: DraftTree, dropped=()) -> tuple[ExitProbe, FinalHidden]:
+        """One step with a probe: send the tree and layers, answer the probe."""
+        await self.trees.send(tree)
+        await self.send_layers(tree.step)
+        probe = await self.probes.receive()
+        await self.verdicts.send(PruneVerdict(step=tree.step, dropped=tuple(dropped)))
+        final = await self.finals.receive()
+        self.drain_releases()
+        return probe, final
+
+    def drain_releases(self) -> None:
+        """Take the slot releases sent so far (each is sent before the step's final)."""
+        while True:
+            try:
+                self.released.append(self.releases.receive_nowait())
+            except trio.WouldBlock:
+                return
+
+
+async def test_final_hidden_equals_direct_computation(target, reference):
+    wired = Wired(target)
+    tree = draft_tree(0, PROMPT)
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(wired.verifier.run, wired.inbox, wired.outbox)
+            async with contextlib.AsyncExitStack() as stack:
+                for end in wired.ours():
+                    await stack.enter_async_context(end)
+                probe, final = await wired.verify(tree)
+
+    assert probe.step == 0 and probe.layer == EXIT and probe.tree == tree
+    assert probe.nodes == tuple(range(len(tree.tokens)))
+    torch.testing.assert_close(
+        probe.hidden, direct(reference, [], tree, layers=EXIT + 1), rtol=1e-10, atol=1e-10
+    )
+
+    assert final.step == 0 and final.tree == tree
+    assert final.nodes == tuple(range(len(tree.tokens)))
+    assert final.hidden.dtype == torch.float64
+    torch.testing.assert_close(final.hidden, direct(reference, [], tree), rtol=1e-10, atol=1e-10)
+    assert final.pruned == 0 and final.saved_node_layers == 0
+    assert final.io_wait_seconds >= 0 and final.verify_seconds > 0
+    # every ring slot is handed back, in layer order, as soon as its layer is done
+    assert wired.released == [SlotRelease(step=0, slot=10 + layer) for layer in range(N_LAYERS)]
+
+
+async def test_the_next_step_after_a_commit_sees_exactly_the_accepted_path(target, reference):
+    wired = Wired(target)
+    first = draft_tree(0, PROMPT)
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(wired.verifier.run, wired.inbox, wired.outbox)
+            async with contextlib.AsyncExitStack() as stack:
+                for end in wired.ours():
+                    await stack.enter_async_context(end)
+                await wired.verify(first)
+                # accept 5 -> 7 -> 10, skipping the sibling subtree at offsets 6, 8, 9
+                accepted = (*range(len(PROMPT)), 5, 7, 10)
+                await wired.commits.send(Commit(step=0, accepted=accepted, next_tokens=(33,)))
+                second = draft_tree(1, [33], parents=(4, 4, 5), tokens=(40, 41, 42))
+                _, final = await wired.verify(second)
+                await wired.commits.send(
+                    Commit(step=1, accepted=(0, 1), next_tokens=(50,))
+                )  # accept node 1 (token 40) below the bonus
+                third = draft_tree(2, [50], parents=(4,), tokens=(60,))
+                _, final3 = await wired.verify(third)
+
+    context = PROMPT + [first.tokens[n] for n in accepted[len(PROMPT) :]]
+    torch.testing.assert_close(
+        final.hidden, direct(reference, context, second), rtol=1e-10, atol=1e-10
+    )
+    torch.testing.assert_close(
+        final3.hidden, direct(reference, context + [33, 40], third), rtol=1e-10, atol=1e-10
+    )
+
+
+@pytest.mark.parametrize(
+    ("dropped", "alive"),
+    [
+        pytest.param((6,), (0, 1, 2, 3, 4, 5, 7, 10), id="subtree"),
+        pytest.param((8, 10), (0, 1, 2, 3, 4, 5, 6, 7, 9), id="leaves"),
+        pytest.param((5,), (0, 1, 2, 3, 4), id="all-drafts"),
+        pytest.param((0, 3, 9), (0, 1, 2, 3, 4, 5, 6, 7, 8, 10), id="committed-never-dropped"),
+    ],
+)
+async def test_pruned_nodes_and_descendants_skip_the_remaining_layers(
+    target, reference, dropped, alive
+):
+    wired = Wired(target)
+    tree = draft_tree(0, PROMPT)
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(wired.verifier.run, wired.inbox, wired.outbox)
+            async with contextlib.AsyncExitStack() as stack:
+                for end in wired.ours():
+                    await stack.enter_async_context(end)
+                _, final = await wired.verify(tree, dropped)
+                # the KV cache of the survivors is right: continue with their path
+                await wired.commits.send(
+                    Commit(step=0, accepted=(*range(len(PROMPT)), *alive[5:6]), next_tokens=(7,))
+                )
+                nxt = draft_tree(1, [7], parents=(4,), tokens=(8,))
+                _, final2 = await wired.verify(nxt)
+    assert final.nodes == alive
+    expected = direct(reference, [], tree)[list(alive)]
+    torch.testing.assert_close(final.hidden, expected, rtol=1e-10, atol=1e-10)
+    n_pruned = len(tree.tokens) - len(alive)
+    assert final.pruned == n_pruned
+    assert final.saved_node_layers == n_pruned * (N_LAYERS - 1 - EXIT)
+    context = PROMPT + [tree.tokens[n] for n in alive[5:6]]
+    torch.testing.assert_close(
+        final2.hidden, direct(reference, context, nxt), rtol=1e-10, atol=1e-10
+    )
+
+
+async def test_an_audit_step_runs_the_dropped_nodes_anyway(target, reference):
+    wired = Wired(target, audit_every=1)
+    tree = draft_tree(0, PROMPT)
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(wired.verifier.run, wired.inbox, wired.outbox)
+            async with contextlib.AsyncExitStack() as stack:
+                for end in wired.ours():
+                    await stack.enter_async_context(end)
+                _, final = await wired.verify(tree, dropped=(6,))
+    assert final.audit
+    assert final.would_drop == (6, 8, 9)
+    assert final.nodes == tuple(range(len(tree.tokens)))
+    torch.testing.assert_close(final.hidden, direct(reference, [], tree), rtol=1e-10, atol=1e-10)
+
+
+async def test_no_probe_without_draft_nodes_or_without_an_exit_layer(target, reference):
+    chain_only = draft_tree(0, PROMPT, parents=(), tokens=())
+    for exit_layer, tree in [(EXIT, chain_only), (None, draft_tree(0, PROMPT))]:
+        wired = Wired(target, exit_layer=exit_layer)
+        with trio.fail_after(TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(wired.verifier.run, wired.inbox, wired.outbox)
+                async with contextlib.AsyncExitStack() as stack:
+                    for end in wired.ours():
+                        await stack.enter_async_context(end)
+                    await wired.trees.send(tree)
+                    await wired.send_layers(0, slots=False)
+                    final = await wired.finals.receive()
+                    with pytest.raises(trio.WouldBlock):
+                        wired.probes.receive_nowait()
+                    with pytest.raises(trio.WouldBlock):  # resident layers: nothing to release
+                        wired.releases.receive_nowait()
+        assert final.nodes == tuple(range(len(tree.tokens)))
+        torch.testing.assert_close(
+            final.hidden, direct(reference, [], tree), rtol=1e-10, atol=1e-10
+        )
+
+
+@pytest.mark.parametrize(("step", "layer"), [(1, 0), (0, 1)])
+async def test_a_layer_out_of_order_is_an_error(target, step, layer):
+    wired = Wired(target)
+    with trio.fail_after(TIMEOUT):
+        with pytest.RaisesGroup(
+            pytest.RaisesExc(RuntimeError, match=r"expected layer 0 of step 0")
+        ):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(wired.verifier.run, wired.inbox, wired.outbox)
+                async with contextlib.AsyncExitStack() as stack:
+                    for end in wired.ours():
+                        await stack.enter_async_context(end)
+                    await wired.trees.send(draft_tree(0, PROMPT))
+                    await wired.layers.send(
+                        LayerWeights(
+                            step=step,
+                            layer=layer,
+                            tensors=target.resident_layers[layer],
+                            slot=None,
+                        )
+                    )
+                    with contextlib.suppress(trio.EndOfChannel):
+                        await wired.finals.receive()
+
+
+async def test_closing_the_trees_ends_the_verifier_and_all_its_outboxes(target):
+    wired = Wired(target)
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(wired.verifier.run, wired.inbox, wired.outbox)
+            async with contextlib.AsyncExitStack() as stack:
+                for end in wired.ours():
+                    await stack.enter_async_context(end)
+                tree = draft_tree(0, PROMPT)
+                await wired.verify(tree)
+                await wired.commits.send(
+                    Commit(step=0, accepted=tuple(range(len(PROMPT))), next_tokens=(1,))
+                )
+                await wired.trees.aclose()
+                for outbox in (wired.releases, wired.probes, wired.finals):
+                    with pytest.raises(trio.EndOfChannel):
+                        await outbox.receive()
+
+
+async def test_closing_the_commits_while_waiting_for_one_ends_the_verifier(target):
+    wired = Wired(target)
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(wired.verifier.run, wired.inbox, wired.outbox)
+            async with contextlib.AsyncExitStack() as stack:
+                for end in wired.ours():
+                    await stack.enter_async_context(end)
+                await wired.verify(draft_tree(0, PROMPT))
+                await wired.commits.aclose()
+                with pytest.raises(trio.EndOfChannel):
+                    await wired.finals.receive()
+
+
+async def test_an_error_survives_a_peer_failing_while_the_verifier_closes(target, monkeypatch):
+    """In the engine the step loop fails (EndOfChannel) as soon as the pipeline's channels
+    close under it, and the nursery then cancels everyone. The verifier's own error must
+    still reach the nursery, not be replaced by that Cancelled while its ends close."""
+
+    class LayerBroke(Exception):
+        pass
+
+    class PeerSawTheEnd(Exception):
+        pass
+
+    def broken(*args):
+        raise LayerBroke("layer 0 broke")
+
+    monkeypatch.setattr(verifier_module, "layer_forward", broken)
+    wired = Wired(target)
+
+    async def peer():  # stands for the projector and the engine behind it
+        try:
+            await wired.finals.receive()
+        except trio.EndOfChannel:
+            raise PeerSawTheEnd from None
+
+    with trio.fail_after(TIMEOUT):
+        with pytest.raises(BaseExceptionGroup) as raised:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(wired.verifier.run, wired.inbox, wired.outbox)
+                nursery.start_soon(peer)
+                async with contextlib.AsyncExitStack() as stack:
+                    for end in wired.ours():
+                        await stack.enter_async_context(end)
+                    await wired.trees.send(draft_tree(0, PROMPT))
+                    await wired.send_layers(0)
+                    await trio.sleep_forever()
+    assert raised.value.subgroup(LayerBroke) is not None, f"the error was lost: {raised.value!r}"

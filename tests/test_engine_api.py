@@ -1,0 +1,589 @@
+"""The engine's public API: streamed events, generate() statistics, early exit and
+cancellation, actor failures surfacing as themselves, bad input refused before any work,
+message traces and channel statistics."""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from collections import Counter
+from contextlib import aclosing
+from pathlib import Path
+
+import pytest
+import tokenizers
+import torch
+import trio
+from tokenizers import decoders, models
+
+from lever_actors.actors.drafter import Drafter
+from lever_actors.actors.projector import Projector
+from lever_actors.actors.verifier import Verifier
+from lever_actors.channels.messages import (
+    Commit,
+    DraftRequest,
+    DraftTree,
+    ExitProbe,
+    FinalHidden,
+    LayerWeights,
+    PruneVerdict,
+    SlotRelease,
+    Verdict,
+)
+from lever_actors.channels.trace import TraceRecord, read_trace
+from lever_actors.checkpoints.convert import convert
+from lever_actors.checkpoints.hf import load_hf
+from lever_actors.config import ChannelSizes, EngineConfig
+from lever_actors.device.budget import minimum_budget
+from lever_actors.device.layout import read_manifest
+from lever_actors.engine import Engine
+from lever_actors.errors import ConfigError
+from lever_actors.model.greedy import greedy_reference
+from lever_actors.model.transformer import Transformer
+from tests.tiny_hf import save_tiny, tiny_model
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
+NEW = 12
+N_LAYERS = 4
+TIMEOUT = 30  # seconds, for anything a test awaits: generous on a busy 2-core machine
+# 95 printable ASCII characters + newline + tab = the tiny models' 97-token vocabulary
+CHARS = "".join(chr(c) for c in range(32, 127)) + "\n\t"
+
+
+def write_tokenizer(directory: Path, chars: str) -> None:
+    """A character-level tokenizer.json: one token per character, id = position in `chars`."""
+    backend = tokenizers.Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
+    backend.decoder = decoders.Fuse()
+    backend.save(str(directory / "tokenizer.json"))
+
+
+class Models:
+    """Everything the tests open engines on, built once per module."""
+
+    def __init__(self, root: Path) -> None:
+        target = tiny_model("llama", seed=0, layers=N_LAYERS)
+        self.target_hf = save_tiny(target, root / "target")
+        write_tokenizer(self.target_hf, CHARS)
+        self.layout = root / "layout"
+        convert(self.target_hf, self.layout, torch.float64)
+        manifest = read_manifest(self.layout)
+        # layer 0 resident, the other layers streamed through the ring: slots are used
+        self.budget = minimum_budget(manifest) + manifest.layer(0).nbytes
+
+        # a draft that agrees with the target often but not always: the target, perturbed
+        with torch.no_grad():
+            for p in target.parameters():
+                p.add_(0.08 * torch.randn_like(p))
+        self.draft_hf = save_tiny(target, root / "draft")
+        write_tokenizer(self.draft_hf, CHARS)
+
+        self.other_vocab_hf = save_tiny(
+            tiny_model("llama", seed=1, layers=2, vocab=101), root / "v"
+        )
+        self.other_tokenizer_hf = save_tiny(tiny_model("llama", seed=1, layers=2), root / "t")
+        write_tokenizer(self.other_tokenizer_hf, CHARS[::-1])  # same size, other mapping
+
+        reference = load_hf(self.target_hf, torch.float64)
+        self.model = Transformer(reference.args, reference.weights)
+        self.tokenizer = reference.tokenizer
+        self.expected = greedy_reference(self.model, PROMPT, 40)
+
+    def config(self, **overrides) -> EngineConfig:
+        settings = dict(
+            target=str(self.layout),
+            draft=str(self.draft_hf),
+            draft_dtype="float64",
+            dram_budget=self.budget,
+            tree="chain:3",
+            early_exit="none",
+        )
+        return EngineConfig(**(settings | overrides))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Models:
+    return Models(tmp_path_factory.mktemp("engine_api"))
+
+
+async def collect(engine: Engine, prompt=PROMPT, n: int = NEW, **kw) -> list:
+    with trio.fail_after(TIMEOUT):
+        return [event async for event in engine.stream(prompt, max_new_tokens=n, **kw)]
+
+
+async def generate(engine: Engine, prompt=PROMPT, n: int = NEW, **kw):
+    with trio.fail_after(TIMEOUT):
+        return await engine.generate(prompt, max_new_tokens=n, **kw)
+
+
+# ------------------------------------------------------------------ streaming and results
+
+
+async def test_stream_events_carry_token_text_step_origin_and_time(tiny):
+    async with Engine.open(tiny.config()) as engine:
+        events = await collect(engine)
+    tokens = [e.token for e in events]
+    assert tokens == tiny.expected[:NEW]
+    assert "".join(e.text for e in events) == tiny.tokenizer.decode(tokens)
+    for e in events:
+        assert e.text == CHARS[e.token]  # one character per token, delivered with it
+    steps = [e.step for e in events]
+    assert steps[0] == 0 and steps == sorted(steps)
+    assert set(steps) == set(range(steps[-1] + 1))  # every step emits at least one token
+    times = [e.elapsed_seconds for e in events]
+    assert times[0] >= 0 and times == sorted(times)
+    for step in set(steps):
+        origin = [e.from_draft for e in events if e.step == step]
+        # accepted draft tokens first, then the target's own bonus token (cut short only
+        # when max_new_tokens is reached mid-step)
+        drafted = origin.count(True)
+        assert origin[:drafted] == [True] * drafted
+        assert origin[drafted:] in ([False], []) and drafted <= 3
+        if step != steps[-1]:
+            assert origin[-1] is False
+
+
+async def test_an_identical_draft_is_always_accepted(tiny):
+    async with Engine.open(tiny.config(draft=str(tiny.target_hf))) as engine:
+        events = await collect(engine)
+        result = await generate(engine)
+    assert [e.token for e in events] == result.tokens == tiny.expected[:NEW]
+    assert [e.from_draft for e in events] == [True, True, True, False] * (NEW // 4)
+    assert [e.step for e in events] == [s for s in range(NEW // 4) for _ in range(4)]
+    assert len(result.steps) == NEW // 4
+    assert result.mean_accepted == 4.0
+    assert all(s.new_tokens == 4 for s in result.steps)
+
+
+async def test_generate_returns_tokens_text_and_step_statistics(tiny):
+    async with Engine.open(tiny.config()) as engine:
+        result = await generate(engine, n=20)
+    assert result.tokens == tiny.expected[:20]
+    assert result.text == tiny.tokenizer.decode(result.tokens)
+    steps = result.steps
+    assert [s.step for s in steps] == list(range(len(steps)))
+    assert sum(s.new_tokens for s in steps) >= 20
+    assert sum(s.new_tokens for s in steps[:-1]) < 20
+    assert 1 <= len(steps) <= 20
+    assert result.mean_accepted == pytest.approx(sum(s.new_tokens for s in steps) / len(steps))
+    assert 1.0 <= result.mean_accepted <= 4.0
+    assert steps[0].tree_nodes == len(PROMPT) + 3  # the prompt, then chain:3
+    for s in steps[1:]:
+        assert s.tree_nodes == 1 + 3  # last step's bonus token, then chain:3
+    for s in steps:
+        assert s.live_nodes == s.tree_nodes and s.pruned == 0  # early_exit none keeps all
+        assert 1 <= s.new_tokens <= 4
+        for seconds in (s.draft_seconds, s.io_wait_seconds, s.verify_seconds, s.project_seconds):
+            assert seconds >= 0
+        assert s.step_seconds > 0
+    assert result.prefill_seconds > 0 and result.decode_seconds > 0
+    assert result.decode_tokens_per_second > 0
+
+
+async def test_a_text_prompt_is_tokenized_and_stop_strings_end_the_request(tiny):
+    text = "def f(x):"
+    ids = tiny.tokenizer.encode(text)
+    assert len(ids) == len(text)
+    expected = greedy_reference(tiny.model, ids, 20)
+    full = tiny.tokenizer.decode(expected)
+    stop = full[5:7]
+    cut = next(k for k in range(1, 21) if stop in tiny.tokenizer.decode(expected[:k]))
+    async with Engine.open(tiny.config()) as engine:
+        assert (await generate(engine, text, 20)).tokens == expected
+        result = await generate(engine, text, 20, stop=[stop])
+    assert result.tokens == expected[:cut]
+    assert stop in result.text and stop not in result.text[:-1]
+
+
+# -------------------------------------------------------- leaving early, cancellation
+
+
+async def test_breaking_out_of_the_loop_stops_the_request(tiny):
+    async with Engine.open(tiny.config()) as engine:
+        with trio.fail_after(TIMEOUT):
+            # closing the generator explicitly (what `aclosing` does) cancels at once
+            async with aclosing(engine.stream(PROMPT, max_new_tokens=30)) as events:
+                async for event in events:
+                    if event.token == tiny.expected[2] and event.elapsed_seconds >= 0:
+                        break
+            # a bare `break`: trio finalizes the abandoned generator, which cancels it too
+            seen = 0
+            async for _ in engine.stream(PROMPT, max_new_tokens=30):
+                seen += 1
+                if seen == 3:
+                    break
+        assert (await generate(engine)).tokens == tiny.expected[:NEW]
+        assert engine.npu.running == engine.cpu.running == 0
+
+
+async def test_cancelling_the_callers_scope_stops_the_request(tiny):
+    async with Engine.open(tiny.config()) as engine:
+        with trio.fail_after(TIMEOUT):
+            with trio.CancelScope() as scope:
+                async for event in engine.stream(PROMPT, max_new_tokens=30):
+                    if event.step == 1:
+                        scope.cancel()
+            assert scope.cancelled_caught
+            with trio.move_on_after(0.02) as timer:
+                await engine.generate(PROMPT, max_new_tokens=200)  # takes far longer
+            assert timer.cancelled_caught
+        result = await generate(engine)
+        assert result.tokens == tiny.expected[:NEW]
+        assert engine.npu.running == engine.cpu.running == 0
+
+
+async def test_a_request_waiting_behind_another_gets_its_own_tokens(tiny):
+    other_prompt = [1, 2, 3]
+    other_expected = greedy_reference(tiny.model, other_prompt, NEW)
+    results = {}
+    async with Engine.open(tiny.config()) as engine:
+        with trio.fail_after(TIMEOUT):
+            async with trio.open_nursery() as nursery:
+
+                async def run(name, prompt):
+                    results[name] = (await engine.generate(prompt, max_new_tokens=NEW)).tokens
+
+                nursery.start_soon(run, "a", PROMPT)
+                nursery.start_soon(run, "b", other_prompt)
+    assert results == {"a": tiny.expected[:NEW], "b": other_expected}
+
+
+# ------------------------------------------------------------------- failure injection
+
+
+class Injected(Exception):
+    """Raised by a fault planted in one actor."""
+
+
+# Trio keeps finished worker threads in a process-wide cache for reuse (each exits after
+# about ten idle seconds), so threads can outlive a request without doing anything. Trio
+# starts them as daemon threads named "Trio thread N"; while one runs a job trio renames it
+# to "<function> from <task>", and it restores "Trio thread N" before handing the result
+# back. So a daemon thread bearing exactly that default name is an idle cached worker.
+IDLE_TRIO_WORKER = re.compile(r"Trio thread \d+")
+
+
+def leftover_threads(before: set[threading.Thread]) -> list[str]:
+    """Every thread besides the main one, except idle trio workers and daemon threads that
+    were already there before the engine opened (and are not running a trio job now)."""
+    left = []
+    for thread in threading.enumerate():
+        if thread is threading.main_thread():
+            continue
+        if thread.daemon and IDLE_TRIO_WORKER.fullmatch(thread.name):
+            continue  # idle in trio's cache
+        if thread.daemon and thread in before and " from " not in thread.name:
+            continue  # someone else's, from before this engine
+        left.append(f"{thread.name!r} (daemon={thread.daemon})")
+    return left
+
+
+class Fault:
+    """A one-shot fault: raises Injected the first time its condition holds."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.message = f"injected into the {where} on step 2"
+        self.armed = True
+        self.calls = 0
+
+    def fire(self, condition: bool) -> None:
+        if self.armed and condition:
+            self.armed = False
+            raise Injected(self.message)
+
+
+def plant(where: str, engine: Engine, monkeypatch) -> Fault:
+    fault = Fault(where)
+    if where == "verifier":
+        verify = Verifier._verify
+
+        async def failing_verify(self, message, *args):
+            fault.fire(message.step == 2)
+            return await verify(self, message, *args)
+
+        monkeypatch.setattr(Verifier, "_verify", failing_verify)
+    elif where == "verifier layer":
+        import lever_actors.actors.verifier as verifier_module
+
+        layer_forward = verifier_module.layer_forward
+
+        def failing_layer(*args):  # runs in a worker thread: step 2, layer 2
+            fault.calls += 1
+            fault.fire(fault.calls == 2 * N_LAYERS + 3)
+            return layer_forward(*args)
+
+        monkeypatch.setattr(verifier_module, "layer_forward", failing_layer)
+    elif where == "projector":
+        walk = Projector.walk
+
+        def failing_walk(self, final):
+            fault.fire(final.step == 2)
+            return walk(self, final)
+
+        monkeypatch.setattr(Projector, "walk", failing_walk)
+    elif where == "drafter":
+        draft = Drafter.draft
+
+        async def failing_draft(self, request):
+            fault.fire(request.step == 2)
+            return await draft(self, request)
+
+        monkeypatch.setattr(Drafter, "draft", failing_draft)
+    elif where == "pruner":
+        prune = engine.policies.prune
+
+        def failing_prune(probe):
+            fault.fire(probe.step == 2)
+            return prune(probe)
+
+        monkeypatch.setattr(engine.policies, "prune", failing_prune)
+    elif where == "prefetcher":
+        read_extent = engine.target.store.read_extent
+        streamed = len(engine.target.plan.streamed_layers)
+
+        def failing_read(extent, buffer):
+            fault.calls += 1
+            fault.fire(fault.calls == 2 * streamed + 1)  # the first read of pass 2
+            return read_extent(extent, buffer)
+
+        monkeypatch.setattr(engine.target.store, "read_extent", failing_read)
+    else:
+        raise AssertionError(where)
+    return fault
+
+
+FAULTS = ["verifier", "verifier layer", "projector", "drafter", "pruner", "prefetcher"]
+
+
+@pytest.mark.parametrize("jitter", [0.0, 0.002])
+@pytest.mark.parametrize("where", FAULTS)
+@pytest.mark.parametrize("api", ["stream", "generate"])
+async def test_an_actor_error_surfaces_as_itself_and_leaves_nothing_running(
+    tiny, monkeypatch, api, where, jitter
+):
+    before = set(threading.enumerate())
+    async with Engine.open(tiny.config(jitter_seconds=jitter)) as engine:
+        fault = plant(where, engine, monkeypatch)
+        events = []
+        with trio.fail_after(TIMEOUT):
+            with pytest.raises(Exception) as raised:  # noqa: PT011 - checked exactly below
+                if api == "stream":
+                    async for event in engine.stream(PROMPT, max_new_tokens=30):
+                        events.append(event)
+                else:
+                    await engine.generate(PROMPT, max_new_tokens=30)
+        # the original exception, not a group wrapping it, nor a secondary error
+        assert type(raised.value) is Injected, repr(raised.value)
+        assert str(raised.value) == fault.message
+        assert not fault.armed
+        assert [e.token for e in events] == tiny.expected[: len(events)]
+        assert engine.npu.running == engine.cpu.running == 0  # no compute job still going
+        assert leftover_threads(before) == []
+        # the engine survives: the next request runs clean
+        assert (await generate(engine)).tokens == tiny.expected[:NEW]
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("prompt", "n", "message"),
+    [
+        pytest.param([], NEW, "the prompt is empty", id="empty-ids"),
+        pytest.param("", NEW, "the prompt is empty", id="empty-text"),
+        pytest.param(list(range(97)) * 3, 1, "exceeds the model's context of 256", id="too-long"),
+        pytest.param([1] * 250, 7, "exceeds the model's context of 256", id="too-long-with-new"),
+        pytest.param(PROMPT, 0, "max_new_tokens must be positive", id="zero-new"),
+        pytest.param(PROMPT, -3, "max_new_tokens must be positive", id="negative-new"),
+        pytest.param([1, 97], NEW, r"token ids must be in \[0, 97\)", id="id-too-big"),
+        pytest.param([-1, 5], NEW, r"token ids must be in \[0, 97\)", id="id-negative"),
+    ],
+)
+async def test_bad_requests_fail_before_any_work(tiny, prompt, n, message):
+    async with Engine.open(tiny.config()) as engine:
+        reads = engine.target.store.stats.bytes_read
+        with trio.fail_after(TIMEOUT):
+            with pytest.raises(ConfigError, match=message):
+                await engine.generate(prompt, max_new_tokens=n)
+            with pytest.raises(ConfigError, match=message):
+                async for _ in engine.stream(prompt, max_new_tokens=n):
+                    pass
+        assert engine.channels is None  # no request was ever wired up
+        assert engine.npu.jobs == engine.cpu.jobs == 0
+        assert engine.target.store.stats.bytes_read == reads
+        assert (await generate(engine)).tokens == tiny.expected[:NEW]
+
+
+async def test_a_request_filling_the_context_exactly_works(tiny):
+    prompt = [(7 * i) % 97 for i in range(250)]
+    async with Engine.open(tiny.config(tree="static:2,2")) as engine:
+        result = await generate(engine, prompt, 6)
+    assert result.tokens == greedy_reference(tiny.model, prompt, 6)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        pytest.param({"tree": "tree:3"}, "cannot read tree", id="unknown-kind"),
+        pytest.param({"tree": "chain:x"}, "cannot read tree", id="not-a-number"),
+        pytest.param({"tree": "static:"}, "cannot read tree", id="no-widths"),
+        pytest.param({"tree": "chain:0"}, "at least 1", id="zero-chain"),
+        pytest.param({"tree": "static:2,0"}, "at least 1", id="zero-width"),
+        pytest.param({"tree": "chain:2,3"}, "chain takes one length", id="chain-two-numbers"),
+        pytest.param({"ring_slots": 1}, "ring_slots must be at least 2", id="one-slot"),
+        pytest.param({"ring_slots": 0}, "ring_slots must be at least 2", id="no-slots"),
+        pytest.param({"draft": None}, "needs a draft model", id="no-draft"),
+        pytest.param({"draft_dtype": "int8"}, "draft_dtype", id="draft-dtype"),
+        pytest.param(
+            {"channels": ChannelSizes(trees=0)}, "channel trees needs capacity", id="channel-0"
+        ),
+    ],
+)
+async def test_bad_configs_fail_before_anything_is_loaded(tiny, overrides, message):
+    # the target does not exist: only a check made before loading can give this error
+    config = tiny.config(target=str(tiny.layout.parent / "missing"), **overrides)
+    with trio.fail_after(TIMEOUT):
+        with pytest.raises(ConfigError, match=message):
+            async with Engine.open(config):
+                pytest.fail("the engine opened")
+
+
+async def test_a_draft_with_another_vocabulary_size_is_refused(tiny):
+    with trio.fail_after(TIMEOUT):
+        with pytest.raises(ConfigError, match="vocabulary of 101 tokens, the target 97"):
+            async with Engine.open(tiny.config(draft=str(tiny.other_vocab_hf))):
+                pytest.fail("the engine opened")
+
+
+async def test_a_draft_with_another_tokenizer_is_refused(tiny):
+    with trio.fail_after(TIMEOUT):
+        with pytest.raises(ConfigError, match="different tokenizers"):
+            async with Engine.open(tiny.config(draft=str(tiny.other_tokenizer_hf))):
+                pytest.fail("the engine opened")
+
+
+async def test_a_static_tree_wider_than_the_vocabulary_is_refused_or_capped(tiny):
+    """Asking every node for more children than there are tokens cannot be drafted as
+    asked: the engine must say so when it opens, or draft what exists; not crash mid-step."""
+    with trio.fail_after(TIMEOUT):
+        try:
+            async with Engine.open(tiny.config(tree="static:100")) as engine:
+                result = await engine.generate(PROMPT, max_new_tokens=4)
+        except ConfigError:
+            return
+    assert result.tokens == tiny.expected[:4]
+
+
+# ------------------------------------------------------------------ trace and statistics
+
+MESSAGE_CHANNELS = {
+    DraftRequest: {"requests"},
+    DraftTree: {"trees"},
+    LayerWeights: {"layers"},
+    SlotRelease: {"releases"},
+    ExitProbe: {"probes"},
+    PruneVerdict: {"verdicts"},
+    FinalHidden: {"finals"},
+    Verdict: {"results"},
+    Commit: {"draft_commits", "verify_commits"},
+}
+
+
+def is_tensor_summary(value, shape=None) -> bool:
+    return (
+        isinstance(value, dict)
+        and set(value) == {"shape", "dtype"}
+        and value["dtype"] == "float64"
+        and (shape is None or value["shape"] == list(shape))
+    )
+
+
+async def test_the_trace_holds_every_message_of_every_step_as_typed_structs(tiny, tmp_path):
+    path = tmp_path / "trace.jsonl"
+    async with Engine.open(tiny.config(trace=str(path))) as engine:
+        result = await generate(engine)
+        assert engine.channels.tracer.file.closed  # with the request's last channel
+    records = read_trace(path)
+    assert records and all(isinstance(r, TraceRecord) for r in records)
+    seconds = [r.seconds for r in records]
+    assert seconds == sorted(seconds) and seconds[0] >= 0
+    kinds = Counter(type(r.message) for r in records)
+    assert set(kinds) == set(MESSAGE_CHANNELS)  # every message type of a step
+    for r in records:
+        assert r.channel in MESSAGE_CHANNELS[type(r.message)]
+
+    n_steps = len(result.steps)
+    by_type = {kind: [r.message for r in records if type(r.message) is kind] for kind in kinds}
+    for kind in (DraftRequest, DraftTree, ExitProbe, PruneVerdict, FinalHidden, Verdict):
+        assert [m.step for m in by_type[kind]] == list(range(n_steps)), kind.__name__
+    commits = [r for r in records if type(r.message) is Commit]
+    for channel in ("draft_commits", "verify_commits"):
+        steps = [r.message.step for r in commits if r.channel == channel]
+        assert steps == list(range(n_steps - 1))  # the last step is not committed
+    tokens = [t for v in by_type[Verdict] for t in v.tokens]
+    assert tokens[:NEW] == result.tokens
+
+    d_model = tiny.model.args.d_model
+    for probe in by_type[ExitProbe]:
+        assert isinstance(probe.tree, DraftTree)
+        assert is_tensor_summary(probe.hidden, (len(probe.nodes), d_model))
+    for final in by_type[FinalHidden]:
+        assert isinstance(final.tree, DraftTree)
+        assert is_tensor_summary(final.hidden, (len(final.nodes), d_model))
+    layers = by_type[LayerWeights]
+    assert {m.layer for m in layers} == set(range(N_LAYERS))
+    for m in layers:
+        assert m.tensors and all(is_tensor_summary(t) for t in m.tensors.values())
+        assert (m.slot is None) == (m.layer == 0)  # layer 0 resident, the rest streamed
+    released = [m.slot for m in by_type[SlotRelease]]
+    assert len(released) == (N_LAYERS - 1) * n_steps
+
+
+async def test_channel_statistics_are_exposed(tiny):
+    sizes = ChannelSizes(requests=2, trees=3, probes=1, verdicts=2, finals=2, commits=3, results=2)
+    async with Engine.open(tiny.config(channels=sizes, ring_slots=3)) as engine:
+        assert engine.channels is None
+        await generate(engine)
+        stats = engine.channels.statistics()
+    capacities = {
+        "requests": 2,
+        "trees": 3,
+        "layers": 3,
+        "releases": 3,
+        "probes": 1,
+        "verdicts": 2,
+        "finals": 2,
+        "results": 2,
+        "draft_commits": 3,
+        "verify_commits": 3,
+    }
+    assert {name: s.max_buffer_size for name, s in stats.items()} == capacities
+    for name, s in stats.items():
+        # the request is over: every actor closed its ends and nobody is left waiting
+        assert s.open_send_channels == s.open_receive_channels == 0, name
+        assert s.tasks_waiting_send == s.tasks_waiting_receive == 0, name
+        assert not math.isinf(s.max_buffer_size)
+
+
+async def test_the_trace_of_a_request_left_early_is_complete_and_closed(tiny, tmp_path):
+    path = tmp_path / "trace.jsonl"
+    async with Engine.open(tiny.config(trace=str(path))) as engine:
+        seen = []
+        with trio.fail_after(TIMEOUT):
+            async with aclosing(engine.stream(PROMPT, max_new_tokens=60)) as events:
+                async for event in events:
+                    seen.append(event)
+                    if event.step == 3:
+                        break
+            channels = engine.channels
+            while any(  # the request winds down in the background: wait for its end
+                s.open_send_channels or s.open_receive_channels
+                for s in channels.statistics().values()
+            ):
+                await trio.sleep(0.01)
+        assert channels.tracer.file.closed, "the trace file is left open"
+        records = read_trace(path)
+        verdict_steps = [r.message.step for r in records if type(r.message) is Verdict]
+        # every step whose tokens the consumer saw is in the trace
+        assert verdict_steps[: seen[-1].step + 1] == list(range(seen[-1].step + 1))
