@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
         "--tree", help="none, chain:K, static:W1,W2,... or gaincost[:CAP] (default: gaincost)"
     )
     gen.add_argument("--early-exit", default="auto", help="off, none, lens, trained or auto")
-    gen.add_argument("--exit-layer", type=int, help="default: the middle layer")
+    gen.add_argument("--exit-layer", type=int, help="default: 7/8 of the way through")
     gen.add_argument("--prune-threshold", type=float, default=0.02)
     gen.add_argument("--projection", default="on_demand", help="on_demand or eager")
     gen.add_argument("--units", default="split", help="split (npu + cpu) or single")
@@ -113,6 +113,23 @@ def _parser() -> argparse.ArgumentParser:
     from lever_actors.bench.cli import add_bench_arguments
 
     add_bench_arguments(bench)
+
+    report = sub.add_parser(
+        "report", help="markdown, plots and the README's Results section from a results JSON"
+    )
+    from lever_actors.bench.cli import add_report_arguments
+
+    add_report_arguments(report)
+
+    export = sub.add_parser(
+        "export-hf", help="write an HF safetensors directory of a GGUF file or flash layout"
+    )
+    export.add_argument("src", type=Path, help="GGUF file, flash layout or HF directory")
+    export.add_argument("out", type=Path)
+    export.add_argument(
+        "--dtype", choices=sorted(STORE_DTYPES), default=None, help="default: a layout's, else bf16"
+    )
+    export.set_defaults(command=_export_hf)
     return parser
 
 
@@ -299,6 +316,22 @@ def _convert(args: argparse.Namespace) -> int:
 
     manifest = convert(args.src, args.out, STORE_DTYPES[args.dtype], ProgressLine())
     print(f"{args.out}: {manifest.args.n_layers} layers, {format_bytes(manifest.file_bytes)}")
+    return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from lever_actors.checkpoints.export import export_hf
+    from lever_actors.device.layout import MANIFEST_NAME, read_manifest
+    from lever_actors.progress import ProgressLine
+
+    if args.dtype is not None:
+        dtype = STORE_DTYPES[args.dtype]
+    elif (args.src / MANIFEST_NAME).is_file():
+        dtype = read_manifest(args.src).torch_dtype
+    else:
+        dtype = torch.bfloat16
+    out = export_hf(args.src, args.out, dtype, progress=ProgressLine())
+    print(f"{out}: HF safetensors directory ({str(dtype).removeprefix('torch.')})")
     return 0
 
 

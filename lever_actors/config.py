@@ -13,6 +13,12 @@ DEFAULT_GAINCOST_CAP = 64
 EARLY_EXIT = ("off", "none", "lens", "trained", "auto")
 
 
+def default_exit_layer(n_layers: int) -> int:
+    """7/8 of the way through: measured on Qwen2.5-Coder-1.5B, the logit lens at the middle
+    layer ranks the target's own next token first only 17% of the time, at 7/8 about 70%."""
+    return n_layers * 7 // 8
+
+
 class TreeSpec(msgspec.Struct, frozen=True):
     """Shape policy of the draft tree.
 
@@ -90,7 +96,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     ring_slots: int = 2
     tree: str = "gaincost"  # none, chain:K, static:W1,W2,... or gaincost[:CAP]
     early_exit: str = "auto"  # off, none (keep all), lens, trained, auto (trained if saved)
-    exit_layer: int | None = None  # default: the middle layer
+    exit_layer: int | None = None  # default: 7/8 of the way through the target
     prune_threshold: float = 0.02  # drop a child scoring below this within its candidate set
     audit_every: int = 10  # every n-th step runs pruned nodes anyway, to count false prunes
     projection: str = "on_demand"  # on_demand (cpu unit, accepted path) or eager (npu, all)

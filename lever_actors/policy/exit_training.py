@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.checkpoint import Checkpoint
 from lever_actors.checkpoints.tokenizer import Tokenizer
+from lever_actors.config import default_exit_layer
 from lever_actors.device.layout import MANIFEST_NAME, read_manifest
 from lever_actors.errors import ConfigError
 from lever_actors.model.kv_cache import KVCache
@@ -133,12 +134,12 @@ def train_exit_predictor(
     With `continue_tokens` each sequence is extended by the model's own greedy continuation
     of that many tokens (ending early after a token in `stop_ids`), generated in the same
     pass and used as training data too. A `heldout` share of the sequences (at least one)
-    is kept out of training for the report. `exit_layer` None: the middle layer, the
-    engine's default. Returns the adapter in float32.
+    is kept out of training for the report. `exit_layer` None: the
+    engine's default (config.default_exit_layer). Returns the adapter in float32.
     """
     model = _load(checkpoint, dtype)
     args = model.args
-    exit_layer = args.n_layers // 2 if exit_layer is None else exit_layer
+    exit_layer = default_exit_layer(args.n_layers) if exit_layer is None else exit_layer
     if not 0 <= exit_layer < args.n_layers:
         raise ConfigError(f"exit_layer must be in [0, {args.n_layers}), got {exit_layer}")
     if not 1 <= rank <= args.d_model:

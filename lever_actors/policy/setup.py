@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from lever_actors.actors.pruner import PrunePolicy, keep_everything
-from lever_actors.config import EngineConfig, TreeSpec
+from lever_actors.config import EngineConfig, TreeSpec, default_exit_layer
 from lever_actors.device.profiler import profile_costs
 from lever_actors.errors import ConfigError
 from lever_actors.model.transformer import Transformer
@@ -37,7 +37,7 @@ def build_policies(
     spec = config.tree_spec()
     cost = profile_costs(target, draft, progress) if spec.kind == "gaincost" else None
     n_layers = target.args.n_layers
-    exit_layer = n_layers // 2 if config.exit_layer is None else config.exit_layer
+    exit_layer = default_exit_layer(n_layers) if config.exit_layer is None else config.exit_layer
     if not 0 <= exit_layer < n_layers:
         raise ConfigError(f"exit_layer must be in [0, {n_layers}), got {exit_layer}")
     adapter = LowRankAdapter.load(target.store.directory, target.dtype)
