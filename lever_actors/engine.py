@@ -282,15 +282,17 @@ class Engine:
                 delta = decoder.push(token) if decoder else ""
                 text += delta
                 generated += 1
-                await events.send(
-                    TokenEvent(
-                        token=token,
-                        text=delta,
-                        step=step,
-                        from_draft=from_draft,
-                        elapsed_seconds=time.perf_counter() - started,
-                    )
+                event = TokenEvent(
+                    token=token,
+                    text=delta,
+                    step=step,
+                    from_draft=from_draft,
+                    elapsed_seconds=time.perf_counter() - started,
                 )
+                try:
+                    await events.send(event)
+                except trio.BrokenResourceError:
+                    return  # the consumer stopped listening: the request ends here
                 finished = (
                     generated >= request.max_new_tokens
                     or token in stop_ids

@@ -50,7 +50,7 @@ async def _serve(first: bytes, out) -> int:
         except Exception as e:  # the parent records the mode as failed with this text
             send(p.Failure(describe(e)))
             return 1
-        send(p.Opened(peak_rss_bytes()))
+        send(p.Opened(peak_rss_bytes(), mode.info.note))
         while True:
             line = await trio.to_thread.run_sync(sys.stdin.buffer.readline)
             if not line:

@@ -77,7 +77,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "budget + the draft's weights + --memory-overhead)",
     )
     parser.add_argument(
-        "--memory-overhead", default="2GiB", help="runtime headroom in the default limit"
+        "--memory-overhead", default="1GiB", help="runtime headroom in the default limit"
     )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument(

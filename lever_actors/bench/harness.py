@@ -153,6 +153,7 @@ def prompt_run(
 ) -> PromptRun:
     if not decoded.tokens:
         return _failed_run(mode, prompt_set, index, prompt, "no token was generated")
+    first_step = min(max(decoded.first_step_tokens, 1), len(decoded.tokens))
     return PromptRun(
         mode=mode,
         prompt_set=prompt_set,
@@ -160,11 +161,12 @@ def prompt_run(
         prompt_tokens=len(prompt),
         new_tokens=len(decoded.tokens),
         first_token_s=decoded.stamps[0] - t0,
-        decode_s=decoded.stamps[-1] - decoded.stamps[0],
+        decode_s=decoded.stamps[-1] - decoded.stamps[first_step - 1],
         agreement=None,  # filled in once the reference has run
         tokens=decoded.tokens,
         bytes_read=decoded.bytes_read,
         steps=decoded.steps,
+        first_step_tokens=first_step,
         peak_rss_bytes=decoded.peak_rss_bytes,
         cgroup_peak_bytes=decoded.cgroup_peak_bytes,
     )

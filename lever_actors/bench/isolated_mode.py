@@ -62,6 +62,8 @@ class ChildMode:
         response = await self._request(p.Open(self.planned))
         if isinstance(response, p.Failure):
             raise ModeFailed(response.error)
+        if isinstance(response, p.Opened) and response.note:
+            self.info = msgspec.structs.replace(self.info, note=response.note)
 
     async def decode(
         self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]

@@ -32,7 +32,7 @@ class CgroupSupport:
     def describe(self) -> str:
         if not self.usable:
             return f"no memory limits: {self.reason}"
-        return f"cgroup v{self.version} memory controller at {self.base}"
+        return f"memory limits by the cgroup v{self.version} memory controller"
 
 
 def probe_cgroup(proc: Path = Path("/proc/self")) -> CgroupSupport:
@@ -197,8 +197,15 @@ def _write(path: Path, text: str) -> None:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak resident set size of this process: VmHWM, the high-water mark of its own memory.
+    Not getrusage's ru_maxrss, which a child inherits from the parent it was forked from."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def storage_read_bytes() -> int | None:
@@ -213,20 +220,72 @@ def storage_read_bytes() -> int | None:
 
 
 def evict_from_page_cache(paths: list[Path]) -> int:
-    """Drop the cached pages of every regular file under `paths` (POSIX_FADV_DONTNEED), so
-    that the next read of them comes from storage; returns the bytes of the files evicted.
-    Pages mapped by a process stay: those are DRAM the process holds, not cache."""
-    total = 0
+    """Drop every regular file under `paths` from DRAM, so that the next read of it comes
+    from storage; returns the bytes of the files. See evict_ranges."""
+    files = []
     for path in paths:
-        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-        for file in files:
-            try:
-                fd = os.open(file, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                total += os.fstat(fd).st_size
-            finally:
-                os.close(fd)
+        files += [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return evict_ranges({file: None for file in files})
+
+
+def evict_ranges(ranges: dict[Path, list[tuple[int, int]] | None]) -> int:
+    """Drop byte ranges of files (None: the whole file) from DRAM; returns the bytes covered.
+
+    POSIX_FADV_DONTNEED drops cached pages that no process maps. Pages this process maps
+    (safetensors and numpy memory-map their files) stay resident through it, so ranges
+    mapped here are also paged out with madvise(MADV_PAGEOUT) (Linux >= 5.4); clean file
+    pages are then simply dropped. Pages other processes map cannot be reached."""
+    maps = _own_file_mappings()
+    total = 0
+    for file, spans in ranges.items():
+        try:
+            fd = os.open(file, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            size = os.fstat(fd).st_size
+            spans = [(0, size)] if spans is None else spans
+            for start, end in spans:
+                _pageout(maps.get(os.path.realpath(file), []), start, end)
+                os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
+                total += end - start
+        finally:
+            os.close(fd)
     return total
+
+
+_MADV_PAGEOUT = 21
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _own_file_mappings() -> dict[str, list[tuple[int, int, int]]]:
+    """path -> [(start address, end address, file offset)] of this process's mappings."""
+    out: dict[str, list[tuple[int, int, int]]] = {}
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or not fields[5].startswith("/"):
+            continue
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        out.setdefault(fields[5], []).append((start, end, int(fields[2], 16)))
+    return out
+
+
+def _pageout(mappings: list[tuple[int, int, int]], start: int, end: int) -> None:
+    """madvise(MADV_PAGEOUT) the part of file bytes [start, end) that these mappings show."""
+    if not mappings:
+        return
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for map_start, map_end, offset in mappings:
+        lo = max(start, offset) - offset + map_start
+        hi = min(end, offset + (map_end - map_start)) - offset + map_start
+        lo -= lo % _PAGE
+        if hi > lo:
+            libc.madvise(lo, hi - lo, _MADV_PAGEOUT)  # best effort: EINVAL on old kernels

@@ -22,6 +22,7 @@ class Decoded:
     stamps: list[float] = field(default_factory=list)  # perf_counter() as each token arrived
     bytes_read: int = 0  # from storage, while decoding this prompt
     steps: int = 0  # target passes (verification steps); 0 where a mode cannot count them
+    first_step_tokens: int = 1  # how many tokens the first step (with the prefill) produced
     peak_rss_bytes: int | None = None  # of the process that decoded, so far
     cgroup_peak_bytes: int | None = None  # of the cgroup it ran in, so far
 
@@ -112,10 +113,11 @@ class EngineMode:
         decoded = Decoded()
         stats = self.engine.target.store.stats
         before = stats.bytes_read
-        steps = set()
+        steps = []
         async for event in self.engine.stream(prompt, max_new_tokens=max_new_tokens):
             decoded.add(event.token)
-            steps.add(event.step)
+            steps.append(event.step)
         decoded.bytes_read = stats.bytes_read - before
-        decoded.steps = len(steps)
+        decoded.steps = len(set(steps))
+        decoded.first_step_tokens = steps.count(steps[0]) if steps else 1
         return decoded

@@ -1,18 +1,25 @@
 """The peer: the transformers library, as a Python user would run it today, on the same
-weights (needs the `dev` extra: transformers and accelerate).
+weights (needs transformers and accelerate: the `bench` or `dev` extra).
 
 peer-memory: the whole model in DRAM. peer-offload: the target offloaded to disk through
 accelerate (`device_map="auto"`, `max_memory={"cpu": budget}`, `offload_folder`), plain
-greedy `generate`. peer-assisted: the same with `assistant_model=` our draft. The offloaded
-weights are read through the page cache, so their files are evicted before every prompt.
+greedy `generate`. peer-assisted: the same with `assistant_model=` our draft.
+
+Honest flash figures: the weight files are dropped from DRAM before loading (so that, in a
+child process, everything the peer reads is charged to its memory cgroup) and before every
+prompt; the weights accelerate keeps on "cpu", and the assistant, are copied out of the
+memory-mapped files into the process's own memory, so they stay resident as ours do and
+every read of an offloaded weight goes through the page cache, which a memory cgroup bounds.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from contextlib import AsyncExitStack
 from pathlib import Path
 
+import msgspec
 import torch
 import trio
 
@@ -33,14 +40,14 @@ class PeerHF:
         offload_folder: str | None = None,
         assistant: str | None = None,  # HF directory of the draft
         assistant_dtype: str | None = None,
-        evict: tuple[str, ...] = (),  # files and folders to evict before every prompt
+        evict: tuple[str, ...] = (),  # files and folders to drop from DRAM before each prompt
     ) -> None:
         self.info = info
         self.model_path = Path(model)
         self.dtype = DTYPE_NAMES[dtype]
         self.max_memory_bytes = max_memory_bytes
         self.offload_folder = offload_folder
-        self.assistant_path = assistant
+        self.assistant_path = Path(assistant) if assistant else None
         self.assistant_dtype = DTYPE_NAMES[assistant_dtype] if assistant_dtype else self.dtype
         self.evict = [Path(p) for p in evict]
         self.assistant = None
@@ -55,6 +62,8 @@ class PeerHF:
     def _load(self) -> None:
         from transformers import AutoModelForCausalLM
 
+        sources = [self.model_path, *([self.assistant_path] if self.assistant_path else [])]
+        evict_from_page_cache([*sources, *self.evict])
         kwargs: dict = {"dtype": self.dtype}
         if self.model_path.suffix == ".gguf":
             directory, kwargs["gguf_file"] = self.model_path.parent, self.model_path.name
@@ -67,10 +76,14 @@ class PeerHF:
                 "offload_folder": self.offload_folder,
             }
         self.model = AutoModelForCausalLM.from_pretrained(str(directory), **kwargs).eval()
+        _own_memory(self.model)
         if self.assistant_path is not None:
             self.assistant = AutoModelForCausalLM.from_pretrained(
-                self.assistant_path, dtype=self.assistant_dtype
+                str(self.assistant_path), dtype=self.assistant_dtype
             ).eval()
+            _own_memory(self.assistant)
+        evict_from_page_cache(self.evict)
+        self.info = msgspec.structs.replace(self.info, note=placement_note(self.model))
 
     async def decode(
         self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]
@@ -98,10 +111,42 @@ class PeerHF:
             )
         read_after = storage_read_bytes()
         tokens = out[0, len(prompt) :].tolist()
-        decoded = Decoded(tokens, stamps.stamps[: len(tokens)], steps=stamps.steps)
+        decoded = Decoded(
+            tokens,
+            stamps.stamps[: len(tokens)],
+            steps=stamps.steps,
+            first_step_tokens=min(stamps.first_step_tokens, len(tokens)) or 1,
+        )
         if read_before is not None and read_after is not None:
             decoded.bytes_read = read_after - read_before
         return decoded
+
+
+def _own_memory(model: torch.nn.Module) -> None:
+    """Copy every loaded parameter into memory of its own: transformers leaves them as views
+    of the memory-mapped safetensors file, which the kernel may drop and read back at will."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.device.type == "cpu":
+                parameter.data = parameter.data.clone()
+
+
+def placement_note(model: torch.nn.Module) -> str | None:
+    """Where accelerate put the model: e.g. "accelerate placed model.embed_tokens and 3/28
+    layers on cpu, the rest on disk"."""
+    device_map = getattr(model, "hf_device_map", None)
+    if not device_map:
+        return None
+    if set(device_map) == {""}:
+        return f"accelerate placed the whole model on {device_map['']}"
+    layers = [k for k in device_map if ".layers." in f".{k}."]
+    n_layers = getattr(model.config, "num_hidden_layers", len(layers))
+    on = Counter(str(device_map[k]) for k in layers)
+    others = [f"{k}: {v}" for k, v in device_map.items() if k not in layers]
+    layer_text = ", ".join(f"{n}/{n_layers} layers on {d}" for d, n in sorted(on.items()))
+    if not layers:
+        layer_text = f"all {n_layers} layers on {device_map.get('model.layers', '?')}"
+    return f"accelerate placed {layer_text}; {', '.join(others)}"
 
 
 class _StampingStreamer:
@@ -111,6 +156,7 @@ class _StampingStreamer:
     def __init__(self) -> None:
         self.stamps: list[float] = []
         self.steps = 0
+        self.first_step_tokens = 0
         self._seen_prompt = False
 
     def put(self, value: torch.Tensor) -> None:
@@ -118,6 +164,8 @@ class _StampingStreamer:
             now = time.perf_counter()
             self.stamps.extend([now] * value.numel())
             self.steps += 1
+            if self.steps == 1:
+                self.first_step_tokens = value.numel()
         self._seen_prompt = True
 
     def end(self) -> None:

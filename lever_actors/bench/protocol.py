@@ -27,6 +27,7 @@ class Opened(msgspec.Struct, frozen=True, tag="opened"):
     """child -> harness: the mode is loaded."""
 
     peak_rss_bytes: int
+    note: str | None = None  # the mode's ModeInfo.note after opening
 
 
 class Result(msgspec.Struct, frozen=True, tag="result"):

@@ -18,6 +18,11 @@ from lever_actors.errors import LeverError
 
 START_MARKER = "<!-- results:start -->"
 END_MARKER = "<!-- results:end -->"
+DECODE_NOTE = (
+    "Decode tok/s counts the tokens after the first step (which comes with the prefill) over "
+    "the time after it; first token s is the time to the first token; agreement is against "
+    "the first mode's tokens."
+)
 RATIO_LABELS = {
     "flash_ar": "flash-AR",
     "best_sd": "best SD",
@@ -77,6 +82,8 @@ def render_markdown(results: AnyResults, json_path: Path | None = None) -> str:
         summary_lines(results),
         "",
         markdown_table(results),
+        "",
+        DECODE_NOTE,
     ]
     notes = memory_note(results)
     if notes:
@@ -148,6 +155,35 @@ def markdown_table(results: BenchResults) -> str:
 
 
 def memory_note(results: BenchResults) -> str:
+    notes = " ".join(filter(None, [_isolation_note(results), _peer_note(results)]))
+    modes = [f"{m.name}: {_cell(m.note)}." for m in results.modes if m.note]
+    return "\n\n".join(filter(None, [notes, *modes]))
+
+
+def _peer_note(results: BenchResults) -> str:
+    peers = [m for m in results.modes if m.family in ("peer-offload", "peer-assisted")]
+    throttled = sorted({m.throttle for m in results.modes if m.throttle != "none"})
+    notes = []
+    if peers and throttled:
+        notes.append(
+            f"Our flash modes ran under the {', '.join(throttled)} flash profile; the peer "
+            "reads the raw disk (no profile), so the comparison favours the peer."
+        )
+    unlimited = [
+        m.name
+        for m in results.modes
+        if m.family in ("peer-offload", "peer-assisted") and not m.limit_enforced
+    ]
+    if unlimited:
+        notes.append(
+            f"{', '.join(unlimited)}: the offloaded weights were evicted from the page cache "
+            "before each prompt, but with no memory limit enforced they stay cached after the "
+            "first token, so these rows measure DRAM more than flash."
+        )
+    return " ".join(notes)
+
+
+def _isolation_note(results: BenchResults) -> str:
     isolated = [m for m in results.modes if m.isolated]
     if not isolated:
         return (
@@ -244,6 +280,8 @@ def readme_section(results: BenchResults, readme: Path, json_path: Path) -> str:
         summary_lines(results),
         "",
         markdown_table(results),
+        "",
+        DECODE_NOTE,
         "",
         memory_note(results),
         "",

@@ -62,6 +62,7 @@ class ModeInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     isolated: bool = False  # ran in its own child process
     memory_limit_bytes: int | None = None  # the cgroup limit it ran under, if any
     limit_enforced: bool = False  # True only when a kernel memory limit was in force
+    note: str | None = None  # what the mode found when it opened (the peer's placement)
 
 
 class PromptRun(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -73,18 +74,26 @@ class PromptRun(msgspec.Struct, frozen=True, omit_defaults=True):
     prompt_tokens: int
     new_tokens: int
     first_token_s: float  # prefill + the first token
-    decode_s: float  # the remaining new_tokens - 1 tokens
+    decode_s: float  # from the end of the first step to the last token
     agreement: float | None  # share of tokens equal to the reference mode's, position by position
     tokens: list[int]
     bytes_read: int = 0  # from storage during this prompt (prefill included)
     steps: int = 0  # target passes; 0 where a mode cannot count them
+    first_step_tokens: int = 1  # tokens the first step (with the prefill) produced
     peak_rss_bytes: int | None = None  # of the process that ran the mode, so far
     cgroup_peak_bytes: int | None = None  # of its cgroup (page cache included), so far
     failed: str | None = None  # the error, when this prompt did not decode
 
     @property
+    def decode_tokens(self) -> int:
+        """Tokens of the decode phase: those after the first step, which the prefill made."""
+        return max(self.new_tokens - self.first_step_tokens, 0)
+
+    @property
     def decode_tok_s(self) -> float | None:
-        return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else None
+        if self.decode_s <= 0 or self.decode_tokens == 0:
+            return None
+        return self.decode_tokens / self.decode_s
 
 
 class ModeSummary(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -80,7 +80,7 @@ def bench(
             prompt_sets,
             max_new_tokens=options.max_new_tokens,
             stop_ids=stop_ids,
-            config=msgspec.to_builtins(options),
+            config=options.as_config(),
             command=command,
             order=options.order,
             budget=options.budgets[0] if options.budgets else None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import sys
 from pathlib import Path
 
 import msgspec
@@ -48,8 +49,12 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     isolate: bool = False  # each mode in a child process, under a memory cgroup where possible
     order: str = "interleaved"  # or "sequential": one mode at a time, over all prompts
     memory_limit: str | None = None  # one limit for every child; default: budget + draft + overhead
-    memory_overhead: str = "2GiB"  # runtime headroom in the default limit
+    memory_overhead: str = "1GiB"  # runtime headroom in the default limit
     cache_dir: str = ""  # where the peer's HF exports and offload folders go
+
+    def as_config(self) -> dict[str, object]:
+        """As the results file records it (JSON types: lists, not tuples)."""
+        return msgspec.json.decode(msgspec.json.encode(self))
 
     def validate(self) -> None:
         unknown = sorted(set(self.modes) - set(MODES))
@@ -272,12 +277,10 @@ def hf_export_for(path: Path, dtype: str, cache: Path) -> Path:
     parent = path.parent if path.is_dir() else cache
     out = parent / f"{path.stem if path.is_file() else path.name}.hf-{short}"
     if not (out / "config.json").is_file():
-        import sys
-
         print(
             f"exporting {path.name} as an HF directory for the peer (once): {out}", file=sys.stderr
         )
-        export_hf(path, out, DTYPE_NAMES[dtype], progress=ProgressLine())
+        export_hf(path, out, DTYPE_NAMES[dtype], progress=ProgressLine(sys.stderr))
     return out
 
 

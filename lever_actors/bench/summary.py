@@ -13,11 +13,12 @@ BASELINES = ("flash_ar", "best_sd", "memory_ar", "peer")
 
 
 def decode_rate(runs: Sequence[PromptRun]) -> float | None:
-    """Decoded tokens (after the first) per second of decoding, over all `runs`; None when
-    there are none, any failed, or no time passed."""
+    """Tokens of the decode phase (after the first step, which comes with the prefill) per
+    second of decoding, over all `runs`; None when there are none, any failed, or no time
+    passed."""
     if not runs or any(r.failed is not None for r in runs):
         return None
-    tokens = sum(r.new_tokens - 1 for r in runs)
+    tokens = sum(r.decode_tokens for r in runs)
     seconds = sum(r.decode_s for r in runs)
     return tokens / seconds if seconds > 0 and tokens > 0 else None
 

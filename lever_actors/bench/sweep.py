@@ -66,7 +66,7 @@ def sweep(
                     prompt_sets,
                     max_new_tokens=options.max_new_tokens,
                     stop_ids=stop_ids,
-                    config=msgspec.to_builtins(point_options),
+                    config=point_options.as_config(),
                     command=command,
                     order=options.order,
                     budget=budget,
@@ -88,7 +88,7 @@ def sweep(
         Machine.here(),
         disk_bandwidth=sum(p.bandwidth for p in profiles) / len(profiles) if profiles else None,
     )
-    config = msgspec.to_builtins(options) | {
+    config = options.as_config() | {
         "sweep_budgets": list(budgets),
         "sweep_throttles": list(throttles),
     }

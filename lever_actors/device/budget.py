@@ -52,7 +52,11 @@ def resolve_budget(value: str | int, model_bytes: int) -> int:
 
 
 def format_bytes(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    if n >= 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**10:.1f} KiB"
 
 
 class ResidencyPlan(msgspec.Struct, frozen=True):
@@ -85,15 +89,16 @@ def plan_residency(manifest: Manifest, budget: int, ring_slots: int = 2) -> Resi
         raise ConfigError(
             f"ring_slots must be at least 2 (one read while one computes), got {ring_slots}"
         )
+    resident = [head_key(manifest), "final_norm"]
+    left = budget - sum(manifest.extent(k).nbytes for k in resident)
+    layers = [manifest.layer(i).nbytes for i in range(n_layers)]
     minimum = minimum_budget(manifest, ring_slots)
-    if budget < minimum:
+    # a model smaller than the ring it would need simply stays resident
+    if budget < minimum and sum(layers) > left:
         raise ConfigError(
             f"dram_budget {format_bytes(budget)} is below the minimum {format_bytes(minimum)} "
             f"({minimum} bytes): LM head + final norm + {ring_slots} layer slots"
         )
-    resident = [head_key(manifest), "final_norm"]
-    left = budget - sum(manifest.extent(k).nbytes for k in resident)
-    layers = [manifest.layer(i).nbytes for i in range(n_layers)]
     if sum(layers) <= left:
         resident_layers, slots = n_layers, 0  # everything fits: the memory-resident case
     else:

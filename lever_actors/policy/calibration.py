@@ -23,6 +23,8 @@ class AcceptanceCalibrator(msgspec.Struct):
         """Estimated probability that the target accepts a candidate, given its parent was."""
         b = _bin(draft_prob, rank)
         prior = (b % BINS + 0.5) / BINS
+        if rank == 0:  # a draft's first choice is right more often than its probability says
+            prior = 0.5 + 0.5 * prior
         return (self.accepted[b] + PRIOR_WEIGHT * prior) / (self.offered[b] + PRIOR_WEIGHT)
 
     def observe(

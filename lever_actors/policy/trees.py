@@ -142,7 +142,8 @@ async def grow_gain_cost(
     nodes, expected = 0, 0.0
     best = objective(0, 0.0, builder.rounds)
     while True:
-        candidates.sort(reverse=True)
+        # best gain first; ties go to the likelier, then the higher-ranked draft token
+        candidates.sort(key=lambda c: (c[0], c[3], -c[4]), reverse=True)
         added = []
         while candidates and nodes < cap:
             gain, parent, token, prob, rank = candidates[0]

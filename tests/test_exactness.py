@@ -1,0 +1,129 @@
+"""The exactness contract, as properties: whatever the models, the draft, the tree, the DRAM
+budget, the channel capacities and the actors' scheduling, the engine emits exactly the
+target's sequential greedy tokens (float64 tiny models; lever_actors.testing draws them).
+
+Example counts scale with the hypothesis profile (see tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import trio
+from hypothesis import event, given, note, settings
+from hypothesis import strategies as st
+
+from lever_actors.config import TreeSpec
+from lever_actors.engine import Engine
+from lever_actors.testing import (
+    assert_matches_greedy,
+    early_exits,
+    engine_cases,
+    jitters,
+    prompts,
+    reference_tokens,
+    trees,
+)
+
+
+def examples(share: float) -> settings:
+    """This test's share of the profile's examples."""
+    return settings(max_examples=max(1, round(settings.default.max_examples * share)))
+
+
+def tally(case, result) -> None:
+    """What the example exercised, for --hypothesis-show-statistics."""
+    event(f"tree {case.tree.split(':')[0]}, early exit {case.early_exit}")
+    event(f"draft tokens accepted: {any(s.new_tokens > 1 for s in result.steps)}")
+    event(f"nodes pruned: {any(s.pruned for s in result.steps)}")
+
+
+@examples(1.5)
+@given(case=engine_cases())
+async def test_engine_equals_greedy_reference(case):
+    result = await assert_matches_greedy(case.engine_config(), case.prompt, case.max_new_tokens)
+    tally(case, result)
+
+
+drafting = trees(kinds=("chain", "static", "gaincost"))
+
+
+@examples(1.0)
+@given(
+    case=engine_cases(
+        tree_shapes=drafting,
+        predictors=early_exits(("lens", "trained", "none")),
+        jitter=jitters(always=True),
+    )
+)
+async def test_speculation_under_scheduling_jitter_equals_greedy_reference(case):
+    """Random actor pauses reorder every message exchange, pruning probes included."""
+    result = await assert_matches_greedy(case.engine_config(), case.prompt, case.max_new_tokens)
+    tally(case, result)
+
+
+@examples(0.5)
+@given(case=engine_cases(new_tokens=st.integers(2, 20)), data=st.data())
+async def test_stops_after_an_end_token(case, data):
+    free = reference_tokens(case.models().target, case.prompt, case.max_new_tokens)
+    stop = free[data.draw(st.integers(0, len(free) - 1), label="end token at")]
+    note(f"end token {stop}; free run {free}")
+    result = await assert_matches_greedy(
+        case.engine_config(eos_id=stop), case.prompt, case.max_new_tokens
+    )
+    assert result.tokens == free[: free.index(stop) + 1]
+
+
+@examples(0.25)
+@given(case=engine_cases(new_tokens=st.integers(2, 20)), data=st.data())
+async def test_stops_after_a_stop_string(case, data):
+    config = case.engine_config(tokenizer=True)
+    free = reference_tokens(config.target, case.prompt, case.max_new_tokens)
+    word = f"t{free[data.draw(st.integers(0, len(free) - 1), label='stop word at')]}"
+    result = await assert_matches_greedy(config, case.prompt, case.max_new_tokens, stop=[word])
+    assert word in result.text
+
+
+@examples(0.4)
+@given(case=engine_cases(tree_shapes=drafting), data=st.data())
+async def test_requests_on_one_engine_each_equal_greedy_reference(case, data):
+    """KV caches, the prefetcher's passes and the drafter's state start clean per request:
+    after a request abandoned mid-stream, one after another, and several at once."""
+    config = case.engine_config()
+    others = data.draw(st.lists(prompts(case.args.vocab_size), min_size=1, max_size=2))
+    abandon_after = data.draw(st.integers(1, 6), label="abandon after")
+    results: dict[int, list[int]] = {}
+
+    async def generate(engine, index, prompt):
+        results[index] = (await engine.generate(prompt, max_new_tokens=case.max_new_tokens)).tokens
+
+    async with Engine.open(config) as engine:
+        seen = 0
+        async for _ in engine.stream(case.prompt, max_new_tokens=case.max_new_tokens + 6):
+            seen += 1
+            if seen >= abandon_after:
+                break
+        everything = [case.prompt, *others]
+        for index, prompt in enumerate(everything):
+            await generate(engine, index, prompt)
+        async with trio.open_nursery() as nursery:
+            for index, prompt in enumerate(everything):
+                nursery.start_soon(generate, engine, len(everything) + index, prompt)
+    for index, prompt in enumerate(everything * 2):
+        expected = reference_tokens(config.target, prompt, case.max_new_tokens)
+        assert results[index] == expected, f"request {index}, prompt {prompt}"
+
+
+@examples(0.5)
+@given(
+    case=engine_cases(
+        relations=st.just("identical"),
+        tree_shapes=trees(kinds=("chain", "static")),
+        predictors=early_exits(("off", "none")),
+    )
+)
+async def test_identical_draft_is_always_accepted(case):
+    """Not exactness but its mirror: a draft equal to the target proposes the target's own
+    greedy path, so without pruning every step but the last takes the whole fixed tree's
+    depth. (A pruner may drop the right branch: that costs speed, never output.)"""
+    result = await assert_matches_greedy(case.engine_config(), case.prompt, case.max_new_tokens)
+    depth = len(TreeSpec.parse(case.tree).widths)
+    assert [s.new_tokens for s in result.steps[:-1]] == [depth + 1] * (len(result.steps) - 1)
