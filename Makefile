@@ -9,7 +9,7 @@ ARGS ?=
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e '.[dev]'
+	$(VENV)/bin/python -m pip install --quiet -e '.[dev,bench]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -329,14 +329,14 @@ class Engine:
         cost = self.policies.cost
         if cost is None:
             return
-        reads = self.target.store.stats
         cost.observe(
-            nodes=verdict.live_nodes,
+            nodes=verdict.tree_nodes,
             draft_rounds=list(verdict.draft_rounds),
             new_tokens=step.new_tokens,
+            draft_seconds=verdict.draft_seconds,
             verify_seconds=verdict.verify_seconds,
+            io_wait_seconds=verdict.io_wait_seconds,
             step_seconds=step.step_seconds,
-            read_bandwidth=reads.bytes_read / reads.read_seconds if reads.read_seconds else 0.0,
         )
 
 

@@ -66,9 +66,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--order",
         choices=("interleaved", "sequential"),
-        default="interleaved",
-        help="interleaved: modes take turns on each prompt (all open at once); sequential: "
-        "one mode at a time over all prompts (one mode's memory at a time)",
+        default=None,
+        help="interleaved: modes take turns on each prompt, so machine drift hits all alike "
+        "(all open at once); sequential: one mode at a time over all prompts (one mode's "
+        "memory at a time). Default: interleaved, sequential with --isolate",
     )
     parser.add_argument(
         "--memory-limit",
@@ -133,7 +134,7 @@ def options_from_args(args: argparse.Namespace):
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         isolate=args.isolate,
-        order=args.order,
+        order=args.order or ("sequential" if args.isolate else "interleaved"),
         memory_limit=args.memory_limit,
         memory_overhead=args.memory_overhead,
         cache_dir=str(cache_dir(args)),

@@ -46,8 +46,9 @@ def output_paths(json_path: Path) -> dict[str, Path]:
     }
 
 
-def write_outputs(results: AnyResults, json_path: Path, *, plots: bool = True, log=sys.stderr):
+def write_outputs(results: AnyResults, json_path: Path, *, plots: bool = True, log=None):
     """The JSON, its markdown and (when matplotlib is installed) its PNGs; returns the paths."""
+    log = log or sys.stderr  # looked up now: tests and callers may replace it
     write_results(results, json_path)
     paths = output_paths(json_path)
     written = [json_path]

@@ -15,7 +15,7 @@ import trio
 from lever_actors.bench.harness import PromptSet, run_bench
 from lever_actors.bench.isolation import CgroupSupport, probe_cgroup
 from lever_actors.bench.report import write_outputs
-from lever_actors.bench.results import BenchResults, Machine
+from lever_actors.bench.results import BenchResults
 from lever_actors.bench.specs import BenchOptions, PlannedMode, open_in_process, plan_modes
 from lever_actors.device.disk_profile import DiskProfile, profile_disk
 from lever_actors.device.layout import MANIFEST_NAME, WEIGHTS_NAME, read_manifest
@@ -49,6 +49,7 @@ def measure_disk(target: Path) -> DiskProfile | None:
 
 
 def with_disk(results, profiles: list[DiskProfile | None]):
+    """`results` (bench or sweep) with the raw disk profiles of the run and their mean."""
     profiles = [p for p in profiles if p is not None]
     bandwidth = sum(p.bandwidth for p in profiles) / len(profiles) if profiles else None
     machine = msgspec.structs.replace(results.machine, disk_bandwidth=bandwidth)
@@ -65,8 +66,9 @@ def bench(
     out: Path | None = None,
     command: str = "",
     plots: bool = True,
-    log=sys.stderr,
+    log=None,
 ) -> BenchResults:
+    log = log or sys.stderr  # looked up now: tests and callers may replace it
     cgroups = probe_cgroup() if options.isolate else None
     if cgroups is not None and not cgroups.usable:
         print(f"--isolate: {cgroups.describe()}; peak RSS only", file=log)
@@ -91,9 +93,3 @@ def bench(
     if out is not None:
         write_outputs(results, out, plots=plots, log=log)
     return results
-
-
-def machine_here(disk: list[DiskProfile | None]) -> Machine:
-    profiles = [p for p in disk if p is not None]
-    bandwidth = sum(p.bandwidth for p in profiles) / len(profiles) if profiles else None
-    return msgspec.structs.replace(Machine.here(), disk_bandwidth=bandwidth)

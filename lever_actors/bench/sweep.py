@@ -16,7 +16,7 @@ from lever_actors.bench.harness import PromptSet, run_bench
 from lever_actors.bench.isolation import probe_cgroup
 from lever_actors.bench.report import write_outputs
 from lever_actors.bench.results import Machine, SweepPoint, SweepResults
-from lever_actors.bench.run import make_modes, measure_disk
+from lever_actors.bench.run import make_modes, measure_disk, with_disk
 from lever_actors.bench.specs import BenchOptions, plan_modes
 from lever_actors.bench.summary import SD_FAMILIES, decode_rate
 from lever_actors.device.budget import resolve_budget
@@ -41,9 +41,10 @@ def sweep(
     out: Path | None = None,
     command: str = "",
     plots: bool = True,
-    log=sys.stderr,
+    log=None,
 ) -> SweepResults:
     """Modes of `options` outside SWEEP_FAMILIES are dropped (default: all four families)."""
+    log = log or sys.stderr  # looked up now: tests and callers may replace it
     families = tuple(m for m in options.modes if m in SWEEP_FAMILIES) or SWEEP_FAMILIES
     manifest = read_manifest(target)
     cgroups = probe_cgroup() if options.isolate else None
@@ -83,18 +84,12 @@ def sweep(
                 )
             )
     disk.append(measure_disk(target))
-    profiles = [p for p in disk if p is not None]
-    machine = msgspec.structs.replace(
-        Machine.here(),
-        disk_bandwidth=sum(p.bandwidth for p in profiles) / len(profiles) if profiles else None,
-    )
     config = options.as_config() | {
         "sweep_budgets": list(budgets),
         "sweep_throttles": list(throttles),
     }
-    results = SweepResults(
-        machine=machine, command=command, config=config, points=points, disk=profiles
-    )
+    results = SweepResults(machine=Machine.here(), command=command, config=config, points=points)
+    results = with_disk(results, disk)
     if out is not None:
         write_outputs(results, out, plots=plots, log=log)
     return results

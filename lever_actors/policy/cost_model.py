@@ -43,6 +43,9 @@ class CostModel(msgspec.Struct):
     draft: Curve  # one draft-model forward, by nodes in the batch
     project_seconds: float  # final norm + LM head for one node
     overhead_seconds: float = 0.0  # per step, beyond the parts above (learned online)
+    # Verification overlaps its flash reads, but not perfectly (they share memory bandwidth
+    # and cores): a pass takes max(io, verify) + contention * verify (learned online).
+    contention: float = 0.2
 
     @property
     def io_seconds(self) -> float:
@@ -52,7 +55,8 @@ class CostModel(msgspec.Struct):
         """Predicted step time: drafting, then verification overlapped with its flash reads,
         then projection along the expected accepted path."""
         drafting = sum(self.draft(width) for width in draft_rounds)
-        verifying = max(self.io_seconds, self.verify(nodes))
+        compute = self.verify(nodes)
+        verifying = max(self.io_seconds, compute) + self.contention * compute
         return drafting + verifying + self.project_seconds * expected_tokens + self.overhead_seconds
 
     def observe(
@@ -61,18 +65,28 @@ class CostModel(msgspec.Struct):
         nodes: int,
         draft_rounds: list[int],
         new_tokens: int,
+        draft_seconds: float,
         verify_seconds: float,
+        io_wait_seconds: float,
         step_seconds: float,
-        read_bandwidth: float,
     ) -> None:
-        """Correct the beliefs with one finished step: its compute time, its whole time, and
-        the bandwidth the flash store saw while reading (bytes over seconds inside reads)."""
-        predicted = self.verify(nodes)
-        if predicted > 0 and verify_seconds > 0:
-            self.verify.scale(1 + ONLINE_WEIGHT * (verify_seconds / predicted - 1))
-        if read_bandwidth > 0:
-            self.flash_bandwidth += ONLINE_WEIGHT * (read_bandwidth - self.flash_bandwidth)
+        """Correct the beliefs with one finished step: its drafting and compute times, how
+        long the pass waited for layers, and its whole time. The flash bandwidth stays the
+        profiled one: reads during a pass are slowed by the compute beside them, and that
+        slowdown is what `contention` learns."""
+        _correct(self.verify, self.verify(nodes), verify_seconds)
+        _correct(self.draft, sum(self.draft(w) for w in draft_rounds), draft_seconds)
+        if verify_seconds > 0:
+            passed = io_wait_seconds + verify_seconds
+            seen = (passed - max(self.io_seconds, verify_seconds)) / verify_seconds
+            self.contention += ONLINE_WEIGHT * (max(seen, 0.0) - self.contention)
         unexplained = step_seconds - (
             self.step_seconds(nodes, draft_rounds, new_tokens) - self.overhead_seconds
         )
         self.overhead_seconds += ONLINE_WEIGHT * (max(unexplained, 0.0) - self.overhead_seconds)
+
+
+def _correct(curve: Curve, predicted: float, measured: float) -> None:
+    """Scale a curve toward what was measured, a step of ONLINE_WEIGHT at a time."""
+    if predicted > 0 and measured > 0:
+        curve.scale(1 + ONLINE_WEIGHT * (measured / predicted - 1))

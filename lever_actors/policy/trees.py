@@ -141,12 +141,18 @@ async def grow_gain_cost(
     offer(committed - 1)
     nodes, expected = 0, 0.0
     best = objective(0, 0.0, builder.rounds)
+    confident = calibrator.acceptance(0.99, 0)
+    final = False  # the last round: fill with whatever still pays, no deeper look follows
     while True:
         # best gain first; ties go to the likelier, then the higher-ranked draft token
         candidates.sort(key=lambda c: (c[0], c[3], -c[4]), reverse=True)
-        added = []
+        added: list[int] = []
         while candidates and nodes < cap:
             gain, parent, token, prob, rank = candidates[0]
+            # Before the last round, leave a candidate for later if a child of a node this
+            # round adds could beat it: depth first where the draft is confident.
+            if added and not final and gain < path_prob[added[0]] * confident:
+                break
             score = objective(nodes + 1, expected + gain, builder.rounds)
             if score <= best:
                 break
@@ -155,13 +161,15 @@ async def grow_gain_cost(
             path_prob[node] = gain
             nodes, expected, best = nodes + 1, expected + gain, score
             added.append(node)
-        if not added or nodes >= cap:
+        if final or nodes >= cap:
             return
         # Another round costs a draft forward; it can only pay if a child of the best new
         # node would be worth adding at the acceptance of a confident draft.
-        hope = max(path_prob[n] for n in added) * calibrator.acceptance(0.99, 0)
-        if objective(nodes + 1, expected + hope, [*builder.rounds, len(added)]) <= best:
-            return
+        hope = max((path_prob[n] for n in added), default=0.0) * confident
+        rounds = [*builder.rounds, len(added)]
+        if not added or objective(nodes + 1, expected + hope, rounds) <= best:
+            final = True
+            continue
         await run(added)
         for node in added:
             offer(node)

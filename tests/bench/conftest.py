@@ -1,0 +1,29 @@
+"""A tiny target (as a flash layout) and draft made with transformers' classes, and prompts
+as token ids: the harness runs end to end on them without a tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lever_actors.bench.harness import PromptSet
+from lever_actors.checkpoints.convert import convert
+from tests.tiny_hf import save_tiny, tiny_model
+
+PROMPT_SETS = [
+    PromptSet("humaneval", [[3, 14, 15, 92, 65], [2, 71, 82, 81, 82, 84, 59]]),
+    PromptSet("sharegpt", [[1, 41, 42, 13], [27, 18, 28, 18, 28, 45, 90, 45]]),
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """(target flash layout in float32, draft HF directory) sharing a 97-token vocabulary."""
+    root = tmp_path_factory.mktemp("pair")
+    target_hf = save_tiny(tiny_model("qwen2", layers=8), root / "target-hf")
+    layout = root / "target"
+    convert(target_hf, layout, torch.float32)
+    draft = save_tiny(tiny_model("qwen2", seed=1, layers=1), root / "draft-hf")
+    return layout, draft

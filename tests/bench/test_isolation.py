@@ -1,0 +1,141 @@
+"""--isolate: each mode in a child process, under a cgroup memory limit where the machine
+has one; peak RSS per mode either way; a child killed by its limit is a failed row."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+
+from lever_actors.bench.isolation import (
+    MemoryCgroup,
+    evict_from_page_cache,
+    evict_ranges,
+    probe_cgroup,
+)
+from lever_actors.bench.run import bench
+from lever_actors.bench.specs import BenchOptions
+from tests.bench.conftest import PROMPT_SETS
+
+SUPPORT = probe_cgroup()
+
+
+def _options(tmp_path: Path, **fields) -> BenchOptions:
+    return BenchOptions(
+        budgets=("50%",),
+        draft_dtype="float32",
+        prompt_sets=("humaneval",),
+        prompts=1,
+        max_new_tokens=4,
+        isolate=True,
+        cache_dir=str(tmp_path / "cache"),
+        **fields,
+    )
+
+
+def _leftover_cgroups() -> list[str]:
+    if SUPPORT.base is None:
+        return []
+    return [
+        p.name for p in SUPPORT.base.iterdir() if p.name.startswith(f"lever-bench-{os.getpid()}-")
+    ]
+
+
+def test_each_mode_in_its_own_limited_child(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    options = _options(tmp_path, modes=("flash-ar", "lever", "peer-offload"), order="sequential")
+    results = bench(options, target, draft, PROMPT_SETS[:1], frozenset())
+    assert [m.name for m in results.modes] == ["flash-ar@50%", "lever@50%", "peer-offload@50%"]
+    for info in results.modes:
+        assert info.isolated
+        assert info.limit_enforced == SUPPORT.usable
+        # default limit: the budget + the draft's weights + 1 GiB, as the kernel rounds it
+        assert info.memory_limit_bytes == pytest.approx(
+            info.budget_bytes + os.path.getsize(draft / "model.safetensors") // 2 + 2**30,
+            abs=8192,
+        )
+    for s in results.summaries:
+        assert s.failed is None, s.failed
+        assert s.peak_rss_bytes and s.peak_rss_bytes > 50 * 2**20  # a child with torch loaded
+        if SUPPORT.usable:
+            assert (
+                s.cgroup_peak_bytes
+                and s.cgroup_peak_bytes < results.info(s.mode).memory_limit_bytes
+            )
+    assert _leftover_cgroups() == []
+    assert "accelerate placed" in results.info("peer-offload@50%").note  # sent by the child
+    note = "kernel-enforced" if SUPPORT.usable else "No memory limit was enforced"
+    from lever_actors.bench.report import memory_note
+
+    assert note in memory_note(results)
+
+
+@pytest.mark.skipif(not SUPPORT.usable, reason=f"no cgroup memory limits: {SUPPORT.reason}")
+def test_a_child_over_its_limit_is_a_failed_row(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    options = _options(tmp_path, modes=("flash-ar",), memory_limit="40MiB")
+    results = bench(options, target, draft, PROMPT_SETS[:1], frozenset())
+    (summary,) = results.summaries
+    assert summary.failed and "killed by the memory limit of 40.0 MiB" in summary.failed
+    assert results.info("flash-ar@50%").limit_enforced
+    assert _leftover_cgroups() == []
+
+
+@pytest.mark.skipif(not SUPPORT.usable, reason=f"no cgroup memory limits: {SUPPORT.reason}")
+def test_cgroup_limit_and_peak():
+    cgroup = MemoryCgroup(SUPPORT, f"lever-bench-{os.getpid()}-unit", 123_456_789)
+    try:
+        assert abs(cgroup.limit_bytes - 123_456_789) < 4096
+        assert cgroup.peak_bytes() == 0 and cgroup.oom_kills() == 0
+    finally:
+        cgroup.remove()
+    assert not cgroup.path.exists()
+
+
+def test_probe_reads_v1_and_v2_layouts(tmp_path):
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text("0::/\n")
+    (proc / "mountinfo").write_text(
+        "41 31 0:38 / /nonexistent/unified rw,relatime - cgroup2 cgroup2 rw\n"
+    )
+    support = probe_cgroup(proc)
+    if os.geteuid() == 0:
+        assert not support.usable and "v2" in support.reason
+
+
+def _resident_pages(mapped: mmap.mmap, size: int) -> int:
+    """Pages of a mapping that are in DRAM (mincore)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    page = mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * (size // page))()
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+    assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) == 0
+    return sum(v & 1 for v in vec)
+
+
+def test_eviction_drops_pages_even_where_this_process_maps_them(tmp_path):
+    size = 1 << 20
+    path = tmp_path / "weights.bin"
+    path.write_bytes(os.urandom(size))
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        # private and writable but never written, as safetensors maps its files
+        mapped = mmap.mmap(
+            f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
+    try:
+        assert sum(mapped[i] for i in range(0, size, mmap.PAGESIZE)) >= 0  # touch every page
+        assert _resident_pages(mapped, size) == size // mmap.PAGESIZE
+        assert evict_from_page_cache([tmp_path]) == size
+        assert _resident_pages(mapped, size) == 0
+        evict_ranges({path: [(0, size // 2)]})  # a range: only the first half goes
+        assert sum(mapped[i] for i in range(0, size, mmap.PAGESIZE)) >= 0
+        evict_ranges({path: [(0, size // 2)]})
+        assert _resident_pages(mapped, size) == size // mmap.PAGESIZE // 2
+    finally:
+        mapped.close()
