@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
-import torch
 import trio
 
 from lever_actors.actors.drafter import Drafter, DrafterInbox, DraftPolicy
@@ -36,16 +35,14 @@ from lever_actors.channels.messages import (
     TokenEvent,
     Verdict,
 )
-from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.config import EngineConfig
 from lever_actors.device.units import ComputeUnit
+from lever_actors.draft import DraftModel, check_same_vocabulary, load_draft_for
 from lever_actors.errors import ConfigError
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.setup import Policies, build_policies
 from lever_actors.target import FlashTarget
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 class GenerationResult(msgspec.Struct, frozen=True):
@@ -119,8 +116,8 @@ class Engine:
         target = await trio.to_thread.run_sync(_open_target, config)
         try:
             if draft is None:
-                draft = await trio.to_thread.run_sync(_load_draft, config)
-            _check_same_vocabulary(target, draft)
+                draft = await trio.to_thread.run_sync(load_draft_for, config)
+            check_same_vocabulary(target, draft)
             model = draft.model if draft is not None and config.tree != "none" else None
             policies = await trio.to_thread.run_sync(
                 build_policies, config, target, model, progress
@@ -372,37 +369,3 @@ def _open_target(config: EngineConfig) -> FlashTarget:
         throttle=config.throttle,
         verify=config.verify_checksums,
     )
-
-
-@dataclass
-class DraftModel:
-    """The draft, held whole in DRAM; several engines may share one."""
-
-    model: Transformer
-    tokenizer: Tokenizer | None
-    source: str
-
-
-def load_draft(path: str, dtype: str) -> DraftModel:
-    """From an HF directory, a GGUF file or a flash layout."""
-    draft = load_checkpoint(path, DTYPES[dtype])
-    return DraftModel(Transformer(draft.args, draft.weights), draft.tokenizer, path)
-
-
-def _load_draft(config: EngineConfig) -> DraftModel | None:
-    if config.tree_spec().kind == "none" or config.draft is None:
-        return None
-    return load_draft(config.draft, config.draft_dtype)
-
-
-def _check_same_vocabulary(target: FlashTarget, draft: DraftModel | None) -> None:
-    if draft is None:
-        return
-    if draft.model.args.vocab_size != target.args.vocab_size:
-        raise ConfigError(
-            f"draft {draft.source} has a vocabulary of {draft.model.args.vocab_size} tokens, "
-            f"the target {target.args.vocab_size}: speculative decoding needs the same vocabulary"
-        )
-    ours, theirs = target.tokenizer, draft.tokenizer
-    if ours and theirs and ours.backend.get_vocab() != theirs.backend.get_vocab():
-        raise ConfigError(f"draft {draft.source} and the target use different tokenizers")

