@@ -16,7 +16,7 @@ class ProgressLine:
         self.unit = unit
         self.started = time.monotonic()
         self.last_draw = 0.0
-        self.interactive = stream.isatty()
+        self.interactive = self.stream.isatty()
 
     def __call__(self, done: int, total: int, label: str) -> None:
         now = time.monotonic()
