@@ -46,6 +46,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chain", default="4", help="sd-chain lengths to run, e.g. 2,4,6,8")
     parser.add_argument("--static-tree", default="4,2,2,1", help="sd-static widths per depth")
     parser.add_argument(
+        "--prune-threshold",
+        type=float,
+        default=None,
+        help="early-exit threshold of the Lever modes (default: the engine's)",
+    )
+    parser.add_argument(
         "--prompt-sets", default="humaneval", help=f"comma-separated: {','.join(PROMPT_SETS)}"
     )
     parser.add_argument("--prompts", type=int, default=5, help="prompts per set")
@@ -127,6 +133,7 @@ def options_from_args(args: argparse.Namespace):
         throttle=args.throttle,
         chain=tuple(int(k) for k in _split(args.chain)),
         static_tree=args.static_tree,
+        prune_threshold=args.prune_threshold,
         draft_dtype=args.draft_dtype,
         dtype=args.dtype,
         prompt_sets=_split(args.prompt_sets),

@@ -40,6 +40,7 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     throttle: str = "none"
     chain: tuple[int, ...] = (4,)
     static_tree: str = "4,2,2,1"
+    prune_threshold: float | None = None  # for the Lever modes; None: the engine's default
     draft_dtype: str = "bfloat16"
     dtype: str | None = None  # compute dtype of memory-resident modes (default: the layout's)
     prompt_sets: tuple[str, ...] = ("humaneval",)
@@ -104,6 +105,7 @@ def engine_variants(options: BenchOptions, family: str) -> list[tuple[str, str |
     the pruner and the gain-cost policy off; the Lever ablations turn one policy off each."""
     conventional = {"early_exit": "off", "projection": "on_demand", "units": "single"}
     static = f"static:{options.static_tree}"
+    lever = {} if options.prune_threshold is None else {"prune_threshold": options.prune_threshold}
     variants = {
         "flash-ar": [("flash-ar", None, {"tree": "none", "early_exit": "off"})],
         "sd-chain": [
@@ -111,11 +113,11 @@ def engine_variants(options: BenchOptions, family: str) -> list[tuple[str, str |
             for k in options.chain
         ],
         "sd-static": [(f"sd-{static}", static, {"tree": static, **conventional})],
-        "lever": [("lever", "gaincost", {})],
-        "lever-no-gaincost": [("lever-no-gaincost", static, {"tree": static})],
+        "lever": [("lever", "gaincost", {**lever})],
+        "lever-no-gaincost": [("lever-no-gaincost", static, {**lever, "tree": static})],
         "lever-no-prune": [("lever-no-prune", "gaincost", {"early_exit": "off"})],
-        "lever-eager": [("lever-eager", "gaincost", {"projection": "eager"})],
-        "lever-single-unit": [("lever-single-unit", "gaincost", {"units": "single"})],
+        "lever-eager": [("lever-eager", "gaincost", {**lever, "projection": "eager"})],
+        "lever-single-unit": [("lever-single-unit", "gaincost", {**lever, "units": "single"})],
     }
     return variants[family]
 
