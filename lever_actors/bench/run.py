@@ -56,6 +56,24 @@ def with_disk(results, profiles: list[DiskProfile | None]):
     return msgspec.structs.replace(results, machine=machine, disk=profiles)
 
 
+def run_modes(modes, prompt_sets, options: BenchOptions, stop_ids, command, budget, log):
+    """One interleaved (or sequential) pass of `modes` over the prompts, in its own trio run."""
+    return trio.run(
+        functools.partial(
+            run_bench,
+            modes,
+            prompt_sets,
+            max_new_tokens=options.max_new_tokens,
+            stop_ids=stop_ids,
+            config=options.as_config(),
+            command=command,
+            order=options.order,
+            budget=budget,
+            log=log,
+        )
+    )
+
+
 def bench(
     options: BenchOptions,
     target: Path,
@@ -75,20 +93,8 @@ def bench(
     planned = plan_modes(options, target, draft)
     modes = make_modes(planned, options, cgroups)
     before = measure_disk(target)
-    results = trio.run(
-        functools.partial(
-            run_bench,
-            modes,
-            prompt_sets,
-            max_new_tokens=options.max_new_tokens,
-            stop_ids=stop_ids,
-            config=options.as_config(),
-            command=command,
-            order=options.order,
-            budget=options.budgets[0] if options.budgets else None,
-            log=log,
-        )
-    )
+    budget = options.budgets[0] if options.budgets else None
+    results = run_modes(modes, prompt_sets, options, stop_ids, command, budget, log)
     results = with_disk(results, [before, measure_disk(target)])
     if out is not None:
         write_outputs(results, out, plots=plots, log=log)

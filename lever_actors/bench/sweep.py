@@ -4,19 +4,17 @@ its modes (opened for that point only, so memory holds one point's engines at a 
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
-import trio
 
-from lever_actors.bench.harness import PromptSet, run_bench
+from lever_actors.bench.harness import PromptSet
 from lever_actors.bench.isolation import probe_cgroup
 from lever_actors.bench.report import write_outputs
 from lever_actors.bench.results import Machine, SweepPoint, SweepResults
-from lever_actors.bench.run import make_modes, measure_disk, with_disk
+from lever_actors.bench.run import make_modes, measure_disk, run_modes, with_disk
 from lever_actors.bench.specs import BenchOptions, plan_modes
 from lever_actors.bench.summary import SD_FAMILIES, decode_rate
 from lever_actors.device.budget import resolve_budget
@@ -60,20 +58,7 @@ def sweep(
             modes = make_modes(
                 plan_modes(point_options, target, draft), point_options, cgroups, drafts
             )
-            results = trio.run(
-                functools.partial(
-                    run_bench,
-                    modes,
-                    prompt_sets,
-                    max_new_tokens=options.max_new_tokens,
-                    stop_ids=stop_ids,
-                    config=point_options.as_config(),
-                    command=command,
-                    order=options.order,
-                    budget=budget,
-                    log=log,
-                )
-            )
+            results = run_modes(modes, prompt_sets, point_options, stop_ids, command, budget, log)
             points.append(
                 SweepPoint(
                     throttle=throttle,
