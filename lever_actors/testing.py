@@ -89,6 +89,7 @@ WEIGHT_STD = 0.3  # matrices and biases: logits spread by several units, far fro
 NORM_STD = 0.2  # norm weights: 1 +- this
 PERTURBATION = 0.02  # default noise a perturbed target adds to every weight
 
+
 def hf_config(args: ModelArgs) -> dict:
     """The config.json transformers would write for `args` (RoPE nested and flat)."""
     return {**export.hf_config(args, torch.float64), "pad_token_id": None}

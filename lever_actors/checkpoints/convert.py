@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch
 
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.checkpoint import Checkpoint
+from lever_actors.checkpoints.new_directory import new_directory
 from lever_actors.device.layout import (
     DTYPE_NAMES,
     MANIFEST_NAME,
@@ -40,14 +40,8 @@ def convert(src: Path, out: Path, dtype: torch.dtype, progress: Progress | None 
     """
     if dtype not in DTYPE_NAMES.values():
         raise CheckpointError(f"cannot store weights as {dtype}; choose one of {list(DTYPE_NAMES)}")
-    if out.exists():
-        raise CheckpointError(f"{out}: already exists; remove it or choose another output")
-    checkpoint = load_checkpoint(src, dtype)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with new_directory(out) as tmp:
+        checkpoint = load_checkpoint(src, dtype)
         extents = _write_weights(checkpoint, tmp / WEIGHTS_NAME, progress)
         tokenizer = None
         if checkpoint.tokenizer is not None:
@@ -62,10 +56,6 @@ def convert(src: Path, out: Path, dtype: torch.dtype, progress: Progress | None 
             tokenizer=tokenizer,
         )
         (tmp / MANIFEST_NAME).write_bytes(msgspec.json.format(msgspec.json.encode(manifest)))
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest
 
 

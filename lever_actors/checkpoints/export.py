@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from safetensors.torch import save_file
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.checkpoint import Checkpoint
 from lever_actors.checkpoints.hf import GLOBAL_NAMES, LAYER_NAMES
+from lever_actors.checkpoints.new_directory import new_directory
 from lever_actors.device.layout import DTYPE_NAMES
 from lever_actors.errors import CheckpointError
 from lever_actors.model.args import ModelArgs
@@ -54,19 +54,9 @@ def export_hf(
         raise CheckpointError(
             f"cannot export weights as {dtype}; choose one of {list(DTYPE_NAMES)}"
         )
-    if out.exists():
-        raise CheckpointError(f"{out}: already exists; remove it or choose another output")
-    checkpoint = load_checkpoint(src, dtype)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with new_directory(out) as tmp:
+        checkpoint = load_checkpoint(src, dtype)
         write_hf(checkpoint, tmp, dtype, shard_bytes=shard_bytes, progress=progress)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

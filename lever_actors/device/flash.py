@@ -128,11 +128,11 @@ class FlashStore:
         (entry,) = extent.tensors
         row_bytes = entry.nbytes // entry.shape[0]
         out = []
+        buffer = AlignedBuffer(align_up(row_bytes) + ALIGNMENT)  # any row's aligned span fits
         for row in rows:
             start = extent.offset + entry.offset + row * row_bytes
             first = start - start % ALIGNMENT
             span = align_up(start + row_bytes) - first
-            buffer = AlignedBuffer(span)
             self._read_into(buffer, 0, first, span)
             skip = start - first
             raw = buffer.bytes[skip : skip + row_bytes]
