@@ -23,6 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _configure_logging(args.verbose)
     try:
+        if getattr(args, "config", None) is not None:  # the file's values become defaults
+            from lever_actors.bench.cli import apply_config
+
+            apply_config(args.bench_parser, args.config)
+            args = parser.parse_args(argv)  # so that flags on the command line still win
         return args.command(args)
     except LeverError as e:
         print(f"lever-actors: error: {e}", file=sys.stderr)

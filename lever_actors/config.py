@@ -99,6 +99,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     exit_layer: int | None = None  # default: 7/8 of the way through the target
     prune_threshold: float = 0.02  # drop a child scoring below this within its candidate set
     audit_every: int = 10  # every n-th step runs pruned nodes anyway, to count false prunes
+    draft_ahead: bool = True  # gain-cost: draft the next tree while this one is verified
     projection: str = "on_demand"  # on_demand (cpu unit, accepted path) or eager (npu, all)
     units: str = "split"  # split: small work on the "cpu" unit beside the "npu"; single: one unit
     draft_dtype: str = "float32"

@@ -222,9 +222,15 @@ class Engine:
         capacity = len(request.prompt) + request.max_new_tokens + self.spec.max_nodes + 2
         jitter = _jitters(config)
         p = self.policies
-        draft_policy = DraftPolicy(p.spec, p.cost, p.calibrator)
+        draft_policy = DraftPolicy(p.spec, p.cost, p.calibrator, config.draft_ahead)
+        ahead_room = self.spec.max_nodes if config.draft_ahead else 0
         drafter = Drafter(
-            self.draft, draft_policy, request.prompt, capacity, (self.cpu, self.npu), next(jitter)
+            self.draft,
+            draft_policy,
+            request.prompt,
+            capacity + ahead_room,
+            (self.cpu, self.npu),
+            next(jitter),
         )
         verifier = Verifier(
             target, capacity, p.exit_layer, self.npu, next(jitter), config.audit_every
@@ -307,6 +313,7 @@ class Engine:
                     audited=verdict.audited,
                     false_prunes=verdict.false_prunes,
                     new_tokens=emitted,
+                    drafted_ahead=verdict.drafted_ahead,
                     draft_seconds=verdict.draft_seconds,
                     io_wait_seconds=verdict.io_wait_seconds,
                     verify_seconds=verdict.verify_seconds,

@@ -578,6 +578,7 @@ class EngineCase:
     exit_layer: int | None
     prune_threshold: float
     audit_every: int
+    draft_ahead: bool
     projection: str
     channels: ChannelSizes
     jitter_seconds: float
@@ -613,6 +614,7 @@ class EngineCase:
             exit_layer=self.exit_layer,
             prune_threshold=self.prune_threshold,
             audit_every=self.audit_every,
+            draft_ahead=self.draft_ahead,
             projection=self.projection,
             draft_dtype="float64",
             channels=self.channels,
@@ -661,6 +663,7 @@ def engine_cases(
         exit_layer=draw(st.one_of(st.none(), st.integers(0, args.n_layers - 1))),
         prune_threshold=draw(prune_thresholds()),
         audit_every=draw(st.integers(0, 3)),
+        draft_ahead=draw(st.booleans()),
         projection=_given(draw, projections, st.sampled_from(["on_demand", "eager"])),
         channels=_given(draw, channels, channel_sizes()),
         jitter_seconds=_given(draw, jitter, jitters()),

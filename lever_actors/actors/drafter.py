@@ -15,11 +15,14 @@ from lever_actors.device.units import ComputeUnit
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.cost_model import CostModel
-from lever_actors.policy.trees import TreeBuilder, grow_gain_cost, grow_static
+from lever_actors.policy.trees import GainCostGrowth, TreeBuilder, grow_gain_cost, grow_static
 
 # Draft forwards of at most this many nodes go to the "cpu" unit, wider ones to the batched
 # "npu" unit (on a machine without an accelerator both are CPU worker threads).
 SMALL_BATCH = 4
+# Nodes per draft-ahead round: no dearer than one, and small enough for the "cpu" unit, which
+# leaves the "npu" unit to the verifier.
+AHEAD_WIDTH = SMALL_BATCH
 
 
 @dataclass
@@ -33,11 +36,16 @@ class DraftPolicy:
     spec: TreeSpec
     cost: CostModel | None = None  # needed by the gain-cost tree
     calibrator: AcceptanceCalibrator | None = None  # needed by the gain-cost tree
+    ahead: bool = False  # gain-cost only: draft the next tree while this one is verified
 
 
 class Drafter:
     """Keeps its own KV cache of the committed text. Each step it first runs the committed
-    tokens it has not seen, then grows the tree below the last one by its policy."""
+    tokens it has not seen, then grows the tree below the last one by its policy.
+
+    With `ahead`, it keeps growing the gain-cost tree after sending it, until the commit
+    comes: when the target's next token is one of the nodes drafted that way, the subtree
+    below it is the next tree already, and only what still pays is added to it."""
 
     def __init__(
         self,
@@ -55,7 +63,9 @@ class Drafter:
         self.capacity = capacity
         self.backlog: list[int] = []  # committed, seen by the target but not by us
         self.chain: list[int] = list(prompt)  # committed tokens the target has not seen yet
-        self.offsets: dict[int, int] = {}
+        self.builder: TreeBuilder | None = None  # the last tree's
+        self.growth: GainCostGrowth | None = None  # the last tree's, when gain-cost
+        self.drafted_ahead: TreeBuilder | None = None  # the next tree, when a commit hit it
 
     async def run(
         self,
@@ -77,10 +87,27 @@ class Drafter:
                 tree = await self.draft(request)
                 await outbox.send(tree)
                 try:
-                    commit = await inbox.commits.receive()
+                    commit = await self._commit_drafting_ahead(inbox.commits, request.max_nodes)
                 except trio.EndOfChannel:
                     return
-                self.commit(commit, tree)
+                self.commit(commit, tree, request.max_nodes)
+
+    async def _commit_drafting_ahead(
+        self, commits: trio.MemoryReceiveChannel[Commit], cap: int
+    ) -> Commit:
+        """The step's commit; until it comes, draft ahead round by round if we may."""
+        while self.policy.ahead and self.growth is not None:
+            try:
+                return commits.receive_nowait()
+            except trio.WouldBlock:
+                pass
+            if not await self.growth.grow_ahead(AHEAD_WIDTH, cap, self._run):
+                break
+        return await commits.receive()
+
+    async def _run(self, nodes: list[int]) -> None:
+        unit = self.cpu if len(nodes) <= SMALL_BATCH else self.npu
+        await unit.run(self.builder.run, nodes)
 
     async def draft(self, request: DraftRequest) -> DraftTree:
         started = time.perf_counter()
@@ -97,33 +124,33 @@ class Drafter:
                 draft_seconds=0.0,
                 draft_rounds=(),
             )
-        if self.backlog:
-            await self.npu.run(self._absorb_backlog)
-        builder = TreeBuilder(self.model, self.cache, self.chain)
-        await self.npu.run(builder.run, list(range(len(self.chain))), 1)
-
-        async def run(nodes: list[int]) -> None:
-            unit = self.cpu if len(nodes) <= SMALL_BATCH else self.npu
-            await unit.run(builder.run, nodes)
-
+        builder = self.drafted_ahead
+        self.drafted_ahead = None
+        if builder is None:
+            if self.backlog:
+                await self.npu.run(self._absorb_backlog)
+            builder = TreeBuilder(self.model, self.cache, self.chain)
+            await self.npu.run(builder.run, list(range(len(self.chain))), 1)
+        ahead = len(builder.tokens) - builder.n_chain
+        self.builder = builder
         spec = self.policy.spec
         if spec.kind == "gaincost":
-            await grow_gain_cost(
-                builder, self.policy.cost, self.policy.calibrator, request.max_nodes, run
+            self.growth = await grow_gain_cost(
+                builder, self.policy.cost, self.policy.calibrator, request.max_nodes, self._run
             )
         else:
-            await grow_static(builder, spec.widths, request.max_nodes, run)
-        self.offsets = builder.offsets
+            await grow_static(builder, spec.widths, request.max_nodes, self._run)
         return DraftTree(
             step=request.step,
             tokens=tuple(builder.tokens),
             parents=tuple(builder.parents),
-            n_committed=len(self.chain),
+            n_committed=builder.n_chain,
             draft_probs=tuple(builder.probs),
             draft_ranks=tuple(builder.ranks),
             shadows=builder.shadows(),
             draft_seconds=time.perf_counter() - started,
             draft_rounds=tuple(builder.rounds),
+            drafted_ahead=ahead,
         )
 
     def _absorb_backlog(self) -> None:
@@ -131,7 +158,7 @@ class Drafter:
         self.cache.commit(len(self.backlog))
         self.backlog = []
 
-    def commit(self, commit: Commit, tree: DraftTree) -> None:
+    def commit(self, commit: Commit, tree: DraftTree, max_nodes: int) -> None:
         self.chain = list(commit.next_tokens)
         if self.model is None:
             return
@@ -139,8 +166,26 @@ class Drafter:
             self.policy.calibrator.observe(
                 tree.parents, tree.draft_probs, tree.draft_ranks, tree.n_committed, commit.accepted
             )
+        builder, drafted_ahead = self.builder, self.policy.ahead and self.growth is not None
+        self.builder = self.growth = None
+        if builder is None:  # autoregressive: nothing drafted, nothing to keep
+            return
+        root = self._next_token_drafted(commit, builder) if drafted_ahead else None
+        if root is not None:
+            self.drafted_ahead = builder.rebase(commit.accepted, root, max_nodes)
+            return
         # Nodes we ran form a prefix of the accepted path: keep those in the cache; the
         # accepted nodes we never ran (the deepest ones) are committed but still unseen.
-        ran = [n for n in commit.accepted if n in self.offsets]
-        self.cache.keep([self.offsets[n] for n in ran])
+        ran = [n for n in commit.accepted if n in builder.offsets]
+        self.cache.keep([builder.offsets[n] for n in ran])
         self.backlog = [tree.tokens[n] for n in commit.accepted[len(ran) :]]
+
+    def _next_token_drafted(self, commit: Commit, builder: TreeBuilder) -> int | None:
+        """The node we ran below the accepted path's end for the target's next token."""
+        if len(commit.next_tokens) != 1:
+            return None
+        end, token = commit.accepted[-1], commit.next_tokens[0]
+        for node, parent in enumerate(builder.parents):
+            if parent == end and builder.tokens[node] == token and node in builder.offsets:
+                return node
+        return None

@@ -93,6 +93,7 @@ class Projector:
             verify_seconds=final.verify_seconds,
             draft_seconds=message.draft_seconds,
             draft_rounds=message.draft_rounds,
+            drafted_ahead=message.drafted_ahead,
             tree_nodes=len(tree),
             live_nodes=len(final.nodes),
             pruned=final.pruned,

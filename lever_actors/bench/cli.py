@@ -16,6 +16,12 @@ DEFAULT_MODES = "memory-ar,flash-ar"
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="a TOML file of these options (e.g. bench/headline.toml); flags given here win",
+    )
+    parser.add_argument(
         "--modes",
         default=None,
         help=f"comma-separated, the first is the agreement reference (default: {DEFAULT_MODES}; "
@@ -65,9 +71,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="picks the prompts")
     parser.add_argument(
         "--isolate",
-        action="store_true",
-        help="run each mode in its own child process, under a cgroup memory limit where the "
-        "machine allows (root + a cgroup memory controller); peak RSS per mode either way",
+        nargs="?",
+        const="all",
+        default="none",
+        choices=("none", "peers", "all"),
+        help="all (the flag alone): run each mode in its own child process, under a cgroup "
+        "memory limit where the machine allows (root + a cgroup memory controller), peak RSS "
+        "per mode either way; peers: only the transformers peers, whose offload reads go "
+        "through the page cache, so ours can run interleaved beside them in this process",
     )
     parser.add_argument(
         "--order",
@@ -75,7 +86,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="interleaved: modes take turns on each prompt, so machine drift hits all alike "
         "(all open at once); sequential: one mode at a time over all prompts (one mode's "
-        "memory at a time). Default: interleaved, sequential with --isolate",
+        "memory at a time). Default: interleaved, sequential with --isolate all",
     )
     parser.add_argument(
         "--memory-limit",
@@ -101,7 +112,40 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="results JSON; .md and .png files go beside it (default: bench/results/latest.json, "
         "bench/results/sweep.json with --sweep)",
     )
-    parser.set_defaults(command=run_bench_command)
+    parser.set_defaults(command=run_bench_command, bench_parser=parser)
+
+
+def apply_config(parser: argparse.ArgumentParser, path: Path) -> None:
+    """Make the options in a TOML file the bench parser's defaults. Keys are the option
+    names (max-new-tokens or max_new_tokens); a list stands for a comma-separated value."""
+    import tomllib
+
+    from lever_actors.cli import raise_usage
+
+    try:
+        table = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise_usage(f"cannot read bench config {path}: {e.strerror}")
+    except tomllib.TOMLDecodeError as e:
+        raise_usage(f"bench config {path} is not valid TOML: {e}")
+    known = {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
+    known.pop("config")
+    defaults = {}
+    for key, value in table.items():
+        dest = key.replace("-", "_")
+        if dest not in known:
+            raise_usage(
+                f"bench config {path}: unknown option {key!r}; known: "
+                + ", ".join(sorted(d.replace("_", "-") for d in known))
+            )
+        if isinstance(value, list):
+            value = ",".join(str(v) for v in value)
+        action = known[dest]
+        if action.choices is not None and value not in action.choices:
+            raise_usage(f"bench config {path}: {key} must be one of {', '.join(action.choices)}")
+        # argparse converts string defaults with the option's type, as it does flags
+        defaults[dest] = value
+    parser.set_defaults(**defaults)
 
 
 def add_report_arguments(parser: argparse.ArgumentParser) -> None:
@@ -141,7 +185,7 @@ def options_from_args(args: argparse.Namespace):
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         isolate=args.isolate,
-        order=args.order or ("sequential" if args.isolate else "interleaved"),
+        order=args.order or ("sequential" if args.isolate == "all" else "interleaved"),
         memory_limit=args.memory_limit,
         memory_overhead=args.memory_overhead,
         cache_dir=str(cache_dir(args)),

@@ -29,14 +29,12 @@ def make_modes(
     cgroups: CgroupSupport | None = None,
     drafts: dict | None = None,
 ) -> list:
-    """Isolated: one child process per mode (under a memory cgroup where `cgroups` is
-    usable); else the modes run in this process and share loaded drafts through `drafts`."""
-    if options.isolate:
-        from lever_actors.bench.isolated_mode import ChildMode
+    """An isolated mode runs in a child process of its own (under a memory cgroup where
+    `cgroups` is usable); the others run in this process and share loaded drafts."""
+    from lever_actors.bench.isolated_mode import ChildMode
 
-        return [ChildMode(p, cgroups) for p in planned]
     drafts = {} if drafts is None else drafts
-    return [open_in_process(p, drafts) for p in planned]
+    return [ChildMode(p, cgroups) if p.info.isolated else open_in_process(p, drafts) for p in planned]
 
 
 def measure_disk(target: Path) -> DiskProfile | None:
@@ -87,7 +85,7 @@ def bench(
     log=None,
 ) -> BenchResults:
     log = log or sys.stderr  # looked up now: tests and callers may replace it
-    cgroups = probe_cgroup() if options.isolate else None
+    cgroups = probe_cgroup() if options.isolate != "none" else None
     if cgroups is not None and not cgroups.usable:
         print(f"--isolate: {cgroups.describe()}; peak RSS only", file=log)
     planned = plan_modes(options, target, draft)

@@ -23,12 +23,14 @@ ENGINE_FAMILIES = (
     "lever",
     "lever-no-gaincost",
     "lever-no-prune",
+    "lever-no-ahead",
     "lever-eager",
     "lever-single-unit",
 )
 PEER_FAMILIES = ("peer-memory", "peer-offload", "peer-assisted")
 MODES = ("memory-ar", *ENGINE_FAMILIES, *PEER_FAMILIES)
 MEMORY_RESIDENT = ("memory-ar", "peer-memory")
+ISOLATE = ("none", "peers", "all")
 NEEDS_DRAFT = tuple(f for f in (*ENGINE_FAMILIES, "peer-assisted") if f != "flash-ar")
 
 
@@ -47,11 +49,18 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     prompts: int = 5
     max_new_tokens: int = 64
     seed: int = 0
-    isolate: bool = False  # each mode in a child process, under a memory cgroup where possible
+    # none; all: each mode in a child process, under a memory cgroup where possible; peers:
+    # only the transformers peers (whose offload reads go through the page cache), so that
+    # ours, whose reads bypass it, can run interleaved in this process beside them
+    isolate: str = "none"
     order: str = "interleaved"  # or "sequential": one mode at a time, over all prompts
     memory_limit: str | None = None  # one limit for every child; default: budget + draft + overhead
     memory_overhead: str = "1GiB"  # runtime headroom in the default limit
     cache_dir: str = ""  # where the peer's HF exports and offload folders go
+
+    def isolates(self, family: str) -> bool:
+        """Whether modes of this family run in a child process of their own."""
+        return self.isolate == "all" or (self.isolate == "peers" and family in PEER_FAMILIES)
 
     def as_config(self) -> dict[str, object]:
         """As the results file records it (JSON types: lists, not tuples)."""
@@ -65,6 +74,8 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
             )
         if not self.modes:
             raise ConfigError("no modes to run")
+        if self.isolate not in ISOLATE:
+            raise ConfigError(f"isolate must be one of {', '.join(ISOLATE)}")
         if self.order not in ("interleaved", "sequential"):
             raise ConfigError("order must be interleaved or sequential")
         if self.max_new_tokens < 2:
@@ -116,6 +127,7 @@ def engine_variants(options: BenchOptions, family: str) -> list[tuple[str, str |
         "lever": [("lever", "gaincost", {**lever})],
         "lever-no-gaincost": [("lever-no-gaincost", static, {**lever, "tree": static})],
         "lever-no-prune": [("lever-no-prune", "gaincost", {"early_exit": "off"})],
+        "lever-no-ahead": [("lever-no-ahead", "gaincost", {**lever, "draft_ahead": False})],
         "lever-eager": [("lever-eager", "gaincost", {**lever, "projection": "eager"})],
         "lever-single-unit": [("lever-single-unit", "gaincost", {**lever, "units": "single"})],
     }
@@ -150,8 +162,8 @@ def plan_modes(
     draft_bytes = weight_bytes(draft, options.draft_dtype) if draft is not None else 0
     overhead = parse_bytes(options.memory_overhead)
 
-    def limit(budget_bytes: int) -> int | None:
-        if not options.isolate:
+    def limit(family: str, budget_bytes: int) -> int | None:
+        if not options.isolates(family):
             return None
         if options.memory_limit is not None:
             return parse_bytes(options.memory_limit)
@@ -164,8 +176,8 @@ def plan_modes(
                 name="memory-ar",
                 family=family,
                 budget_bytes=full_bytes,
-                memory_limit_bytes=limit(full_bytes),
-                isolated=options.isolate,
+                memory_limit_bytes=limit(family, full_bytes),
+                isolated=options.isolates(family),
             )
             planned.append(PlannedMode(info, MemoryARSpec(str(target), dtype)))
         elif family == "peer-memory":
@@ -174,8 +186,8 @@ def plan_modes(
                 name="peer-memory",
                 family=family,
                 budget_bytes=full_bytes,
-                memory_limit_bytes=limit(full_bytes),
-                isolated=options.isolate,
+                memory_limit_bytes=limit(family, full_bytes),
+                isolated=options.isolates(family),
             )
             planned.append(PlannedMode(info, PeerSpec(str(model), dtype)))
         elif family in ("peer-offload", "peer-assisted"):
@@ -195,8 +207,8 @@ def plan_modes(
                     tree="assisted" if assistant else None,
                     budget=label,
                     budget_bytes=budget,
-                    memory_limit_bytes=limit(budget),
-                    isolated=options.isolate,
+                    memory_limit_bytes=limit(family, budget),
+                    isolated=options.isolates(family),
                 )
                 spec = PeerSpec(
                     str(export),
@@ -228,8 +240,8 @@ def plan_modes(
                         budget=label,
                         budget_bytes=budget,
                         throttle=options.throttle,
-                        memory_limit_bytes=limit(budget),
-                        isolated=options.isolate,
+                        memory_limit_bytes=limit(family, budget),
+                        isolated=options.isolates(family),
                     )
                     planned.append(PlannedMode(info, EngineSpec(config)))
     return planned

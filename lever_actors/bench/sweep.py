@@ -45,7 +45,7 @@ def sweep(
     log = log or sys.stderr  # looked up now: tests and callers may replace it
     families = tuple(m for m in options.modes if m in SWEEP_FAMILIES) or SWEEP_FAMILIES
     manifest = read_manifest(target)
-    cgroups = probe_cgroup() if options.isolate else None
+    cgroups = probe_cgroup() if options.isolate != "none" else None
     drafts: dict = {}  # in-process runs load the draft once for all points
     disk = [measure_disk(target)]
     points = []

@@ -34,6 +34,7 @@ class DraftTree(Message, frozen=True):
     shadows: tuple[tuple[int, ...], ...]  # per node: best untaken candidates (empty if not run)
     draft_seconds: float
     draft_rounds: tuple[int, ...]  # nodes in each draft forward
+    drafted_ahead: int = 0  # draft nodes grown while the previous tree was verified
 
 
 class LayerWeights(Message, frozen=True):
@@ -91,6 +92,7 @@ class Verdict(Message, frozen=True):
     verify_seconds: float
     draft_seconds: float
     draft_rounds: tuple[int, ...]
+    drafted_ahead: int
     tree_nodes: int
     live_nodes: int
     pruned: int
@@ -127,6 +129,7 @@ class StepStats(msgspec.Struct, frozen=True):
     audited: bool
     false_prunes: int
     new_tokens: int
+    drafted_ahead: int  # tree nodes that were drafted while the previous step was verified
     draft_seconds: float
     io_wait_seconds: float
     verify_seconds: float

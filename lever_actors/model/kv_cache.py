@@ -51,11 +51,13 @@ class KVCache:
         """Keep all n pending positions, in order."""
         self.length += n
 
-    def keep(self, offsets: Sequence[int]) -> None:
-        """Keep the pending positions at these offsets (ascending), packed after the prefix."""
-        if list(offsets) != list(range(len(offsets))):
-            src = torch.tensor(offsets, dtype=torch.int64) + self.length
-            dst = slice(self.length, self.length + len(offsets))
+    def keep(self, offsets: Sequence[int], pending: Sequence[int] = ()) -> None:
+        """Keep the pending positions at these offsets (ascending), packed after the prefix;
+        then move those at `pending`, still uncommitted, right behind them in that order."""
+        moved = [*offsets, *pending]
+        if moved != list(range(len(moved))):
+            src = torch.tensor(moved, dtype=torch.int64) + self.length
+            dst = slice(self.length, self.length + len(moved))
             # index_select copies first, so overlapping source and destination are safe
             self.keys[:, :, dst] = self.keys.index_select(2, src)
             self.values[:, :, dst] = self.values.index_select(2, src)

@@ -11,6 +11,7 @@ import bisect
 import msgspec
 
 ONLINE_WEIGHT = 0.2  # exponential moving average: recent steps count, one outlier does not
+IO_BOUND_WAIT = 0.25  # a pass that spent this share of its time waiting for layers is I/O-bound
 
 
 class Curve(msgspec.Struct):
@@ -43,8 +44,9 @@ class CostModel(msgspec.Struct):
     draft: Curve  # one draft-model forward, by nodes in the batch
     project_seconds: float  # final norm + LM head for one node
     overhead_seconds: float = 0.0  # per step, beyond the parts above (learned online)
-    # Verification overlaps its flash reads, but not perfectly (they share memory bandwidth
-    # and cores): a pass takes max(io, verify) + contention * verify (learned online).
+    # Verification overlaps its flash reads: a pass takes max(io, verify * (1 + contention)),
+    # where io is learned from passes that waited on flash (reads slowed by the compute
+    # beside them) and contention from those that did not (waits for the first layers).
     contention: float = 0.2
 
     @property
@@ -56,7 +58,7 @@ class CostModel(msgspec.Struct):
         then projection along the expected accepted path."""
         drafting = sum(self.draft(width) for width in draft_rounds)
         compute = self.verify(nodes)
-        verifying = max(self.io_seconds, compute) + self.contention * compute
+        verifying = max(self.io_seconds, compute * (1 + self.contention))
         return drafting + verifying + self.project_seconds * expected_tokens + self.overhead_seconds
 
     def observe(
@@ -71,15 +73,19 @@ class CostModel(msgspec.Struct):
         step_seconds: float,
     ) -> None:
         """Correct the beliefs with one finished step: its drafting and compute times, how
-        long the pass waited for layers, and its whole time. The flash bandwidth stays the
-        profiled one: reads during a pass are slowed by the compute beside them, and that
-        slowdown is what `contention` learns."""
+        long the pass waited for layers, and its whole time. A pass that waited on flash
+        took as long as its reads (slowed by the compute beside them, as they will be
+        again): it teaches the flash bandwidth. One that hardly waited was compute-bound:
+        its waits, per second of compute, teach `contention`."""
         _correct(self.verify, self.verify(nodes), verify_seconds)
         _correct(self.draft, sum(self.draft(w) for w in draft_rounds), draft_seconds)
-        if verify_seconds > 0:
-            passed = io_wait_seconds + verify_seconds
-            seen = (passed - max(self.io_seconds, verify_seconds)) / verify_seconds
-            self.contention += ONLINE_WEIGHT * (max(seen, 0.0) - self.contention)
+        passed = io_wait_seconds + verify_seconds
+        if self.streamed_bytes and io_wait_seconds > IO_BOUND_WAIT * passed:
+            seen = self.streamed_bytes / passed
+            self.flash_bandwidth += ONLINE_WEIGHT * (seen - self.flash_bandwidth)
+        elif verify_seconds > 0:
+            seen = io_wait_seconds / verify_seconds
+            self.contention += ONLINE_WEIGHT * (seen - self.contention)
         unexplained = step_seconds - (
             self.step_seconds(nodes, draft_rounds, new_tokens) - self.overhead_seconds
         )

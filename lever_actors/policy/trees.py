@@ -7,7 +7,7 @@ accepted, batch by batch, while expected tokens per second of predicted step tim
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
@@ -32,6 +32,7 @@ class TreeBuilder:
     def __init__(self, model: Transformer, cache: KVCache, chain: list[int]) -> None:
         self.model = model
         self.cache = cache
+        self.n_chain = len(chain)
         self.tokens = list(chain)
         self.parents = list(range(-1, len(chain) - 1))
         self.probs = [1.0] * len(chain)
@@ -46,6 +47,33 @@ class TreeBuilder:
         self.probs.append(prob)
         self.ranks.append(rank)
         return len(self.tokens) - 1
+
+    def child_tokens(self, node: int) -> set[int]:
+        return {self.tokens[c] for c, parent in enumerate(self.parents) if parent == node}
+
+    def rebase(self, accepted: Sequence[int], root: int, cap: int) -> TreeBuilder:
+        """The next step's builder when the target's next token is `root`, a node drafted
+        below the accepted path's end: `root` becomes its committed chain, with the first
+        `cap` nodes of the subtree drafted below it. The draft cache commits the accepted
+        path and moves the subtree's entries to the front of its pending block."""
+        subtree = [root]
+        inside = {root}
+        for node in range(root + 1, len(self.tokens)):  # a parent precedes its children
+            if len(subtree) > cap:
+                break
+            if self.parents[node] in inside:
+                subtree.append(node)
+                inside.add(node)
+        ran = [n for n in subtree if n in self.offsets]
+        self.cache.keep([self.offsets[n] for n in accepted], [self.offsets[n] for n in ran])
+        renamed = {old: new for new, old in enumerate(subtree)}
+        builder = TreeBuilder(self.model, self.cache, [self.tokens[root]])
+        for node in subtree[1:]:
+            parent = renamed[self.parents[node]]
+            builder.add(parent, self.tokens[node], self.probs[node], self.ranks[node])
+        builder.offsets = {renamed[n]: slot for slot, n in enumerate(ran)}
+        builder.child_probs = {renamed[n]: p for n, p in self.child_probs.items() if n in inside}
+        return builder
 
     def run(self, nodes: list[int], wanted: int | None = None) -> None:
         """Blocking: run the draft model on `nodes` (ancestors already run) in one batch;
@@ -109,67 +137,133 @@ async def grow_static(
         level = children
 
 
+class GainCostGrowth:
+    """Best-first growth of one tree: every node's estimated probability that the target
+    accepts the path to it, and the candidates (top children of run nodes) not yet taken.
+
+    `grow` builds the tree the verifier gets: each round takes the best candidates while
+    the objective (expected new tokens / predicted step time) improves, then runs them in
+    one batch so their children become candidates; it stops when neither another candidate
+    nor another round pays for itself, or at `cap` draft nodes. `grow_ahead` goes on below
+    the sent tree while the target verifies it, where draft rounds cost no step time.
+
+    A builder handed over by `TreeBuilder.rebase` already holds nodes drafted ahead; they
+    keep their place and are valued like nodes grown here."""
+
+    def __init__(
+        self, builder: TreeBuilder, cost: CostModel, calibrator: AcceptanceCalibrator
+    ) -> None:
+        self.builder = builder
+        self.cost = cost
+        self.calibrator = calibrator
+        self.root = builder.n_chain - 1
+        self.path_prob = {self.root: 1.0}
+        for node in range(builder.n_chain, len(builder.tokens)):
+            acceptance = calibrator.acceptance(builder.probs[node], builder.ranks[node])
+            self.path_prob[node] = self.path_prob[builder.parents[node]] * acceptance
+        # (path prob, parent, token, draft prob, rank)
+        self.candidates: list[tuple[float, int, int, float, int]] = []
+        for node in sorted(builder.child_probs):
+            self._offer(node)
+        self.sent = len(builder.tokens)  # nodes beyond this were drafted ahead, not sent
+
+    def _offer(self, node: int) -> None:
+        probs = self.builder.child_probs[node]
+        taken = self.builder.child_tokens(node)
+        top = torch.topk(probs, min(CANDIDATES, probs.numel()))
+        ranked = enumerate(zip(top.values.tolist(), top.indices.tolist(), strict=True))
+        for rank, (prob, token) in ranked:
+            if token not in taken:
+                gain = self.path_prob[node] * self.calibrator.acceptance(prob, rank)
+                self.candidates.append((gain, node, token, prob, rank))
+
+    def _take(self, candidate: tuple[float, int, int, float, int]) -> int:
+        self.candidates.remove(candidate)
+        gain, parent, token, prob, rank = candidate
+        node = self.builder.add(parent, token, prob, rank)
+        self.path_prob[node] = gain
+        return node
+
+    def _objective(self, nodes: int, expected: float, rounds: list[int]) -> float:
+        tokens = 1 + expected  # the bonus token always comes
+        return tokens / self.cost.step_seconds(self.root + 1 + nodes, rounds, tokens)
+
+    async def grow(self, cap: int, run: RunBatch) -> None:
+        builder = self.builder
+        draft_nodes = range(builder.n_chain, len(builder.tokens))
+        nodes, expected = len(draft_nodes), sum(self.path_prob[n] for n in draft_nodes)
+        best = self._objective(nodes, expected, builder.rounds)
+        confident = self.calibrator.acceptance(0.99, 0)
+        final = False  # the last round: fill with whatever still pays, no deeper look follows
+        while True:
+            # best gain first; ties go to the likelier, then the higher-ranked draft token
+            self.candidates.sort(key=lambda c: (c[0], c[3], -c[4]), reverse=True)
+            added: list[int] = []
+            while self.candidates and nodes < cap:
+                gain = self.candidates[0][0]
+                # Before the last round, leave a candidate for later if a child of a node
+                # this round adds could beat it: depth first where the draft is confident.
+                if added and not final and gain < self.path_prob[added[0]] * confident:
+                    break
+                score = self._objective(nodes + 1, expected + gain, builder.rounds)
+                if score <= best:
+                    break
+                added.append(self._take(self.candidates[0]))
+                nodes, expected, best = nodes + 1, expected + gain, score
+            if final or nodes >= cap:
+                break
+            # Another round costs a draft forward; it can only pay if a child of the best
+            # new node would be worth adding at the acceptance of a confident draft.
+            hope = max((self.path_prob[n] for n in added), default=0.0) * confident
+            rounds = [*builder.rounds, len(added)]
+            if not added or self._objective(nodes + 1, expected + hope, rounds) <= best:
+                final = True
+                continue
+            await run(added)
+            for node in added:
+                self._offer(node)
+            best = self._objective(nodes, expected, builder.rounds)  # the round is paid for
+        self.sent = len(builder.tokens)
+
+    async def grow_ahead(self, width: int, cap: int, run: RunBatch) -> bool:
+        """One round below the sent tree, for the next step: run the `width` most valuable of
+        the sent leaves (their children become candidates) and the candidates (each the
+        target's likely next token if the path to its parent is accepted, so its subtree
+        may become the next tree). False when there is nothing left worth a round."""
+        builder = self.builder
+        if len(builder.tokens) - self.sent >= cap:
+            return False
+        leaves = [
+            (self.path_prob[n], n)
+            for n in range(self.root + 1, self.sent)
+            if n not in builder.child_probs
+        ]
+        offers = [(c[0], c) for c in self.candidates]
+        room = cap - (len(builder.tokens) - self.sent)
+        best = sorted(leaves + offers, key=lambda item: item[0], reverse=True)
+        chosen: list[int] = []
+        for _, item in best[:width]:
+            if isinstance(item, int):
+                chosen.append(item)
+            elif room > 0:
+                chosen.append(self._take(item))
+                room -= 1
+        if not chosen:
+            return False
+        await run(chosen)
+        for node in chosen:
+            self._offer(node)
+        return True
+
+
 async def grow_gain_cost(
     builder: TreeBuilder,
     cost: CostModel,
     calibrator: AcceptanceCalibrator,
     cap: int,
     run: RunBatch,
-) -> None:
-    """Best-first: candidates are the top children of run nodes, ranked by the estimated
-    probability that the target accepts the whole path to them. Each round takes the best
-    candidates while the objective (expected new tokens / predicted step time) improves,
-    then runs them in one batch so their children become candidates. Stops when neither
-    another candidate nor another round pays for itself, or at `cap` draft nodes."""
-    committed = len(builder.tokens)
-    path_prob = {committed - 1: 1.0}  # node -> estimated probability its path is accepted
-    # (path prob, parent, token, draft prob, rank)
-    candidates: list[tuple[float, int, int, float, int]] = []
-
-    def offer(node: int) -> None:
-        probs = builder.child_probs[node]
-        top = torch.topk(probs, min(CANDIDATES, probs.numel()))
-        ranked = enumerate(zip(top.values.tolist(), top.indices.tolist(), strict=True))
-        for rank, (prob, token) in ranked:
-            gain = path_prob[node] * calibrator.acceptance(prob, rank)
-            candidates.append((gain, node, token, prob, rank))
-
-    def objective(nodes: int, expected: float, rounds: list[int]) -> float:
-        tokens = 1 + expected  # the bonus token always comes
-        return tokens / cost.step_seconds(committed + nodes, rounds, tokens)
-
-    offer(committed - 1)
-    nodes, expected = 0, 0.0
-    best = objective(0, 0.0, builder.rounds)
-    confident = calibrator.acceptance(0.99, 0)
-    final = False  # the last round: fill with whatever still pays, no deeper look follows
-    while True:
-        # best gain first; ties go to the likelier, then the higher-ranked draft token
-        candidates.sort(key=lambda c: (c[0], c[3], -c[4]), reverse=True)
-        added: list[int] = []
-        while candidates and nodes < cap:
-            gain, parent, token, prob, rank = candidates[0]
-            # Before the last round, leave a candidate for later if a child of a node this
-            # round adds could beat it: depth first where the draft is confident.
-            if added and not final and gain < path_prob[added[0]] * confident:
-                break
-            score = objective(nodes + 1, expected + gain, builder.rounds)
-            if score <= best:
-                break
-            candidates.pop(0)
-            node = builder.add(parent, token, prob, rank)
-            path_prob[node] = gain
-            nodes, expected, best = nodes + 1, expected + gain, score
-            added.append(node)
-        if final or nodes >= cap:
-            return
-        # Another round costs a draft forward; it can only pay if a child of the best new
-        # node would be worth adding at the acceptance of a confident draft.
-        hope = max((path_prob[n] for n in added), default=0.0) * confident
-        rounds = [*builder.rounds, len(added)]
-        if not added or objective(nodes + 1, expected + hope, rounds) <= best:
-            final = True
-            continue
-        await run(added)
-        for node in added:
-            offer(node)
+) -> GainCostGrowth:
+    """Lever's tree: best-first under the gain-cost objective (see GainCostGrowth)."""
+    growth = GainCostGrowth(builder, cost, calibrator)
+    await growth.grow(cap, run)
+    return growth

@@ -31,7 +31,7 @@ def _options(tmp_path: Path, **fields) -> BenchOptions:
         prompt_sets=("humaneval",),
         prompts=1,
         max_new_tokens=4,
-        isolate=True,
+        isolate="all",
         cache_dir=str(tmp_path / "cache"),
         **fields,
     )

@@ -242,6 +242,19 @@ def test_keep_then_continue_sees_the_kept_entries():
     assert torch.equal(keys[:, 5:], nxt)
 
 
+def test_keep_moves_still_pending_entries_behind_the_kept_ones():
+    """A subtree drafted ahead stays pending, packed right after the committed path."""
+    cache = filled(3)
+    k, v = pending_block(cache, 7)
+    cache.keep([1, 4], pending=[6, 2, 5])
+    assert cache.length == 3 + 2
+    for layer in range(ARGS.n_layers):
+        got_k = cache.keys[layer, :, 3:8]
+        got_v = cache.values[layer, :, 3:8]
+        assert torch.equal(got_k, k[:, [1, 4, 6, 2, 5]] + 100 * layer)
+        assert torch.equal(got_v, v[:, [1, 4, 6, 2, 5]] - 100 * layer)
+
+
 def test_commit_keeps_every_pending_entry_in_order():
     cache = filled(2)
     k, v = pending_block(cache, 3)

@@ -1,0 +1,157 @@
+"""The gain-cost tree builder against synthetic cost models, and drafting ahead: the tree
+grown below a sent tree while it is verified, handed over as the next step's tree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+
+from lever_actors.checkpoints.hf import load_hf
+from lever_actors.model.transformer import Transformer
+from lever_actors.policy.calibration import AcceptanceCalibrator
+from lever_actors.policy.cost_model import CostModel, Curve
+from lever_actors.policy.trees import GainCostGrowth, TreeBuilder, grow_gain_cost
+from tests.tiny_hf import save_tiny, tiny_model
+
+PROMPT = [3, 14, 15, 92, 65, 35]
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory) -> Transformer:
+    hf = save_tiny(tiny_model("qwen2", seed=4, layers=2), tmp_path_factory.mktemp("hf") / "d")
+    checkpoint = load_hf(hf, torch.float64)
+    return Transformer(checkpoint.args, checkpoint.weights)
+
+
+def costs(*, io: float, verify_per_node: float, draft: float = 0.01) -> CostModel:
+    return CostModel(
+        flash_bandwidth=1e9,
+        streamed_bytes=int(io * 1e9),
+        verify=Curve([1, 128], [verify_per_node, 128 * verify_per_node]),
+        draft=Curve([1, 64], [draft, 2 * draft]),
+        project_seconds=1e-4,
+        contention=0.0,
+    )
+
+
+class Recorded:
+    """A builder whose draft rounds are checked: every node run has its parent run."""
+
+    def __init__(self, model: Transformer, chain: list[int] = PROMPT) -> None:
+        self.builder = TreeBuilder(model, model.new_cache(256), chain)
+        self.builder.run(list(range(len(chain))), 1)
+        self.batches: list[list[int]] = []
+
+    async def run(self, nodes: list[int]) -> None:
+        for node in nodes:
+            assert self.builder.parents[node] in self.builder.offsets, "parent not run"
+        self.batches.append(list(nodes))
+        self.builder.run(nodes)
+
+    @property
+    def draft_nodes(self) -> int:
+        return len(self.builder.tokens) - self.builder.n_chain
+
+
+def grown(model: Transformer, cost: CostModel, cap: int = 64) -> Recorded:
+    recorded = Recorded(model)
+    trio.run(grow_gain_cost, recorded.builder, cost, AcceptanceCalibrator(), cap, recorded.run)
+    return recorded
+
+
+def distribution(model: Transformer, tokens: list[int]) -> torch.Tensor:
+    """The draft's next-token distribution after `tokens`, computed afresh."""
+    hidden = model.forward(torch.tensor(tokens), model.new_cache(len(tokens)))
+    return torch.softmax(model.logits(hidden[-1:])[0], dim=-1)
+
+
+def path_tokens(builder: TreeBuilder, node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(builder.tokens[node])
+        node = builder.parents[node]
+    return path[::-1]
+
+
+@pytest.mark.parametrize("cap", [1, 5, 17])
+def test_the_tree_stops_at_the_cap_when_io_dwarfs_everything(draft, cap):
+    recorded = grown(draft, costs(io=100.0, verify_per_node=1e-4), cap)
+    assert recorded.draft_nodes == cap
+
+
+def test_the_tree_grows_as_flash_time_rises(draft):
+    sizes = [grown(draft, costs(io=io, verify_per_node=0.002)).draft_nodes for io in (0.0, 0.5, 4)]
+    assert sizes[0] < sizes[1] < sizes[2], sizes
+
+
+def test_the_tree_shrinks_as_verification_gets_dearer(draft):
+    sizes = [
+        grown(draft, costs(io=0.3, verify_per_node=v)).draft_nodes for v in (1e-4, 0.008, 0.05)
+    ]
+    assert sizes[0] > sizes[1] > sizes[2], sizes
+
+
+def test_nodes_join_below_nodes_already_in_the_tree(draft):
+    recorded = grown(draft, costs(io=2.0, verify_per_node=0.001))
+    builder = recorded.builder
+    assert all(parent < node for node, parent in enumerate(builder.parents) if node)
+    assert recorded.batches, "a tree this cheap to verify should take several draft rounds"
+    for node in range(builder.n_chain, len(builder.tokens)):  # children of run nodes only
+        assert builder.parents[node] in builder.child_probs
+
+
+def test_drafting_ahead_grows_below_the_sent_tree_and_never_touches_it(draft):
+    recorded = grown(draft, costs(io=0.5, verify_per_node=0.002))
+    builder = recorded.builder
+    sent = (tuple(builder.tokens), tuple(builder.parents))
+    growth = GainCostGrowth(builder, costs(io=0.5, verify_per_node=0.002), AcceptanceCalibrator())
+    rounds = 0
+    while trio.run(growth.grow_ahead, 4, 12, recorded.run):
+        rounds += 1
+    assert rounds > 0
+    assert len(builder.tokens) - len(sent[0]) == 12  # up to the ahead cap
+    assert (tuple(builder.tokens[: len(sent[0])]), tuple(builder.parents[: len(sent[0])])) == sent
+    for batch in recorded.batches[-rounds:]:
+        assert len(batch) <= 4
+
+
+def test_a_subtree_drafted_ahead_becomes_the_next_tree_with_its_cache_intact(draft):
+    """Accept a path, take a node drafted below its end as the target's next token: the
+    rebased builder's distributions, old and new, equal fresh draft forwards of the text."""
+    recorded = grown(draft, costs(io=0.5, verify_per_node=0.002), cap=6)
+    builder = recorded.builder
+    growth = GainCostGrowth(builder, costs(io=0.5, verify_per_node=0.002), AcceptanceCalibrator())
+    for _ in range(4):
+        trio.run(growth.grow_ahead, 4, 20, recorded.run)
+    ahead = range(growth.sent, len(builder.tokens))
+    # the deepest node drafted ahead whose parent lies in the sent tree
+    root = max(
+        (n for n in ahead if builder.parents[n] < growth.sent and n in builder.offsets),
+        key=lambda n: len(path_tokens(builder, n)),
+    )
+    end = builder.parents[root]
+    accepted = []
+    node = end
+    while node >= 0:
+        accepted.append(node)
+        node = builder.parents[node]
+    accepted = accepted[::-1]
+    text = [builder.tokens[n] for n in accepted]
+    length = builder.cache.length
+
+    nxt = builder.rebase(accepted, root, cap=64)
+
+    assert builder.cache.length == length + len(accepted)
+    assert nxt.tokens[0] == builder.tokens[root] and nxt.n_chain == 1
+    assert len(nxt.child_probs) >= 1
+    for node, probs in nxt.child_probs.items():
+        fresh = distribution(draft, text + path_tokens(nxt, node))
+        torch.testing.assert_close(probs, fresh.float(), rtol=1e-6, atol=1e-9)
+    # and a new round on the rebased builder sees the moved entries
+    leaf = max(nxt.child_probs, key=lambda n: len(path_tokens(nxt, n)))
+    token = int(torch.argmax(nxt.child_probs[leaf]))
+    child = nxt.add(leaf, token, 0.5, 0)
+    nxt.run([child])
+    fresh = distribution(draft, text + path_tokens(nxt, child))
+    torch.testing.assert_close(nxt.child_probs[child], fresh.float(), rtol=1e-6, atol=1e-9)
