@@ -98,6 +98,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     early_exit: str = "auto"  # off, none (keep all), lens, trained, auto (trained if saved)
     exit_layer: int | None = None  # default: 7/8 of the way through the target
     prune_threshold: float = 0.02  # drop a child scoring below this within its candidate set
+    # compute_bound: with a cost model (gain-cost trees), prune only passes that compute,
+    # not flash, paces; always: prune whenever a predictor is on
+    prune_when: str = "compute_bound"
     audit_every: int = 10  # every n-th step runs pruned nodes anyway, to count false prunes
     draft_ahead: bool = True  # gain-cost: draft the next tree while this one is verified
     projection: str = "on_demand"  # on_demand (cpu unit, accepted path) or eager (npu, all)
@@ -127,6 +130,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ConfigError(f"channel {name} needs capacity >= 1")
         if self.early_exit not in EARLY_EXIT:
             raise ConfigError(f"early_exit must be one of {', '.join(EARLY_EXIT)}")
+        if self.prune_when not in ("compute_bound", "always"):
+            raise ConfigError("prune_when must be compute_bound or always")
         if self.projection not in ("on_demand", "eager"):
             raise ConfigError("projection must be on_demand or eager")
         if self.units not in ("split", "single"):

@@ -577,6 +577,7 @@ class EngineCase:
     early_exit: str
     exit_layer: int | None
     prune_threshold: float
+    prune_when: str
     audit_every: int
     draft_ahead: bool
     projection: str
@@ -613,6 +614,7 @@ class EngineCase:
             early_exit=self.early_exit,
             exit_layer=self.exit_layer,
             prune_threshold=self.prune_threshold,
+            prune_when=self.prune_when,
             audit_every=self.audit_every,
             draft_ahead=self.draft_ahead,
             projection=self.projection,
@@ -662,6 +664,7 @@ def engine_cases(
         early_exit=_given(draw, predictors, early_exits()),
         exit_layer=draw(st.one_of(st.none(), st.integers(0, args.n_layers - 1))),
         prune_threshold=draw(prune_thresholds()),
+        prune_when=draw(st.sampled_from(["compute_bound", "always"])),
         audit_every=draw(st.integers(0, 3)),
         draft_ahead=draw(st.booleans()),
         projection=_given(draw, projections, st.sampled_from(["on_demand", "eager"])),

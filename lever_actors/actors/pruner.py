@@ -9,6 +9,7 @@ import trio
 from lever_actors.actors.jitter import Jitter
 from lever_actors.channels.messages import ExitProbe, PruneVerdict
 from lever_actors.device.units import ComputeUnit
+from lever_actors.policy.cost_model import CostModel
 
 
 class PrunePolicy(Protocol):
@@ -19,6 +20,22 @@ class PrunePolicy(Protocol):
 
 def keep_everything(probe: ExitProbe) -> tuple[int, ...]:
     return ()
+
+
+class WhenComputeBound:
+    """Prunes only when the cost model predicts that verification compute, not flash, sets
+    the pace of this pass: pruning saves compute after the exit layer, which under I/O
+    saves no time, while a false prune costs accepted tokens."""
+
+    def __init__(self, policy: PrunePolicy, cost: CostModel) -> None:
+        self.policy = policy
+        self.cost = cost
+
+    def __call__(self, probe: ExitProbe) -> tuple[int, ...]:
+        cost = self.cost
+        if cost.verify(len(probe.tree.tokens)) * (1 + cost.contention) <= cost.io_seconds:
+            return ()
+        return self.policy(probe)
 
 
 class Pruner:

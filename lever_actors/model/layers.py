@@ -12,12 +12,41 @@ from lever_actors.model.rope import apply_rope
 from lever_actors.model.weights import LayerTensors
 
 
+# Every reduction below gives a row the same result whatever rows and columns come with it,
+# so verifying a tree of n tokens computes each token exactly as one-token decoding does,
+# in bf16 as in float64: that is what makes the output equal sequential greedy decoding.
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., dim]. Low-precision inputs are normalised in float32, float64 stays float64."""
-    compute = torch.promote_types(x.dtype, torch.float32)
-    h = x.to(compute)
+    """x: [..., dim], normalised in float64 (a sum rounded at 1e-16 cannot move a bf16 or
+    float32 rounding, however the kernel splits the row)."""
+    h = x.to(torch.float64)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for x: [n, in]. A lone row goes through the matrix-matrix kernel as two: the
+    matrix-vector path rounds differently, while matrix-matrix rows do not depend on n."""
+    if x.shape[0] == 1:
+        return F.linear(torch.cat((x, x)), weight, bias)[:1]
+    return F.linear(x, weight, bias)
+
+
+def attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Scaled dot-product attention with grouped KV heads, in float64 so that a row's
+    result does not depend on how many keys are masked beside it.
+    q: [n_heads, n, hd]; keys/values: [n_kv_heads, T, hd]; mask: [n, T] (True: attend)."""
+    n_heads, n, hd = q.shape
+    n_kv = keys.shape[0]
+    group = q.to(torch.float64).reshape(n_kv, n_heads // n_kv * n, hd)  # heads sharing a kv head
+    scores = group @ keys.to(torch.float64).transpose(1, 2) * hd**-0.5
+    if mask is not None:
+        scores = scores.view(n_kv, n_heads // n_kv, n, -1).masked_fill(~mask, float("-inf"))
+    out = torch.softmax(scores.view(n_kv, n_heads // n_kv * n, -1), -1) @ values.to(torch.float64)
+    return out.view(n_heads, n, hd).to(q.dtype)
 
 
 def attention(
@@ -30,28 +59,21 @@ def attention(
 ) -> torch.Tensor:
     """x: [n, d_model] normed -> [n, d_model]; k/v go into the cache where `place` says."""
     n = x.shape[0]
-    q = F.linear(x, w["wq"], w.get("bq")).view(n, args.n_heads, args.head_dim).transpose(0, 1)
-    k = F.linear(x, w["wk"], w.get("bk")).view(n, args.n_kv_heads, args.head_dim).transpose(0, 1)
-    v = F.linear(x, w["wv"], w.get("bv")).view(n, args.n_kv_heads, args.head_dim).transpose(0, 1)
+    q = linear(x, w["wq"], w.get("bq")).view(n, args.n_heads, args.head_dim).transpose(0, 1)
+    k = linear(x, w["wk"], w.get("bk")).view(n, args.n_kv_heads, args.head_dim).transpose(0, 1)
+    v = linear(x, w["wv"], w.get("bv")).view(n, args.n_kv_heads, args.head_dim).transpose(0, 1)
     if args.qk_norm:
         q = rms_norm(q, w["q_norm"], args.norm_eps)
         k = rms_norm(k, w["k_norm"], args.norm_eps)
     q, k = apply_rope(q, place.cos, place.sin), apply_rope(k, place.cos, place.sin)
     keys, values = cache.write(layer, k, v, place.offsets, place.span)
-    # q: [n_heads, n, hd]; keys/values: [n_kv_heads, context+n, hd]
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(0),
-        keys.unsqueeze(0),
-        values.unsqueeze(0),
-        attn_mask=place.mask,
-        enable_gqa=True,
-    )
-    return F.linear(out[0].transpose(0, 1).reshape(n, -1), w["wo"])
+    out = attend(q, keys, values, place.mask)  # [n_heads, n, hd]
+    return linear(out.transpose(0, 1).reshape(n, -1), w["wo"])
 
 
 def feed_forward(x: torch.Tensor, w: LayerTensors) -> torch.Tensor:
     """SwiGLU. x: [n, d_model] normed -> [n, d_model]"""
-    return F.linear(F.silu(F.linear(x, w["w_gate"])) * F.linear(x, w["w_up"]), w["w_down"])
+    return linear(F.silu(linear(x, w["w_gate"])) * linear(x, w["w_up"]), w["w_down"])
 
 
 def layer_forward(
@@ -71,4 +93,4 @@ def output_logits(
     hidden: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """Final norm + LM head. hidden: [n, d_model] -> [n, vocab]"""
-    return F.linear(rms_norm(hidden, final_norm, eps), lm_head)
+    return linear(rms_norm(hidden, final_norm, eps), lm_head)

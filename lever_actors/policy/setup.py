@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lever_actors.actors.pruner import PrunePolicy, keep_everything
+from lever_actors.actors.pruner import PrunePolicy, WhenComputeBound, keep_everything
 from lever_actors.config import EngineConfig, TreeSpec, default_exit_layer
 from lever_actors.device.profiler import profile_costs
 from lever_actors.errors import ConfigError
@@ -60,6 +60,8 @@ def build_policies(
             config.prune_threshold,
             adapter if predictor == "trained" else None,
         )
+        if cost is not None and config.prune_when == "compute_bound":
+            prune = WhenComputeBound(prune, cost)
     return Policies(
         spec=spec,
         cost=cost,

@@ -20,6 +20,7 @@ from lever_actors.policy.cost_model import CostModel
 
 SHADOWS = 4  # untaken candidates kept per expanded node, standing for the mass outside the tree
 CANDIDATES = 8  # children considered per expanded node by the gain-cost policy
+ROUND_WIDTH = 4  # nodes a draft forward runs for about the price of one
 
 RunBatch = Callable[[list[int]], Awaitable[None]]  # runs TreeBuilder.run on some unit
 
@@ -201,9 +202,11 @@ class GainCostGrowth:
             added: list[int] = []
             while self.candidates and nodes < cap:
                 gain = self.candidates[0][0]
-                # Before the last round, leave a candidate for later if a child of a node
-                # this round adds could beat it: depth first where the draft is confident.
-                if added and not final and gain < self.path_prob[added[0]] * confident:
+                # Before the last round, once the round is as wide as costs no more than one
+                # node, leave a candidate for later if a child of a node this round adds
+                # could beat it: depth first where the draft is confident.
+                wide = len(added) >= ROUND_WIDTH
+                if wide and not final and gain < self.path_prob[added[0]] * confident:
                     break
                 score = self._objective(nodes + 1, expected + gain, builder.rounds)
                 if score <= best:
