@@ -34,7 +34,9 @@ def make_modes(
     from lever_actors.bench.isolated_mode import ChildMode
 
     drafts = {} if drafts is None else drafts
-    return [ChildMode(p, cgroups) if p.info.isolated else open_in_process(p, drafts) for p in planned]
+    return [
+        ChildMode(p, cgroups) if p.info.isolated else open_in_process(p, drafts) for p in planned
+    ]
 
 
 def measure_disk(target: Path) -> DiskProfile | None:

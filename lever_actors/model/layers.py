@@ -11,7 +11,6 @@ from lever_actors.model.placement import Placement
 from lever_actors.model.rope import apply_rope
 from lever_actors.model.weights import LayerTensors
 
-
 # Every reduction below gives a row the same result whatever rows and columns come with it,
 # so verifying a tree of n tokens computes each token exactly as one-token decoding does,
 # in bf16 as in float64: that is what makes the output equal sequential greedy decoding.

@@ -25,13 +25,13 @@ SUPPORT = probe_cgroup()
 
 
 def _options(tmp_path: Path, **fields) -> BenchOptions:
+    fields = {"isolate": "all", **fields}
     return BenchOptions(
         budgets=("50%",),
         draft_dtype="float32",
         prompt_sets=("humaneval",),
         prompts=1,
         max_new_tokens=4,
-        isolate="all",
         cache_dir=str(tmp_path / "cache"),
         **fields,
     )
@@ -72,6 +72,21 @@ def test_each_mode_in_its_own_limited_child(tiny_pair, tmp_path):
     from lever_actors.bench.report import memory_note
 
     assert note in memory_note(results)
+
+
+def test_isolating_the_peers_only_runs_ours_interleaved_beside_them(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    options = _options(
+        tmp_path, modes=("flash-ar", "lever", "peer-offload"), isolate="peers", order="interleaved"
+    )
+    results = bench(options, target, draft, PROMPT_SETS[:1], frozenset())
+    isolated = {info.name: info.isolated for info in results.modes}
+    assert isolated == {"flash-ar@50%": False, "lever@50%": False, "peer-offload@50%": True}
+    assert results.info("flash-ar@50%").memory_limit_bytes is None
+    assert results.info("peer-offload@50%").limit_enforced == SUPPORT.usable
+    for s in results.summaries:
+        assert s.failed is None, s.failed
+    assert _leftover_cgroups() == []
 
 
 @pytest.mark.skipif(not SUPPORT.usable, reason=f"no cgroup memory limits: {SUPPORT.reason}")

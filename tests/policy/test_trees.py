@@ -81,7 +81,9 @@ def test_the_tree_stops_at_the_cap_when_io_dwarfs_everything(draft, cap):
 
 
 def test_the_tree_grows_as_flash_time_rises(draft):
-    sizes = [grown(draft, costs(io=io, verify_per_node=0.002)).draft_nodes for io in (0.0, 0.05, 0.1)]
+    sizes = [
+        grown(draft, costs(io=io, verify_per_node=0.002)).draft_nodes for io in (0.0, 0.05, 0.1)
+    ]
     assert sizes[0] < sizes[1] < sizes[2], sizes
 
 
