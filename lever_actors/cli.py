@@ -59,6 +59,19 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--early-exit", default="auto", help="off, none, lens, trained or auto")
     gen.add_argument("--exit-layer", type=int, help="default: 7/8 of the way through")
     gen.add_argument("--prune-threshold", type=float, default=0.02)
+    gen.add_argument(
+        "--prune-when",
+        default="compute_bound",
+        help="compute_bound (gain-cost: only passes that compute, not flash, paces) or always",
+    )
+    gen.add_argument(
+        "--no-draft-ahead",
+        action="store_true",
+        help="do not draft the next tree while the target verifies this one",
+    )
+    gen.add_argument(
+        "--draft-dtype", default="bfloat16", choices=("bfloat16", "float32", "float64")
+    )
     gen.add_argument("--projection", default="on_demand", help="on_demand or eager")
     gen.add_argument("--units", default="split", help="split (npu + cpu) or single")
     gen.add_argument(
@@ -231,6 +244,9 @@ def _generate_with_engine(args: argparse.Namespace) -> int:
         early_exit=args.early_exit,
         exit_layer=args.exit_layer,
         prune_threshold=args.prune_threshold,
+        prune_when=args.prune_when,
+        draft_ahead=not args.no_draft_ahead,
+        draft_dtype=args.draft_dtype,
         projection=args.projection,
         units=args.units,
         trace=str(args.trace) if args.trace else None,

@@ -435,6 +435,7 @@ async def test_a_request_filling_the_context_exactly_works(tiny):
         pytest.param({"ring_slots": 0}, "ring_slots must be at least 2", id="no-slots"),
         pytest.param({"draft": None}, "needs a draft model", id="no-draft"),
         pytest.param({"draft_dtype": "int8"}, "draft_dtype", id="draft-dtype"),
+        pytest.param({"prune_when": "never"}, "prune_when must be", id="prune-when"),
         pytest.param(
             {"channels": ChannelSizes(trees=0)}, "channel trees needs capacity", id="channel-0"
         ),

@@ -166,11 +166,11 @@ class Drafter:
             self.policy.calibrator.observe(
                 tree.parents, tree.draft_probs, tree.draft_ranks, tree.n_committed, commit.accepted
             )
-        builder, drafted_ahead = self.builder, self.policy.ahead and self.growth is not None
+        builder, grew_ahead = self.builder, self.policy.ahead and self.growth is not None
         self.builder = self.growth = None
         if builder is None:  # autoregressive: nothing drafted, nothing to keep
             return
-        root = self._next_token_drafted(commit, builder) if drafted_ahead else None
+        root = self._next_token_drafted(commit, builder) if grew_ahead else None
         if root is not None:
             self.drafted_ahead = builder.rebase(commit.accepted, root, max_nodes)
             return

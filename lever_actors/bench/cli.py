@@ -128,6 +128,7 @@ def apply_config(parser: argparse.ArgumentParser, path: Path) -> None:
         raise_usage(f"cannot read bench config {path}: {e.strerror}")
     except tomllib.TOMLDecodeError as e:
         raise_usage(f"bench config {path} is not valid TOML: {e}")
+    # argparse lists its options only in _actions; the names and choices are what we need
     known = {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
     known.pop("config")
     defaults = {}

@@ -198,6 +198,16 @@ def _isolation_note(results: BenchResults) -> str:
             "(page cache included); peak RSS is that process's, the cgroup's peak is used "
             "where it is higher."
         )
+    if len(isolated) < len(results.modes):
+        shared = ", ".join(m.name for m in results.modes if not m.isolated)
+        own = ", ".join(
+            m.name + (" (kernel-enforced limit)" if m.limit_enforced else "") for m in isolated
+        )
+        return (
+            f"Each in a process of its own, peak RSS that process's: {own}. In the harness "
+            f"process, sharing its peak RSS (each holds its own DRAM budget of the target and "
+            f"reads past the page cache): {shared}."
+        )
     return (
         "Each mode ran in its own process; peak RSS is that process's. No memory limit was "
         "enforced (limit_enforced: false)."

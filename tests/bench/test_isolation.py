@@ -87,6 +87,9 @@ def test_isolating_the_peers_only_runs_ours_interleaved_beside_them(tiny_pair, t
     for s in results.summaries:
         assert s.failed is None, s.failed
     assert _leftover_cgroups() == []
+    from lever_actors.bench.report import memory_note
+
+    assert "page cache): flash-ar@50%, lever@50%." in memory_note(results)
 
 
 @pytest.mark.skipif(not SUPPORT.usable, reason=f"no cgroup memory limits: {SUPPORT.reason}")
