@@ -32,8 +32,7 @@ class WhenComputeBound:
         self.cost = cost
 
     def __call__(self, probe: ExitProbe) -> tuple[int, ...]:
-        cost = self.cost
-        if cost.verify(len(probe.tree.tokens)) * (1 + cost.contention) <= cost.io_seconds:
+        if self.cost.io_bound(len(probe.tree.tokens)):
             return ()
         return self.policy(probe)
 

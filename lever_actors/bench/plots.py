@@ -33,16 +33,26 @@ def throughput_data(results: BenchResults) -> dict[str, dict[str, float | None]]
     return data
 
 
+def _grouped_bars(
+    ax, data: dict[str, dict[str, float | None]], modes: list[str], sets: list[str]
+) -> list[tuple[str, list[float]]]:
+    """A group of bars per mode, one bar per prompt set (a missing value as 0).
+    -> (prompt set, x of its bar in each group)"""
+    width = 0.8 / max(len(sets), 1)
+    placed = []
+    for j, prompt_set in enumerate(sets):
+        xs = [i + (j - (len(sets) - 1) / 2) * width for i in range(len(modes))]
+        ax.bar(xs, [data[m][prompt_set] or 0.0 for m in modes], width, label=prompt_set)
+        placed.append((prompt_set, xs))
+    return placed
+
+
 def throughput_plot(results: BenchResults, path: Path) -> dict[str, dict[str, float | None]]:
     plt = _pyplot()
     data = throughput_data(results)
     modes, sets = list(data), results.prompt_sets
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(modes) + 2), 4.5))
-    width = 0.8 / max(len(sets), 1)
-    for j, prompt_set in enumerate(sets):
-        xs = [i + (j - (len(sets) - 1) / 2) * width for i in range(len(modes))]
-        heights = [data[m][prompt_set] or 0.0 for m in modes]
-        ax.bar(xs, heights, width, label=prompt_set)
+    for prompt_set, xs in _grouped_bars(ax, data, modes, sets):
         for x, m in zip(xs, modes, strict=True):
             if data[m][prompt_set] is None:
                 ax.text(x, 0.02, "failed", rotation=90, ha="center", va="bottom", fontsize=7)
@@ -72,10 +82,7 @@ def accepted_plot(results: BenchResults, path: Path) -> dict[str, dict[str, floa
     data = accepted_data(results)
     modes, sets = list(data), results.prompt_sets
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(modes) + 2), 4.5))
-    width = 0.8 / max(len(sets), 1)
-    for j, prompt_set in enumerate(sets):
-        xs = [i + (j - (len(sets) - 1) / 2) * width for i in range(len(modes))]
-        ax.bar(xs, [data[m][prompt_set] or 0.0 for m in modes], width, label=prompt_set)
+    _grouped_bars(ax, data, modes, sets)
     labels = [f"{m}\n({results.info(m).tree})" for m in modes]
     ax.set_xticks(range(len(modes)), labels, rotation=35, ha="right", fontsize=8)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")

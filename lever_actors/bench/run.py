@@ -39,6 +39,17 @@ def make_modes(
     ]
 
 
+def isolation_support(options: BenchOptions, log) -> CgroupSupport | None:
+    """What the machine offers the isolated modes, if any; says so when limits are not
+    possible."""
+    if options.isolate == "none":
+        return None
+    cgroups = probe_cgroup()
+    if not cgroups.usable:
+        print(f"--isolate: {cgroups.describe()}; peak RSS only", file=log)
+    return cgroups
+
+
 def measure_disk(target: Path) -> DiskProfile | None:
     """Raw sequential read bandwidth under the target's flash layout, in layer-sized reads."""
     if not (target / MANIFEST_NAME).is_file():
@@ -87,9 +98,7 @@ def bench(
     log=None,
 ) -> BenchResults:
     log = log or sys.stderr  # looked up now: tests and callers may replace it
-    cgroups = probe_cgroup() if options.isolate != "none" else None
-    if cgroups is not None and not cgroups.usable:
-        print(f"--isolate: {cgroups.describe()}; peak RSS only", file=log)
+    cgroups = isolation_support(options, log)
     planned = plan_modes(options, target, draft)
     modes = make_modes(planned, options, cgroups)
     before = measure_disk(target)

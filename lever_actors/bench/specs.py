@@ -171,25 +171,20 @@ def plan_modes(
 
     planned = []
     for family in options.modes:
-        if family == "memory-ar":
+        if family in MEMORY_RESIDENT:
             info = ModeInfo(
-                name="memory-ar",
+                name=family,
                 family=family,
                 budget_bytes=full_bytes,
                 memory_limit_bytes=limit(family, full_bytes),
                 isolated=options.isolates(family),
             )
-            planned.append(PlannedMode(info, MemoryARSpec(str(target), dtype)))
-        elif family == "peer-memory":
-            model = _peer_export(target, manifest, cache) if manifest else target
-            info = ModeInfo(
-                name="peer-memory",
-                family=family,
-                budget_bytes=full_bytes,
-                memory_limit_bytes=limit(family, full_bytes),
-                isolated=options.isolates(family),
-            )
-            planned.append(PlannedMode(info, PeerSpec(str(model), dtype)))
+            if family == "memory-ar":
+                spec: ModeSpec = MemoryARSpec(str(target), dtype)
+            else:
+                model = _peer_export(target, manifest, cache) if manifest else target
+                spec = PeerSpec(str(model), dtype)
+            planned.append(PlannedMode(info, spec))
         elif family in ("peer-offload", "peer-assisted"):
             assert manifest is not None
             export = _peer_export(target, manifest, cache)

@@ -11,10 +11,15 @@ from pathlib import Path
 import msgspec
 
 from lever_actors.bench.harness import PromptSet
-from lever_actors.bench.isolation import probe_cgroup
 from lever_actors.bench.report import write_outputs
 from lever_actors.bench.results import Machine, SweepPoint, SweepResults
-from lever_actors.bench.run import make_modes, measure_disk, run_modes, with_disk
+from lever_actors.bench.run import (
+    isolation_support,
+    make_modes,
+    measure_disk,
+    run_modes,
+    with_disk,
+)
 from lever_actors.bench.specs import BenchOptions, plan_modes
 from lever_actors.bench.summary import SD_FAMILIES, decode_rate
 from lever_actors.device.budget import resolve_budget
@@ -45,7 +50,7 @@ def sweep(
     log = log or sys.stderr  # looked up now: tests and callers may replace it
     families = tuple(m for m in options.modes if m in SWEEP_FAMILIES) or SWEEP_FAMILIES
     manifest = read_manifest(target)
-    cgroups = probe_cgroup() if options.isolate != "none" else None
+    cgroups = isolation_support(options, log)
     drafts: dict = {}  # in-process runs load the draft once for all points
     disk = [measure_disk(target)]
     points = []

@@ -53,12 +53,19 @@ class CostModel(msgspec.Struct):
     def io_seconds(self) -> float:
         return self.streamed_bytes / self.flash_bandwidth if self.streamed_bytes else 0.0
 
+    def pass_compute_seconds(self, nodes: int) -> float:
+        """Verification compute of a pass over `nodes`, slowed by the reads beside it."""
+        return self.verify(nodes) * (1 + self.contention)
+
+    def io_bound(self, nodes: int) -> bool:
+        """Whether a pass over `nodes` waits on flash rather than on compute."""
+        return self.pass_compute_seconds(nodes) <= self.io_seconds
+
     def step_seconds(self, nodes: int, draft_rounds: list[int], expected_tokens: float) -> float:
         """Predicted step time: drafting, then verification overlapped with its flash reads,
         then projection along the expected accepted path."""
         drafting = sum(self.draft(width) for width in draft_rounds)
-        compute = self.verify(nodes)
-        verifying = max(self.io_seconds, compute * (1 + self.contention))
+        verifying = max(self.io_seconds, self.pass_compute_seconds(nodes))
         return drafting + verifying + self.project_seconds * expected_tokens + self.overhead_seconds
 
     def observe(
