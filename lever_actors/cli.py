@@ -8,10 +8,28 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import structlog
 import torch
+import trio
 
-from lever_actors.errors import LeverError
+from lever_actors.bench.cli import add_bench_arguments, add_report_arguments, apply_config
+from lever_actors.checkpoints import load_checkpoint
+from lever_actors.checkpoints.convert import convert
+from lever_actors.checkpoints.export import export_hf
+from lever_actors.checkpoints.fetch import REAL_MODELS, default_cache_dir
+from lever_actors.checkpoints.prompts import load_prompts
+from lever_actors.checkpoints.real_pair import real_model_path, real_target_layout
+from lever_actors.config import EngineConfig
+from lever_actors.device.budget import format_bytes, parse_bytes
+from lever_actors.device.disk_profile import profile_disk
+from lever_actors.device.layout import MANIFEST_NAME, WEIGHTS_NAME, read_manifest
+from lever_actors.engine import Engine
+from lever_actors.errors import ConfigError, LeverError
+from lever_actors.model.greedy import greedy_stream
+from lever_actors.model.transformer import Transformer
+from lever_actors.policy import exit_training as et
+from lever_actors.progress import ProgressLine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 STORE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -24,10 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging(args.verbose)
     try:
         if getattr(args, "config", None) is not None:  # the file's values become defaults
-            from lever_actors.bench.cli import apply_config
-
             apply_config(args.bench_parser, args.config)
             args = parser.parse_args(argv)  # so that flags on the command line still win
+        args.cache_dir = args.cache_dir or default_cache_dir()
         return args.command(args)
     except LeverError as e:
         print(f"lever-actors: error: {e}", file=sys.stderr)
@@ -128,14 +145,12 @@ def _parser() -> argparse.ArgumentParser:
     train.set_defaults(command=_train_exit)
 
     bench = sub.add_parser("bench", help="measure decoding modes on the real model pair")
-    from lever_actors.bench.cli import add_bench_arguments
 
     add_bench_arguments(bench)
 
     report = sub.add_parser(
         "report", help="markdown, plots and the README's Results section from a results JSON"
     )
-    from lever_actors.bench.cli import add_report_arguments
 
     add_report_arguments(report)
 
@@ -156,59 +171,31 @@ def _configure_logging(verbose: bool) -> None:
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.INFO if verbose else logging.WARNING
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # looked up per logger: tests and tools swap sys.stderr after the CLI configured it
+        logger_factory=lambda *_: structlog.PrintLogger(sys.stderr),
     )
 
 
-def cache_dir(args: argparse.Namespace) -> Path:
-    from lever_actors.checkpoints.fetch import default_cache_dir
-
-    return args.cache_dir or default_cache_dir()
-
-
-def real_model_path(args: argparse.Namespace, key: str) -> Path:
-    """The assembled GGUF of the real draft or target, fetched with a progress line if absent."""
-    from lever_actors.checkpoints.fetch import REAL_MODELS, fetch_model
-    from lever_actors.progress import ProgressLine
-
-    return fetch_model(REAL_MODELS[key], cache_dir(args), progress=ProgressLine())
-
-
-def real_target_layout(args: argparse.Namespace) -> Path:
-    """The real target's bf16 flash layout, fetched and converted on first use."""
-    from lever_actors.checkpoints.convert import convert
-    from lever_actors.progress import ProgressLine
-
-    gguf_path = real_model_path(args, "target")
-    layout = cache_dir(args) / "flash" / (gguf_path.stem + "-bf16")
-    if not layout.is_dir():
-        print(f"converting {gguf_path.name} to a bf16 flash layout (once)", file=sys.stderr)
-        convert(gguf_path, layout, torch.bfloat16, ProgressLine())
-    return layout
-
-
 def _fetch_models(args: argparse.Namespace) -> int:
-    from lever_actors.checkpoints.fetch import REAL_MODELS
 
     for key in REAL_MODELS:
-        print(f"{key}: {real_model_path(args, key)}")
+        print(f"{key}: {real_model_path(args.cache_dir, key, ProgressLine())}")
     return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens <= 0:
-        raise_usage("--max-new-tokens must be positive")
+        raise ConfigError("--max-new-tokens must be positive")
     if args.model is not None:
         if args.target or args.draft:
-            raise_usage("--model runs a model held in DRAM; --target/--draft run the pipeline")
+            raise ConfigError(
+                "--model runs a model held in DRAM; --target/--draft run the pipeline"
+            )
         return _generate_in_memory(args)
     return _generate_with_engine(args)
 
 
 def _generate_in_memory(args: argparse.Namespace) -> int:
-    from lever_actors.checkpoints import load_checkpoint
-    from lever_actors.model.greedy import greedy_stream
-    from lever_actors.model.transformer import Transformer
 
     path = args.model
     started = time.perf_counter()
@@ -226,13 +213,12 @@ def _generate_in_memory(args: argparse.Namespace) -> int:
 def _generate_with_engine(args: argparse.Namespace) -> int:
     """The pipeline: the target streamed from flash, the draft in DRAM. With neither given,
     the real pair (fetched and converted on first use)."""
-    import trio
-
-    from lever_actors.config import EngineConfig
 
     real = args.target is None
-    target = args.target or real_target_layout(args)
-    draft = args.draft or (real_model_path(args, "draft") if real else None)
+    target = args.target or real_target_layout(args.cache_dir, ProgressLine())
+    draft = args.draft or (
+        real_model_path(args.cache_dir, "draft", ProgressLine()) if real else None
+    )
     tree = args.tree or ("gaincost" if draft else "none")
     config = EngineConfig(
         target=str(target),
@@ -255,15 +241,12 @@ def _generate_with_engine(args: argparse.Namespace) -> int:
 
 
 async def _stream_from_engine(config, args: argparse.Namespace) -> int:
-    from lever_actors.device.budget import format_bytes
-    from lever_actors.engine import Engine
-    from lever_actors.progress import ProgressLine
 
     started = time.perf_counter()
     async with Engine.open(config, progress=ProgressLine(unit="")) as engine:
         target, plan = engine.target, engine.target.plan
         if engine.tokenizer is None:
-            raise_usage(f"{config.target} has no tokenizer; generate needs one")
+            raise ConfigError(f"{config.target} has no tokenizer; generate needs one")
         print(
             f"loaded in {time.perf_counter() - started:.1f} s: tree {config.tree}, "
             f"{len(plan.streamed_layers)}/{target.args.n_layers} target layers streamed "
@@ -324,16 +307,13 @@ class _TokenPrinter:
 
 def _prompt_and_printer(args: argparse.Namespace, tokenizer, path: Path):
     if tokenizer is None:
-        raise_usage(f"{path} has no tokenizer; generate needs one to encode the prompt")
+        raise ConfigError(f"{path} has no tokenizer; generate needs one to encode the prompt")
     text = args.prompt if args.raw else tokenizer.apply_chat_template(args.prompt)
     prompt = tokenizer.encode(text)
     return prompt, _TokenPrinter(tokenizer, len(prompt))
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from lever_actors.checkpoints.convert import convert
-    from lever_actors.device.budget import format_bytes
-    from lever_actors.progress import ProgressLine
 
     manifest = convert(args.src, args.out, STORE_DTYPES[args.dtype], ProgressLine())
     print(f"{args.out}: {manifest.args.n_layers} layers, {format_bytes(manifest.file_bytes)}")
@@ -341,9 +321,6 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _export_hf(args: argparse.Namespace) -> int:
-    from lever_actors.checkpoints.export import export_hf
-    from lever_actors.device.layout import MANIFEST_NAME, read_manifest
-    from lever_actors.progress import ProgressLine
 
     if args.dtype is not None:
         dtype = STORE_DTYPES[args.dtype]
@@ -357,9 +334,6 @@ def _export_hf(args: argparse.Namespace) -> int:
 
 
 def _profile_disk(args: argparse.Namespace) -> int:
-    from lever_actors.device.budget import parse_bytes
-    from lever_actors.device.disk_profile import profile_disk
-    from lever_actors.device.layout import WEIGHTS_NAME, read_manifest
 
     path, block = args.path, args.block_size
     if path.is_dir():
@@ -376,13 +350,8 @@ def _profile_disk(args: argparse.Namespace) -> int:
 
 
 def _train_exit(args: argparse.Namespace) -> int:
-    import msgspec
 
-    from lever_actors.bench.prompts import load_prompts
-    from lever_actors.policy import exit_training as et
-    from lever_actors.progress import ProgressLine
-
-    prompts = load_prompts(args.prompt_set, cache_dir(args), args.prompts, args.seed)
+    prompts = load_prompts(args.prompt_set, args.cache_dir, args.prompts, args.seed)
     texts, stop_ids = et.chat_token_ids(args.layout, prompts)
     adapter, report = et.train_exit_predictor(
         args.layout,
@@ -400,12 +369,6 @@ def _train_exit(args: argparse.Namespace) -> int:
     print(msgspec.json.format(msgspec.json.encode(report)).decode())
     print(f"held-out KD loss {report.lens_loss:.4f} (lens) -> {report.trained_loss:.4f}; {path}")
     return 0
-
-
-def raise_usage(message: str) -> None:
-    from lever_actors.errors import ConfigError
-
-    raise ConfigError(message)
 
 
 if __name__ == "__main__":

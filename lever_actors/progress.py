@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import TextIO
+
+Progress = Callable[[int, int, str], None]  # (done, total, label): what long work reports
 
 
 class ProgressLine:

@@ -8,8 +8,11 @@ import shlex
 import sys
 from pathlib import Path
 
-from lever_actors.bench.prompts import PROMPT_SETS
 from lever_actors.bench.specs import MODES
+from lever_actors.checkpoints.prompts import PROMPT_SETS, load_prompts
+from lever_actors.checkpoints.real_pair import real_model_path, real_target_layout
+from lever_actors.errors import ConfigError
+from lever_actors.progress import ProgressLine
 
 DEFAULT_MODES = "memory-ar,flash-ar"
 
@@ -120,14 +123,13 @@ def apply_config(parser: argparse.ArgumentParser, path: Path) -> None:
     names (max-new-tokens or max_new_tokens); a list stands for a comma-separated value."""
     import tomllib
 
-    from lever_actors.cli import raise_usage
 
     try:
         table = tomllib.loads(path.read_text())
     except OSError as e:
-        raise_usage(f"cannot read bench config {path}: {e.strerror}")
+        raise ConfigError(f"cannot read bench config {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
-        raise_usage(f"bench config {path} is not valid TOML: {e}")
+        raise ConfigError(f"bench config {path} is not valid TOML: {e}") from None
     # argparse lists its options only in _actions; the names and choices are what we need
     known = {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
     known.pop("config")
@@ -135,7 +137,7 @@ def apply_config(parser: argparse.ArgumentParser, path: Path) -> None:
     for key, value in table.items():
         dest = key.replace("-", "_")
         if dest not in known:
-            raise_usage(
+            raise ConfigError(
                 f"bench config {path}: unknown option {key!r}; known: "
                 + ", ".join(sorted(d.replace("_", "-") for d in known))
             )
@@ -143,7 +145,8 @@ def apply_config(parser: argparse.ArgumentParser, path: Path) -> None:
             value = ",".join(str(v) for v in value)
         action = known[dest]
         if action.choices is not None and value not in action.choices:
-            raise_usage(f"bench config {path}: {key} must be one of {', '.join(action.choices)}")
+            choices = ", ".join(action.choices)
+            raise ConfigError(f"bench config {path}: {key} must be one of {choices}")
         # argparse converts string defaults with the option's type, as it does flags
         defaults[dest] = value
     parser.set_defaults(**defaults)
@@ -169,7 +172,6 @@ def _split(text: str) -> tuple[str, ...]:
 def options_from_args(args: argparse.Namespace):
     from lever_actors.bench.specs import BenchOptions
     from lever_actors.bench.sweep import SWEEP_FAMILIES
-    from lever_actors.cli import cache_dir
 
     modes = args.modes or (",".join(SWEEP_FAMILIES) if args.sweep else DEFAULT_MODES)
     options = BenchOptions(
@@ -189,7 +191,7 @@ def options_from_args(args: argparse.Namespace):
         order=args.order or ("sequential" if args.isolate == "all" else "interleaved"),
         memory_limit=args.memory_limit,
         memory_overhead=args.memory_overhead,
-        cache_dir=str(cache_dir(args)),
+        cache_dir=str(args.cache_dir),
     )
     options.validate()
     return options
@@ -197,24 +199,22 @@ def options_from_args(args: argparse.Namespace):
 
 def run_bench_command(args: argparse.Namespace) -> int:
     from lever_actors.bench.harness import PromptSet
-    from lever_actors.bench.prompts import load_prompts
     from lever_actors.bench.specs import NEEDS_DRAFT
-    from lever_actors.cli import cache_dir, raise_usage, real_model_path, real_target_layout
 
     options = options_from_args(args)
-    target = args.target or real_target_layout(args)
+    target = args.target or real_target_layout(args.cache_dir, ProgressLine())
     draft = args.draft
     if draft is None and set(options.modes) & set(NEEDS_DRAFT):
-        draft = real_model_path(args, "draft")
+        draft = real_model_path(args.cache_dir, "draft", ProgressLine())
     tokenizer = _tokenizer(target)
     if tokenizer is None:
-        raise_usage(f"{target} has no tokenizer; bench needs one to encode the prompts")
+        raise ConfigError(f"{target} has no tokenizer; bench needs one to encode the prompts")
     prompt_sets = [
         PromptSet(
             name,
             [
                 tokenizer.encode(tokenizer.apply_chat_template(text))
-                for text in load_prompts(name, cache_dir(args), options.prompts, options.seed)
+                for text in load_prompts(name, args.cache_dir, options.prompts, options.seed)
             ],
         )
         for name in options.prompt_sets
@@ -287,7 +287,6 @@ def run_report_command(args: argparse.Namespace) -> int:
         write_plots,
     )
     from lever_actors.bench.results import BenchResults, read_results
-    from lever_actors.cli import raise_usage
 
     results = read_results(args.results)
     if not args.no_plots:
@@ -299,7 +298,7 @@ def run_report_command(args: argparse.Namespace) -> int:
     output_paths(args.results)["markdown"].write_text(markdown)
     if args.readme is not None:
         if not isinstance(results, BenchResults):
-            raise_usage(f"{args.results} holds sweep results; --readme takes a bench run's")
+            raise ConfigError(f"{args.results} holds sweep results; --readme takes a bench run's")
         rewrite_readme(args.readme, readme_section(results, args.readme, args.results))
         print(f"rewrote the results section of {args.readme}", file=sys.stderr)
     else:

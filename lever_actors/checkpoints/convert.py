@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -27,9 +27,9 @@ from lever_actors.device.layout import (
 )
 from lever_actors.errors import CheckpointError
 from lever_actors.model.weights import layer_tensor_names
+from lever_actors.progress import Progress
 
 TENSOR_ALIGNMENT = 64  # tensors inside an extent start on cache-line boundaries
-Progress = Callable[[int, int, str], None]
 
 
 def convert(src: Path, out: Path, dtype: torch.dtype, progress: Progress | None = None) -> Manifest:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from lever_actors.device.layout import DTYPE_NAMES
 from lever_actors.errors import CheckpointError
 from lever_actors.model.args import ModelArgs
 from lever_actors.model.weights import layer_tensor_names
+from lever_actors.progress import Progress
 
 DEFAULT_SHARD_BYTES = 2 * 10**9  # one model.safetensors up to this size, shards above it
 INDEX_NAME = "model.safetensors.index.json"
@@ -34,7 +35,6 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-Progress = Callable[[int, int, str], None]
 
 
 def export_hf(

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
@@ -18,13 +18,13 @@ from typing import BinaryIO, Protocol
 import structlog
 
 from lever_actors.errors import FetchError
+from lever_actors.progress import Progress
 
 log = structlog.get_logger(__name__)
 
 CHUNK = 8 << 20  # 8 MiB: big enough for throughput, small enough to never hold a GB in memory
 PART_ENTRY = re.compile(r"(?:^|/)data/part(\d+)\.bin$")
 
-Progress = Callable[[int, int, str], None]  # (done_bytes, total_bytes, label)
 
 
 class Download(Protocol):

@@ -13,6 +13,7 @@ from lever_actors.model.layers import layer_forward, output_logits
 from lever_actors.model.placement import chain_placement
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.cost_model import CostModel, Curve
+from lever_actors.progress import Progress
 from lever_actors.target import FlashTarget
 
 VERIFY_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -20,7 +21,6 @@ DRAFT_SIZES = [1, 2, 4, 8, 16, 32]
 CONTEXT = 64  # committed positions the probe attends to, like a short prompt
 BANDWIDTH_READS = 4
 
-Progress = Callable[[int, int, str], None]
 
 
 def profile_costs(

@@ -33,7 +33,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,8 +52,8 @@ from lever_actors.model.layers import layer_forward, output_logits, rms_norm
 from lever_actors.model.placement import Placement
 from lever_actors.model.rope import Rope
 from lever_actors.policy.exit_predictor import PREDICTOR_FILE, LowRankAdapter
+from lever_actors.progress import Progress
 
-Progress = Callable[[int, int, str], None]
 CHUNK = 256  # positions per LM-head pass when ranking the teacher's tokens
 
 

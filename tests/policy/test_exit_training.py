@@ -133,7 +133,7 @@ def test_cli_trains_on_prompts_and_saves_beside_the_layout(models, tmp_path, mon
         assert (name, count) == ("sharegpt", 4)
         return words[:count]
 
-    monkeypatch.setattr("lever_actors.bench.prompts.load_prompts", fake_prompts)
+    monkeypatch.setattr("lever_actors.cli.load_prompts", fake_prompts)
     argv = ["train-exit", str(target), "--prompt-set", "sharegpt", "--prompts", "4"]
     argv += ["--exit-layer", "2", "--rank", "4", "--steps", "20", "--continue-tokens", "4"]
     assert main(argv) == 0
