@@ -21,7 +21,6 @@ from lever_actors.checkpoints.fetch import REAL_MODELS, default_cache_dir
 from lever_actors.checkpoints.prompts import load_prompts
 from lever_actors.checkpoints.real_pair import real_model_path, real_target_layout
 from lever_actors.config import EngineConfig
-from lever_actors.device.budget import format_bytes, parse_bytes
 from lever_actors.device.disk_profile import profile_disk
 from lever_actors.device.layout import MANIFEST_NAME, WEIGHTS_NAME, read_manifest
 from lever_actors.engine import Engine
@@ -30,6 +29,7 @@ from lever_actors.model.greedy import greedy_stream
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy import exit_training as et
 from lever_actors.progress import ProgressLine
+from lever_actors.sizes import format_bytes, parse_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 STORE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -1,22 +1,60 @@
-"""Engine configuration: msgspec Structs, validated once when the engine opens."""
+"""Engine configuration: typed msgspec Structs, parsed and checked once, when constructed.
+
+A field whose values form a set is a `Literal`, a bounded number carries `msgspec.Meta`
+bounds, and msgspec checks both; the tree shape and the DRAM budget may be given as text
+("chain:4", "25%") and are parsed into their types on construction. A bad value raises
+ConfigError naming the field, before anything is loaded.
+"""
 
 from __future__ import annotations
 
 import re
-from typing import Literal
+import typing
+from typing import Annotated, Literal
 
 import msgspec
 
 from lever_actors.errors import ConfigError
+from lever_actors.sizes import compact_bytes, parse_bytes
 
 DEFAULT_GAINCOST_CAP = 64
-EARLY_EXIT = ("off", "none", "lens", "trained", "auto")
+DEFAULT_MAX_NEW_TOKENS = 128
+
+EarlyExit = Literal["auto", "lens", "trained", "none", "off"]
+PruneWhen = Literal["compute_bound", "always"]
+Projection = Literal["on_demand", "eager"]
+Units = Literal["split", "single"]
+DraftDtype = Literal["bfloat16", "float32", "float64"]
+Throttle = Literal["none", "ufs3.1", "ufs4.0"]
 
 
 def default_exit_layer(n_layers: int) -> int:
     """7/8 of the way through: measured on Qwen2.5-Coder-1.5B, the logit lens at the middle
     layer ranks the target's own next token first only 17% of the time, at 7/8 about 70%."""
     return n_layers * 7 // 8
+
+
+def check_max_new_tokens(n: int) -> int:
+    if n <= 0:
+        raise ConfigError(f"max_new_tokens must be positive, got {n}")
+    return n
+
+
+def _check_fields(struct: msgspec.Struct, prefix: str = "") -> None:
+    """msgspec's own checks of every field's type, Literal and bounds, as a ConfigError."""
+    hints = typing.get_type_hints(type(struct), include_extras=True)
+    for name in struct.__struct_fields__:
+        value = getattr(struct, name)
+        try:
+            msgspec.convert(value, hints[name], strict=True)
+        except msgspec.ValidationError as e:
+            choices = typing.get_args(hints[name]) if _is_literal(hints[name]) else ()
+            reason = f"expected one of {', '.join(choices)}" if choices else str(e).lower()
+            raise ConfigError(f"{prefix}{name} = {value!r}: {reason}") from None
+
+
+def _is_literal(hint: object) -> bool:
+    return typing.get_origin(hint) is Literal
 
 
 class TreeSpec(msgspec.Struct, frozen=True):
@@ -34,15 +72,16 @@ class TreeSpec(msgspec.Struct, frozen=True):
     @classmethod
     def parse(cls, text: str) -> TreeSpec:
         """'none', 'chain:4', 'static:3,2,1', 'gaincost' or 'gaincost:CAP'."""
+        text = text.strip()
         if text == "none":
             return cls("none")
-        gaincost = re.fullmatch(r"gaincost(?::(\d+))?", text.strip())
+        gaincost = re.fullmatch(r"gaincost(?::(\d+))?", text)
         if gaincost:
             cap = int(gaincost.group(1) or DEFAULT_GAINCOST_CAP)
             if cap < 1:
                 raise ConfigError(f"tree {text!r}: the cap must be at least 1")
             return cls("gaincost", cap=cap)
-        match = re.fullmatch(r"(chain|static):(\d+(?:,\d+)*)", text.strip())
+        match = re.fullmatch(r"(chain|static):(\d+(?:,\d+)*)", text)
         if not match:
             raise ConfigError(
                 f"cannot read tree {text!r}; use none, chain:K, static:W1,W2,... or gaincost[:CAP]"
@@ -76,69 +115,93 @@ class TreeSpec(msgspec.Struct, frozen=True):
         return "static:" + ",".join(map(str, self.widths))
 
 
+class DramBudget(msgspec.Struct, frozen=True):
+    """Target weights held in DRAM: all of them, a share of the layout's bytes, or a size."""
+
+    kind: Literal["all", "share", "size"]
+    value: float = 1.0  # share: a fraction (0.25 for 25%); size: bytes
+
+    @classmethod
+    def parse(cls, text: str | int) -> DramBudget:
+        """'all', '25%', '1.5GiB', '800MB' or a number of bytes."""
+        if isinstance(text, int):
+            budget = cls("size", float(text))
+        elif text.strip() == "all":
+            budget = cls("all")
+        elif text.strip().endswith("%"):
+            try:
+                budget = cls("share", float(text.strip()[:-1]) / 100)
+            except ValueError:
+                raise ConfigError(f"cannot read {text!r} as a percentage") from None
+        else:
+            budget = cls("size", float(parse_bytes(text)))
+        if budget.value <= 0:
+            raise ConfigError(f"dram_budget must be positive, got {text!r}")
+        return budget
+
+    def bytes_of(self, model_bytes: int) -> int:
+        """The budget in bytes for a model of `model_bytes`."""
+        if self.kind == "all":
+            return model_bytes
+        if self.kind == "share":
+            return int(model_bytes * self.value)
+        return int(self.value)
+
+    def __str__(self) -> str:
+        if self.kind == "all":
+            return "all"
+        if self.kind == "share":
+            return f"{self.value * 100:g}%"
+        return compact_bytes(int(self.value))
+
+
 class ChannelSizes(msgspec.Struct, frozen=True):
     """Capacity of every bounded channel between actors."""
 
-    requests: int = 1
-    trees: int = 1
-    probes: int = 1
-    verdicts: int = 1
-    finals: int = 1
-    commits: int = 1
-    results: int = 1
-    events: int = 64  # tokens buffered for a slow consumer of stream()
+    requests: Annotated[int, msgspec.Meta(ge=1)] = 1
+    trees: Annotated[int, msgspec.Meta(ge=1)] = 1
+    probes: Annotated[int, msgspec.Meta(ge=1)] = 1
+    prune_verdicts: Annotated[int, msgspec.Meta(ge=1)] = 1
+    finals: Annotated[int, msgspec.Meta(ge=1)] = 1
+    commits: Annotated[int, msgspec.Meta(ge=1)] = 1
+    verdicts: Annotated[int, msgspec.Meta(ge=1)] = 1
+    events: Annotated[int, msgspec.Meta(ge=1)] = 64  # tokens buffered for a slow consumer
+
+    def __post_init__(self) -> None:
+        _check_fields(self, "channel ")
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     target: str  # flash layout directory
     draft: str | None = None  # HF directory, GGUF file or flash layout; held whole in DRAM
-    dram_budget: str | int = "all"  # target weights in DRAM: bytes, "1.5GiB", or "all"
-    ring_slots: int = 2
-    tree: str = "gaincost"  # none, chain:K, static:W1,W2,... or gaincost[:CAP]
-    early_exit: str = "auto"  # off, none (keep all), lens, trained, auto (trained if saved)
-    exit_layer: int | None = None  # default: 7/8 of the way through the target
-    prune_threshold: float = 0.02  # drop a child scoring below this within its candidate set
+    # target weights in DRAM: all, a share ("25%") or a size ("1.5GiB", bytes)
+    dram_budget: DramBudget = DramBudget("all")
+    ring_slots: Annotated[int, msgspec.Meta(ge=2)] = 2  # one slot read while one computes
+    tree: TreeSpec = TreeSpec("gaincost", cap=DEFAULT_GAINCOST_CAP)  # or "chain:4", ...
+    early_exit: EarlyExit = "auto"  # auto: trained if one is saved beside the target, else lens
+    exit_layer: Annotated[int, msgspec.Meta(ge=0)] | None = None  # default: 7/8 of the target
+    # drop a child scoring below this within its candidate set
+    prune_threshold: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.02
     # compute_bound: with a cost model (gain-cost trees), prune only passes that compute,
     # not flash, paces; always: prune whenever a predictor is on
-    prune_when: str = "compute_bound"
-    audit_every: int = 10  # every n-th step runs pruned nodes anyway, to count false prunes
+    prune_when: PruneWhen = "compute_bound"
+    # every n-th step runs pruned nodes anyway, to count false prunes (0: never)
+    audit_every: Annotated[int, msgspec.Meta(ge=0)] = 10
     draft_ahead: bool = True  # gain-cost: draft the next tree while this one is verified
-    projection: str = "on_demand"  # on_demand (cpu unit, accepted path) or eager (npu, all)
-    units: str = "split"  # split: small work on the "cpu" unit beside the "npu"; single: one unit
-    draft_dtype: str = "float32"
-    throttle: str = "none"
+    projection: Projection = "on_demand"  # on_demand (cpu unit, accepted path) or eager (npu)
+    units: Units = "split"  # split: small work on the "cpu" unit beside the "npu"; single
+    draft_dtype: DraftDtype = "bfloat16"
+    throttle: Throttle = "none"
     verify_checksums: bool = False
     channels: ChannelSizes = ChannelSizes()
-    jitter_seconds: float = 0.0  # random sleeps between actor steps, for scheduling fuzz tests
+    # random sleeps between actor steps, for scheduling fuzz tests
+    jitter_seconds: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     seed: int = 0
     trace: str | None = None  # write every message to this file
 
-    def tree_spec(self) -> TreeSpec:
-        return TreeSpec.parse(self.tree)
-
-    def validate(self) -> None:
-        """Raise ConfigError for any value that cannot work, before anything is loaded."""
-        self.tree_spec()  # raises on a malformed tree
-        if self.ring_slots < 2:
-            raise ConfigError(f"ring_slots must be at least 2, got {self.ring_slots}")
-        if self.draft_dtype not in ("float32", "bfloat16", "float64"):
-            raise ConfigError(
-                f"draft_dtype must be float32, bfloat16 or float64, got {self.draft_dtype!r}"
-            )
-        for name in ChannelSizes.__struct_fields__:
-            if getattr(self.channels, name) < 1:
-                raise ConfigError(f"channel {name} needs capacity >= 1")
-        if self.early_exit not in EARLY_EXIT:
-            raise ConfigError(f"early_exit must be one of {', '.join(EARLY_EXIT)}")
-        if self.prune_when not in ("compute_bound", "always"):
-            raise ConfigError("prune_when must be compute_bound or always")
-        if self.projection not in ("on_demand", "eager"):
-            raise ConfigError("projection must be on_demand or eager")
-        if self.units not in ("split", "single"):
-            raise ConfigError("units must be split or single")
-        if not 0 <= self.prune_threshold < 1:
-            raise ConfigError("prune_threshold must be in [0, 1)")
-        if self.audit_every < 0:
-            raise ConfigError("audit_every must be >= 0 (0: never)")
-        if self.jitter_seconds < 0:
-            raise ConfigError("jitter_seconds must be >= 0")
+    def __post_init__(self) -> None:
+        if isinstance(self.tree, str):
+            msgspec.structs.force_setattr(self, "tree", TreeSpec.parse(self.tree))
+        if isinstance(self.dram_budget, str | int):
+            msgspec.structs.force_setattr(self, "dram_budget", DramBudget.parse(self.dram_budget))
+        _check_fields(self)

@@ -18,6 +18,7 @@ import trio
 
 from lever_actors.actors.drafter import Drafter, DrafterInbox, DraftPolicy
 from lever_actors.actors.jitter import Jitter
+from lever_actors.actors.prefetcher import Prefetcher
 from lever_actors.actors.projector import Projector
 from lever_actors.actors.pruner import Pruner
 from lever_actors.actors.verifier import Verifier, VerifierInbox, VerifierOutbox
@@ -35,10 +36,11 @@ from lever_actors.channels.messages import (
     TokenEvent,
     Verdict,
 )
+from lever_actors.channels.stats import decode_phase, decode_rate, per_step
 from lever_actors.checkpoints.tokenizer import Tokenizer
-from lever_actors.config import EngineConfig
+from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, EngineConfig, check_max_new_tokens
 from lever_actors.device.units import ComputeUnit
-from lever_actors.draft import DraftModel, check_same_vocabulary, load_draft_for
+from lever_actors.draft import DraftModel, load_draft
 from lever_actors.errors import ConfigError
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.setup import Policies, build_policies
@@ -50,17 +52,17 @@ class GenerationResult(msgspec.Struct, frozen=True):
     text: str
     steps: list[StepStats]
     prefill_seconds: float  # request start to the first token
-    decode_seconds: float  # first token to last token
+    decode_tokens: int  # tokens after the first step, which comes with the prefill
+    decode_seconds: float  # the end of the first step to the last token
 
     @property
-    def decode_tokens_per_second(self) -> float:
-        n = len(self.tokens) - 1
-        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else float("nan")
+    def decode_tokens_per_second(self) -> float | None:
+        return decode_rate(self.decode_tokens, self.decode_seconds)
 
     @property
-    def mean_accepted(self) -> float:
+    def mean_accepted(self) -> float | None:
         """New tokens per step (accepted draft tokens + the bonus token)."""
-        return sum(s.new_tokens for s in self.steps) / max(len(self.steps), 1)
+        return per_step(len(self.tokens), len(self.steps))
 
 
 @dataclass
@@ -110,15 +112,16 @@ class Engine:
         it is loaded from `config.draft`. `progress(done, total, label)` hears about the
         start-up profiling of the gain-cost tree.
         """
-        config.validate()
-        if config.tree_spec().kind != "none" and draft is None and config.draft is None:
-            raise ConfigError(f"tree {config.tree!r} needs a draft model; set draft")
+        drafting = config.tree.kind != "none"
+        if drafting and draft is None and config.draft is None:
+            raise ConfigError(f"tree {str(config.tree)!r} needs a draft model; set draft")
         target = await trio.to_thread.run_sync(_open_target, config)
         try:
-            if draft is None:
-                draft = await trio.to_thread.run_sync(load_draft_for, config)
-            check_same_vocabulary(target, draft)
-            model = draft.model if draft is not None and config.tree != "none" else None
+            if draft is None and drafting:
+                draft = await trio.to_thread.run_sync(load_draft, config.draft, config.draft_dtype)
+            model = draft.model if draft is not None and drafting else None
+            if model is not None:
+                _check_same_vocabulary(target, draft)
             policies = await trio.to_thread.run_sync(
                 build_policies, config, target, model, progress
             )
@@ -132,25 +135,33 @@ class Engine:
             target.close()
 
     async def generate(
-        self, prompt: str | Sequence[int], *, max_new_tokens: int, stop: Sequence[str] = ()
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        stop: Sequence[str] = (),
     ) -> GenerationResult:
         """Run one request to the end; the result carries per-step statistics."""
         events: list[TokenEvent] = []
         request = self._request(prompt, max_new_tokens, stop)
         async for event in self._events(request):
             events.append(event)
-        first = events[0].elapsed_seconds if events else 0.0
-        last = events[-1].elapsed_seconds if events else 0.0
+        decode_tokens, decode_seconds = decode_phase(events)
         return GenerationResult(
             tokens=[e.token for e in events],
             text="".join(e.text for e in events),
             steps=request.steps,
-            prefill_seconds=first,
-            decode_seconds=last - first,
+            prefill_seconds=events[0].elapsed_seconds if events else 0.0,
+            decode_tokens=decode_tokens,
+            decode_seconds=decode_seconds,
         )
 
     async def stream(
-        self, prompt: str | Sequence[int], *, max_new_tokens: int, stop: Sequence[str] = ()
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        stop: Sequence[str] = (),
     ) -> AsyncIterator[TokenEvent]:
         """Yield each token as it is accepted. Leaving the loop early cancels the request."""
         async for event in self._events(self._request(prompt, max_new_tokens, stop)):
@@ -171,8 +182,7 @@ class Engine:
         vocab = self.target.args.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
-        if max_new_tokens <= 0:
-            raise ConfigError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        check_max_new_tokens(max_new_tokens)
         limit = self.target.args.max_seq_len
         if len(ids) + max_new_tokens > limit:
             raise ConfigError(
@@ -213,9 +223,9 @@ class Engine:
         layers = ch.open("layers", LayerWeights, max(target.plan.ring_slots, 1))
         releases = ch.open("releases", SlotRelease, max(target.plan.ring_slots, 1))
         probes = ch.open("probes", ExitProbe, sizes.probes)
-        verdicts = ch.open("verdicts", PruneVerdict, sizes.verdicts)
+        prune_verdicts = ch.open("prune_verdicts", PruneVerdict, sizes.prune_verdicts)
         finals = ch.open("finals", FinalHidden, sizes.finals)
-        results = ch.open("results", Verdict, sizes.results)
+        verdicts = ch.open("verdicts", Verdict, sizes.verdicts)
         draft_commits = ch.open("draft_commits", Commit, sizes.commits)
         verify_commits = ch.open("verify_commits", Commit, sizes.commits)
 
@@ -245,29 +255,30 @@ class Engine:
             p.eager_projection,
         )
         async with trio.open_nursery() as nursery:
-            await nursery.start(target.prefetcher().run, releases.receive, layers.send)
+            prefetcher = Prefetcher(target.store, target.plan, target.resident_layers)
+            await nursery.start(prefetcher.run, releases.receive, layers.send)
             await nursery.start(
                 drafter.run, DrafterInbox(requests.receive, draft_commits.receive), trees.send
             )
             await nursery.start(
                 verifier.run,
                 VerifierInbox(
-                    trees.receive, layers.receive, verdicts.receive, verify_commits.receive
+                    trees.receive, layers.receive, prune_verdicts.receive, verify_commits.receive
                 ),
                 VerifierOutbox(releases.send, probes.send, finals.send),
             )
-            await nursery.start(pruner.run, probes.receive, verdicts.send)
-            await nursery.start(projector.run, finals.receive, results.send)
-            with requests.send, draft_commits.send, verify_commits.send, results.receive:
+            await nursery.start(pruner.run, probes.receive, prune_verdicts.send)
+            await nursery.start(projector.run, finals.receive, verdicts.send)
+            with requests.send, draft_commits.send, verify_commits.send, verdicts.receive:
                 await self._steps(
                     request,
                     events,
                     requests.send,
-                    results.receive,
+                    verdicts.receive,
                     (draft_commits.send, verify_commits.send),
                 )
 
-    async def _steps(self, request, events, requests, results, commits) -> None:
+    async def _steps(self, request, events, requests, verdicts, commits) -> None:
         """The engine's own loop: ask for a tree, take the verdict, emit, commit."""
         started = request.created
         decoder = self.tokenizer.stream_decoder() if self.tokenizer else None
@@ -277,7 +288,7 @@ class Engine:
         for step in range(request.max_new_tokens):
             step_started = time.perf_counter()
             await requests.send(DraftRequest(step=step, max_nodes=self.spec.max_nodes))
-            verdict: Verdict = await results.receive()
+            verdict: Verdict = await verdicts.receive()
             finished = False
             emitted = 0
             for token, from_draft in zip(verdict.tokens, verdict.from_draft, strict=True):
@@ -303,45 +314,17 @@ class Engine:
                 )
                 if finished:
                     break
-            request.steps.append(
-                StepStats(
-                    step=step,
-                    tree_nodes=verdict.tree_nodes,
-                    live_nodes=verdict.live_nodes,
-                    pruned=verdict.pruned,
-                    saved_node_layers=verdict.saved_node_layers,
-                    audited=verdict.audited,
-                    false_prunes=verdict.false_prunes,
-                    new_tokens=emitted,
-                    drafted_ahead=verdict.drafted_ahead,
-                    draft_seconds=verdict.draft_seconds,
-                    io_wait_seconds=verdict.io_wait_seconds,
-                    verify_seconds=verdict.verify_seconds,
-                    project_seconds=verdict.project_seconds,
-                    step_seconds=time.perf_counter() - step_started,
-                )
+            stats = msgspec.structs.replace(
+                verdict.stats, new_tokens=emitted, step_seconds=time.perf_counter() - step_started
             )
-            self._learn(verdict, request.steps[-1])
+            request.steps.append(stats)
+            if self.policies.cost is not None:
+                self.policies.cost.observe(stats)
             if finished:
                 return
             commit = Commit(step=step, accepted=verdict.accepted, next_tokens=verdict.tokens[-1:])
             for channel in commits:
                 await channel.send(commit)
-
-    def _learn(self, verdict: Verdict, step: StepStats) -> None:
-        """Correct the cost model with what the step measured."""
-        cost = self.policies.cost
-        if cost is None:
-            return
-        cost.observe(
-            nodes=verdict.tree_nodes,
-            draft_rounds=list(verdict.draft_rounds),
-            new_tokens=step.new_tokens,
-            draft_seconds=verdict.draft_seconds,
-            verify_seconds=verdict.verify_seconds,
-            io_wait_seconds=verdict.io_wait_seconds,
-            step_seconds=step.step_seconds,
-        )
 
 
 CHANNEL_CLOSED = (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError)
@@ -366,6 +349,17 @@ def _jitters(config: EngineConfig):
     while True:
         seed += 1
         yield Jitter(config.jitter_seconds, seed)
+
+
+def _check_same_vocabulary(target: FlashTarget, draft: DraftModel) -> None:
+    if draft.model.args.vocab_size != target.args.vocab_size:
+        raise ConfigError(
+            f"draft {draft.source} has a vocabulary of {draft.model.args.vocab_size} tokens, "
+            f"the target {target.args.vocab_size}: speculative decoding needs the same vocabulary"
+        )
+    ours, theirs = target.tokenizer, draft.tokenizer
+    if ours and theirs and ours.backend.get_vocab() != theirs.backend.get_vocab():
+        raise ConfigError(f"draft {draft.source} and the target use different tokenizers")
 
 
 def _open_target(config: EngineConfig) -> FlashTarget:

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from lever_actors.actors.prefetcher import Prefetcher
 from lever_actors.checkpoints.tokenizer import Tokenizer
-from lever_actors.device.budget import ResidencyPlan, head_key, plan_residency, resolve_budget
+from lever_actors.config import DramBudget
+from lever_actors.device.budget import ResidencyPlan, head_key, plan_residency
 from lever_actors.device.flash import FlashStore
 from lever_actors.device.layout import layer_key
 from lever_actors.model.kv_cache import KVCache
@@ -22,7 +22,7 @@ class FlashTarget:
     def __init__(
         self,
         directory: Path,
-        dram_budget: int | str,
+        dram_budget: DramBudget,
         *,
         ring_slots: int = 2,
         throttle: str = "none",
@@ -32,7 +32,7 @@ class FlashTarget:
         self.manifest = self.store.manifest
         self.args = self.manifest.args
         self.dtype = self.manifest.torch_dtype
-        budget = resolve_budget(dram_budget, self.manifest.file_bytes)
+        budget = dram_budget.bytes_of(self.manifest.file_bytes)
         self.plan: ResidencyPlan = plan_residency(self.manifest, budget, ring_slots)
         resident = {
             key: self.store.load_extent(self.manifest.extent(key)) for key in self.plan.resident
@@ -46,9 +46,6 @@ class FlashTarget:
         self.rope = Rope(self.args)
         tokenizer_file = self.manifest.tokenizer
         self.tokenizer = Tokenizer.from_file(directory / tokenizer_file) if tokenizer_file else None
-
-    def prefetcher(self) -> Prefetcher:
-        return Prefetcher(self.store, self.plan, self.resident_layers)
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.args, capacity, self.dtype)

@@ -431,22 +431,27 @@ async def test_a_request_filling_the_context_exactly_works(tiny):
         pytest.param({"tree": "chain:0"}, "at least 1", id="zero-chain"),
         pytest.param({"tree": "static:2,0"}, "at least 1", id="zero-width"),
         pytest.param({"tree": "chain:2,3"}, "chain takes one length", id="chain-two-numbers"),
-        pytest.param({"ring_slots": 1}, "ring_slots must be at least 2", id="one-slot"),
-        pytest.param({"ring_slots": 0}, "ring_slots must be at least 2", id="no-slots"),
+        pytest.param({"ring_slots": 1}, "ring_slots = 1: expected `int` >= 2", id="one-slot"),
+        pytest.param({"ring_slots": 0}, "ring_slots = 0: expected `int` >= 2", id="no-slots"),
         pytest.param({"draft": None}, "needs a draft model", id="no-draft"),
-        pytest.param({"draft_dtype": "int8"}, "draft_dtype", id="draft-dtype"),
-        pytest.param({"prune_when": "never"}, "prune_when must be", id="prune-when"),
         pytest.param(
-            {"channels": ChannelSizes(trees=0)}, "channel trees needs capacity", id="channel-0"
+            {"draft_dtype": "int8"}, "draft_dtype = 'int8': expected one of", id="draft-dtype"
+        ),
+        pytest.param(
+            {"prune_when": "never"}, "prune_when = 'never': expected one of", id="prune-when"
+        ),
+        pytest.param(
+            lambda: {"channels": ChannelSizes(trees=0)}, "channel trees = 0", id="channel-0"
         ),
     ],
 )
 async def test_bad_configs_fail_before_anything_is_loaded(tiny, overrides, message):
     # the target does not exist: only a check made before loading can give this error
-    config = tiny.config(target=str(tiny.layout.parent / "missing"), **overrides)
+    missing = str(tiny.layout.parent / "missing")
     with trio.fail_after(TIMEOUT):
         with pytest.raises(ConfigError, match=message):
-            async with Engine.open(config):
+            settings = overrides() if callable(overrides) else overrides
+            async with Engine.open(tiny.config(target=missing, **settings)):
                 pytest.fail("the engine opened")
 
 
@@ -484,9 +489,9 @@ MESSAGE_CHANNELS = {
     LayerWeights: {"layers"},
     SlotRelease: {"releases"},
     ExitProbe: {"probes"},
-    PruneVerdict: {"verdicts"},
+    PruneVerdict: {"prune_verdicts"},
     FinalHidden: {"finals"},
-    Verdict: {"results"},
+    Verdict: {"verdicts"},
     Commit: {"draft_commits", "verify_commits"},
 }
 
@@ -542,7 +547,9 @@ async def test_the_trace_holds_every_message_of_every_step_as_typed_structs(tiny
 
 
 async def test_channel_statistics_are_exposed(tiny):
-    sizes = ChannelSizes(requests=2, trees=3, probes=1, verdicts=2, finals=2, commits=3, results=2)
+    sizes = ChannelSizes(
+        requests=2, trees=3, probes=1, prune_verdicts=2, finals=2, commits=3, verdicts=2
+    )
     async with Engine.open(tiny.config(channels=sizes, ring_slots=3)) as engine:
         assert engine.channels is None
         await generate(engine)
@@ -553,9 +560,9 @@ async def test_channel_statistics_are_exposed(tiny):
         "layers": 3,
         "releases": 3,
         "probes": 1,
-        "verdicts": 2,
+        "prune_verdicts": 2,
         "finals": 2,
-        "results": 2,
+        "verdicts": 2,
         "draft_commits": 3,
         "verify_commits": 3,
     }

@@ -8,7 +8,7 @@ import torch
 import trio
 
 from lever_actors.actors.jitter import Jitter
-from lever_actors.channels.messages import FinalHidden, Verdict
+from lever_actors.channels.messages import FinalHidden, StepStats, Verdict
 from lever_actors.device.units import ComputeUnit
 from lever_actors.model.layers import output_logits
 from lever_actors.model.tree import TokenTree
@@ -82,24 +82,28 @@ class Projector:
                 break
             accepted.append(child)
             node = child
-        return Verdict(
+        stats = StepStats(
             step=message.step,
-            accepted=tuple(accepted),
-            tokens=tuple(tokens),
-            from_draft=tuple(from_draft),
-            projected_nodes=len(argmax),
-            project_seconds=time.perf_counter() - started,
-            io_wait_seconds=final.io_wait_seconds,
-            verify_seconds=final.verify_seconds,
-            draft_seconds=message.draft_seconds,
-            draft_rounds=message.draft_rounds,
-            drafted_ahead=message.drafted_ahead,
             tree_nodes=len(tree),
             live_nodes=len(final.nodes),
             pruned=final.pruned,
             saved_node_layers=final.saved_node_layers,
             audited=final.audit,
             false_prunes=len(set(final.would_drop) & set(accepted)),
+            projected_nodes=len(argmax),
+            drafted_ahead=message.drafted_ahead,
+            draft_rounds=message.draft_rounds,
+            draft_seconds=message.draft_seconds,
+            io_wait_seconds=final.io_wait_seconds,
+            verify_seconds=final.verify_seconds,
+            project_seconds=time.perf_counter() - started,
+        )
+        return Verdict(
+            step=message.step,
+            accepted=tuple(accepted),
+            tokens=tuple(tokens),
+            from_draft=tuple(from_draft),
+            stats=stats,
         )
 
     def _project(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -80,25 +80,35 @@ class FinalHidden(Message, frozen=True):
     would_drop: tuple[int, ...]  # on an audit step: the nodes the pruner dropped
 
 
+class StepStats(msgspec.Struct, frozen=True):
+    """projector -> engine (in the Verdict) -> cost model and user: what one step cost and
+    achieved. The engine adds what only it sees: tokens emitted and the whole step's time."""
+
+    step: int
+    tree_nodes: int
+    live_nodes: int  # after pruning
+    pruned: int  # nodes that skipped the layers after the exit layer
+    saved_node_layers: int  # node-layer computations pruning saved
+    audited: bool  # this step checked the pruner: its drops were run in full anyway
+    false_prunes: int  # on an audit step: accepted nodes the pruner would have dropped
+    projected_nodes: int
+    drafted_ahead: int  # tree nodes drafted while the previous step was verified
+    draft_rounds: tuple[int, ...]  # nodes in each draft forward
+    draft_seconds: float
+    io_wait_seconds: float
+    verify_seconds: float
+    project_seconds: float
+    new_tokens: int = 0  # emitted to the user: accepted draft tokens + the bonus token
+    step_seconds: float = 0.0  # request for the tree to the last token emitted
+
+
 class Verdict(Message, frozen=True):
-    """projector -> engine: the accepted path and the target's own next token."""
+    """projector -> engine: the accepted path, the target's own next token, the step's figures."""
 
     accepted: tuple[int, ...]  # node indices along the path, committed chain first
     tokens: tuple[int, ...]  # new tokens: accepted draft tokens, then the bonus token
     from_draft: tuple[bool, ...]  # per new token: was it proposed by the drafter
-    projected_nodes: int
-    project_seconds: float
-    io_wait_seconds: float
-    verify_seconds: float
-    draft_seconds: float
-    draft_rounds: tuple[int, ...]
-    drafted_ahead: int
-    tree_nodes: int
-    live_nodes: int
-    pruned: int
-    saved_node_layers: int
-    audited: bool  # this step checked the pruner: its drops were run in full anyway
-    false_prunes: int  # on an audit step: accepted nodes the pruner would have dropped
+    stats: StepStats
 
 
 class Commit(Message, frozen=True):
@@ -116,22 +126,3 @@ class TokenEvent(msgspec.Struct, frozen=True):
     step: int
     from_draft: bool
     elapsed_seconds: float  # since the request started
-
-
-class StepStats(msgspec.Struct, frozen=True):
-    """engine -> user (in the result): what one step cost and achieved."""
-
-    step: int
-    tree_nodes: int
-    live_nodes: int  # after pruning
-    pruned: int
-    saved_node_layers: int
-    audited: bool
-    false_prunes: int
-    new_tokens: int
-    drafted_ahead: int  # tree nodes that were drafted while the previous step was verified
-    draft_seconds: float
-    io_wait_seconds: float
-    verify_seconds: float
-    project_seconds: float
-    step_seconds: float

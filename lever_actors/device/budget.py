@@ -8,55 +8,11 @@ slots; then the embedding table if room is left, otherwise its rows are read on 
 
 from __future__ import annotations
 
-import re
-
 import msgspec
 
 from lever_actors.device.layout import Manifest, layer_key
 from lever_actors.errors import ConfigError
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-def parse_bytes(text: str | int) -> int:
-    """'1.5GiB', '800MB', '123' -> bytes."""
-    if isinstance(text, int):
-        return text
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ConfigError(f"cannot read {text!r} as a size; use e.g. 1.5GiB, 800MB or 123456")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def resolve_budget(value: str | int, model_bytes: int) -> int:
-    """A budget as bytes: 'all', a percentage of the model ('25%'), or a size ('1.5GiB')."""
-    if value == "all":
-        return model_bytes
-    if isinstance(value, str) and value.strip().endswith("%"):
-        try:
-            return int(model_bytes * float(value.strip()[:-1]) / 100)
-        except ValueError:
-            raise ConfigError(f"cannot read {value!r} as a percentage") from None
-    return parse_bytes(value)
-
-
-def format_bytes(n: int) -> str:
-    if n >= 2**30:
-        return f"{n / 2**30:.2f} GiB"
-    if n >= 2**20:
-        return f"{n / 2**20:.1f} MiB"
-    return f"{n / 2**10:.1f} KiB"
+from lever_actors.sizes import format_bytes
 
 
 class ResidencyPlan(msgspec.Struct, frozen=True):

@@ -10,6 +10,8 @@ import bisect
 
 import msgspec
 
+from lever_actors.channels.messages import StepStats
+
 ONLINE_WEIGHT = 0.2  # exponential moving average: recent steps count, one outlier does not
 IO_BOUND_WAIT = 0.25  # a pass that spent this share of its time waiting for layers is I/O-bound
 
@@ -68,34 +70,24 @@ class CostModel(msgspec.Struct):
         verifying = max(self.io_seconds, self.pass_compute_seconds(nodes))
         return drafting + verifying + self.project_seconds * expected_tokens + self.overhead_seconds
 
-    def observe(
-        self,
-        *,
-        nodes: int,
-        draft_rounds: list[int],
-        new_tokens: int,
-        draft_seconds: float,
-        verify_seconds: float,
-        io_wait_seconds: float,
-        step_seconds: float,
-    ) -> None:
+    def observe(self, step: StepStats) -> None:
         """Correct the beliefs with one finished step: its drafting and compute times, how
         long the pass waited for layers, and its whole time. A pass that waited on flash
         took as long as its reads (slowed by the compute beside them, as they will be
         again): it teaches the flash bandwidth. One that hardly waited was compute-bound:
         its waits, per second of compute, teach `contention`."""
-        _correct(self.verify, self.verify(nodes), verify_seconds)
-        _correct(self.draft, sum(self.draft(w) for w in draft_rounds), draft_seconds)
-        passed = io_wait_seconds + verify_seconds
-        if self.streamed_bytes and io_wait_seconds > IO_BOUND_WAIT * passed:
+        rounds = list(step.draft_rounds)
+        _correct(self.verify, self.verify(step.tree_nodes), step.verify_seconds)
+        _correct(self.draft, sum(self.draft(w) for w in rounds), step.draft_seconds)
+        passed = step.io_wait_seconds + step.verify_seconds
+        if self.streamed_bytes and step.io_wait_seconds > IO_BOUND_WAIT * passed:
             seen = self.streamed_bytes / passed
             self.flash_bandwidth += ONLINE_WEIGHT * (seen - self.flash_bandwidth)
-        elif verify_seconds > 0:
-            seen = io_wait_seconds / verify_seconds
+        elif step.verify_seconds > 0:
+            seen = step.io_wait_seconds / step.verify_seconds
             self.contention += ONLINE_WEIGHT * (seen - self.contention)
-        unexplained = step_seconds - (
-            self.step_seconds(nodes, draft_rounds, new_tokens) - self.overhead_seconds
-        )
+        predicted = self.step_seconds(step.tree_nodes, rounds, step.new_tokens)
+        unexplained = step.step_seconds - (predicted - self.overhead_seconds)
         self.overhead_seconds += ONLINE_WEIGHT * (max(unexplained, 0.0) - self.overhead_seconds)
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lever_actors.actors.pruner import PrunePolicy, WhenComputeBound, keep_everything
 from lever_actors.config import EngineConfig, TreeSpec, default_exit_layer
-from lever_actors.device.profiler import profile_costs
 from lever_actors.errors import ConfigError
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.cost_model import CostModel
 from lever_actors.policy.exit_predictor import LensPredictor, LowRankAdapter
+from lever_actors.policy.profiler import profile_costs
+from lever_actors.policy.pruning import PrunePolicy, WhenComputeBound, keep_everything
 from lever_actors.target import FlashTarget
 
 
@@ -34,7 +34,7 @@ def build_policies(
     progress: Callable[[int, int, str], None] | None = None,
 ) -> Policies:
     """Blocking: may profile the machine (a second or two) and load a trained predictor."""
-    spec = config.tree_spec()
+    spec = config.tree
     cost = profile_costs(target, draft, progress) if spec.kind == "gaincost" else None
     n_layers = target.args.n_layers
     exit_layer = default_exit_layer(n_layers) if config.exit_layer is None else config.exit_layer

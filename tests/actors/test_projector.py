@@ -173,7 +173,7 @@ def check_lm_head_work(spy: LMHeadSpy, final: FinalHidden, verdict: Verdict) -> 
     predicted continuations of the walk's nodes."""
     walked = [final.tree.n_committed - 1, *verdict.accepted[final.tree.n_committed :]]
     projected = spy.nodes(final)
-    assert verdict.projected_nodes == spy.rows == len(projected) == len(set(projected))
+    assert verdict.stats.projected_nodes == spy.rows == len(projected) == len(set(projected))
     assert set(walked) <= set(projected)
     allowed = {n for node in walked for n in predicted_chain(final, node)}
     assert set(projected) <= allowed
@@ -217,15 +217,17 @@ async def test_verdict_walks_the_argmax_path_projecting_each_accepted_node_once(
     assert verdict.tokens == tuple(greedy[:3])
     assert verdict.from_draft == (True, True, False)
     # the drafter ranked right: the LM head ran once per accepted token plus the bonus
-    assert verdict.projected_nodes == spy.rows == 3
+    assert verdict.stats.projected_nodes == spy.rows == 3
     assert spy.nodes(final) == [4, 5, 7]
-    assert verdict.tree_nodes == len(tree.tokens) and verdict.live_nodes == len(tree.tokens)
-    assert verdict.project_seconds >= 0
+    assert verdict.stats.tree_nodes == len(tree.tokens) and verdict.stats.live_nodes == len(
+        tree.tokens
+    )
+    assert verdict.stats.project_seconds >= 0
     # timings and pruning figures pass through from the verifier and the drafter
-    assert (verdict.io_wait_seconds, verdict.verify_seconds) == (0.5, 0.75)
-    assert verdict.draft_seconds == 0.25
-    assert (verdict.pruned, verdict.saved_node_layers) == (0, 0)
-    assert (verdict.audited, verdict.false_prunes) == (False, 0)
+    assert (verdict.stats.io_wait_seconds, verdict.stats.verify_seconds) == (0.5, 0.75)
+    assert verdict.stats.draft_seconds == 0.25
+    assert (verdict.stats.pruned, verdict.stats.saved_node_layers) == (0, 0)
+    assert (verdict.stats.audited, verdict.stats.false_prunes) == (False, 0)
 
 
 async def test_a_misranked_bushy_tree_is_still_not_projected_whole(model, greedy, monkeypatch):
@@ -238,7 +240,7 @@ async def test_a_misranked_bushy_tree_is_still_not_projected_whole(model, greedy
     assert verdict.tokens == tuple(greedy[:3])
     assert verdict.from_draft == (True, True, False)
     check_lm_head_work(spy, final, verdict)
-    assert verdict.projected_nodes < len(tree.tokens) - n  # fewer than the draft nodes
+    assert verdict.stats.projected_nodes < len(tree.tokens) - n  # fewer than the draft nodes
 
 
 async def test_eager_projection_gives_the_same_verdict_projecting_every_live_node(
@@ -252,7 +254,7 @@ async def test_eager_projection_gives_the_same_verdict_projecting_every_live_nod
         (eager,) = await project(projector(model, eager=True), final)
     assert eager.accepted == lazy.accepted and eager.tokens == lazy.tokens
     assert eager.from_draft == lazy.from_draft
-    assert eager.projected_nodes == len(live) == spy.rows
+    assert eager.stats.projected_nodes == len(live) == spy.rows
 
 
 async def test_a_fully_accepted_chain_ends_with_the_bonus_token(model, greedy, monkeypatch):
@@ -263,7 +265,7 @@ async def test_a_fully_accepted_chain_ends_with_the_bonus_token(model, greedy, m
     assert verdict.accepted == tuple(range(n + 4))
     assert verdict.tokens == tuple(greedy[:5])
     assert verdict.from_draft == (True,) * 4 + (False,)
-    assert verdict.projected_nodes == spy.rows == 5
+    assert verdict.stats.projected_nodes == spy.rows == 5
     assert len(spy.batches) == 1  # the predicted chain went through the LM head at once
 
 
@@ -288,8 +290,8 @@ async def test_a_pruned_child_is_never_followed(
     # the bonus still comes from the target's own full-depth logits
     assert verdict.tokens == tuple(greedy[:n_tokens])
     assert verdict.from_draft == (True,) * (n_tokens - 1) + (False,)
-    assert verdict.live_nodes == len(live)
-    assert verdict.pruned == len(tree.tokens) - len(live)
+    assert verdict.stats.live_nodes == len(live)
+    assert verdict.stats.pruned == len(tree.tokens) - len(live)
 
 
 async def test_no_draft_nodes_gives_one_token_and_steps_follow_in_order(model, greedy):
@@ -312,9 +314,9 @@ async def test_false_prunes_count_accepted_nodes_an_audit_would_have_dropped(mod
     tree = big_tree(greedy)
     final = final_hidden(model, tree, audit=True, would_drop=(5, 8, 10, 11, 9))
     (verdict,) = await project(projector(model), final)
-    assert verdict.audited
+    assert verdict.stats.audited
     assert verdict.accepted[-2:] == (6, 8)
-    assert verdict.false_prunes == 1  # node 8 was accepted
+    assert verdict.stats.false_prunes == 1  # node 8 was accepted
 
 
 async def test_an_error_in_the_walk_propagates_from_run(model, greedy, monkeypatch):

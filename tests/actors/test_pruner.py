@@ -10,9 +10,10 @@ import torch
 import trio
 
 from lever_actors.actors.jitter import Jitter
-from lever_actors.actors.pruner import Pruner, keep_everything
+from lever_actors.actors.pruner import Pruner
 from lever_actors.channels.messages import DraftTree, ExitProbe, PruneVerdict
 from lever_actors.device.units import ComputeUnit
+from lever_actors.policy.pruning import keep_everything
 
 TIMEOUT = 10
 

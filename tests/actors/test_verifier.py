@@ -24,6 +24,7 @@ from lever_actors.channels.messages import (
 )
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.convert import convert
+from lever_actors.config import DramBudget
 from lever_actors.device.units import ComputeUnit
 from lever_actors.model.placement import tree_placement
 from lever_actors.model.transformer import Transformer
@@ -53,7 +54,7 @@ def layout(request, tmp_path_factory):
 
 @pytest.fixture
 def target(layout):
-    target = FlashTarget(layout, "all")
+    target = FlashTarget(layout, DramBudget("all"))
     yield target
     target.close()
 

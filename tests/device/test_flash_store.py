@@ -14,10 +14,11 @@ import torch
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.hf import load_hf
-from lever_actors.device.budget import minimum_budget, parse_bytes, plan_residency
+from lever_actors.device.budget import minimum_budget, plan_residency
 from lever_actors.device.flash import AlignedBuffer, FlashStore
 from lever_actors.device.layout import MANIFEST_NAME, WEIGHTS_NAME, read_manifest
 from lever_actors.errors import CheckpointError, ConfigError
+from lever_actors.sizes import parse_bytes
 from tests.tiny_hf import save_tiny, tiny_model
 
 

@@ -22,7 +22,6 @@ CONTEXT = 64  # committed positions the probe attends to, like a short prompt
 BANDWIDTH_READS = 4
 
 
-
 def profile_costs(
     target: FlashTarget, draft: Transformer | None, progress: Progress | None = None
 ) -> CostModel:
