@@ -1,0 +1,277 @@
+"""Tiny random checkpoints for tests: float64 HF checkpoints written from `ModelArgs`, noisy
+copies of them, a word-level tokenizer, their flash layouts and exit predictors, all cached
+per process (a small LRU in a temporary directory, removed at exit): building and converting
+a checkpoint costs more than decoding a few tokens with it."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import shutil
+import tempfile
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import models, pre_tokenizers
+
+from lever_actors.checkpoints import export
+from lever_actors.checkpoints.convert import convert
+from lever_actors.checkpoints.hf import GLOBAL_NAMES, LAYER_NAMES
+from lever_actors.device.budget import minimum_budget
+from lever_actors.device.layout import read_manifest
+from lever_actors.model.args import ModelArgs
+from lever_actors.model.weights import layer_tensor_names
+from lever_actors.policy.exit_predictor import LowRankAdapter
+
+Relation = Literal["identical", "perturbed", "independent"]
+DRAFT_RELATIONS: tuple[Relation, ...] = ("identical", "perturbed", "independent")
+
+WEIGHT_STD = 0.3  # matrices and biases: logits spread by several units, far from ties
+NORM_STD = 0.2  # norm weights: 1 +- this
+PERTURBATION = 0.02  # default noise a perturbed target adds to every weight
+
+
+def hf_config(args: ModelArgs) -> dict:
+    """The config.json transformers would write for `args` (RoPE nested and flat)."""
+    return {**export.hf_config(args, torch.float64), "pad_token_id": None}
+
+
+def _layer_shape(args: ModelArgs, name: str) -> tuple[int, ...]:
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    return {
+        "attn_norm": (args.d_model,),
+        "ffn_norm": (args.d_model,),
+        "wq": (q, args.d_model),
+        "wk": (kv, args.d_model),
+        "wv": (kv, args.d_model),
+        "wo": (args.d_model, q),
+        "bq": (q,),
+        "bk": (kv,),
+        "bv": (kv,),
+        "q_norm": (args.head_dim,),
+        "k_norm": (args.head_dim,),
+        "w_gate": (args.ffn_dim, args.d_model),
+        "w_up": (args.ffn_dim, args.d_model),
+        "w_down": (args.d_model, args.ffn_dim),
+    }[name]
+
+
+def random_hf_tensors(args: ModelArgs, seed: int = 0) -> dict[str, torch.Tensor]:
+    """float64 weights under their HF names: matrices and biases ~ N(0, 0.3^2), norm weights
+    ~ 1 + N(0, 0.2^2). The same (args, seed) always gives the same tensors."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(shape: tuple[int, ...], is_norm: bool) -> torch.Tensor:
+        noise = torch.randn(shape, generator=generator, dtype=torch.float64)
+        return 1.0 + NORM_STD * noise if is_norm else WEIGHT_STD * noise
+
+    tensors = {GLOBAL_NAMES["embed"]: draw((args.vocab_size, args.d_model), False)}
+    for i in range(args.n_layers):
+        for name in layer_tensor_names(args):
+            hf_name = f"model.layers.{i}.{LAYER_NAMES[name]}"
+            tensors[hf_name] = draw(_layer_shape(args, name), "norm" in name)
+    tensors[GLOBAL_NAMES["final_norm"]] = draw((args.d_model,), True)
+    if not args.tie_embeddings:
+        tensors["lm_head.weight"] = draw((args.vocab_size, args.d_model), False)
+    return tensors
+
+
+def write_tiny_tokenizer(directory: Path, vocab_size: int, eos_id: int | None = None) -> None:
+    """A word-level tokenizer over the words t0 .. t<vocab-1> (token i is "t<i>"), with
+    `eos_id` as the end-of-sequence token the engine stops on."""
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    backend = BackendTokenizer(models.WordLevel(vocab, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.save(str(directory / "tokenizer.json"))
+    eos = None if eos_id is None else f"t{eos_id}"
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id}))
+
+
+def write_tiny_checkpoint(
+    directory: Path,
+    args: ModelArgs,
+    *,
+    seed: int = 0,
+    tokenizer: bool = False,
+    eos_id: int | None = None,
+) -> Path:
+    """Write a random float64 HF checkpoint (config.json + model.safetensors) for `args`.
+
+    With `tokenizer` (implied by `eos_id`) a word-level tokenizer.json goes beside it.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(hf_config(args), indent=2))
+    save_file(random_hf_tensors(args, seed), str(directory / "model.safetensors"))
+    if tokenizer or eos_id is not None:
+        write_tiny_tokenizer(directory, args.vocab_size, eos_id)
+    return directory
+
+
+def write_perturbed_copy(
+    source: Path, directory: Path, *, seed: int, scale: float = PERTURBATION
+) -> Path:
+    """Copy the HF checkpoint `source`, adding N(0, scale^2) noise to every tensor: a model
+    close to the source, as a target is close to a good draft. Other files are copied."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.name != "model.safetensors":
+            shutil.copy(path, directory / path.name)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = load_file(str(source / "model.safetensors"))
+    noisy = {
+        name: t + scale * torch.randn(t.shape, generator=generator, dtype=t.dtype)
+        for name, t in sorted(tensors.items())
+    }
+    save_file(noisy, str(directory / "model.safetensors"))
+    return directory
+
+
+# --- the per-process cache ----------------------------------------------------------------
+
+
+class _FileCache:
+    """Directories made on demand under one temporary root, least recently used evicted."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.entries: OrderedDict[object, Path] = OrderedDict()
+        self.made = 0
+        self._root: Path | None = None
+
+    def get(self, key: object, make: Callable[[Path], object]) -> Path:
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return self.entries[key]
+        self.made += 1
+        path = self.root / f"{self.made:06d}"  # never reused: loaded models are keyed by path
+        make(path)
+        self.entries[key] = path
+        while len(self.entries) > self.capacity:
+            _, old = self.entries.popitem(last=False)
+            shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    @property
+    def root(self) -> Path:
+        if self._root is None:
+            self._root = Path(tempfile.mkdtemp(prefix="lever-actors-testing-"))
+            atexit.register(shutil.rmtree, self._root, True)
+        return self._root
+
+
+_checkpoints = _FileCache(capacity=96)
+_layouts = _FileCache(capacity=64)
+
+
+def tiny_checkpoint(
+    args: ModelArgs, seed: int = 0, *, tokenizer: bool = False, eos_id: int | None = None
+) -> Path:
+    """`write_tiny_checkpoint` into the process cache; the returned directory is shared."""
+    tokenizer = tokenizer or eos_id is not None
+    return _checkpoints.get(
+        ("random", args, seed, tokenizer, eos_id),
+        lambda path: write_tiny_checkpoint(
+            path, args, seed=seed, tokenizer=tokenizer, eos_id=eos_id
+        ),
+    )
+
+
+def perturbed_checkpoint(
+    args: ModelArgs,
+    seed: int = 0,
+    *,
+    noise_seed: int = 1,
+    scale: float = PERTURBATION,
+    tokenizer: bool = False,
+    eos_id: int | None = None,
+) -> Path:
+    """The cached `tiny_checkpoint(args, seed)` plus noise (see `write_perturbed_copy`)."""
+    base = tiny_checkpoint(args, seed, tokenizer=tokenizer, eos_id=eos_id)
+    return _checkpoints.get(
+        ("perturbed", base, noise_seed, scale),
+        lambda path: write_perturbed_copy(base, path, seed=noise_seed, scale=scale),
+    )
+
+
+def flash_layout(checkpoint: Path) -> Path:
+    """The float64 flash layout of an HF checkpoint directory, converted once per process."""
+    return _layouts.get(
+        ("layout", Path(checkpoint)),
+        lambda path: convert(Path(checkpoint), path, torch.float64),
+    )
+
+
+@dataclass(frozen=True)
+class ModelPair:
+    target: Path  # float64 flash layout
+    draft: Path  # HF checkpoint directory
+
+
+def model_pair(
+    args: ModelArgs,
+    relation: Relation,
+    seed: int = 0,
+    *,
+    draft_args: ModelArgs | None = None,
+    tokenizer: bool = False,
+    eos_id: int | None = None,
+    scale: float = PERTURBATION,
+) -> ModelPair:
+    """A target layout and a draft checkpoint, related as `relation` says:
+
+    identical: the draft is the target's own checkpoint; perturbed: the target is the draft
+    plus noise of std `scale`; independent: two unrelated random models (the draft built
+    from `draft_args`, which must share the vocabulary, or `args`).
+    With `tokenizer` both carry the same word-level tokenizer (see `write_tiny_tokenizer`),
+    and with `eos_id` it ends generation on that token.
+    """
+    tok = dict(tokenizer=tokenizer, eos_id=eos_id)
+    if relation == "identical":
+        draft = target = tiny_checkpoint(args, seed, **tok)
+    elif relation == "perturbed":
+        draft = tiny_checkpoint(args, seed, **tok)
+        target = perturbed_checkpoint(args, seed, noise_seed=seed + 1, scale=scale, **tok)
+    elif relation == "independent":
+        draft_args = draft_args or args
+        if draft_args.vocab_size != args.vocab_size:
+            raise ValueError("an independent draft must share the target's vocabulary")
+        target = tiny_checkpoint(args, seed, **tok)
+        draft = tiny_checkpoint(draft_args, seed + 1, **tok)
+    else:
+        raise ValueError(f"unknown draft relation {relation!r}; use one of {DRAFT_RELATIONS}")
+    return ModelPair(target=flash_layout(target), draft=draft)
+
+
+def budget_bytes(layout: Path, budget: float | str, ring_slots: int = 2) -> int | str:
+    """A `budgets()` value for this layout: "all" as is, a fraction f as bytes between the
+    least the engine accepts (f = 0) and the whole weights file (f = 1)."""
+    if isinstance(budget, str):
+        return budget
+    manifest = read_manifest(Path(layout))
+    least = minimum_budget(manifest, ring_slots)
+    return least + round(budget * max(manifest.file_bytes - least, 0))
+
+
+def with_exit_predictor(layout: Path, exit_layer: int, *, seed: int = 0, rank: int = 4) -> Path:
+    """A cached copy of `layout` with a random low-rank exit predictor beside it (what
+    `lever-actors train-exit` would save), so early_exit "trained" has one to load."""
+    layout = Path(layout)
+
+    def make(path: Path) -> None:
+        shutil.copytree(layout, path)
+        d_model = read_manifest(layout).args.d_model
+        generator = torch.Generator().manual_seed(seed)
+        down, up = (
+            WEIGHT_STD * torch.randn(shape, generator=generator, dtype=torch.float64)
+            for shape in ((rank, d_model), (d_model, rank))
+        )
+        LowRankAdapter(down, up, exit_layer).save(path)
+
+    return _layouts.get(("predictor", layout, exit_layer, seed, rank), make)

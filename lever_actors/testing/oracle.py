@@ -1,0 +1,110 @@
+"""The exactness oracle: sequential greedy decoding of the target in float64, and
+`assert_matches_greedy`, which holds the engine to it and reports where they part."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+import torch
+
+from lever_actors.checkpoints import load_checkpoint
+from lever_actors.checkpoints.tokenizer import Tokenizer
+from lever_actors.config import EngineConfig
+from lever_actors.draft import DraftModel
+from lever_actors.engine import Engine, GenerationResult
+from lever_actors.model.greedy import greedy_reference
+from lever_actors.model.transformer import Transformer
+
+_references: OrderedDict[Path, tuple[Transformer, Tokenizer | None]] = OrderedDict()
+
+
+def _reference_model(layout: Path) -> tuple[Transformer, Tokenizer | None]:
+    """The target loaded whole in float64, and its tokenizer, cached per layout."""
+    layout = Path(layout)
+    if layout not in _references:
+        checkpoint = load_checkpoint(layout, torch.float64)
+        model = Transformer(checkpoint.args, checkpoint.weights)
+        _references[layout] = (model, checkpoint.tokenizer)
+        while len(_references) > 16:
+            _references.popitem(last=False)
+    _references.move_to_end(layout)
+    return _references[layout]
+
+
+def reference_tokens(
+    layout: Path, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[str] = ()
+) -> list[int]:
+    """Sequential greedy decoding of the target layout in float64 with no KV cache. Like the
+    engine it stops after one of its tokenizer's end tokens, or after the first token whose
+    text completes one of the `stop` strings."""
+    model, tokenizer = _reference_model(layout)
+    stop_ids = tokenizer.eos_ids if tokenizer else frozenset()
+    tokens = greedy_reference(model, list(prompt), max_new_tokens, stop_ids)
+    if stop:
+        if tokenizer is None:
+            raise ValueError(f"{layout}: stop strings need a target with a tokenizer")
+        for end in range(1, len(tokens) + 1):
+            if any(s in tokenizer.decode(tokens[:end]) for s in stop):
+                return tokens[:end]
+    return tokens
+
+
+async def assert_matches_greedy(
+    engine_config: EngineConfig,
+    prompt: Sequence[int],
+    n: int,
+    *,
+    stop: Sequence[str] = (),
+    draft: DraftModel | None = None,
+) -> GenerationResult:
+    """Run the engine on `prompt` for `n` new tokens (with `stop` strings, and `draft` if
+    given) and assert that its tokens are exactly `reference_tokens` of its target, with a
+    message naming the first position that differs. Returns the engine's result.
+
+    The target layout should be float64 (tiny models from this module are); the draft's
+    dtype cannot change the output, only the acceptance rate.
+    """
+    expected = reference_tokens(Path(engine_config.target), prompt, n, stop)
+    async with Engine.open(engine_config, draft=draft) as engine:
+        result = await engine.generate(list(prompt), max_new_tokens=n, stop=stop)
+    got = list(result.tokens)
+    if got != expected:
+        raise AssertionError(_mismatch(engine_config, list(prompt), n, stop, expected, result))
+    return result
+
+
+def _mismatch(
+    config: EngineConfig,
+    prompt: list[int],
+    n: int,
+    stop: Sequence[str],
+    expected: list[int],
+    result: GenerationResult,
+) -> str:
+    got = list(result.tokens)
+    first = next(
+        (i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b),
+        min(len(expected), len(got)),
+    )
+    step, emitted = 0, 0
+    for stats in result.steps:  # which step emitted the first wrong token
+        if emitted + stats.new_tokens > first:
+            break
+        emitted += stats.new_tokens
+        step += 1
+    return "\n".join(
+        [
+            f"engine output differs from sequential greedy decoding of the target at new token "
+            f"{first} (step {step}); {len(got)} tokens vs {len(expected)} expected",
+            f"  prompt:   {prompt}  (max_new_tokens={n}, stop={list(stop)})",
+            f"  agreed:   {expected[:first]}",
+            f"  expected: ...{expected[first:]}",
+            f"  engine:   ...{got[first:]}",
+            f"  new tokens per step: {[s.new_tokens for s in result.steps]}",
+            f"  tree nodes per step: {[s.tree_nodes for s in result.steps]}",
+            f"  config: {msgspec.json.encode(config).decode()}",
+        ]
+    )

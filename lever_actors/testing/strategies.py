@@ -1,0 +1,266 @@
+"""Hypothesis strategies over tiny models, requests and engine settings, and `EngineCase`,
+one drawn configuration that builds its own models and engine config."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+try:
+    from hypothesis import strategies as st
+except ImportError as missing:
+    raise ImportError(
+        "lever_actors.testing's strategies need hypothesis: "
+        "pip install 'lever-actors[dev]' or pip install hypothesis"
+    ) from missing
+
+from lever_actors.config import ChannelSizes, EngineConfig, TreeSpec
+from lever_actors.model.args import SUPPORTED_ARCHITECTURES, ModelArgs, RopeScaling
+from lever_actors.testing.checkpoints import (
+    DRAFT_RELATIONS,
+    ModelPair,
+    Relation,
+    budget_bytes,
+    model_pair,
+    with_exit_predictor,
+)
+
+
+@st.composite
+def model_args(
+    draw: st.DrawFn,
+    *,
+    archs: Sequence[str] = SUPPORTED_ARCHITECTURES,
+    vocab_size: int | None = None,
+    max_layers: int = 4,
+) -> ModelArgs:
+    """Tiny configs: llama/qwen2/qwen3, 1-4 layers, 1-2 KV heads shared by 1, 2 or 4 query
+    heads each, head_dim 8 or 16, vocab 32-128 (or `vocab_size`), tied or untied LM head,
+    sometimes linear RoPE scaling."""
+    arch = draw(st.sampled_from(archs))
+    n_kv_heads = draw(st.sampled_from([1, 2]))
+    group = draw(st.sampled_from([1, 2, 4]))
+    scaling = draw(st.sampled_from([None, None, None, RopeScaling(kind="linear", factor=2.0)]))
+    return ModelArgs(
+        arch=arch,  # type: ignore[arg-type]
+        vocab_size=vocab_size or draw(st.integers(32, 128)),
+        d_model=draw(st.sampled_from([16, 24, 32])),
+        n_layers=draw(st.integers(1, max_layers)),
+        n_heads=n_kv_heads * group,
+        n_kv_heads=n_kv_heads,
+        head_dim=draw(st.sampled_from([8, 16])),
+        ffn_dim=draw(st.sampled_from([16, 32, 48])),
+        norm_eps=1e-6,
+        rope_theta=draw(st.sampled_from([1e4, 5e5, 1e6])),
+        max_seq_len=256,
+        tie_embeddings=draw(st.booleans()),
+        rope_scaling=scaling,
+    )
+
+
+def draft_relations() -> st.SearchStrategy[Relation]:
+    return st.sampled_from(DRAFT_RELATIONS)
+
+
+def prompts(vocab_size: int, *, min_size: int = 1, max_size: int = 12) -> st.SearchStrategy:
+    """Token-id prompts; repeated tokens are likely, which is where caches go wrong."""
+    tokens = st.integers(0, vocab_size - 1)
+    return st.lists(tokens, min_size=min_size, max_size=max_size)
+
+
+TREE_KINDS = ("chain", "static", "gaincost", "none")  # hypothesis favours the first
+
+
+@st.composite
+def trees(
+    draw: st.DrawFn,
+    *,
+    kinds: Sequence[str] = TREE_KINDS,
+    max_chain: int = 6,
+    max_nodes: int = 24,
+) -> str:
+    """Tree policies of the given kinds: "none"; "chain:1".."chain:6"; "static:W1,.." of
+    depth 1-4 and widths 1-3; Lever's "gaincost" (default cap) or "gaincost:CAP". Static
+    trees and caps stay within `max_nodes` draft nodes."""
+    kind = draw(st.sampled_from(kinds))
+    if kind == "none":
+        return "none"
+    if kind == "chain":
+        return f"chain:{draw(st.integers(1, max_chain))}"
+    if kind == "gaincost":
+        cap = draw(st.one_of(st.none(), st.integers(1, max_nodes)))
+        return "gaincost" if cap is None else f"gaincost:{cap}"
+    widths: list[int] = []
+    level = total = 0
+    for _ in range(draw(st.integers(1, 4))):
+        level = level or 1
+        most = min(3, (max_nodes - total) // level)
+        if most < 1:
+            break
+        width = draw(st.integers(1, most))
+        widths.append(width)
+        level *= width
+        total += level
+    spec = f"static:{','.join(map(str, widths))}"
+    assert TreeSpec.parse(spec).max_nodes <= max_nodes
+    return spec
+
+
+def budgets() -> st.SearchStrategy[float | str]:
+    """DRAM budgets as `budget_bytes` reads them: "all", or a fraction of the way from the
+    least the engine accepts (0.0: LM head, final norm and the ring) to everything (1.0)."""
+    return st.one_of(
+        st.just("all"), st.sampled_from([0.0, 1.0]), st.floats(0.0, 1.0, allow_nan=False)
+    )
+
+
+def ring_slots() -> st.SearchStrategy[int]:
+    return st.integers(2, 4)
+
+
+def channel_sizes() -> st.SearchStrategy[ChannelSizes]:
+    """Every capacity small (1-3; 1-8 events), where back-pressure and ordering bugs show."""
+    small = st.integers(1, 3)
+    # every channel by its field name, in field order, so a renamed channel needs no edit here
+    capacities = {name: small for name in ChannelSizes.__struct_fields__}
+    return st.builds(ChannelSizes, **{**capacities, "events": st.integers(1, 8)})
+
+
+def jitters(*, always: bool = False) -> st.SearchStrategy[float]:
+    """Maximum random pause (seconds) of each actor per message: none (unless `always`),
+    or up to 2 ms."""
+    some = st.floats(1e-5, 2e-3)
+    return some if always else st.one_of(st.just(0.0), some)
+
+
+EARLY_EXITS = ("lens", "trained", "none", "off")  # pruning ones first: more often drawn
+
+
+def early_exits(kinds: Sequence[str] = EARLY_EXITS) -> st.SearchStrategy[str]:
+    """The pruner's predictor. "trained" runs a random low-rank adapter (see
+    `with_exit_predictor`): exactness cannot depend on how good the predictor is."""
+    return st.sampled_from(kinds)
+
+
+def prune_thresholds() -> st.SearchStrategy[float]:
+    """From the default to thresholds that drop most branches."""
+    return st.one_of(st.floats(0.0, 0.9), st.sampled_from([0.02, 0.0]))
+
+
+def seeds() -> st.SearchStrategy[int]:
+    return st.integers(0, 2**16 - 1)
+
+
+@dataclass(frozen=True)
+class EngineCase:
+    """One drawn configuration: models, request and engine settings. Its repr is what
+    hypothesis prints for a failing example, enough to rebuild it."""
+
+    args: ModelArgs
+    relation: Relation
+    draft_args: ModelArgs | None  # the independent draft's own config
+    model_seed: int
+    scale: float  # noise of a perturbed target
+    prompt: list[int]
+    max_new_tokens: int
+    tree: str
+    budget: float | str
+    ring_slots: int
+    early_exit: str
+    exit_layer: int | None
+    prune_threshold: float
+    prune_when: str
+    audit_every: int
+    draft_ahead: bool
+    projection: str
+    channels: ChannelSizes
+    jitter_seconds: float
+    seed: int
+
+    def models(self, *, tokenizer: bool = False, eos_id: int | None = None) -> ModelPair:
+        """Build (or reuse) the checkpoints; see `model_pair` for the keywords."""
+        pair = model_pair(
+            self.args,
+            self.relation,
+            self.model_seed,
+            draft_args=self.draft_args,
+            tokenizer=tokenizer,
+            eos_id=eos_id,
+            scale=self.scale,
+        )
+        if self.early_exit != "trained":
+            return pair
+        exit_layer = self.args.n_layers // 2 if self.exit_layer is None else self.exit_layer
+        target = with_exit_predictor(pair.target, exit_layer, seed=self.model_seed)
+        return ModelPair(target=target, draft=pair.draft)
+
+    def engine_config(self, *, tokenizer: bool = False, eos_id: int | None = None) -> EngineConfig:
+        """The engine's config for this case, over `models(...)`."""
+        pair = self.models(tokenizer=tokenizer, eos_id=eos_id)
+        return EngineConfig(
+            target=str(pair.target),
+            draft=str(pair.draft),
+            dram_budget=budget_bytes(pair.target, self.budget, self.ring_slots),
+            ring_slots=self.ring_slots,
+            tree=self.tree,
+            early_exit=self.early_exit,
+            exit_layer=self.exit_layer,
+            prune_threshold=self.prune_threshold,
+            prune_when=self.prune_when,
+            audit_every=self.audit_every,
+            draft_ahead=self.draft_ahead,
+            projection=self.projection,
+            draft_dtype="float64",
+            channels=self.channels,
+            jitter_seconds=self.jitter_seconds,
+            seed=self.seed,
+        )
+
+
+def _given(draw: st.DrawFn, strategy: st.SearchStrategy | None, default: st.SearchStrategy):
+    return draw(strategy if strategy is not None else default)
+
+
+@st.composite
+def engine_cases(
+    draw: st.DrawFn,
+    *,
+    models: st.SearchStrategy[ModelArgs] | None = None,
+    relations: st.SearchStrategy[Relation] | None = None,
+    model_seeds: st.SearchStrategy[int] | None = None,
+    new_tokens: st.SearchStrategy[int] | None = None,
+    tree_shapes: st.SearchStrategy[str] | None = None,
+    dram_budgets: st.SearchStrategy[float | str] | None = None,
+    predictors: st.SearchStrategy[str] | None = None,
+    projections: st.SearchStrategy[str] | None = None,
+    channels: st.SearchStrategy[ChannelSizes] | None = None,
+    jitter: st.SearchStrategy[float] | None = None,
+) -> EngineCase:
+    """Every dimension at once; pass a narrower strategy for any of them."""
+    args = _given(draw, models, model_args())
+    relation = _given(draw, relations, draft_relations())
+    draft_args = None
+    if relation == "independent":
+        draft_args = draw(model_args(vocab_size=args.vocab_size, max_layers=2))
+    return EngineCase(
+        args=args,
+        relation=relation,
+        draft_args=draft_args,
+        model_seed=_given(draw, model_seeds, seeds()),
+        scale=draw(st.sampled_from([0.003, 0.01, 0.03])) if relation == "perturbed" else 0.0,
+        prompt=draw(prompts(args.vocab_size)),
+        max_new_tokens=_given(draw, new_tokens, st.integers(1, 24)),
+        tree=_given(draw, tree_shapes, trees()),
+        budget=_given(draw, dram_budgets, budgets()),
+        ring_slots=draw(ring_slots()),
+        early_exit=_given(draw, predictors, early_exits()),
+        exit_layer=draw(st.one_of(st.none(), st.integers(0, args.n_layers - 1))),
+        prune_threshold=draw(prune_thresholds()),
+        prune_when=draw(st.sampled_from(["compute_bound", "always"])),
+        audit_every=draw(st.integers(0, 3)),
+        draft_ahead=draw(st.booleans()),
+        projection=_given(draw, projections, st.sampled_from(["on_demand", "eager"])),
+        channels=_given(draw, channels, channel_sizes()),
+        jitter_seconds=_given(draw, jitter, jitters()),
+        seed=draw(seeds()),
+    )
