@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from lever_actors.testing.checkpoints import NORM_STD, WEIGHT_STD
+
 ARCHS = ("llama", "qwen2", "qwen3")
 
 
@@ -52,16 +54,17 @@ def tiny_config(
 
 def tiny_model(arch: str, seed: int = 0, **config_kwargs) -> transformers.PreTrainedModel:
     """A float64 model whose weights (norms and biases included) are random and large enough
-    to make logits far from ties."""
+    to make logits far from ties (the spread lever_actors.testing gives its own checkpoints).
+    transformers builds and saves it, so it checks our reader against their files."""
     torch.manual_seed(seed)
     config = tiny_config(arch, **config_kwargs)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+                p.copy_(1.0 + NORM_STD * torch.randn_like(p))
             else:
-                p.copy_(0.3 * torch.randn_like(p))
+                p.copy_(WEIGHT_STD * torch.randn_like(p))
     return model.eval()
 
 
