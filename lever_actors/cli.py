@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 import time
+import typing
 from pathlib import Path
 
 import msgspec
@@ -14,13 +15,14 @@ import torch
 import trio
 
 from lever_actors.bench.cli import add_bench_arguments, add_report_arguments, apply_config
+from lever_actors.channels.stats import decode_phase, decode_rate, per_step
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.export import export_hf
 from lever_actors.checkpoints.fetch import REAL_MODELS, default_cache_dir
 from lever_actors.checkpoints.prompts import load_prompts
 from lever_actors.checkpoints.real_pair import real_model_path, real_target_layout
-from lever_actors.config import EngineConfig
+from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, EngineConfig, check_max_new_tokens
 from lever_actors.device.disk_profile import profile_disk
 from lever_actors.device.layout import MANIFEST_NAME, WEIGHTS_NAME, read_manifest
 from lever_actors.engine import Engine
@@ -34,6 +36,9 @@ from lever_actors.sizes import format_bytes, parse_bytes
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 STORE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
+
+
+DEFAULTS = EngineConfig(target="")  # the library's defaults, which the flags show
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,32 +76,28 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--target", type=Path, help="flash layout of the target (from `convert`)")
     gen.add_argument("--draft", type=Path, help="draft model: HF dir, GGUF file or flash layout")
     gen.add_argument(
-        "--tree", help="none, chain:K, static:W1,W2,... or gaincost[:CAP] (default: gaincost)"
+        "--tree",
+        help="none, chain:K, static:W1,W2,... or gaincost[:CAP] (default: "
+        f"{DEFAULTS.tree.kind} with a draft, else none)",
     )
-    gen.add_argument("--early-exit", default="auto", help="off, none, lens, trained or auto")
+    _option(gen, "early_exit", help="trained needs `train-exit` first")
     gen.add_argument("--exit-layer", type=int, help="default: 7/8 of the way through")
-    gen.add_argument("--prune-threshold", type=float, default=0.02)
-    gen.add_argument(
-        "--prune-when",
-        default="compute_bound",
-        help="compute_bound (gain-cost: only passes that compute, not flash, paces) or always",
-    )
+    _option(gen, "prune_threshold", type=float)
+    _option(gen, "prune_when", help="compute_bound: only passes that compute, not flash, paces")
     gen.add_argument(
         "--no-draft-ahead",
         action="store_true",
         help="do not draft the next tree while the target verifies this one",
     )
-    gen.add_argument(
-        "--draft-dtype", default="bfloat16", choices=("bfloat16", "float32", "float64")
-    )
-    gen.add_argument("--projection", default="on_demand", help="on_demand or eager")
-    gen.add_argument("--units", default="split", help="split (npu + cpu) or single")
+    _option(gen, "draft_dtype")
+    _option(gen, "projection")
+    _option(gen, "units", help="split: small work on a second unit beside the batched one")
     gen.add_argument(
         "--dram-budget",
         help="target weights held in DRAM: 25%%, 1.5GiB or all (default: 25%% for the real "
         "pair, else all)",
     )
-    gen.add_argument("--throttle", default="none", help="flash profile: none, ufs3.1, ufs4.0")
+    _option(gen, "throttle", help="emulated phone flash")
     gen.add_argument("--verify", action="store_true", help="check tensor checksums as they load")
     gen.add_argument("--trace", type=Path, help="write every message between actors to FILE")
     gen.add_argument(
@@ -108,7 +109,12 @@ def _parser() -> argparse.ArgumentParser:
         "--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype with --model"
     )
     gen.add_argument("--prompt", default=DEFAULT_PROMPT)
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help=f"(default: {DEFAULT_MAX_NEW_TOKENS})",
+    )
     gen.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
     gen.set_defaults(command=_generate)
 
@@ -166,6 +172,22 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _option(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
+    """A flag for an EngineConfig field, with the library's default and, for a Literal field,
+    its choices: both defined once, in config.py."""
+    hint = typing.get_type_hints(EngineConfig)[name]
+    choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
+    default = getattr(DEFAULTS, name)
+    note = kwargs.pop("help", "")
+    parser.add_argument(
+        "--" + name.replace("_", "-"),
+        default=default,
+        choices=choices,
+        help=f"{note} (default: {default})".strip(),
+        **kwargs,
+    )
+
+
 def _configure_logging(verbose: bool) -> None:
     structlog.configure(
         wrapper_class=structlog.make_filtering_bound_logger(
@@ -184,8 +206,7 @@ def _fetch_models(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    if args.max_new_tokens <= 0:
-        raise ConfigError("--max-new-tokens must be positive")
+    check_max_new_tokens(args.max_new_tokens)
     if args.model is not None:
         if args.target or args.draft:
             raise ConfigError(
@@ -264,12 +285,12 @@ async def _stream_from_engine(config, args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         read = target.store.stats.bytes_read - before
     steps = len({e.step for e in events})
-    first, last = events[0].elapsed_seconds, events[-1].elapsed_seconds
-    rate = (len(events) - 1) / (last - first) if len(events) > 1 and last > first else float("nan")
+    rate = decode_rate(*decode_phase(events))
     print(
-        f"{len(events)} tokens in {steps} steps ({len(events) / steps:.2f} per step, "
-        f"{sum(e.from_draft for e in events)} from the draft); first token after {first:.2f} s; "
-        f"decode {rate:.2f} tok/s; {format_bytes(read // max(len(events), 1))} read per token",
+        f"{len(events)} tokens in {steps} steps ({per_step(len(events), steps):.2f} per step, "
+        f"{sum(e.from_draft for e in events)} from the draft); first token after "
+        f"{events[0].elapsed_seconds:.2f} s; decode {_rate_text(rate)}; "
+        f"{format_bytes(read // len(events))} read per token",
         file=sys.stderr,
     )
     return 0
@@ -296,13 +317,16 @@ class _TokenPrinter:
 
     def finish(self) -> None:
         sys.stdout.write(self.decoder.flush() + "\n")
-        elapsed = time.perf_counter() - self.first
-        rate = (self.count - 1) / elapsed if self.count > 1 else float("nan")
+        rate = decode_rate(self.count - 1, time.perf_counter() - self.first)
         print(
             f"{self.count} tokens; prompt {self.prompt_tokens} tokens, first token after "
-            f"{self.first - self.started:.2f} s; decode {rate:.2f} tok/s",
+            f"{self.first - self.started:.2f} s; decode {_rate_text(rate)}",
             file=sys.stderr,
         )
+
+
+def _rate_text(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.2f} tok/s"
 
 
 def _prompt_and_printer(args: argparse.Namespace, tokenizer, path: Path):

@@ -74,11 +74,7 @@ class Drafter:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        with (
-            inbox.requests,
-            inbox.commits,
-            outbox,
-        ):  # sync close: no checkpoint for a Cancelled to replace our error
+        with inbox.requests, inbox.commits, outbox:
             if self.model is not None:
                 self.cache = self.model.new_cache(self.capacity)
             task_status.started()

@@ -42,7 +42,7 @@ class Prefetcher:
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         manifest = self.store.manifest
-        with inbox, outbox:  # sync close: no checkpoint for a Cancelled to replace our error
+        with inbox, outbox:
             slots = [AlignedBuffer(self.plan.slot_bytes) for _ in range(self.plan.ring_slots)]
             free = list(range(len(slots)))
             task_status.started()

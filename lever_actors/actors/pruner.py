@@ -23,7 +23,7 @@ class Pruner:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        with inbox, outbox:  # sync close: no checkpoint for a Cancelled to replace our error
+        with inbox, outbox:
             task_status.started()
             async for probe in inbox:
                 await self.jitter()

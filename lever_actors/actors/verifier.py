@@ -29,7 +29,7 @@ from lever_actors.target import FlashTarget
 class VerifierInbox:
     trees: trio.MemoryReceiveChannel[DraftTree]
     layers: trio.MemoryReceiveChannel[LayerWeights]
-    verdicts: trio.MemoryReceiveChannel[PruneVerdict]
+    prune_verdicts: trio.MemoryReceiveChannel[PruneVerdict]
     commits: trio.MemoryReceiveChannel[Commit]
 
 
@@ -68,12 +68,8 @@ class Verifier:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        with inbox.trees, inbox.layers, inbox.verdicts, inbox.commits:
-            with (
-                outbox.releases,
-                outbox.probes,
-                outbox.finals,
-            ):  # sync close: no checkpoint for a Cancelled to replace our error
+        with inbox.trees, inbox.layers, inbox.prune_verdicts, inbox.commits:
+            with outbox.releases, outbox.probes, outbox.finals:
                 cache = self.target.new_cache(self.capacity)
                 task_status.started()
                 async for message in inbox.trees:
@@ -156,7 +152,7 @@ class Verifier:
                 step=message.step, tree=message, layer=layer, nodes=tuple(live), hidden=x[live]
             )
         )
-        verdict = await inbox.verdicts.receive()
+        verdict = await inbox.prune_verdicts.receive()
         # committed tokens are never dropped: their KV entries must reach the cache
         dropped = [n for n in verdict.dropped if n >= message.n_committed]
         alive = tree.without(dropped)

@@ -7,6 +7,9 @@ from pathlib import Path
 import torch
 
 from lever_actors.checkpoints.checkpoint import Checkpoint
+from lever_actors.checkpoints.flash_layout import load_flash_layout
+from lever_actors.checkpoints.gguf_file import load_gguf
+from lever_actors.checkpoints.hf import load_hf
 from lever_actors.device.layout import MANIFEST_NAME
 from lever_actors.errors import CheckpointError
 
@@ -15,16 +18,10 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype) -> Checkpoint:
     """Load an HF directory, a .gguf file or a flash layout whole into DRAM, as `dtype`."""
     path = Path(path)
     if (path / MANIFEST_NAME).is_file():
-        from lever_actors.checkpoints.flash_layout import load_flash_layout
-
         return load_flash_layout(path, dtype)
     if path.is_dir():
-        from lever_actors.checkpoints.hf import load_hf
-
         return load_hf(path, dtype)
     if path.is_file() and path.suffix == ".gguf":
-        from lever_actors.checkpoints.gguf_file import load_gguf
-
         return load_gguf(path, dtype)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")

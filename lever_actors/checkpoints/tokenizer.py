@@ -8,6 +8,7 @@ from typing import Any
 
 import gguf
 import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from lever_actors.errors import CheckpointError
@@ -157,10 +158,6 @@ class Tokenizer:
     def apply_chat_template(self, user_text: str) -> str:
         """One user turn followed by the assistant's prompt, in the model's own chat format."""
         if self.chat_template is None:
-            return _CHATML.format(text=user_text)
-        try:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-        except ImportError:  # jinja2 ships with torch, but stay usable without it
             return _CHATML.format(text=user_text)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.filters["tojson"] = _to_json

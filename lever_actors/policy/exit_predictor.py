@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from lever_actors.channels.messages import ExitProbe
@@ -45,8 +46,6 @@ class LowRankAdapter:
         path = directory / PREDICTOR_FILE
         if not path.is_file():
             return None
-        from safetensors import safe_open
-
         try:
             with safe_open(str(path), framework="pt") as f:
                 exit_layer = int(f.metadata()["exit_layer"])

@@ -42,6 +42,14 @@ class Wired:
         self.inbox = DrafterInbox(requests, commits)
         self.outbox = trees
 
+    @contextlib.asynccontextmanager
+    async def running(self):
+        """The drafter started in a nursery, our channel ends open; leaving closes them."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.drafter.run, self.inbox, self.outbox)
+            async with self.requests, self.commits, self.trees:
+                yield
+
     async def draft(self, step: int, max_nodes: int) -> DraftTree:
         await self.requests.send(DraftRequest(step=step, max_nodes=max_nodes))
         return await self.trees.receive()
@@ -72,10 +80,8 @@ def check_committed_chain(tree: DraftTree, committed: list[int]) -> None:
 async def test_chain_is_the_draft_models_greedy_continuation(draft):
     wired = Wired(drafter(draft, "chain:4"))
     with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(wired.drafter.run, wired.inbox, wired.outbox)
-            async with wired.requests, wired.commits, wired.trees:
-                tree = await wired.draft(0, 4)
+        async with wired.running():
+            tree = await wired.draft(0, 4)
     assert tree.step == 0
     check_committed_chain(tree, PROMPT)
     n = len(PROMPT)
@@ -96,28 +102,26 @@ async def test_after_commits_the_chain_continues_the_committed_text(draft):
     wired = Wired(drafter(draft, "chain:4"))
     text = list(PROMPT)
     with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(wired.drafter.run, wired.inbox, wired.outbox)
-            async with wired.requests, wired.commits, wired.trees:
-                tree = await wired.draft(0, 4)
+        async with wired.running():
+            tree = await wired.draft(0, 4)
+            n = tree.n_committed
+            for step, n_accepted in enumerate([2, 4, 0, 1, 3], start=1):
+                proposals = list(tree.tokens[n:])
+                assert proposals == greedy_reference(draft, text, 4), f"step {step - 1}"
+                accepted = tuple(range(n)) + tuple(range(n, n + n_accepted))
+                text += proposals[:n_accepted]
+                # a bonus the draft did not propose next, so the next tree must change
+                rejected = proposals[n_accepted] if n_accepted < 4 else -1
+                bonus = next(t for t in (7, 8) if t != rejected)
+                await wired.commits.send(
+                    Commit(step=step - 1, accepted=accepted, next_tokens=(bonus,))
+                )
+                text.append(bonus)
+                tree = await wired.draft(step, 4)
+                assert tree.step == step
+                check_committed_chain(tree, [bonus])
                 n = tree.n_committed
-                for step, n_accepted in enumerate([2, 4, 0, 1, 3], start=1):
-                    proposals = list(tree.tokens[n:])
-                    assert proposals == greedy_reference(draft, text, 4), f"step {step - 1}"
-                    accepted = tuple(range(n)) + tuple(range(n, n + n_accepted))
-                    text += proposals[:n_accepted]
-                    # a bonus the draft did not propose next, so the next tree must change
-                    rejected = proposals[n_accepted] if n_accepted < 4 else -1
-                    bonus = next(t for t in (7, 8) if t != rejected)
-                    await wired.commits.send(
-                        Commit(step=step - 1, accepted=accepted, next_tokens=(bonus,))
-                    )
-                    text.append(bonus)
-                    tree = await wired.draft(step, 4)
-                    assert tree.step == step
-                    check_committed_chain(tree, [bonus])
-                    n = tree.n_committed
-                assert list(tree.tokens[n:]) == greedy_reference(draft, text, 4)
+            assert list(tree.tokens[n:]) == greedy_reference(draft, text, 4)
 
 
 def check_static_shape(tree: DraftTree, widths: tuple[int, ...]) -> None:
@@ -140,10 +144,8 @@ async def test_static_tree_takes_the_top_children_per_depth(draft, widths):
     spec = "static:" + ",".join(map(str, widths))
     wired = Wired(drafter(draft, spec))
     with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(wired.drafter.run, wired.inbox, wired.outbox)
-            async with wired.requests, wired.commits, wired.trees:
-                tree = await wired.draft(0, TreeSpec.parse(spec).max_nodes)
+        async with wired.running():
+            tree = await wired.draft(0, TreeSpec.parse(spec).max_nodes)
     check_committed_chain(tree, PROMPT)
     check_static_shape(tree, widths)
     t = TokenTree(tree.tokens, tree.parents)
@@ -170,10 +172,8 @@ async def test_static_tree_takes_the_top_children_per_depth(draft, widths):
 async def test_static_tree_stops_at_the_requested_node_budget(draft):
     wired = Wired(drafter(draft, "static:3,2"))
     with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(wired.drafter.run, wired.inbox, wired.outbox)
-            async with wired.requests, wired.commits, wired.trees:
-                tree = await wired.draft(0, 5)
+        async with wired.running():
+            tree = await wired.draft(0, 5)
     n = tree.n_committed
     assert len(tree.tokens) - n == 5
     # the three children of the last committed token, then two below the first of them
@@ -183,19 +183,17 @@ async def test_static_tree_stops_at_the_requested_node_budget(draft):
 async def test_static_tree_after_a_commit_continues_the_accepted_branch(draft):
     wired = Wired(drafter(draft, "static:2,2"))
     with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(wired.drafter.run, wired.inbox, wired.outbox)
-            async with wired.requests, wired.commits, wired.trees:
-                tree = await wired.draft(0, 6)
-                n = tree.n_committed
-                t = TokenTree(tree.tokens, tree.parents)
-                # accept the second child of the chain end and its second child (a leaf the
-                # drafter never ran): non-contiguous pending offsets must be compacted right
-                second = t.children(n - 1)[1]
-                leaf = t.children(second)[1]
-                accepted = (*range(n), second, leaf)
-                await wired.commits.send(Commit(step=0, accepted=accepted, next_tokens=(9,)))
-                nxt = await wired.draft(1, 6)
+        async with wired.running():
+            tree = await wired.draft(0, 6)
+            n = tree.n_committed
+            t = TokenTree(tree.tokens, tree.parents)
+            # accept the second child of the chain end and its second child (a leaf the
+            # drafter never ran): non-contiguous pending offsets must be compacted right
+            second = t.children(n - 1)[1]
+            leaf = t.children(second)[1]
+            accepted = (*range(n), second, leaf)
+            await wired.commits.send(Commit(step=0, accepted=accepted, next_tokens=(9,)))
+            nxt = await wired.draft(1, 6)
     text = PROMPT + [t.tokens[second], t.tokens[leaf], 9]
     check_committed_chain(nxt, [9])
     check_static_shape(nxt, (2, 2))
@@ -206,14 +204,12 @@ async def test_static_tree_after_a_commit_continues_the_accepted_branch(draft):
 async def test_no_drafting_sends_the_committed_chain_alone():
     wired = Wired(drafter(None, "none"))
     with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(wired.drafter.run, wired.inbox, wired.outbox)
-            async with wired.requests, wired.commits, wired.trees:
-                first = await wired.draft(0, 0)
-                await wired.commits.send(
-                    Commit(step=0, accepted=tuple(range(len(PROMPT))), next_tokens=(42,))
-                )
-                second = await wired.draft(1, 0)
+        async with wired.running():
+            first = await wired.draft(0, 0)
+            await wired.commits.send(
+                Commit(step=0, accepted=tuple(range(len(PROMPT))), next_tokens=(42,))
+            )
+            second = await wired.draft(1, 0)
     check_committed_chain(first, PROMPT)
     assert len(first.tokens) == len(PROMPT)
     assert second.tokens == (42,) and second.n_committed == 1 and second.step == 1
@@ -239,13 +235,11 @@ async def test_closing_the_requests_ends_the_drafter_and_its_outbox(draft):
 async def test_closing_the_commits_while_waiting_for_one_ends_the_drafter(draft):
     wired = Wired(drafter(draft, "chain:2"))
     with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(wired.drafter.run, wired.inbox, wired.outbox)
-            async with wired.requests, wired.commits, wired.trees:
-                await wired.draft(0, 2)
-                await wired.commits.aclose()  # it is waiting for this step's commit
-                with pytest.raises(trio.EndOfChannel):
-                    await wired.trees.receive()
+        async with wired.running():
+            await wired.draft(0, 2)
+            await wired.commits.aclose()  # it is waiting for this step's commit
+            with pytest.raises(trio.EndOfChannel):
+                await wired.trees.receive()
 
 
 async def test_an_error_in_the_draft_model_propagates_from_run(draft, monkeypatch):
@@ -259,9 +253,7 @@ async def test_an_error_in_the_draft_model_propagates_from_run(draft, monkeypatc
     wired = Wired(drafter(draft, "chain:2"))
     with trio.fail_after(TIMEOUT):
         with pytest.RaisesGroup(pytest.RaisesExc(DraftBroke, match="no tree for step 0")):
-            async with trio.open_nursery() as nursery:
-                await nursery.start(wired.drafter.run, wired.inbox, wired.outbox)
-                async with wired.requests, wired.commits, wired.trees:
-                    # the actor closes its outbox on the way out: our receive may end first
-                    with contextlib.suppress(trio.EndOfChannel):
-                        await wired.draft(0, 2)
+            async with wired.running():
+                # the actor closes its outbox on the way out: our receive may end first
+                with contextlib.suppress(trio.EndOfChannel):
+                    await wired.draft(0, 2)

@@ -115,26 +115,25 @@ class Wired:
         )
         self.trees, trees = trio.open_memory_channel[DraftTree](1)
         self.layers, layers = trio.open_memory_channel[LayerWeights](N_LAYERS)
-        self.verdicts, verdicts = trio.open_memory_channel[PruneVerdict](1)
+        self.prune_verdicts, prune_verdicts = trio.open_memory_channel[PruneVerdict](1)
         self.commits, commits = trio.open_memory_channel[Commit](1)
         releases, self.releases = trio.open_memory_channel[SlotRelease](N_LAYERS)
         probes, self.probes = trio.open_memory_channel[ExitProbe](1)
         finals, self.finals = trio.open_memory_channel[FinalHidden](1)
-        self.inbox = VerifierInbox(trees, layers, verdicts, commits)
+        self.inbox = VerifierInbox(trees, layers, prune_verdicts, commits)
         self.released: list[SlotRelease] = []
         self.outbox = VerifierOutbox(releases, probes, finals)
 
-    def ours(self):
-        """Our ends, for one `async with`."""
-        return (
-            self.trees,
-            self.layers,
-            self.verdicts,
-            self.commits,
-            self.releases,
-            self.probes,
-            self.finals,
-        )
+    @contextlib.asynccontextmanager
+    async def running(self):
+        """The verifier started in a nursery, our channel ends open; leaving closes them."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.verifier.run, self.inbox, self.outbox)
+            async with contextlib.AsyncExitStack() as stack:
+                ours = (self.trees, self.layers, self.prune_verdicts, self.commits)
+                for end in (*ours, self.releases, self.probes, self.finals):
+                    await stack.enter_async_context(end)
+                yield nursery
 
     async def send_layers(self, step: int, slots: bool = True) -> None:
         for layer in range(N_LAYERS):
@@ -152,7 +151,7 @@ class Wired:
         await self.trees.send(tree)
         await self.send_layers(tree.step)
         probe = await self.probes.receive()
-        await self.verdicts.send(PruneVerdict(step=tree.step, dropped=tuple(dropped)))
+        await self.prune_verdicts.send(PruneVerdict(step=tree.step, dropped=tuple(dropped)))
         final = await self.finals.receive()
         self.drain_releases()
         return probe, final
@@ -170,12 +169,8 @@ async def test_final_hidden_equals_direct_computation(target, reference):
     wired = Wired(target)
     tree = draft_tree(0, PROMPT)
     with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(wired.verifier.run, wired.inbox, wired.outbox)
-            async with contextlib.AsyncExitStack() as stack:
-                for end in wired.ours():
-                    await stack.enter_async_context(end)
-                probe, final = await wired.verify(tree)
+        async with wired.running():
+            probe, final = await wired.verify(tree)
 
     assert probe.step == 0 and probe.layer == EXIT and probe.tree == tree
     assert probe.nodes == tuple(range(len(tree.tokens)))
@@ -197,22 +192,18 @@ async def test_the_next_step_after_a_commit_sees_exactly_the_accepted_path(targe
     wired = Wired(target)
     first = draft_tree(0, PROMPT)
     with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(wired.verifier.run, wired.inbox, wired.outbox)
-            async with contextlib.AsyncExitStack() as stack:
-                for end in wired.ours():
-                    await stack.enter_async_context(end)
-                await wired.verify(first)
-                # accept 5 -> 7 -> 10, skipping the sibling subtree at offsets 6, 8, 9
-                accepted = (*range(len(PROMPT)), 5, 7, 10)
-                await wired.commits.send(Commit(step=0, accepted=accepted, next_tokens=(33,)))
-                second = draft_tree(1, [33], parents=(4, 4, 5), tokens=(40, 41, 42))
-                _, final = await wired.verify(second)
-                await wired.commits.send(
-                    Commit(step=1, accepted=(0, 1), next_tokens=(50,))
-                )  # accept node 1 (token 40) below the bonus
-                third = draft_tree(2, [50], parents=(4,), tokens=(60,))
-                _, final3 = await wired.verify(third)
+        async with wired.running():
+            await wired.verify(first)
+            # accept 5 -> 7 -> 10, skipping the sibling subtree at offsets 6, 8, 9
+            accepted = (*range(len(PROMPT)), 5, 7, 10)
+            await wired.commits.send(Commit(step=0, accepted=accepted, next_tokens=(33,)))
+            second = draft_tree(1, [33], parents=(4, 4, 5), tokens=(40, 41, 42))
+            _, final = await wired.verify(second)
+            await wired.commits.send(
+                Commit(step=1, accepted=(0, 1), next_tokens=(50,))
+            )  # accept node 1 (token 40) below the bonus
+            third = draft_tree(2, [50], parents=(4,), tokens=(60,))
+            _, final3 = await wired.verify(third)
 
     context = PROMPT + [first.tokens[n] for n in accepted[len(PROMPT) :]]
     torch.testing.assert_close(
@@ -238,18 +229,14 @@ async def test_pruned_nodes_and_descendants_skip_the_remaining_layers(
     wired = Wired(target)
     tree = draft_tree(0, PROMPT)
     with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(wired.verifier.run, wired.inbox, wired.outbox)
-            async with contextlib.AsyncExitStack() as stack:
-                for end in wired.ours():
-                    await stack.enter_async_context(end)
-                _, final = await wired.verify(tree, dropped)
-                # the KV cache of the survivors is right: continue with their path
-                await wired.commits.send(
-                    Commit(step=0, accepted=(*range(len(PROMPT)), *alive[5:6]), next_tokens=(7,))
-                )
-                nxt = draft_tree(1, [7], parents=(4,), tokens=(8,))
-                _, final2 = await wired.verify(nxt)
+        async with wired.running():
+            _, final = await wired.verify(tree, dropped)
+            # the KV cache of the survivors is right: continue with their path
+            await wired.commits.send(
+                Commit(step=0, accepted=(*range(len(PROMPT)), *alive[5:6]), next_tokens=(7,))
+            )
+            nxt = draft_tree(1, [7], parents=(4,), tokens=(8,))
+            _, final2 = await wired.verify(nxt)
     assert final.nodes == alive
     expected = direct(reference, [], tree)[list(alive)]
     torch.testing.assert_close(final.hidden, expected, rtol=1e-10, atol=1e-10)
@@ -266,12 +253,8 @@ async def test_an_audit_step_runs_the_dropped_nodes_anyway(target, reference):
     wired = Wired(target, audit_every=1)
     tree = draft_tree(0, PROMPT)
     with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(wired.verifier.run, wired.inbox, wired.outbox)
-            async with contextlib.AsyncExitStack() as stack:
-                for end in wired.ours():
-                    await stack.enter_async_context(end)
-                _, final = await wired.verify(tree, dropped=(6,))
+        async with wired.running():
+            _, final = await wired.verify(tree, dropped=(6,))
     assert final.audit
     assert final.would_drop == (6, 8, 9)
     assert final.nodes == tuple(range(len(tree.tokens)))
@@ -283,18 +266,14 @@ async def test_no_probe_without_draft_nodes_or_without_an_exit_layer(target, ref
     for exit_layer, tree in [(EXIT, chain_only), (None, draft_tree(0, PROMPT))]:
         wired = Wired(target, exit_layer=exit_layer)
         with trio.fail_after(TIMEOUT):
-            async with trio.open_nursery() as nursery:
-                await nursery.start(wired.verifier.run, wired.inbox, wired.outbox)
-                async with contextlib.AsyncExitStack() as stack:
-                    for end in wired.ours():
-                        await stack.enter_async_context(end)
-                    await wired.trees.send(tree)
-                    await wired.send_layers(0, slots=False)
-                    final = await wired.finals.receive()
-                    with pytest.raises(trio.WouldBlock):
-                        wired.probes.receive_nowait()
-                    with pytest.raises(trio.WouldBlock):  # resident layers: nothing to release
-                        wired.releases.receive_nowait()
+            async with wired.running():
+                await wired.trees.send(tree)
+                await wired.send_layers(0, slots=False)
+                final = await wired.finals.receive()
+                with pytest.raises(trio.WouldBlock):
+                    wired.probes.receive_nowait()
+                with pytest.raises(trio.WouldBlock):  # resident layers: nothing to release
+                    wired.releases.receive_nowait()
         assert final.nodes == tuple(range(len(tree.tokens)))
         torch.testing.assert_close(
             final.hidden, direct(reference, [], tree), rtol=1e-10, atol=1e-10
@@ -308,55 +287,43 @@ async def test_a_layer_out_of_order_is_an_error(target, step, layer):
         with pytest.RaisesGroup(
             pytest.RaisesExc(RuntimeError, match=r"expected layer 0 of step 0")
         ):
-            async with trio.open_nursery() as nursery:
-                await nursery.start(wired.verifier.run, wired.inbox, wired.outbox)
-                async with contextlib.AsyncExitStack() as stack:
-                    for end in wired.ours():
-                        await stack.enter_async_context(end)
-                    await wired.trees.send(draft_tree(0, PROMPT))
-                    await wired.layers.send(
-                        LayerWeights(
-                            step=step,
-                            layer=layer,
-                            tensors=target.resident_layers[layer],
-                            slot=None,
-                        )
+            async with wired.running():
+                await wired.trees.send(draft_tree(0, PROMPT))
+                await wired.layers.send(
+                    LayerWeights(
+                        step=step,
+                        layer=layer,
+                        tensors=target.resident_layers[layer],
+                        slot=None,
                     )
-                    with contextlib.suppress(trio.EndOfChannel):
-                        await wired.finals.receive()
+                )
+                with contextlib.suppress(trio.EndOfChannel):
+                    await wired.finals.receive()
 
 
 async def test_closing_the_trees_ends_the_verifier_and_all_its_outboxes(target):
     wired = Wired(target)
     with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(wired.verifier.run, wired.inbox, wired.outbox)
-            async with contextlib.AsyncExitStack() as stack:
-                for end in wired.ours():
-                    await stack.enter_async_context(end)
-                tree = draft_tree(0, PROMPT)
-                await wired.verify(tree)
-                await wired.commits.send(
-                    Commit(step=0, accepted=tuple(range(len(PROMPT))), next_tokens=(1,))
-                )
-                await wired.trees.aclose()
-                for outbox in (wired.releases, wired.probes, wired.finals):
-                    with pytest.raises(trio.EndOfChannel):
-                        await outbox.receive()
+        async with wired.running():
+            tree = draft_tree(0, PROMPT)
+            await wired.verify(tree)
+            await wired.commits.send(
+                Commit(step=0, accepted=tuple(range(len(PROMPT))), next_tokens=(1,))
+            )
+            await wired.trees.aclose()
+            for outbox in (wired.releases, wired.probes, wired.finals):
+                with pytest.raises(trio.EndOfChannel):
+                    await outbox.receive()
 
 
 async def test_closing_the_commits_while_waiting_for_one_ends_the_verifier(target):
     wired = Wired(target)
     with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(wired.verifier.run, wired.inbox, wired.outbox)
-            async with contextlib.AsyncExitStack() as stack:
-                for end in wired.ours():
-                    await stack.enter_async_context(end)
-                await wired.verify(draft_tree(0, PROMPT))
-                await wired.commits.aclose()
-                with pytest.raises(trio.EndOfChannel):
-                    await wired.finals.receive()
+        async with wired.running():
+            await wired.verify(draft_tree(0, PROMPT))
+            await wired.commits.aclose()
+            with pytest.raises(trio.EndOfChannel):
+                await wired.finals.receive()
 
 
 async def test_an_error_survives_a_peer_failing_while_the_verifier_closes(target, monkeypatch):
@@ -384,13 +351,9 @@ async def test_an_error_survives_a_peer_failing_while_the_verifier_closes(target
 
     with trio.fail_after(TIMEOUT):
         with pytest.raises(BaseExceptionGroup) as raised:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(wired.verifier.run, wired.inbox, wired.outbox)
+            async with wired.running() as nursery:
                 nursery.start_soon(peer)
-                async with contextlib.AsyncExitStack() as stack:
-                    for end in wired.ours():
-                        await stack.enter_async_context(end)
-                    await wired.trees.send(draft_tree(0, PROMPT))
-                    await wired.send_layers(0)
-                    await trio.sleep_forever()
+                await wired.trees.send(draft_tree(0, PROMPT))
+                await wired.send_layers(0)
+                await trio.sleep_forever()
     assert raised.value.subgroup(LayerBroke) is not None, f"the error was lost: {raised.value!r}"
