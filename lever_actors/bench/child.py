@@ -1,63 +1,113 @@
-"""One benchmark mode in its own process: `python -m lever_actors.bench.child`.
+"""A mode in a child process of its own, under a memory cgroup when the machine offers one:
+the messages between harness and child, the child's loop, and ChildMode, the harness's side,
+a Mode like the in-process ones.
 
-The harness starts the child, moves it into a memory cgroup, and only then sends the first
-request, so that everything the mode loads is charged to the cgroup: the child imports
-nothing but the standard library until that request arrives. The messages are in
-bench/protocol.py; the child's own prints and logs go to stderr; end of input ends it.
+The messages are msgspec JSON, one per line. stdin: Open(planned mode), then Decode
+requests; end of input ends the child. stdout: Opened, Result or Failure; the child's own
+prints and logs go to stderr. The harness starts the child, moves it into its cgroup, and
+only then sends Open, so that everything the mode loads is charged to the cgroup.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 import time
 from contextlib import AsyncExitStack
+from typing import BinaryIO
+
+import msgspec
+import trio
+
+from lever_actors.bench.isolation import CgroupSupport, MemoryCgroup, peak_rss_bytes
+from lever_actors.bench.modes import Decoded, ModeFailed, describe
+from lever_actors.bench.plan import PlannedMode, open_in_process
+from lever_actors.sizes import format_bytes
+
+# The child's program. It waits for Open before it imports this module (and torch with it):
+# by then the harness has moved it into its cgroup, which is then charged for every import.
+CHILD_PROGRAM = """
+import os, sys
+protocol_out = os.fdopen(os.dup(1), "wb", buffering=0)
+os.dup2(2, 1)  # stray prints of libraries must not corrupt the protocol
+first = sys.stdin.buffer.readline()
+if first:
+    from lever_actors.bench.child import serve
+    sys.exit(serve(first, protocol_out))
+"""
 
 
-def main() -> int:
-    protocol_out = os.fdopen(os.dup(1), "wb", buffering=0)
-    os.dup2(2, 1)  # stray prints of libraries must not corrupt the protocol
-    first = sys.stdin.buffer.readline()
-    if not first:
-        return 0
-    import trio
+class Open(msgspec.Struct, frozen=True, tag="open"):
+    """harness -> child: load this mode."""
 
-    return trio.run(_serve, first, protocol_out)
+    planned: PlannedMode
 
 
-async def _serve(first: bytes, out) -> int:
-    import msgspec
-    import trio
+class Decode(msgspec.Struct, frozen=True, tag="decode"):
+    """harness -> child: decode one prompt."""
 
-    from lever_actors.bench import protocol as p
-    from lever_actors.bench.isolation import peak_rss_bytes
-    from lever_actors.bench.specs import open_in_process
+    prompt: list[int]
+    max_new_tokens: int
+    stop_ids: list[int]
 
+
+class Opened(msgspec.Struct, frozen=True, tag="opened"):
+    """child -> harness: the mode is loaded."""
+
+    peak_rss_bytes: int
+    note: str | None = None  # the mode's ModeInfo.note after opening
+
+
+class Result(msgspec.Struct, frozen=True, tag="result"):
+    """child -> harness: one prompt decoded."""
+
+    decoded: Decoded
+    started: float  # the child's perf_counter() when the request arrived
+
+
+class Failure(msgspec.Struct, frozen=True, tag="failed"):
+    """child -> harness: the request failed; the child exits after sending it."""
+
+    error: str
+
+
+Request = Open | Decode
+Response = Opened | Result | Failure
+
+
+def serve(first: bytes, out: BinaryIO) -> int:
+    """The child: answer `first` (an Open) and then every Decode until end of input."""
+    return trio.run(_serve, first, out)
+
+
+async def _serve(first: bytes, out: BinaryIO) -> int:
     encoder = msgspec.json.Encoder()
-    decoder = msgspec.json.Decoder(p.Request)
+    decoder = msgspec.json.Decoder(Request)
 
-    def send(message) -> None:
+    def send(message: Response) -> None:
         out.write(encoder.encode(message) + b"\n")
 
     request = decoder.decode(first)
-    if not isinstance(request, p.Open):
-        send(p.Failure("the first request must be Open"))
+    if not isinstance(request, Open):
+        send(Failure("the first request must be Open"))
         return 2
     async with AsyncExitStack() as stack:
         try:
             mode = open_in_process(request.planned, drafts={})
             await mode.open(stack)
-        except Exception as e:  # the parent records the mode as failed with this text
-            send(p.Failure(describe(e)))
+        except Exception as e:  # the harness records the mode as failed with this text
+            send(Failure(describe(e)))
             return 1
-        send(p.Opened(peak_rss_bytes(), mode.info.note))
+        send(Opened(peak_rss_bytes(), mode.info.note))
         while True:
             line = await trio.to_thread.run_sync(sys.stdin.buffer.readline)
             if not line:
                 return 0
             request = decoder.decode(line)
-            if not isinstance(request, p.Decode):
-                send(p.Failure("expected a Decode request"))
+            if not isinstance(request, Decode):
+                send(Failure("expected a Decode request"))
                 return 2
             started = time.perf_counter()
             try:
@@ -65,17 +115,112 @@ async def _serve(first: bytes, out) -> int:
                     request.prompt, request.max_new_tokens, frozenset(request.stop_ids)
                 )
             except Exception as e:
-                send(p.Failure(describe(e)))
+                send(Failure(describe(e)))
                 return 1
             decoded.peak_rss_bytes = peak_rss_bytes()
-            send(p.Result(decoded, started))
+            send(Result(decoded, started))
 
 
-def describe(error: BaseException) -> str:
-    """An error as the results show it: type and message, first line only if very long."""
-    text = f"{type(error).__name__}: {error}"
-    return text if len(text) <= 500 else text[:497] + "..."
+class ChildMode:
+    """The harness's side of a mode run in a child process; `cgroups` None: no memory limit,
+    peak RSS only."""
 
+    def __init__(
+        self,
+        planned: PlannedMode,
+        cgroups: CgroupSupport | None = None,
+        *,
+        python: str = sys.executable,
+    ) -> None:
+        self.planned = planned
+        self.info = msgspec.structs.replace(planned.info, isolated=True)
+        self.cgroups = cgroups
+        self.python = python
+        self.process: subprocess.Popen | None = None
+        self.cgroup: MemoryCgroup | None = None
+        self._encoder = msgspec.json.Encoder()
+        self._decoder = msgspec.json.Decoder(Response)
 
-if __name__ == "__main__":
-    sys.exit(main())
+    async def open(self, stack: AsyncExitStack) -> None:
+        limit = self.info.memory_limit_bytes
+        if limit is not None and self.cgroups is not None and self.cgroups.usable:
+            self.cgroup = MemoryCgroup(self.cgroups, f"lever-bench-{os.getpid()}-{id(self)}", limit)
+            stack.callback(self.cgroup.remove)
+        self.process = subprocess.Popen(
+            [self.python, "-c", CHILD_PROGRAM], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        stack.push_async_callback(self._close)
+        if self.cgroup is not None:
+            self.cgroup.add(self.process.pid)  # before the first request: nothing loaded yet
+        self.info = msgspec.structs.replace(
+            self.info,
+            memory_limit_bytes=self.cgroup.limit_bytes if self.cgroup else limit,
+            limit_enforced=self.cgroup is not None,
+        )
+        response = await self._request(Open(self.planned))
+        if isinstance(response, Failure):
+            raise ModeFailed(response.error)
+        if isinstance(response, Opened) and response.note:
+            self.info = msgspec.structs.replace(self.info, note=response.note)
+
+    async def decode(
+        self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]
+    ) -> Decoded:
+        t0 = time.perf_counter()
+        response = await self._request(Decode(list(prompt), max_new_tokens, sorted(stop_ids)))
+        if isinstance(response, Failure):
+            raise ModeFailed(response.error)
+        if not isinstance(response, Result):
+            raise ModeFailed(f"child answered {type(response).__name__} to a Decode request")
+        decoded = response.decoded
+        # stamps on the child's clock, made to count from our t0
+        decoded.stamps = [t0 + (s - response.started) for s in decoded.stamps]
+        if self.cgroup is not None:
+            decoded.cgroup_peak_bytes = self.cgroup.peak_bytes()
+        return decoded
+
+    async def _request(self, message: Request) -> Response:
+        process = self.process
+        assert process is not None and process.stdin and process.stdout
+        try:
+            process.stdin.write(self._encoder.encode(message) + b"\n")
+            process.stdin.flush()
+        except BrokenPipeError:
+            raise ModeFailed(await self._death()) from None
+        line = await trio.to_thread.run_sync(process.stdout.readline)
+        if not line:
+            raise ModeFailed(await self._death())
+        try:
+            return self._decoder.decode(line)
+        except msgspec.DecodeError as e:
+            raise ModeFailed(f"unreadable answer from the child: {e}") from None
+
+    async def _death(self) -> str:
+        """Why the child is gone."""
+        assert self.process is not None
+        code = await trio.to_thread.run_sync(self.process.wait)
+        if self.cgroup is not None and self.cgroup.oom_kills():
+            return (
+                f"killed by the memory limit of {format_bytes(self.cgroup.limit_bytes)} "
+                f"(cgroup OOM kill, exit status {code})"
+            )
+        if code < 0:
+            return f"child process killed by {signal.Signals(-code).name}"
+        return f"child process exited with code {code}"
+
+    async def _close(self) -> None:
+        process = self.process
+        if process is None:
+            return
+        if process.stdin:
+            try:
+                process.stdin.close()  # end of input: the child closes its mode and exits
+            except BrokenPipeError:
+                pass
+        with trio.move_on_after(60) as waiting:
+            await trio.to_thread.run_sync(process.wait, abandon_on_cancel=True)
+        if waiting.cancelled_caught:
+            process.kill()
+            await trio.to_thread.run_sync(process.wait)
+        if process.stdout:
+            process.stdout.close()

@@ -6,11 +6,35 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import tomllib
 from pathlib import Path
 
-from lever_actors.bench.specs import MODES
+import torch
+
+from lever_actors.bench.harness import PromptSet
+from lever_actors.bench.plan import MODES, NEEDS_DRAFT, BenchOptions
+from lever_actors.bench.plots import write_plots
+from lever_actors.bench.report import (
+    output_paths,
+    readme_section,
+    render_markdown,
+    rewrite_readme,
+)
+from lever_actors.bench.results import BenchResults, read_results
+from lever_actors.bench.run import (
+    SWEEP_BUDGETS,
+    SWEEP_FAMILIES,
+    SWEEP_THROTTLES,
+    Workload,
+    bench,
+    sweep,
+)
+from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.prompts import PROMPT_SETS, load_prompts
 from lever_actors.checkpoints.real_pair import real_model_path, real_target_layout
+from lever_actors.checkpoints.tokenizer import Tokenizer
+from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, DramBudget
+from lever_actors.device.layout import MANIFEST_NAME, read_manifest
 from lever_actors.errors import ConfigError
 from lever_actors.progress import ProgressLine
 
@@ -64,7 +88,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--prompt-sets", default="humaneval", help=f"comma-separated: {','.join(PROMPT_SETS)}"
     )
     parser.add_argument("--prompts", type=int, default=5, help="prompts per set")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     parser.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),
@@ -106,8 +130,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="scaling sweep: flash-ar, best SD and lever over --sweep-budgets x --sweep-throttles",
     )
-    parser.add_argument("--sweep-budgets", default="10%,20%,30%,40%,50%,60%,70%,80%,90%,100%")
-    parser.add_argument("--sweep-throttles", default="ufs3.1,ufs4.0,none")
+    parser.add_argument("--sweep-budgets", default=",".join(map(str, SWEEP_BUDGETS)))
+    parser.add_argument("--sweep-throttles", default=",".join(SWEEP_THROTTLES))
     parser.add_argument(
         "--out",
         type=Path,
@@ -121,9 +145,6 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 def apply_config(parser: argparse.ArgumentParser, path: Path) -> None:
     """Make the options in a TOML file the bench parser's defaults. Keys are the option
     names (max-new-tokens or max_new_tokens); a list stands for a comma-separated value."""
-    import tomllib
-
-
     try:
         table = tomllib.loads(path.read_text())
     except OSError as e:
@@ -169,12 +190,9 @@ def _split(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
-def options_from_args(args: argparse.Namespace):
-    from lever_actors.bench.specs import BenchOptions
-    from lever_actors.bench.sweep import SWEEP_FAMILIES
-
+def options_from_args(args: argparse.Namespace) -> BenchOptions:
     modes = args.modes or (",".join(SWEEP_FAMILIES) if args.sweep else DEFAULT_MODES)
-    options = BenchOptions(
+    return BenchOptions(
         modes=_split(modes),
         budgets=_split(args.budgets),
         throttle=args.throttle,
@@ -193,14 +211,9 @@ def options_from_args(args: argparse.Namespace):
         memory_overhead=args.memory_overhead,
         cache_dir=str(args.cache_dir),
     )
-    options.validate()
-    return options
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
-    from lever_actors.bench.harness import PromptSet
-    from lever_actors.bench.specs import NEEDS_DRAFT
-
     options = options_from_args(args)
     target = args.target or real_target_layout(args.cache_dir, ProgressLine())
     draft = args.draft
@@ -219,82 +232,46 @@ def run_bench_command(args: argparse.Namespace) -> int:
         )
         for name in options.prompt_sets
     ]
+    workload = Workload(target, draft, prompt_sets, tokenizer.eos_ids)
     command = shlex.join(["lever-actors", *sys.argv[1:]])
+    plots = not args.no_plots
     if args.sweep:
-        return _sweep(args, options, target, draft, prompt_sets, tokenizer.eos_ids, command)
-    from lever_actors.bench.report import render_markdown
-    from lever_actors.bench.run import bench
-
-    out = args.out or Path("bench/results/latest.json")
-    results = bench(
-        options,
-        target,
-        draft,
-        prompt_sets,
-        tokenizer.eos_ids,
-        out=out,
-        command=command,
-        plots=not args.no_plots,
-    )
-    print(render_markdown(results, out))
+        out = args.out or Path("bench/results/sweep.json")
+        budgets = tuple(DramBudget.parse(b) for b in _split(args.sweep_budgets))
+        throttles = _split(args.sweep_throttles)
+        results = sweep(
+            options,
+            workload,
+            budgets=budgets,
+            throttles=throttles,
+            out=out,
+            command=command,
+            plots=plots,
+        )
+    else:
+        out = args.out or Path("bench/results/latest.json")
+        results = bench(options, workload, out=out, command=command, plots=plots)
+    print(render_markdown(results))
     print(f"results: {out}", file=sys.stderr)
     return 0
 
 
-def _sweep(args, options, target, draft, prompt_sets, stop_ids, command) -> int:
-    from lever_actors.bench.report import render_markdown
-    from lever_actors.bench.sweep import sweep
-
-    out = args.out or Path("bench/results/sweep.json")
-    results = sweep(
-        options,
-        target,
-        draft,
-        prompt_sets,
-        stop_ids,
-        budgets=_split(args.sweep_budgets),
-        throttles=_split(args.sweep_throttles),
-        out=out,
-        command=command,
-        plots=not args.no_plots,
-    )
-    print(render_markdown(results, out))
-    print(f"sweep results: {out}", file=sys.stderr)
-    return 0
-
-
-def _tokenizer(target: Path):
-    from lever_actors.checkpoints import load_checkpoint
-    from lever_actors.checkpoints.tokenizer import Tokenizer
-    from lever_actors.device.layout import MANIFEST_NAME, read_manifest
-
+def _tokenizer(target: Path) -> Tokenizer | None:
     if (target / MANIFEST_NAME).is_file():
         manifest = read_manifest(target)
         return Tokenizer.from_file(target / manifest.tokenizer) if manifest.tokenizer else None
     if target.is_dir():
         path = target / "tokenizer.json"
         return Tokenizer.from_file(path) if path.is_file() else None
-    import torch
-
     return load_checkpoint(target, torch.float32).tokenizer
 
 
 def run_report_command(args: argparse.Namespace) -> int:
-    from lever_actors.bench.report import (
-        readme_section,
-        render_markdown,
-        rewrite_readme,
-        write_plots,
-    )
-    from lever_actors.bench.results import BenchResults, read_results
-
     results = read_results(args.results)
     if not args.no_plots:
         for path in write_plots(results, args.results):
             print(f"plot: {path}", file=sys.stderr)
-    markdown = render_markdown(results, args.results)
-    from lever_actors.bench.report import output_paths
-
+    markdown = render_markdown(results)
     output_paths(args.results)["markdown"].write_text(markdown)
     if args.readme is not None:
         if not isinstance(results, BenchResults):

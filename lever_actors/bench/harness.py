@@ -14,12 +14,10 @@ from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
-import msgspec
-
 from lever_actors.bench.isolation import peak_rss_bytes
-from lever_actors.bench.modes import Decoded, Mode
-from lever_actors.bench.results import BenchResults, Machine, ModeSummary, PromptRun
-from lever_actors.bench.summary import compute_summary, decode_rate
+from lever_actors.bench.modes import Decoded, Mode, describe
+from lever_actors.bench.results import BenchResults, Machine, PromptRun
+from lever_actors.bench.summary import compute_summary, summarise, with_agreement
 
 
 @dataclass
@@ -61,14 +59,15 @@ async def run_bench(
                         await runner.decode(mode, prompt_set, index, prompt)
     else:
         raise ValueError(f"order must be interleaved or sequential, not {order!r}")
-    runs = with_agreement(runner.runs, modes[0].name)
+    reference = modes[0].info.name
+    runs = with_agreement(runner.runs, reference)
     infos = [mode.info for mode in modes]  # after open: isolation facts are known
-    summaries = [summarise(mode.name, s.name, runs) for s in prompt_sets for mode in modes]
+    summaries = [summarise(m.name, s.name, runs) for s in prompt_sets for m in infos]
     return BenchResults(
         machine=Machine.here(),
         command=command,
         config=config,
-        reference_mode=modes[0].name,
+        reference_mode=reference,
         modes=infos,
         runs=runs,
         summaries=summaries,
@@ -82,40 +81,37 @@ class _Runner:
         self.stop_ids = stop_ids
         self.log = log
         self.runs: list[PromptRun] = []
-        self.failed: dict[str, str] = {}
+        self.failed: dict[str, str] = {}  # mode name -> its first error
         self.started = time.monotonic()
-        self.width = max(len(m.name) for m in modes)
+        self.width = max(len(m.info.name) for m in modes)
 
     async def open(self, mode: Mode, stack: AsyncExitStack) -> None:
-        self._say(f"opening {mode.name}")
+        name = mode.info.name
+        self._say(f"opening {name}")
         own = await stack.enter_async_context(AsyncExitStack())
         try:
             await mode.open(own)
         except Exception as e:
             await own.aclose()
-            self.failed[mode.name] = _describe(e)
-            self._say(f"{mode.name} FAILED to open: {self.failed[mode.name]}")
+            self.failed[name] = describe(e)
+            self._say(f"{name} FAILED to open: {self.failed[name]}")
 
     async def decode(self, mode: Mode, prompt_set: PromptSet, index: int, prompt: list[int]):
-        where = f"{prompt_set.name} {index + 1}/{len(prompt_set.prompts)} {mode.name:{self.width}}"
-        if mode.name in self.failed:
-            self.runs.append(
-                _failed_run(mode.name, prompt_set.name, index, prompt, self.failed[mode.name])
-            )
-            return
-        t0 = time.perf_counter()
-        try:
-            decoded = await mode.decode(prompt, self.max_new_tokens, self.stop_ids)
-        except Exception as e:
-            self.failed[mode.name] = _describe(e)
-            self.runs.append(
-                _failed_run(mode.name, prompt_set.name, index, prompt, self.failed[mode.name])
-            )
-            self._say(f"{where}: FAILED: {self.failed[mode.name]}")
+        name = mode.info.name
+        where = f"{prompt_set.name} {index + 1}/{len(prompt_set.prompts)} {name:{self.width}}"
+        if name not in self.failed:
+            t0 = time.perf_counter()
+            try:
+                decoded = await mode.decode(prompt, self.max_new_tokens, self.stop_ids)
+            except Exception as e:
+                self.failed[name] = describe(e)
+                self._say(f"{where}: FAILED: {self.failed[name]}")
+        if name in self.failed:
+            self.runs.append(_failed_run(name, prompt_set.name, index, prompt, self.failed[name]))
             return
         if decoded.peak_rss_bytes is None:
             decoded.peak_rss_bytes = peak_rss_bytes()  # in process: the whole harness's
-        run = prompt_run(mode.name, prompt_set.name, index, prompt, t0, decoded)
+        run = prompt_run(name, prompt_set.name, index, prompt, t0, decoded)
         self.runs.append(run)
         rate = run.decode_tok_s
         self._say(
@@ -125,13 +121,6 @@ class _Runner:
 
     def _say(self, text: str) -> None:
         print(f"[{time.monotonic() - self.started:7.1f}s] {text}", file=self.log, flush=True)
-
-
-def _describe(error: Exception) -> str:
-    text = (
-        str(error) if type(error).__name__ == "ModeFailed" else f"{type(error).__name__}: {error}"
-    )
-    return text if len(text) <= 500 else text[:497] + "..."
 
 
 def _failed_run(mode: str, prompt_set: str, index: int, prompt: list[int], error: str) -> PromptRun:
@@ -170,63 +159,4 @@ def prompt_run(
         first_step_tokens=first_step,
         peak_rss_bytes=decoded.peak_rss_bytes,
         cgroup_peak_bytes=decoded.cgroup_peak_bytes,
-    )
-
-
-def with_agreement(runs: list[PromptRun], reference_mode: str) -> list[PromptRun]:
-    reference = {
-        (r.prompt_set, r.prompt_index): r.tokens
-        for r in runs
-        if r.mode == reference_mode and r.failed is None
-    }
-    out = []
-    for r in runs:
-        ref = reference.get((r.prompt_set, r.prompt_index))
-        value = agreement(r.tokens, ref) if ref is not None and r.failed is None else None
-        out.append(msgspec.structs.replace(r, agreement=value))
-    return out
-
-
-def agreement(tokens: list[int], reference: list[int]) -> float:
-    """Share of positions, up to the longer sequence, where both hold the same token."""
-    length = max(len(tokens), len(reference))
-    same = sum(a == b for a, b in zip(tokens, reference, strict=False))
-    return same / length if length else 1.0
-
-
-def summarise(mode: str, prompt_set: str, runs: list[PromptRun]) -> ModeSummary:
-    """One mode on one prompt set, from the raw per-prompt figures. Any failed prompt makes
-    the figures None: an average over the prompts that happened to work would mislead."""
-    mine = [r for r in runs if r.mode == mode and r.prompt_set == prompt_set]
-    failures = [r.failed for r in mine if r.failed is not None]
-    ok = [r for r in mine if r.failed is None]
-    peaks = [r.peak_rss_bytes for r in mine if r.peak_rss_bytes is not None]
-    cgroup_peaks = [r.cgroup_peak_bytes for r in mine if r.cgroup_peak_bytes is not None]
-    memory = {
-        "peak_rss_bytes": max(peaks) if peaks else None,
-        "cgroup_peak_bytes": max(cgroup_peaks) if cgroup_peaks else None,
-    }
-    if failures or not ok:
-        return ModeSummary(
-            mode=mode,
-            prompt_set=prompt_set,
-            prompts=len(ok),
-            failed=failures[0] if failures else "no prompts ran",
-            **memory,
-        )
-    tokens = sum(r.new_tokens for r in ok)
-    steps = sum(r.steps for r in ok)
-    seconds = sum(r.first_token_s + r.decode_s for r in ok)
-    agreements = [r.agreement for r in ok if r.agreement is not None]
-    return ModeSummary(
-        mode=mode,
-        prompt_set=prompt_set,
-        prompts=len(ok),
-        decode_tok_s=decode_rate(ok),
-        mean_first_token_s=sum(r.first_token_s for r in ok) / len(ok),
-        agreement=sum(agreements) / len(agreements) if agreements else None,
-        mean_accepted=tokens / steps if steps else None,
-        bytes_per_token=sum(r.bytes_read for r in ok) / tokens,
-        effective_bandwidth=sum(r.bytes_read for r in ok) / seconds if seconds > 0 else None,
-        **memory,
     )

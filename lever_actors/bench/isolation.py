@@ -6,17 +6,18 @@ only offers the v1 hierarchy, the v1 memory controller (memory.limit_in_bytes /
 memory.max_usage_in_bytes). Needs root and a writable cgroup of our own; without them the
 benchmark still runs children and measures peak RSS, and says the limit was not enforced.
 
-Only the standard library is imported here: the child process uses it before torch loads.
+Beside the cgroups: a process's peak RSS, the bytes it has read from storage, and eviction
+of weight files from the page cache, so that the next read of them comes from storage.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import resource
 from dataclasses import dataclass
 from pathlib import Path
-
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 @dataclass(frozen=True)
@@ -278,9 +279,6 @@ def _pageout(mappings: list[tuple[int, int, int]], start: int, end: int) -> None
     """madvise(MADV_PAGEOUT) the part of file bytes [start, end) that these mappings show."""
     if not mappings:
         return
-    import ctypes
-    import ctypes.util
-
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     for map_start, map_end, offset in mappings:

@@ -1,4 +1,6 @@
-"""Decoding modes the benchmark compares. Each decodes one prompt and stamps every token."""
+"""What a decoding mode is (the Mode protocol, its Decoded output, ModeFailed), and our own
+modes: memory-resident AR and the engine's pipeline. Each mode is built from its spec, plain
+data that can also travel to a child process."""
 
 from __future__ import annotations
 
@@ -8,10 +10,17 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
 import trio
 
 from lever_actors.bench.results import ModeInfo
+from lever_actors.checkpoints import load_checkpoint
 from lever_actors.config import EngineConfig
+from lever_actors.device.layout import DTYPE_NAMES
+from lever_actors.draft import DraftModel
+from lever_actors.engine import Engine
+from lever_actors.model.greedy import greedy_stream
+from lever_actors.model.transformer import Transformer
 
 
 @dataclass
@@ -32,10 +41,7 @@ class Decoded:
 
 
 class Mode(Protocol):
-    info: ModeInfo
-
-    @property
-    def name(self) -> str: ...
+    info: ModeInfo  # info.name names the mode in the results
 
     async def open(self, stack: AsyncExitStack) -> None:
         """Load what the mode needs; anything to close goes on `stack`."""
@@ -49,6 +55,13 @@ class ModeFailed(Exception):
     """A mode could not open or decode; the harness reports the row as failed with this text."""
 
 
+def describe(error: BaseException) -> str:
+    """An error as the results show it: a ModeFailed's own text, else its type and message;
+    cut to 500 characters."""
+    text = str(error) if isinstance(error, ModeFailed) else f"{type(error).__name__}: {error}"
+    return text if len(text) <= 500 else text[:497] + "..."
+
+
 def stamped(tokens: Iterable[int]) -> Decoded:
     decoded = Decoded()
     for token in tokens:
@@ -57,55 +70,48 @@ def stamped(tokens: Iterable[int]) -> Decoded:
     return decoded
 
 
+class MemoryARSpec(msgspec.Struct, frozen=True, tag="memory-ar"):
+    target: str
+    dtype: str
+
+
 class MemoryAR:
     """Ours, the whole target in DRAM, KV-cached greedy: the memory-resident baseline."""
 
-    def __init__(self, info: ModeInfo, target: str, dtype: str) -> None:
+    def __init__(self, info: ModeInfo, spec: MemoryARSpec) -> None:
         self.info = info
-        self.target = target
-        self.dtype = dtype
-
-    @property
-    def name(self) -> str:
-        return self.info.name
+        self.spec = spec
 
     async def open(self, stack: AsyncExitStack) -> None:
         self.model = await trio.to_thread.run_sync(self._load)
 
-    def _load(self):
-        from lever_actors.checkpoints import load_checkpoint
-        from lever_actors.device.layout import DTYPE_NAMES
-        from lever_actors.model.transformer import Transformer
-
-        checkpoint = load_checkpoint(self.target, DTYPE_NAMES[self.dtype])
+    def _load(self) -> Transformer:
+        checkpoint = load_checkpoint(self.spec.target, DTYPE_NAMES[self.spec.dtype])
         return Transformer(checkpoint.args, checkpoint.weights)
 
     async def decode(
         self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]
     ) -> Decoded:
-        from lever_actors.model.greedy import greedy_stream
-
         stream = greedy_stream(self.model, prompt, max_new_tokens, stop_ids)
         return await trio.to_thread.run_sync(stamped, stream)
+
+
+class EngineSpec(msgspec.Struct, frozen=True, tag="engine"):
+    config: EngineConfig
 
 
 class EngineMode:
     """Ours through the actor pipeline: flash-AR (tree "none"), conventional SD, Lever.
     `draft` may pass a draft model already loaded (engine modes in one process share it)."""
 
-    def __init__(self, info: ModeInfo, config: EngineConfig, draft=None) -> None:
+    def __init__(self, info: ModeInfo, spec: EngineSpec, draft: DraftModel | None = None) -> None:
         self.info = info
-        self.config = config
+        self.spec = spec
         self.draft = draft
 
-    @property
-    def name(self) -> str:
-        return self.info.name
-
     async def open(self, stack: AsyncExitStack) -> None:
-        from lever_actors.engine import Engine
-
-        self.engine = await stack.enter_async_context(Engine.open(self.config, draft=self.draft))
+        engine = Engine.open(self.spec.config, draft=self.draft)
+        self.engine = await stack.enter_async_context(engine)
 
     async def decode(
         self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]

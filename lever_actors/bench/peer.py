@@ -14,6 +14,7 @@ every read of an offloaded weight goes through the page cache, which a memory cg
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from contextlib import AsyncExitStack
@@ -26,41 +27,38 @@ import trio
 from lever_actors.bench.isolation import evict_from_page_cache, storage_read_bytes
 from lever_actors.bench.modes import Decoded
 from lever_actors.bench.results import ModeInfo
-from lever_actors.device.layout import DTYPE_NAMES
+from lever_actors.checkpoints.export import export_hf
+from lever_actors.device.layout import DTYPE_NAMES, MANIFEST_NAME
+from lever_actors.progress import ProgressLine
+
+
+class PeerSpec(msgspec.Struct, frozen=True, tag="peer"):
+    model: str  # an HF directory, or a .gguf file (transformers dequantizes it)
+    dtype: str
+    max_memory_bytes: int | None = None  # DRAM for the target's weights; None: all
+    offload_folder: str | None = None
+    assistant: str | None = None  # HF directory of the draft
+    assistant_dtype: str | None = None
+    evict: tuple[str, ...] = ()  # files and folders to drop from DRAM before each prompt
 
 
 class PeerHF:
-    def __init__(
-        self,
-        info: ModeInfo,
-        model: str,  # an HF directory, or a .gguf file (transformers dequantizes it)
-        dtype: str,
-        *,
-        max_memory_bytes: int | None = None,  # DRAM for the target's weights; None: all
-        offload_folder: str | None = None,
-        assistant: str | None = None,  # HF directory of the draft
-        assistant_dtype: str | None = None,
-        evict: tuple[str, ...] = (),  # files and folders to drop from DRAM before each prompt
-    ) -> None:
+    def __init__(self, info: ModeInfo, spec: PeerSpec) -> None:
         self.info = info
-        self.model_path = Path(model)
-        self.dtype = DTYPE_NAMES[dtype]
-        self.max_memory_bytes = max_memory_bytes
-        self.offload_folder = offload_folder
-        self.assistant_path = Path(assistant) if assistant else None
-        self.assistant_dtype = DTYPE_NAMES[assistant_dtype] if assistant_dtype else self.dtype
-        self.evict = [Path(p) for p in evict]
+        self.model_path = Path(spec.model)
+        self.dtype = DTYPE_NAMES[spec.dtype]
+        self.max_memory_bytes = spec.max_memory_bytes
+        self.offload_folder = spec.offload_folder
+        self.assistant_path = Path(spec.assistant) if spec.assistant else None
+        self.assistant_dtype = DTYPE_NAMES[spec.assistant_dtype or spec.dtype]
+        self.evict = [Path(p) for p in spec.evict]
         self.assistant = None
-
-    @property
-    def name(self) -> str:
-        return self.info.name
 
     async def open(self, stack: AsyncExitStack) -> None:
         await trio.to_thread.run_sync(self._load)
 
     def _load(self) -> None:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # optional: the `bench` extra
 
         sources = [self.model_path, *([self.assistant_path] if self.assistant_path else [])]
         evict_from_page_cache([*sources, *self.evict])
@@ -170,3 +168,19 @@ class _StampingStreamer:
 
     def end(self) -> None:
         pass
+
+
+def hf_export_for(path: Path, dtype: str, cache: Path) -> Path:
+    """An HF directory with the weights of `path` as `dtype`, for the peer: `path` itself when
+    it is one, else an export made once beside a flash layout or into `cache` for a GGUF file."""
+    if path.is_dir() and not (path / MANIFEST_NAME).is_file():
+        return path  # already an HF directory
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}[dtype]
+    parent = path.parent if path.is_dir() else cache
+    out = parent / f"{path.stem if path.is_file() else path.name}.hf-{short}"
+    if not (out / "config.json").is_file():
+        print(
+            f"exporting {path.name} as an HF directory for the peer (once): {out}", file=sys.stderr
+        )
+        export_hf(path, out, DTYPE_NAMES[dtype], progress=ProgressLine(sys.stderr))
+    return out

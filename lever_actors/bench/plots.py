@@ -1,21 +1,33 @@
-"""PNG plots of results (matplotlib, from the `bench` extra, imported only here). Each
-function returns the figures it plotted, so that tests can hold them to the raw results."""
+"""PNG plots of results, drawn with matplotlib (the `bench` extra). Each plot returns the
+figures it drew, so that tests can hold them to the raw results."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from lever_actors.bench.report import ReportError
-from lever_actors.bench.results import BenchResults, SweepResults
+from lever_actors.bench.report import ReportError, output_paths
+from lever_actors.bench.results import AnyResults, BenchResults, SweepResults
+from lever_actors.bench.summary import SWEEP_LINES, budget_percent, sweep_rates
+
+
+def write_plots(results: AnyResults, json_path: Path) -> list[Path]:
+    """The PNGs that go with a results JSON, beside it; raises ReportError without matplotlib."""
+    paths = output_paths(json_path)
+    if isinstance(results, SweepResults):
+        sweep_plot(results, paths["sweep"])
+        return [paths["sweep"]]
+    throughput_plot(results, paths["throughput"])
+    accepted_plot(results, paths["accepted"])
+    return [paths["throughput"], paths["accepted"]]
 
 
 def _pyplot():
     try:
-        import matplotlib
+        import matplotlib  # optional: the `bench` extra
     except ImportError:
         raise ReportError("PNG plots need matplotlib: pip install 'lever-actors[bench]'") from None
     matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: the `bench` extra
 
     return plt
 
@@ -103,8 +115,6 @@ def sweep_plot(
 ) -> dict[str, dict[str, list[tuple[float, float]]]]:
     """One panel per flash profile: decode tok/s against the DRAM budget (% of the target)
     for flash-AR, the best SD mode and Lever. Returns profile -> line -> [(budget %, tok/s)]."""
-    from lever_actors.bench.sweep import SWEEP_LINES, sweep_rates
-
     plt = _pyplot()
     rates = sweep_rates(results)
     throttles = list(dict.fromkeys(p.throttle for p in results.points))
@@ -119,7 +129,7 @@ def sweep_plot(
                     continue
                 value = rates[(p.throttle, p.budget)].get(line, (None,))[0]
                 if value is not None:
-                    points.append((_percent(p), value))
+                    points.append((budget_percent(p), value))
             data[throttle][line] = points
             if points:
                 ax.plot(*zip(*points, strict=True), marker="o", label=line)
@@ -132,9 +142,3 @@ def sweep_plot(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return data
-
-
-def _percent(point) -> float:
-    from lever_actors.bench.sweep import budget_percent
-
-    return budget_percent(point)

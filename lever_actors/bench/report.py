@@ -1,19 +1,14 @@
-"""Results as people read them: a markdown table, PNG plots, and the README's Results section
-(rewritten from a results file by `lever-actors report`, never typed by hand)."""
+"""Results as people read them, in markdown: the tables of a bench run or a sweep, and the
+README's Results section (rewritten from a results file by `lever-actors report`, never typed
+by hand). The PNGs are bench/plots.py's."""
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
-from lever_actors.bench.results import (
-    AnyResults,
-    BenchResults,
-    ModeSummary,
-    SweepResults,
-    write_results,
-)
+from lever_actors.bench.results import AnyResults, BenchResults, ModeSummary, SweepResults
+from lever_actors.bench.summary import OFFLOADED_PEERS, SWEEP_LINES, sweep_rates
 from lever_actors.errors import LeverError
 
 START_MARKER = "<!-- results:start -->"
@@ -46,50 +41,19 @@ def output_paths(json_path: Path) -> dict[str, Path]:
     }
 
 
-def write_outputs(results: AnyResults, json_path: Path, *, plots: bool = True, log=None):
-    """The JSON, its markdown and (when matplotlib is installed) its PNGs; returns the paths."""
-    log = log or sys.stderr  # looked up now: tests and callers may replace it
-    write_results(results, json_path)
-    paths = output_paths(json_path)
-    written = [json_path]
-    paths["markdown"].write_text(render_markdown(results, json_path))
-    written.append(paths["markdown"])
-    if plots:
-        try:
-            written += write_plots(results, json_path)
-        except ReportError as e:
-            print(f"no plots: {e}", file=log)
-    return written
-
-
-def write_plots(results: AnyResults, json_path: Path) -> list[Path]:
-    from lever_actors.bench import plots
-
-    paths = output_paths(json_path)
-    if isinstance(results, SweepResults):
-        plots.sweep_plot(results, paths["sweep"])
-        return [paths["sweep"]]
-    plots.throughput_plot(results, paths["throughput"])
-    plots.accepted_plot(results, paths["accepted"])
-    return [paths["throughput"], paths["accepted"]]
-
-
-def render_markdown(results: AnyResults, json_path: Path | None = None) -> str:
+def render_markdown(results: AnyResults) -> str:
     if isinstance(results, SweepResults):
         return sweep_markdown(results)
-    parts = [
-        machine_line(results),
-        "",
-        summary_lines(results),
-        "",
-        markdown_table(results),
-        "",
-        DECODE_NOTE,
-    ]
+    parts = [machine_line(results), "", *_figures(results)]
     notes = memory_note(results)
     if notes:
         parts += ["", notes]
     return "\n".join(parts) + "\n"
+
+
+def _figures(results: BenchResults) -> list[str]:
+    """The ratios, the table and what decode tok/s means, as parts between blank lines."""
+    return [summary_lines(results), "", markdown_table(results), "", DECODE_NOTE]
 
 
 def machine_line(results: AnyResults) -> str:
@@ -162,7 +126,7 @@ def memory_note(results: BenchResults) -> str:
 
 
 def _peer_note(results: BenchResults) -> str:
-    peers = [m for m in results.modes if m.family in ("peer-offload", "peer-assisted")]
+    peers = [m for m in results.modes if m.family in OFFLOADED_PEERS]
     throttled = sorted({m.throttle for m in results.modes if m.throttle != "none"})
     notes = []
     if peers and throttled:
@@ -170,11 +134,7 @@ def _peer_note(results: BenchResults) -> str:
             f"Our flash modes ran under the {', '.join(throttled)} flash profile; the peer "
             "reads the raw disk (no profile), so the comparison favours the peer."
         )
-    unlimited = [
-        m.name
-        for m in results.modes
-        if m.family in ("peer-offload", "peer-assisted") and not m.limit_enforced
-    ]
+    unlimited = [m.name for m in peers if not m.limit_enforced]
     if unlimited:
         notes.append(
             f"{', '.join(unlimited)}: the offloaded weights were evicted from the page cache "
@@ -244,8 +204,6 @@ def _cell(text: str) -> str:
 
 
 def sweep_markdown(results: SweepResults) -> str:
-    from lever_actors.bench.sweep import SWEEP_LINES, sweep_rates
-
     rates = sweep_rates(results)
     lines = [
         machine_line(results),
@@ -288,11 +246,7 @@ def readme_section(results: BenchResults, readme: Path, json_path: Path) -> str:
         results.command or "(command not recorded)",
         "```",
         "",
-        summary_lines(results),
-        "",
-        markdown_table(results),
-        "",
-        DECODE_NOTE,
+        *_figures(results),
         "",
         memory_note(results),
         "",

@@ -15,6 +15,8 @@ from pathlib import Path
 import msgspec
 import torch
 
+from lever_actors.bench.isolation import probe_cgroup
+from lever_actors.channels.stats import decode_rate
 from lever_actors.device.disk_profile import DiskProfile
 from lever_actors.errors import LeverError
 
@@ -37,8 +39,6 @@ class Machine(msgspec.Struct, frozen=True):
 
     @classmethod
     def here(cls) -> Machine:
-        from lever_actors.bench.isolation import probe_cgroup
-
         return cls(
             cpu=_cpu_name(),
             cores=os.cpu_count() or 0,
@@ -91,9 +91,7 @@ class PromptRun(msgspec.Struct, frozen=True, omit_defaults=True):
 
     @property
     def decode_tok_s(self) -> float | None:
-        if self.decode_s <= 0 or self.decode_tokens == 0:
-            return None
-        return self.decode_tokens / self.decode_s
+        return decode_rate(self.decode_tokens, self.decode_s)
 
 
 class ModeSummary(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -203,13 +201,6 @@ def read_results(path: Path) -> AnyResults:
         return msgspec.json.decode(raw, type=AnyResults)
     except msgspec.DecodeError as e:
         raise ResultsError(f"{path}: invalid results file ({e})") from None
-
-
-def read_bench_results(path: Path) -> BenchResults:
-    results = read_results(path)
-    if not isinstance(results, BenchResults):
-        raise ResultsError(f"{path}: holds sweep results; this needs the results of a bench run")
-    return results
 
 
 class _SchemaOnly(msgspec.Struct):

@@ -1,39 +1,135 @@
-"""One benchmark run from options to files: plan the modes, run them (in this process or
-one child process each), measure the raw disk in the same run, write JSON, markdown, PNGs.
-The CLI adds prompt sets and a tokenizer; tests pass token ids directly."""
+"""A benchmark run from options to files: plan the modes, run them (in this process or one
+child process each), measure the raw disk in the same run, write JSON, markdown and PNGs.
+The scaling sweep is such runs over DRAM budgets x flash profiles. The CLI makes the
+workload from prompt sets and a tokenizer; tests pass token ids directly."""
 
 from __future__ import annotations
 
 import functools
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 import trio
 
+from lever_actors.bench.child import ChildMode
 from lever_actors.bench.harness import PromptSet, run_bench
 from lever_actors.bench.isolation import CgroupSupport, probe_cgroup
-from lever_actors.bench.report import write_outputs
-from lever_actors.bench.results import BenchResults
-from lever_actors.bench.specs import BenchOptions, PlannedMode, open_in_process, plan_modes
+from lever_actors.bench.modes import Mode
+from lever_actors.bench.plan import BenchOptions, PlannedMode, open_in_process, plan_modes
+from lever_actors.bench.plots import write_plots
+from lever_actors.bench.report import ReportError, output_paths, render_markdown
+from lever_actors.bench.results import (
+    AnyResults,
+    BenchResults,
+    Machine,
+    SweepPoint,
+    SweepResults,
+    write_results,
+)
+from lever_actors.config import DramBudget
 from lever_actors.device.disk_profile import DiskProfile, profile_disk
 from lever_actors.device.layout import MANIFEST_NAME, WEIGHTS_NAME, read_manifest
+from lever_actors.draft import DraftModel
 
 DISK_PROFILE_BYTES = 2**30  # read at most this much of the layout to measure the raw disk
+SWEEP_FAMILIES = ("flash-ar", "sd-chain", "sd-static", "lever")
+SWEEP_BUDGETS = tuple(DramBudget.parse(f"{p}%") for p in range(10, 101, 10))
+SWEEP_THROTTLES = ("ufs3.1", "ufs4.0", "none")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every mode decodes: the target, the draft, and prompts as token ids."""
+
+    target: Path
+    draft: Path | None
+    prompt_sets: Sequence[PromptSet]
+    stop_ids: frozenset[int]
+
+
+def bench(
+    options: BenchOptions,
+    workload: Workload,
+    *,
+    out: Path | None = None,
+    command: str = "",
+    plots: bool = True,
+    log=None,
+) -> BenchResults:
+    """Every mode of `options` on the workload, with the raw disk measured before and after;
+    the files go to `out` and beside it."""
+    log = log or sys.stderr  # looked up now: tests and callers may replace it
+    cgroups = isolation_support(options, log)
+    modes = make_modes(plan_modes(options, workload.target, workload.draft), cgroups, {})
+    before = measure_disk(workload.target)
+    results = run_modes(modes, workload, options, command, log)
+    results = with_disk(results, [before, measure_disk(workload.target)])
+    if out is not None:
+        write_outputs(results, out, plots=plots, log=log)
+    return results
+
+
+def sweep(
+    options: BenchOptions,
+    workload: Workload,
+    *,
+    budgets: Sequence[DramBudget] = SWEEP_BUDGETS,
+    throttles: Sequence[str] = SWEEP_THROTTLES,
+    out: Path | None = None,
+    command: str = "",
+    plots: bool = True,
+    log=None,
+) -> SweepResults:
+    """flash-AR, the best SD mode and Lever at each budget x flash profile, to show where
+    Lever's gain comes from and how it degrades. Each point is one run of its modes, opened
+    for that point only (memory holds one point's engines at a time). Modes of `options`
+    outside SWEEP_FAMILIES are dropped (default: all four families)."""
+    log = log or sys.stderr  # looked up now: tests and callers may replace it
+    families = tuple(m for m in options.modes if m in SWEEP_FAMILIES) or SWEEP_FAMILIES
+    manifest = read_manifest(workload.target)
+    cgroups = isolation_support(options, log)
+    drafts: dict[tuple[str, str], DraftModel] = {}  # loaded once for all in-process points
+    disk = [measure_disk(workload.target)]
+    points = []
+    for throttle in throttles:
+        for budget in budgets:
+            print(f"sweep point: flash profile {throttle}, DRAM budget {budget}", file=log)
+            point_options = msgspec.structs.replace(
+                options, modes=families, budgets=(budget,), throttle=throttle
+            )
+            planned = plan_modes(point_options, workload.target, workload.draft)
+            modes = make_modes(planned, cgroups, drafts)
+            points.append(
+                SweepPoint(
+                    throttle=throttle,
+                    budget=str(budget),
+                    budget_bytes=budget.bytes_of(manifest.file_bytes),
+                    target_bytes=manifest.file_bytes,
+                    results=run_modes(modes, workload, point_options, command, log),
+                )
+            )
+    disk.append(measure_disk(workload.target))
+    config = options.as_config() | {
+        "sweep_budgets": [str(b) for b in budgets],
+        "sweep_throttles": list(throttles),
+    }
+    results = SweepResults(machine=Machine.here(), command=command, config=config, points=points)
+    results = with_disk(results, disk)
+    if out is not None:
+        write_outputs(results, out, plots=plots, log=log)
+    return results
 
 
 def make_modes(
     planned: Sequence[PlannedMode],
-    options: BenchOptions,
-    cgroups: CgroupSupport | None = None,
-    drafts: dict | None = None,
-) -> list:
+    cgroups: CgroupSupport | None,
+    drafts: dict[tuple[str, str], DraftModel],
+) -> list[Mode]:
     """An isolated mode runs in a child process of its own (under a memory cgroup where
     `cgroups` is usable); the others run in this process and share loaded drafts."""
-    from lever_actors.bench.isolated_mode import ChildMode
-
-    drafts = {} if drafts is None else drafts
     return [
         ChildMode(p, cgroups) if p.info.isolated else open_in_process(p, drafts) for p in planned
     ]
@@ -50,6 +146,27 @@ def isolation_support(options: BenchOptions, log) -> CgroupSupport | None:
     return cgroups
 
 
+def run_modes(
+    modes: Sequence[Mode], workload: Workload, options: BenchOptions, command: str, log
+) -> BenchResults:
+    """One interleaved (or sequential) pass of `modes` over the prompts, in its own trio run,
+    compared at the first budget."""
+    return trio.run(
+        functools.partial(
+            run_bench,
+            modes,
+            workload.prompt_sets,
+            max_new_tokens=options.max_new_tokens,
+            stop_ids=workload.stop_ids,
+            config=options.as_config(),
+            command=command,
+            order=options.order,
+            budget=str(options.budgets[0]) if options.budgets else None,
+            log=log,
+        )
+    )
+
+
 def measure_disk(target: Path) -> DiskProfile | None:
     """Raw sequential read bandwidth under the target's flash layout, in layer-sized reads."""
     if not (target / MANIFEST_NAME).is_file():
@@ -59,52 +176,26 @@ def measure_disk(target: Path) -> DiskProfile | None:
     return profile_disk(target / WEIGHTS_NAME, layer_bytes, DISK_PROFILE_BYTES)
 
 
-def with_disk(results, profiles: list[DiskProfile | None]):
-    """`results` (bench or sweep) with the raw disk profiles of the run and their mean."""
-    profiles = [p for p in profiles if p is not None]
-    bandwidth = sum(p.bandwidth for p in profiles) / len(profiles) if profiles else None
+def with_disk(results: AnyResults, profiles: list[DiskProfile | None]) -> AnyResults:
+    """`results` with the raw disk profiles of the run and their mean."""
+    measured = [p for p in profiles if p is not None]
+    bandwidth = sum(p.bandwidth for p in measured) / len(measured) if measured else None
     machine = msgspec.structs.replace(results.machine, disk_bandwidth=bandwidth)
-    return msgspec.structs.replace(results, machine=machine, disk=profiles)
+    return msgspec.structs.replace(results, machine=machine, disk=measured)
 
 
-def run_modes(modes, prompt_sets, options: BenchOptions, stop_ids, command, budget, log):
-    """One interleaved (or sequential) pass of `modes` over the prompts, in its own trio run."""
-    return trio.run(
-        functools.partial(
-            run_bench,
-            modes,
-            prompt_sets,
-            max_new_tokens=options.max_new_tokens,
-            stop_ids=stop_ids,
-            config=options.as_config(),
-            command=command,
-            order=options.order,
-            budget=budget,
-            log=log,
-        )
-    )
-
-
-def bench(
-    options: BenchOptions,
-    target: Path,
-    draft: Path | None,
-    prompt_sets: Sequence[PromptSet],
-    stop_ids: frozenset[int],
-    *,
-    out: Path | None = None,
-    command: str = "",
-    plots: bool = True,
-    log=None,
-) -> BenchResults:
+def write_outputs(
+    results: AnyResults, json_path: Path, *, plots: bool = True, log=None
+) -> list[Path]:
+    """The JSON, its markdown and (when matplotlib is installed) its PNGs; returns the paths."""
     log = log or sys.stderr  # looked up now: tests and callers may replace it
-    cgroups = isolation_support(options, log)
-    planned = plan_modes(options, target, draft)
-    modes = make_modes(planned, options, cgroups)
-    before = measure_disk(target)
-    budget = options.budgets[0] if options.budgets else None
-    results = run_modes(modes, prompt_sets, options, stop_ids, command, budget, log)
-    results = with_disk(results, [before, measure_disk(target)])
-    if out is not None:
-        write_outputs(results, out, plots=plots, log=log)
-    return results
+    write_results(results, json_path)
+    markdown = output_paths(json_path)["markdown"]
+    markdown.write_text(render_markdown(results))
+    written = [json_path, markdown]
+    if plots:
+        try:
+            written += write_plots(results, json_path)
+        except ReportError as e:  # no matplotlib
+            print(f"no plots: {e}", file=log)
+    return written

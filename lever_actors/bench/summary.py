@@ -1,26 +1,96 @@
-"""The headline ratios: Lever's decode tok/s over each baseline's, from the raw per-prompt
-figures, per prompt set and averaged over the prompt sets."""
+"""Figures computed from the raw per-prompt runs: agreement with the reference mode, each
+mode's summary per prompt set, Lever's speed-up over each baseline, and the lines of the
+scaling sweep. Nothing here runs a model or writes a file."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lever_actors.bench.results import ModeInfo, PromptRun, Ratios, Summary
+import msgspec
+
+from lever_actors.bench.results import (
+    ModeInfo,
+    ModeSummary,
+    PromptRun,
+    Ratios,
+    Summary,
+    SweepPoint,
+    SweepResults,
+)
+from lever_actors.channels.stats import decode_rate, per_step
 
 SD_FAMILIES = ("sd-chain", "sd-static")
-PEER_FAMILIES = ("peer-offload", "peer-assisted")
+OFFLOADED_PEERS = ("peer-offload", "peer-assisted")  # the peers that read from flash
 BASELINES = ("flash_ar", "best_sd", "memory_ar", "peer")
+SWEEP_LINES = ("flash-AR", "best SD", "Lever")
+_LINE_FAMILIES = {"flash-AR": ("flash-ar",), "best SD": SD_FAMILIES, "Lever": ("lever",)}
 
 
-def decode_rate(runs: Sequence[PromptRun]) -> float | None:
+def pooled_decode_rate(runs: Sequence[PromptRun]) -> float | None:
     """Tokens of the decode phase (after the first step, which comes with the prefill) per
     second of decoding, over all `runs`; None when there are none, any failed, or no time
     passed."""
     if not runs or any(r.failed is not None for r in runs):
         return None
-    tokens = sum(r.decode_tokens for r in runs)
-    seconds = sum(r.decode_s for r in runs)
-    return tokens / seconds if seconds > 0 and tokens > 0 else None
+    return decode_rate(sum(r.decode_tokens for r in runs), sum(r.decode_s for r in runs))
+
+
+def agreement(tokens: list[int], reference: list[int]) -> float:
+    """Share of positions, up to the longer sequence, where both hold the same token."""
+    length = max(len(tokens), len(reference))
+    same = sum(a == b for a, b in zip(tokens, reference, strict=False))
+    return same / length if length else 1.0
+
+
+def with_agreement(runs: list[PromptRun], reference_mode: str) -> list[PromptRun]:
+    reference = {
+        (r.prompt_set, r.prompt_index): r.tokens
+        for r in runs
+        if r.mode == reference_mode and r.failed is None
+    }
+    out = []
+    for r in runs:
+        ref = reference.get((r.prompt_set, r.prompt_index))
+        value = agreement(r.tokens, ref) if ref is not None and r.failed is None else None
+        out.append(msgspec.structs.replace(r, agreement=value))
+    return out
+
+
+def summarise(mode: str, prompt_set: str, runs: list[PromptRun]) -> ModeSummary:
+    """One mode on one prompt set, from the raw per-prompt figures. Any failed prompt makes
+    the figures None: an average over the prompts that happened to work would mislead."""
+    mine = [r for r in runs if r.mode == mode and r.prompt_set == prompt_set]
+    failures = [r.failed for r in mine if r.failed is not None]
+    ok = [r for r in mine if r.failed is None]
+    peaks = [r.peak_rss_bytes for r in mine if r.peak_rss_bytes is not None]
+    cgroup_peaks = [r.cgroup_peak_bytes for r in mine if r.cgroup_peak_bytes is not None]
+    memory = {
+        "peak_rss_bytes": max(peaks) if peaks else None,
+        "cgroup_peak_bytes": max(cgroup_peaks) if cgroup_peaks else None,
+    }
+    if failures or not ok:
+        return ModeSummary(
+            mode=mode,
+            prompt_set=prompt_set,
+            prompts=len(ok),
+            failed=failures[0] if failures else "no prompts ran",
+            **memory,
+        )
+    tokens = sum(r.new_tokens for r in ok)
+    seconds = sum(r.first_token_s + r.decode_s for r in ok)
+    agreements = [r.agreement for r in ok if r.agreement is not None]
+    return ModeSummary(
+        mode=mode,
+        prompt_set=prompt_set,
+        prompts=len(ok),
+        decode_tok_s=pooled_decode_rate(ok),
+        mean_first_token_s=sum(r.first_token_s for r in ok) / len(ok),
+        agreement=sum(agreements) / len(agreements) if agreements else None,
+        mean_accepted=per_step(tokens, sum(r.steps for r in ok)),
+        bytes_per_token=sum(r.bytes_read for r in ok) / tokens,
+        effective_bandwidth=sum(r.bytes_read for r in ok) / seconds if seconds > 0 else None,
+        **memory,
+    )
 
 
 def compute_summary(
@@ -34,7 +104,9 @@ def compute_summary(
     prompt_sets = list(dict.fromkeys(r.prompt_set for r in runs))
 
     def rate(mode: str, prompt_set: str) -> float | None:
-        return decode_rate([r for r in runs if r.mode == mode and r.prompt_set == prompt_set])
+        return pooled_decode_rate(
+            [r for r in runs if r.mode == mode and r.prompt_set == prompt_set]
+        )
 
     def at_budget(families: Sequence[str]) -> list[str]:
         return [m.name for m in modes if m.family in families and m.budget == budget]
@@ -52,7 +124,7 @@ def compute_summary(
             "memory_ar": _fastest(
                 [m.name for m in modes if m.family == "memory-ar"], prompt_set, rate
             ),
-            "peer": _fastest(at_budget(PEER_FAMILIES), prompt_set, rate),
+            "peer": _fastest(at_budget(OFFLOADED_PEERS), prompt_set, rate),
         }
         ratios = {
             f"lever_vs_{key}": lever_rate / found[1]
@@ -76,3 +148,38 @@ def _fastest(names: Sequence[str], prompt_set: str, rate) -> tuple[str, float] |
     rated = [(name, rate(name, prompt_set)) for name in names]
     rated = [(name, r) for name, r in rated if r is not None and r > 0]
     return max(rated, key=lambda item: item[1]) if rated else None
+
+
+def sweep_rates(
+    results: SweepResults,
+) -> dict[tuple[str, str], dict[str, tuple[float | None, str | None, str | None]]]:
+    """(throttle, budget) -> line -> (decode tok/s over all prompt sets, mode, failure).
+    For "best SD" the mode is the fastest SD mode at that point."""
+    out = {}
+    for point in results.points:
+        r = point.results
+        row = {}
+        for line, families in _LINE_FAMILIES.items():
+            candidates = []
+            failure = None
+            for info in r.modes:
+                if info.family not in families:
+                    continue
+                runs = [x for x in r.runs if x.mode == info.name]
+                failed = next((x.failed for x in runs if x.failed is not None), None)
+                failure = failure or failed
+                rate = pooled_decode_rate(runs)
+                if rate is not None:
+                    candidates.append((rate, info.name))
+            if candidates:
+                rate, mode = max(candidates)
+                row[line] = (rate, mode, None)
+            elif failure is not None:
+                row[line] = (None, None, failure)
+        out[(point.throttle, point.budget)] = row
+    return out
+
+
+def budget_percent(point: SweepPoint) -> float:
+    """The point's DRAM budget as a percentage of the target's weights."""
+    return 100.0 * point.budget_bytes / point.target_bytes

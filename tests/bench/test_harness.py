@@ -1,171 +1,146 @@
-"""The harness end to end on a tiny pair: every mode (ours and the transformers peer) on two
-prompt sets of two prompts, to JSON, markdown and PNGs whose contents are checked against
-the raw per-prompt figures."""
+"""A mode that fails is reported as failed, with its error, on every prompt it did not
+decode; ratios against it are left out, never NaN. Summary ratios on known figures."""
 
 from __future__ import annotations
 
-import json
-import math
-
 import pytest
-from PIL import Image
 
-from lever_actors.bench import plots
-from lever_actors.bench.report import output_paths
-from lever_actors.bench.results import BenchResults, read_results
-from lever_actors.bench.run import bench
-from lever_actors.bench.specs import BenchOptions
-from tests.bench.conftest import PROMPT_SETS
-
-ALL_MODES = (
-    "memory-ar",
-    "flash-ar",
-    "sd-chain",
-    "sd-static",
-    "lever",
-    "peer-memory",
-    "peer-offload",
-    "peer-assisted",
-)
-EXPECTED_NAMES = [
-    "memory-ar",
-    "flash-ar@50%",
-    "sd-chain:2@50%",
-    "sd-static:2,1@50%",
-    "lever@50%",
-    "peer-memory",
-    "peer-offload@50%",
-    "peer-assisted@50%",
-]
+from lever_actors.bench.harness import run_bench
+from lever_actors.bench.report import markdown_table, render_markdown
+from lever_actors.bench.results import PromptRun, write_results
+from lever_actors.bench.summary import compute_summary
+from tests.bench.fakes import SETS, BurstMode, FakeMode, info
 
 
-@pytest.fixture(scope="module")
-def run(tiny_pair, tmp_path_factory):
-    target, draft = tiny_pair
-    out = tmp_path_factory.mktemp("results") / "headline.json"
-    options = BenchOptions(
-        modes=ALL_MODES,
-        budgets=("50%",),
-        chain=(2,),
-        static_tree="2,1",
-        draft_dtype="float32",
-        prompt_sets=("humaneval", "sharegpt"),
-        prompts=2,
-        max_new_tokens=8,
-        cache_dir=str(tmp_path_factory.mktemp("cache")),
+async def test_failed_modes_are_rows_with_their_error(tmp_path):
+    modes = [
+        FakeMode(info("flash-ar@25%", "flash-ar"), 10.0),
+        FakeMode(info("lever@25%", "lever", tree="gaincost"), 30.0, accept=3),
+        FakeMode(info("peer-offload@25%", "peer-offload"), 2.0),
+        FakeMode(info("peer-assisted@25%", "peer-assisted", tree="assisted"), 4.0, fail_at=2),
+        FakeMode(
+            info("sd-chain:4@25%", "sd-chain", tree="chain:4"), 1.0, fail_open=OSError("disk gone")
+        ),
+    ]
+    results = await run_bench(
+        modes, SETS, max_new_tokens=5, stop_ids=frozenset(), config={}, order="interleaved"
     )
-    results = bench(options, target, draft, PROMPT_SETS, frozenset(), out=out, command="test")
-    return results, out
+    assisted = [r for r in results.runs if r.mode == "peer-assisted@25%"]
+    assert [r.failed is None for r in assisted] == [True, False, False, False]
+    assert "Cannot copy out of meta tensor" in assisted[1].failed
+    assert modes[3].calls == 2  # not tried again after its failure
+    chain = [r for r in results.runs if r.mode == "sd-chain:4@25%"]
+    assert len(chain) == 4 and all(r.failed == "OSError: disk gone" for r in chain)
+    for s in results.summaries:
+        if s.mode in ("peer-assisted@25%", "sd-chain:4@25%"):
+            assert s.failed and s.decode_tok_s is None
+    summary = results.summary
+    assert summary.lever_vs_flash_ar == pytest.approx(3.0)
+    assert summary.lever_vs_peer == pytest.approx(15.0)  # the peer that worked
+    assert summary.compared["a"]["peer"] == "peer-offload@25%"
+    assert summary.lever_vs_best_sd is None and summary.lever_vs_memory_ar is None
+    table = markdown_table(results)
+    assert "failed: NotImplementedError: Cannot copy out of meta tensor; no data!" in table
+    assert "failed: OSError: disk gone" in table
+    text = render_markdown(results)
+    assert "best SD" not in text.split("| mode |")[0]  # no ratio row for an absent baseline
+    write_results(results, tmp_path / "r.json")
+    raw = (tmp_path / "r.json").read_text()
+    assert "NaN" not in raw and '"lever_vs_best_sd"' not in raw
+    mean_accepted = {s.mode: s.mean_accepted for s in results.summaries if s.prompt_set == "a"}
+    assert mean_accepted["lever@25%"] == pytest.approx(5 / 2)
+    assert mean_accepted["flash-ar@25%"] == pytest.approx(1.0)
 
 
-def _rate(results: BenchResults, mode: str, prompt_set: str) -> float:
-    runs = [r for r in results.runs if r.mode == mode and r.prompt_set == prompt_set]
-    assert len(runs) == 2
-    return sum(r.new_tokens - r.first_step_tokens for r in runs) / sum(r.decode_s for r in runs)
+async def test_sequential_order_gives_the_same_rows():
+    modes = [
+        FakeMode(info("flash-ar@25%", "flash-ar"), 10.0),
+        FakeMode(info("lever@25%", "lever"), 20.0),
+    ]
+    results = await run_bench(
+        modes, SETS, max_new_tokens=4, stop_ids=frozenset(), config={}, order="sequential"
+    )
+    assert [r.mode for r in results.runs[:4]] == ["flash-ar@25%"] * 4  # one mode at a time
+    assert all(r.agreement == 1.0 for r in results.runs)
+    assert results.summary.lever_vs_flash_ar == pytest.approx(2.0)
 
 
-def test_every_mode_ran_on_every_prompt(run):
-    results, out = run
-    assert [m.name for m in results.modes] == EXPECTED_NAMES
-    assert results.reference_mode == "memory-ar"
-    for name in EXPECTED_NAMES:
-        for prompt_set in ("humaneval", "sharegpt"):
-            runs = [r for r in results.runs if r.mode == name and r.prompt_set == prompt_set]
-            assert [r.prompt_index for r in runs] == [0, 1]
-            assert all(r.failed is None and r.new_tokens == 8 for r in runs), runs
-            assert all(r.agreement is not None and r.peak_rss_bytes for r in runs)
-            (summary,) = [
-                s for s in results.summaries if s.mode == name and s.prompt_set == prompt_set
-            ]
-            assert summary.failed is None and summary.prompts == 2
-            assert summary.decode_tok_s == pytest.approx(_rate(results, name, prompt_set))
-    flash = [r for r in results.runs if r.mode == "flash-ar@50%"]
-    assert all(r.bytes_read > 0 and r.steps == r.new_tokens for r in flash)
-    info = results.info("lever@50%")
-    assert info.family == "lever" and info.tree == "gaincost" and info.budget_bytes
-    assert not info.isolated and not info.limit_enforced
-    for name in ("peer-offload@50%", "peer-assisted@50%"):
-        assert "accelerate placed" in results.info(name).note
+def _run(mode, prompt_set, index, tokens, seconds, failed=None):
+    return PromptRun(
+        mode=mode,
+        prompt_set=prompt_set,
+        prompt_index=index,
+        prompt_tokens=3,
+        new_tokens=tokens,
+        first_token_s=0.1,
+        decode_s=seconds,
+        agreement=1.0,
+        tokens=list(range(tokens)),
+        failed=failed,
+    )
 
 
-def test_json_is_valid_and_finite(run):
-    results, out = run
-    text = out.read_text()
-    assert "NaN" not in text and "Infinity" not in text
-    assert read_results(out) == results
-
-    def walk(value):
-        if isinstance(value, float):
-            assert math.isfinite(value)
-        elif isinstance(value, dict):
-            for v in value.values():
-                walk(v)
-        elif isinstance(value, list):
-            for v in value:
-                walk(v)
-
-    walk(json.loads(text))
-    assert results.machine.disk_bandwidth and results.disk
-    assert results.config["modes"] == list(ALL_MODES)
-
-
-def test_ratios_come_from_the_raw_figures(run):
-    results, _ = run
-    s = results.summary
-    assert s.budget == "50%"
-    baselines = {
-        "flash_ar": ["flash-ar@50%"],
-        "best_sd": ["sd-chain:2@50%", "sd-static:2,1@50%"],
-        "memory_ar": ["memory-ar"],
-        "peer": ["peer-offload@50%", "peer-assisted@50%"],
-    }
-    for key, modes in baselines.items():
-        per_set = []
-        for prompt_set in ("humaneval", "sharegpt"):
-            best = max(modes, key=lambda m, p=prompt_set: _rate(results, m, p))
-            expected = _rate(results, "lever@50%", prompt_set) / _rate(results, best, prompt_set)
-            got = getattr(s.per_prompt_set[prompt_set], f"lever_vs_{key}")
-            assert got == pytest.approx(expected)
-            assert s.compared[prompt_set][key] == best
-            per_set.append(expected)
-        assert getattr(s, f"lever_vs_{key}") == pytest.approx(sum(per_set) / 2)
-
-
-def test_markdown_lists_every_mode_and_ratio(run):
-    results, out = run
-    text = output_paths(out)["markdown"].read_text()
-    for name in EXPECTED_NAMES:
-        assert text.count(f"| {name} |") == 2
-    assert "failed" not in text and "nan" not in text.lower()
-    for label in ("flash-AR", "best SD", "memory-resident AR", "transformers peer"):
-        assert f"| {label} |" in text
-    assert f"{results.summary.lever_vs_peer:.2f}x" in text
-    assert "not per mode" in text  # peak RSS is the harness's own when not isolated
+def test_summary_ratios_on_known_figures():
+    modes = [
+        info("memory-ar", "memory-ar", budget=None),
+        info("flash-ar@25%", "flash-ar"),
+        info("flash-ar@50%", "flash-ar", budget="50%"),
+        info("sd-chain:2@25%", "sd-chain"),
+        info("sd-static:2,1@25%", "sd-static"),
+        info("lever@25%", "lever"),
+        info("lever@50%", "lever", budget="50%"),
+    ]
+    runs = [
+        # set x: lever 2 prompts, 9+9 tokens in 1+2 s -> 6 tok/s
+        _run("lever@25%", "x", 0, 10, 1.0),
+        _run("lever@25%", "x", 1, 10, 2.0),
+        _run("memory-ar", "x", 0, 13, 1.0),  # 12 tok/s... over both prompts:
+        _run("memory-ar", "x", 1, 13, 1.0),  # 24 / 2 s = 12 tok/s
+        _run("flash-ar@25%", "x", 0, 4, 1.0),
+        _run("flash-ar@25%", "x", 1, 4, 2.0),  # 6 / 3 s = 2 tok/s
+        _run("flash-ar@50%", "x", 0, 100, 1.0),  # another budget: never compared
+        _run("flash-ar@50%", "x", 1, 100, 1.0),
+        _run("sd-chain:2@25%", "x", 0, 5, 1.0),
+        _run("sd-chain:2@25%", "x", 1, 5, 1.0),  # 4 tok/s
+        _run("sd-static:2,1@25%", "x", 0, 4, 1.0),
+        _run("sd-static:2,1@25%", "x", 1, 4, 2.0),  # 2 tok/s
+        # set y: lever 3 tok/s; sd-static the best SD; memory-ar failed on one prompt
+        _run("lever@25%", "y", 0, 4, 1.0),
+        _run("memory-ar", "y", 0, 0, 0.0, failed="out of memory"),
+        _run("flash-ar@25%", "y", 0, 2, 1.0),
+        _run("sd-chain:2@25%", "y", 0, 2, 1.0),
+        _run("sd-static:2,1@25%", "y", 0, 3, 1.0),
+    ]
+    s = compute_summary(modes, runs)
+    assert s.budget == "25%"
+    x, y = s.per_prompt_set["x"], s.per_prompt_set["y"]
+    assert x.lever_vs_memory_ar == pytest.approx(0.5)
+    assert x.lever_vs_flash_ar == pytest.approx(3.0)
+    assert x.lever_vs_best_sd == pytest.approx(1.5)
+    assert s.compared["x"]["best_sd"] == "sd-chain:2@25%"
+    assert y.lever_vs_best_sd == pytest.approx(1.5)
+    assert s.compared["y"]["best_sd"] == "sd-static:2,1@25%"
+    assert y.lever_vs_memory_ar is None  # failed there: left out
+    assert s.lever_vs_flash_ar == pytest.approx((3.0 + 3.0) / 2)
+    assert s.lever_vs_memory_ar == pytest.approx(0.5)  # the mean of the sets that have it
+    assert s.lever_vs_peer is None
+    at_50 = compute_summary(modes, runs, "50%")
+    assert "x" not in at_50.per_prompt_set  # no lever@50% runs
+    assert at_50.lever_vs_flash_ar is None
 
 
-def test_pngs_show_the_results(run):
-    results, out = run
-    paths = output_paths(out)
-    for key in ("throughput", "accepted"):
-        with Image.open(paths[key]) as image:
-            assert image.format == "PNG" and image.width > 300 and image.height > 200
-            assert len(image.convert("RGB").getcolors(1 << 16) or []) > 10  # not blank
-    normalised = plots.throughput_data(results)
-    assert set(normalised) == set(EXPECTED_NAMES)
-    for name in EXPECTED_NAMES:
-        for prompt_set in ("humaneval", "sharegpt"):
-            expected = _rate(results, name, prompt_set) / _rate(results, "lever@50%", prompt_set)
-            assert normalised[name][prompt_set] == pytest.approx(expected)
-    accepted = plots.accepted_data(results)
-    assert set(accepted) == {
-        "sd-chain:2@50%",
-        "sd-static:2,1@50%",
-        "lever@50%",
-        "peer-assisted@50%",
-    }
-    for name, per_set in accepted.items():
-        for prompt_set, value in per_set.items():
-            runs = [r for r in results.runs if r.mode == name and r.prompt_set == prompt_set]
-            steps = sum(r.steps for r in runs)
-            assert value == pytest.approx(sum(r.new_tokens for r in runs) / steps)
-            assert value >= 1.0
+async def test_decode_rate_leaves_out_the_first_step():
+    modes = [
+        FakeMode(info("flash-ar@25%", "flash-ar"), 10.0),
+        BurstMode(info("lever@25%", "lever", tree="gaincost"), 20.0, burst=4),
+        BurstMode(info("sd-chain:4@25%", "sd-chain", tree="chain:4"), 20.0, burst=6),
+    ]
+    results = await run_bench(modes, SETS, max_new_tokens=6, stop_ids=frozenset(), config={})
+    lever = [r for r in results.runs if r.mode == "lever@25%"]
+    assert all(r.first_step_tokens == 4 and r.decode_tokens == 2 for r in lever)
+    assert all(r.decode_tok_s == pytest.approx(20.0) for r in lever)
+    assert results.summary.lever_vs_flash_ar == pytest.approx(2.0)
+    # everything in the first step: no decode phase, so no rate (and no ratio), not infinity
+    chain = [s for s in results.summaries if s.mode == "sd-chain:4@25%"]
+    assert all(s.decode_tok_s is None and s.failed is None for s in chain)
+    assert results.summary.lever_vs_best_sd is None

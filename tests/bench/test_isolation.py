@@ -17,9 +17,9 @@ from lever_actors.bench.isolation import (
     evict_ranges,
     probe_cgroup,
 )
+from lever_actors.bench.plan import BenchOptions
+from lever_actors.bench.report import memory_note
 from lever_actors.bench.run import bench
-from lever_actors.bench.specs import BenchOptions
-from tests.bench.conftest import PROMPT_SETS
 
 SUPPORT = probe_cgroup()
 
@@ -45,17 +45,16 @@ def _leftover_cgroups() -> list[str]:
     ]
 
 
-def test_each_mode_in_its_own_limited_child(tiny_pair, tmp_path):
-    target, draft = tiny_pair
+def test_each_mode_in_its_own_limited_child(one_set, tmp_path):
     options = _options(tmp_path, modes=("flash-ar", "lever", "peer-offload"), order="sequential")
-    results = bench(options, target, draft, PROMPT_SETS[:1], frozenset())
+    results = bench(options, one_set)
     assert [m.name for m in results.modes] == ["flash-ar@50%", "lever@50%", "peer-offload@50%"]
     for info in results.modes:
         assert info.isolated
         assert info.limit_enforced == SUPPORT.usable
         # default limit: the budget + the draft's weights + 1 GiB, as the kernel rounds it
         assert info.memory_limit_bytes == pytest.approx(
-            info.budget_bytes + os.path.getsize(draft / "model.safetensors") // 2 + 2**30,
+            info.budget_bytes + os.path.getsize(one_set.draft / "model.safetensors") // 2 + 2**30,
             abs=8192,
         )
     for s in results.summaries:
@@ -69,17 +68,14 @@ def test_each_mode_in_its_own_limited_child(tiny_pair, tmp_path):
     assert _leftover_cgroups() == []
     assert "accelerate placed" in results.info("peer-offload@50%").note  # sent by the child
     note = "kernel-enforced" if SUPPORT.usable else "No memory limit was enforced"
-    from lever_actors.bench.report import memory_note
-
     assert note in memory_note(results)
 
 
-def test_isolating_the_peers_only_runs_ours_interleaved_beside_them(tiny_pair, tmp_path):
-    target, draft = tiny_pair
+def test_isolating_the_peers_only_runs_ours_interleaved_beside_them(one_set, tmp_path):
     options = _options(
         tmp_path, modes=("flash-ar", "lever", "peer-offload"), isolate="peers", order="interleaved"
     )
-    results = bench(options, target, draft, PROMPT_SETS[:1], frozenset())
+    results = bench(options, one_set)
     isolated = {info.name: info.isolated for info in results.modes}
     assert isolated == {"flash-ar@50%": False, "lever@50%": False, "peer-offload@50%": True}
     assert results.info("flash-ar@50%").memory_limit_bytes is None
@@ -87,16 +83,13 @@ def test_isolating_the_peers_only_runs_ours_interleaved_beside_them(tiny_pair, t
     for s in results.summaries:
         assert s.failed is None, s.failed
     assert _leftover_cgroups() == []
-    from lever_actors.bench.report import memory_note
-
     assert "page cache): flash-ar@50%, lever@50%." in memory_note(results)
 
 
 @pytest.mark.skipif(not SUPPORT.usable, reason=f"no cgroup memory limits: {SUPPORT.reason}")
-def test_a_child_over_its_limit_is_a_failed_row(tiny_pair, tmp_path):
-    target, draft = tiny_pair
+def test_a_child_over_its_limit_is_a_failed_row(one_set, tmp_path):
     options = _options(tmp_path, modes=("flash-ar",), memory_limit="40MiB")
-    results = bench(options, target, draft, PROMPT_SETS[:1], frozenset())
+    results = bench(options, one_set)
     (summary,) = results.summaries
     assert summary.failed and "killed by the memory limit of 40.0 MiB" in summary.failed
     assert results.info("flash-ar@50%").limit_enforced

@@ -11,12 +11,14 @@ import msgspec
 import pytest
 import trio
 
-from lever_actors.bench.cli import add_bench_arguments, options_from_args
+from lever_actors.bench.cli import apply_config, options_from_args
 from lever_actors.bench.harness import run_bench
 from lever_actors.bench.report import END_MARKER, START_MARKER, ReportError, rewrite_readme
 from lever_actors.bench.results import ResultsError, read_results, write_results
 from lever_actors.cli import main
-from tests.bench.test_failures import SETS, FakeMode, info
+from lever_actors.config import DramBudget
+from lever_actors.errors import ConfigError
+from tests.bench.fakes import SETS, FakeMode, info
 
 
 @pytest.fixture
@@ -143,13 +145,8 @@ def test_nan_is_never_written(results_file, tmp_path):
     assert not (tmp_path / "nan.json").exists()
 
 
-def test_bench_options_from_the_command_line(tmp_path):
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--cache-dir", type=Path, default=tmp_path)
-    add_bench_arguments(parser)
-    args = parser.parse_args(
+def test_bench_options_from_the_command_line(bench_parser):
+    args = bench_parser.parse_args(
         "--modes lever,peer-offload --budgets 25%,50% --chain 2,4 --isolate "
         "--order sequential --memory-limit 3GiB".split()
     )
@@ -157,32 +154,25 @@ def test_bench_options_from_the_command_line(tmp_path):
     assert options.modes == ("lever", "peer-offload") and options.chain == (2, 4)
     assert options.isolate == "all" and options.order == "sequential"
     assert options.memory_limit == "3GiB"
-    assert options_from_args(parser.parse_args(["--isolate"])).order == "sequential"
-    peers = options_from_args(parser.parse_args(["--isolate", "peers"]))
+    assert options_from_args(bench_parser.parse_args(["--isolate"])).order == "sequential"
+    peers = options_from_args(bench_parser.parse_args(["--isolate", "peers"]))
     assert peers.isolate == "peers" and peers.order == "interleaved"
     assert peers.isolates("peer-offload") and not peers.isolates("lever")
-    assert options_from_args(parser.parse_args([])).order == "interleaved"
-    sweep = options_from_args(parser.parse_args(["--sweep"]))
+    assert options_from_args(bench_parser.parse_args([])).order == "interleaved"
+    sweep = options_from_args(bench_parser.parse_args(["--sweep"]))
     assert sweep.modes == ("flash-ar", "sd-chain", "sd-static", "lever")
     with pytest.raises(Exception, match="unknown bench mode"):
-        options_from_args(parser.parse_args(["--modes", "warp-drive"]))
+        options_from_args(bench_parser.parse_args(["--modes", "warp-drive"]))
 
 
-def test_a_config_file_sets_defaults_that_flags_override(tmp_path):
-    import argparse
-
-    from lever_actors.bench.cli import apply_config
-
+def test_a_config_file_sets_defaults_that_flags_override(bench_parser, tmp_path):
     config = tmp_path / "headline.toml"
     config.write_text(
         'modes = ["memory-ar", "lever"]\nmax-new-tokens = 128\nprompts = 20\n'
         'prompt_sets = ["humaneval", "sharegpt"]\nisolate = "peers"\n'
     )
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--cache-dir", type=Path, default=tmp_path)
-    add_bench_arguments(parser)
-    apply_config(parser, config)
-    options = options_from_args(parser.parse_args(["--prompts", "3"]))
+    apply_config(bench_parser, config)
+    options = options_from_args(bench_parser.parse_args(["--prompts", "3"]))
     assert options.modes == ("memory-ar", "lever")
     assert options.prompt_sets == ("humaneval", "sharegpt")
     assert options.max_new_tokens == 128 and options.isolate == "peers"
@@ -197,32 +187,20 @@ def test_a_config_file_sets_defaults_that_flags_override(tmp_path):
         ("modes = [\n", "not valid TOML"),
     ],
 )
-def test_a_bad_config_file_is_refused_with_the_reason(tmp_path, text, message):
-    import argparse
-
-    from lever_actors.bench.cli import apply_config
-    from lever_actors.errors import ConfigError
-
+def test_a_bad_config_file_is_refused_with_the_reason(bench_parser, tmp_path, text, message):
     config = tmp_path / "bad.toml"
     config.write_text(text)
-    parser = argparse.ArgumentParser()
-    add_bench_arguments(parser)
     with pytest.raises(ConfigError, match=message):
-        apply_config(parser, config)
+        apply_config(bench_parser, config)
     with pytest.raises(ConfigError, match="cannot read bench config"):
-        apply_config(parser, tmp_path / "missing.toml")
+        apply_config(bench_parser, tmp_path / "missing.toml")
 
 
-def test_the_committed_headline_config_is_a_valid_bench_config(tmp_path):
-    import argparse
-
-    from lever_actors.bench.cli import apply_config
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--cache-dir", type=Path, default=tmp_path)
-    add_bench_arguments(parser)
-    apply_config(parser, Path(__file__).parents[2] / "bench" / "headline.toml")
-    options = options_from_args(parser.parse_args([]))
+def test_the_committed_headline_config_is_a_valid_bench_config(bench_parser):
+    apply_config(bench_parser, Path(__file__).parents[2] / "bench" / "headline.toml")
+    options = options_from_args(bench_parser.parse_args([]))
     assert "lever" in options.modes and "peer-offload" in options.modes
-    assert options.prompt_sets == ("humaneval", "sharegpt") and options.budgets == ("25%",)
+    assert options.prompt_sets == ("humaneval", "sharegpt") and options.budgets == (
+        DramBudget.parse("25%"),
+    )
     assert options.prompts == 20 and options.max_new_tokens == 128

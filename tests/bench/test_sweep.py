@@ -8,17 +8,16 @@ import pytest
 from PIL import Image
 
 from lever_actors.bench import plots
+from lever_actors.bench.plan import BenchOptions
 from lever_actors.bench.report import output_paths
 from lever_actors.bench.results import SweepResults, read_results
-from lever_actors.bench.specs import BenchOptions
-from lever_actors.bench.summary import decode_rate
-from lever_actors.bench.sweep import sweep, sweep_rates
+from lever_actors.bench.run import sweep
+from lever_actors.bench.summary import pooled_decode_rate, sweep_rates
 from lever_actors.cli import main
-from tests.bench.conftest import PROMPT_SETS
+from lever_actors.config import DramBudget
 
 
-def test_sweep(tiny_pair, tmp_path):
-    target, draft = tiny_pair
+def test_sweep(one_set, tmp_path):
     options = BenchOptions(
         modes=("flash-ar", "sd-chain", "sd-static", "lever", "memory-ar"),
         chain=(2,),
@@ -32,11 +31,8 @@ def test_sweep(tiny_pair, tmp_path):
     out = tmp_path / "sweep.json"
     results = sweep(
         options,
-        target,
-        draft,
-        PROMPT_SETS[:1],
-        frozenset(),
-        budgets=("10%", "60%", "100%"),
+        one_set,
+        budgets=tuple(DramBudget.parse(b) for b in ("10%", "60%", "100%")),
         throttles=("ufs4.0", "none"),
         out=out,
     )
@@ -65,9 +61,11 @@ def test_sweep(tiny_pair, tmp_path):
             ("flash-AR", f"flash-ar@{point.budget}"),
             ("Lever", f"lever@{point.budget}"),
         ):
-            assert row[line][0] == pytest.approx(decode_rate([r for r in runs if r.mode == mode]))
+            assert row[line][0] == pytest.approx(
+                pooled_decode_rate([r for r in runs if r.mode == mode])
+            )
         sd = {
-            m: decode_rate([r for r in runs if r.mode == m])
+            m: pooled_decode_rate([r for r in runs if r.mode == m])
             for m in (f"sd-chain:2@{point.budget}", f"sd-static:2,1@{point.budget}")
         }
         assert row["best SD"][0] == pytest.approx(max(sd.values()))

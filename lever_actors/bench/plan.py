@@ -1,20 +1,25 @@
-"""What to benchmark, as plain data: options, and one ModeSpec per mode that either this
-process or a child process (bench/child.py) turns into a running Mode."""
+"""What to benchmark: the options of a run, the planned modes they make (one per mode and
+budget, as plain data that a child process can receive), and a planned mode opened in this
+process."""
 
 from __future__ import annotations
 
 import json
 import math
 import struct
-import sys
 from pathlib import Path
 
+import gguf
 import msgspec
 
+from lever_actors.bench.modes import EngineMode, EngineSpec, MemoryAR, MemoryARSpec, Mode
+from lever_actors.bench.peer import PeerHF, PeerSpec, hf_export_for
 from lever_actors.bench.results import ModeInfo
-from lever_actors.config import EngineConfig
-from lever_actors.device.layout import DTYPE_NAMES, MANIFEST_NAME, Manifest, read_manifest
+from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, DramBudget, EngineConfig
+from lever_actors.device.layout import DTYPE_NAMES, MANIFEST_NAME, read_manifest
+from lever_actors.draft import DraftModel, load_draft
 from lever_actors.errors import ConfigError
+from lever_actors.sizes import parse_bytes
 
 ENGINE_FAMILIES = (
     "flash-ar",
@@ -35,10 +40,11 @@ NEEDS_DRAFT = tuple(f for f in (*ENGINE_FAMILIES, "peer-assisted") if f != "flas
 
 
 class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything a bench run is asked to do, recorded in its results."""
+    """Everything a bench run is asked to do, recorded in its results; checked when made."""
 
     modes: tuple[str, ...] = ("memory-ar", "flash-ar")  # the first is the agreement reference
-    budgets: tuple[str, ...] = ("25%",)  # DRAM budgets of flash modes; the first is headline
+    # DRAM budgets of flash modes ("25%" and "1.5GiB" are read); the first is the headline
+    budgets: tuple[DramBudget, ...] = (DramBudget.parse("25%"),)
     throttle: str = "none"
     chain: tuple[int, ...] = (4,)
     static_tree: str = "4,2,2,1"
@@ -47,7 +53,7 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str | None = None  # compute dtype of memory-resident modes (default: the layout's)
     prompt_sets: tuple[str, ...] = ("humaneval",)
     prompts: int = 5
-    max_new_tokens: int = 64
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     seed: int = 0
     # none; all: each mode in a child process, under a memory cgroup where possible; peers:
     # only the transformers peers (whose offload reads go through the page cache), so that
@@ -58,15 +64,12 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     memory_overhead: str = "1GiB"  # runtime headroom in the default limit
     cache_dir: str = ""  # where the peer's HF exports and offload folders go
 
-    def isolates(self, family: str) -> bool:
-        """Whether modes of this family run in a child process of their own."""
-        return self.isolate == "all" or (self.isolate == "peers" and family in PEER_FAMILIES)
-
-    def as_config(self) -> dict[str, object]:
-        """As the results file records it (JSON types: lists, not tuples)."""
-        return msgspec.json.decode(msgspec.json.encode(self))
-
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
+        # budgets may come as text ("25%", "1.5GiB"): parsed here, once
+        budgets = tuple(
+            b if isinstance(b, DramBudget) else DramBudget.parse(b) for b in self.budgets
+        )
+        msgspec.structs.force_setattr(self, "budgets", budgets)
         unknown = sorted(set(self.modes) - set(MODES))
         if unknown:
             raise ConfigError(
@@ -83,24 +86,14 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
         if self.prompts < 1:
             raise ConfigError("--prompts must be at least 1")
 
+    def isolates(self, family: str) -> bool:
+        """Whether modes of this family run in a child process of their own."""
+        return self.isolate == "all" or (self.isolate == "peers" and family in PEER_FAMILIES)
 
-class MemoryARSpec(msgspec.Struct, frozen=True, tag="memory-ar"):
-    target: str
-    dtype: str
-
-
-class EngineSpec(msgspec.Struct, frozen=True, tag="engine"):
-    config: EngineConfig
-
-
-class PeerSpec(msgspec.Struct, frozen=True, tag="peer"):
-    model: str  # HF directory or .gguf file
-    dtype: str
-    max_memory_bytes: int | None = None
-    offload_folder: str | None = None
-    assistant: str | None = None
-    assistant_dtype: str | None = None
-    evict: tuple[str, ...] = ()
+    def as_config(self) -> dict[str, object]:
+        """As the results file records it: JSON types, the budgets as text."""
+        recorded = msgspec.json.decode(msgspec.json.encode(self))
+        return recorded | {"budgets": [str(b) for b in self.budgets]}
 
 
 ModeSpec = MemoryARSpec | EngineSpec | PeerSpec
@@ -134,18 +127,9 @@ def engine_variants(options: BenchOptions, family: str) -> list[tuple[str, str |
     return variants[family]
 
 
-def plan_modes(
-    options: BenchOptions,
-    target: Path,
-    draft: Path | None,
-    *,
-    isolation_usable: bool = False,
-) -> list[PlannedMode]:
+def plan_modes(options: BenchOptions, target: Path, draft: Path | None) -> list[PlannedMode]:
     """One PlannedMode per mode and budget, in the order asked. The peer's HF exports of the
     target and draft are made here, once, into the cache."""
-    from lever_actors.device.budget import parse_bytes, resolve_budget
-
-    options.validate()
     manifest = read_manifest(target) if (target / MANIFEST_NAME).is_file() else None
     flash_modes = [m for m in options.modes if m not in MEMORY_RESIDENT]
     if manifest is None and flash_modes:
@@ -161,146 +145,99 @@ def plan_modes(
     full_bytes = manifest.file_bytes if manifest else weight_bytes(target, dtype)
     draft_bytes = weight_bytes(draft, options.draft_dtype) if draft is not None else 0
     overhead = parse_bytes(options.memory_overhead)
+    one_limit = None if options.memory_limit is None else parse_bytes(options.memory_limit)
 
-    def limit(family: str, budget_bytes: int) -> int | None:
-        if not options.isolates(family):
-            return None
-        if options.memory_limit is not None:
-            return parse_bytes(options.memory_limit)
-        return budget_bytes + draft_bytes + overhead
+    def info(name: str, family: str, budget_bytes: int, **fields) -> ModeInfo:
+        """A mode's facts; an isolated one gets a memory limit: the one asked for, else its
+        budget + the draft's weights + the overhead."""
+        limit = None
+        if options.isolates(family):
+            limit = budget_bytes + draft_bytes + overhead if one_limit is None else one_limit
+        return ModeInfo(
+            name=name,
+            family=family,
+            budget_bytes=budget_bytes,
+            memory_limit_bytes=limit,
+            isolated=options.isolates(family),
+            **fields,
+        )
 
     planned = []
     for family in options.modes:
         if family in MEMORY_RESIDENT:
-            info = ModeInfo(
-                name=family,
-                family=family,
-                budget_bytes=full_bytes,
-                memory_limit_bytes=limit(family, full_bytes),
-                isolated=options.isolates(family),
-            )
             if family == "memory-ar":
                 spec: ModeSpec = MemoryARSpec(str(target), dtype)
             else:
-                model = _peer_export(target, manifest, cache) if manifest else target
+                model = hf_export_for(target, manifest.dtype, cache) if manifest else target
                 spec = PeerSpec(str(model), dtype)
-            planned.append(PlannedMode(info, spec))
+            planned.append(PlannedMode(info(family, family, full_bytes), spec))
         elif family in ("peer-offload", "peer-assisted"):
             assert manifest is not None
-            export = _peer_export(target, manifest, cache)
+            export = hf_export_for(target, manifest.dtype, cache)
             assistant = None
             if family == "peer-assisted":
                 assert draft is not None
                 assistant = hf_export_for(draft, options.draft_dtype, cache)
-            for label in options.budgets:
-                budget = resolve_budget(label, manifest.file_bytes)
-                name = f"{family}@{label}"
+            for budget in options.budgets:
+                name = f"{family}@{budget}"
                 offload = cache / "peer-offload" / f"{export.name}-{name.replace('%', 'pct')}"
-                info = ModeInfo(
-                    name=name,
-                    family=family,
-                    tree="assisted" if assistant else None,
-                    budget=label,
-                    budget_bytes=budget,
-                    memory_limit_bytes=limit(family, budget),
-                    isolated=options.isolates(family),
-                )
+                budget_bytes = budget.bytes_of(manifest.file_bytes)
                 spec = PeerSpec(
                     str(export),
                     manifest.dtype,
-                    max_memory_bytes=budget,
+                    max_memory_bytes=budget_bytes,
                     offload_folder=str(offload),
                     assistant=str(assistant) if assistant else None,
                     assistant_dtype=options.draft_dtype if assistant else None,
                     evict=(str(export), str(offload)),
                 )
-                planned.append(PlannedMode(info, spec))
+                tree = "assisted" if assistant else None
+                mode = info(name, family, budget_bytes, tree=tree, budget=str(budget))
+                planned.append(PlannedMode(mode, spec))
         else:
             assert manifest is not None
             for name, tree, fields in engine_variants(options, family):
-                for label in options.budgets:
-                    budget = resolve_budget(label, manifest.file_bytes)
+                for budget in options.budgets:
                     config = EngineConfig(
                         target=str(target),
                         draft=str(draft) if tree is not None and draft is not None else None,
                         throttle=options.throttle,
-                        dram_budget=label,
+                        dram_budget=budget,
                         draft_dtype=options.draft_dtype,
                         **fields,
                     )
-                    info = ModeInfo(
-                        name=f"{name}@{label}",
-                        family=family,
+                    mode = info(
+                        f"{name}@{budget}",
+                        family,
+                        budget.bytes_of(manifest.file_bytes),
                         tree=tree,
-                        budget=label,
-                        budget_bytes=budget,
+                        budget=str(budget),
                         throttle=options.throttle,
-                        memory_limit_bytes=limit(family, budget),
-                        isolated=options.isolates(family),
                     )
-                    planned.append(PlannedMode(info, EngineSpec(config)))
+                    planned.append(PlannedMode(mode, EngineSpec(config)))
     return planned
 
 
-def open_in_process(planned: PlannedMode, drafts: dict | None = None):
-    """The Mode of a spec, to run in this process; engine modes share drafts through `drafts`
-    ((path, dtype) -> loaded draft)."""
-    from lever_actors.bench.modes import EngineMode, MemoryAR
-    from lever_actors.bench.peer import PeerHF
-
+def open_in_process(planned: PlannedMode, drafts: dict[tuple[str, str], DraftModel]) -> Mode:
+    """The Mode of a planned mode, to run in this process; engine modes share the drafts in
+    `drafts` ((path, dtype) -> loaded draft), loading each once."""
     spec, info = planned.spec, planned.info
     if isinstance(spec, MemoryARSpec):
-        return MemoryAR(info, spec.target, spec.dtype)
-    if isinstance(spec, EngineSpec):
-        draft = None
-        config = spec.config
-        if config.draft is not None and drafts is not None:
-            from lever_actors.draft import load_draft
-
-            key = (config.draft, config.draft_dtype)
-            if key not in drafts:
-                drafts[key] = load_draft(config.draft, config.draft_dtype)
-            draft = drafts[key]
-        return EngineMode(info, config, draft)
-    return PeerHF(
-        info,
-        spec.model,
-        spec.dtype,
-        max_memory_bytes=spec.max_memory_bytes,
-        offload_folder=spec.offload_folder,
-        assistant=spec.assistant,
-        assistant_dtype=spec.assistant_dtype,
-        evict=spec.evict,
-    )
-
-
-def hf_export_for(path: Path, dtype: str, cache: Path) -> Path:
-    """An HF directory with the weights of `path` as `dtype`: `path` itself when it is one,
-    else an export made once beside a flash layout or into `cache` for a GGUF file."""
-    from lever_actors.checkpoints.export import export_hf
-    from lever_actors.progress import ProgressLine
-
-    if path.is_dir() and not (path / MANIFEST_NAME).is_file():
-        return path  # already an HF directory
-    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}[dtype]
-    parent = path.parent if path.is_dir() else cache
-    out = parent / f"{path.stem if path.is_file() else path.name}.hf-{short}"
-    if not (out / "config.json").is_file():
-        print(
-            f"exporting {path.name} as an HF directory for the peer (once): {out}", file=sys.stderr
-        )
-        export_hf(path, out, DTYPE_NAMES[dtype], progress=ProgressLine(sys.stderr))
-    return out
-
-
-def _peer_export(target: Path, manifest: Manifest, cache: Path) -> Path:
-    return hf_export_for(target, manifest.dtype, cache)
+        return MemoryAR(info, spec)
+    if isinstance(spec, PeerSpec):
+        return PeerHF(info, spec)
+    config = spec.config
+    if config.draft is None:
+        return EngineMode(info, spec)
+    key = (config.draft, config.draft_dtype)
+    if key not in drafts:
+        drafts[key] = load_draft(config.draft, config.draft_dtype)
+    return EngineMode(info, spec, drafts[key])
 
 
 def weight_bytes(path: Path, dtype: str) -> int:
     """Bytes the weights of checkpoint `path` take as `dtype`, read from metadata only."""
-    itemsize = DTYPE_NAMES[dtype].itemsize
-    return weight_elements(path) * itemsize
+    return weight_elements(path) * DTYPE_NAMES[dtype].itemsize
 
 
 def weight_elements(path: Path) -> int:
@@ -309,8 +246,6 @@ def weight_elements(path: Path) -> int:
     if path.is_dir():
         return sum(_safetensors_elements(f) for f in sorted(path.glob("*.safetensors")))
     if path.suffix == ".gguf":
-        import gguf
-
         return sum(int(t.n_elements) for t in gguf.GGUFReader(str(path)).tensors)
     raise ConfigError(f"{path}: cannot tell the size of its weights")
 
