@@ -9,11 +9,13 @@ from lever_actors.model.args import ModelArgs
 from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.placement import Placement
 from lever_actors.model.rope import apply_rope
+from lever_actors.model.row_blocks import linear
 from lever_actors.model.weights import LayerTensors
 
-# Every reduction below gives a row the same result whatever rows and columns come with it,
-# so verifying a tree of n tokens computes each token exactly as one-token decoding does,
-# in bf16 as in float64: that is what makes the output equal sequential greedy decoding.
+# Every reduction below gives a row the same result whatever rows and columns come with it
+# (matrix products through row_blocks.linear, attention and norm statistics in float64), so
+# verifying a tree of n tokens computes each token exactly as one-token decoding does, in
+# bf16 as in float64: that is what makes the output equal sequential greedy decoding.
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -22,14 +24,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.to(torch.float64)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for x: [n, in]. A lone row goes through the matrix-matrix kernel as two: the
-    matrix-vector path rounds differently, while matrix-matrix rows do not depend on n."""
-    if x.shape[0] == 1:
-        return F.linear(torch.cat((x, x)), weight, bias)[:1]
-    return F.linear(x, weight, bias)
 
 
 def attend(
