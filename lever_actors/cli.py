@@ -14,7 +14,12 @@ import structlog
 import torch
 import trio
 
-from lever_actors.bench.cli import add_bench_arguments, add_report_arguments, apply_config
+from lever_actors.bench.cli import (
+    add_bench_arguments,
+    add_check_exact_arguments,
+    add_report_arguments,
+    apply_config,
+)
 from lever_actors.channels.stats import decode_phase, decode_rate, per_step
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.convert import convert
@@ -159,6 +164,13 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     add_report_arguments(report)
+
+    check = sub.add_parser(
+        "check-exact",
+        help="every speculative policy against one-token greedy of the same layout, on real "
+        "prompts; exits 1 on any divergence",
+    )
+    add_check_exact_arguments(check)
 
     export = sub.add_parser(
         "export-hf", help="write an HF safetensors directory of a GGUF file or flash layout"

@@ -1,5 +1,5 @@
 """`lever-actors bench` (decoding modes side by side on real prompts, results to JSON,
-markdown and PNGs; `--sweep` for the scaling sweep) and `lever-actors report`."""
+markdown and PNGs; `--sweep` for the scaling sweep), `report` and `check-exact`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from lever_actors.bench.exactness import POLICIES, audit_prompts, check_exact
 from lever_actors.bench.harness import PromptSet
 from lever_actors.bench.plan import MODES, NEEDS_DRAFT, BenchOptions
 from lever_actors.bench.plots import write_plots
@@ -33,7 +34,7 @@ from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.prompts import PROMPT_SETS, load_prompts
 from lever_actors.checkpoints.real_pair import real_model_path, real_target_layout
 from lever_actors.checkpoints.tokenizer import Tokenizer
-from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, DramBudget
+from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, DramBudget, check_max_new_tokens
 from lever_actors.device.layout import MANIFEST_NAME, read_manifest
 from lever_actors.errors import ConfigError
 from lever_actors.progress import ProgressLine
@@ -184,6 +185,72 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-plots", action="store_true", help="do not redraw the PNGs")
     parser.set_defaults(command=run_report_command)
+
+
+def add_check_exact_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--target", type=Path, default=None, help="flash layout (default: the real target's)"
+    )
+    parser.add_argument(
+        "--draft", type=Path, default=None, help="draft model (default: the real 0.5B draft)"
+    )
+    parser.add_argument("--prompts", type=int, default=20, help="prompts to check (default: 20)")
+    parser.add_argument(
+        "--prompt-sets",
+        default=",".join(PROMPT_SETS),
+        help="sets taken in turn with the built-in repetitive prose (default: all)",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="(default: 48)")
+    parser.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help=f"comma-separated (default: all): {', '.join(POLICIES)}",
+    )
+    parser.add_argument(
+        "--dram-budget",
+        default="all",
+        help="target weights in DRAM; exactness does not depend on it (default: all)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="picks the prompts")
+    parser.set_defaults(command=run_check_exact_command)
+
+
+def run_check_exact_command(args: argparse.Namespace) -> int:
+    check_max_new_tokens(args.max_new_tokens)
+    budget = DramBudget.parse(args.dram_budget)
+    target = args.target or real_target_layout(args.cache_dir, ProgressLine())
+    draft = args.draft or real_model_path(args.cache_dir, "draft", ProgressLine())
+    tokenizer = _tokenizer(target)
+    if tokenizer is None:
+        raise ConfigError(f"{target} has no tokenizer; check-exact needs one for the prompts")
+    per_set = -(-args.prompts // (len(_split(args.prompt_sets)) + 1))  # ceil: sets share N
+    texts = {
+        name: load_prompts(name, args.cache_dir, per_set, args.seed)
+        for name in _split(args.prompt_sets)
+    }
+    prompts = audit_prompts(tokenizer, texts, args.prompts)
+    policies = _split(args.policies)
+    divergences = check_exact(
+        target,
+        draft,
+        prompts,
+        policies=policies,
+        max_new_tokens=args.max_new_tokens,
+        dram_budget=budget,
+    )
+    for d in divergences:
+        print(
+            f"DIVERGED {d.prompt} {d.policy}: token {d.position}: one-token greedy "
+            f"{d.expected} {tokenizer.decode(d.expected)!r}, engine {d.got} "
+            f"{tokenizer.decode(d.got)!r}"
+        )
+    runs = len(prompts) * len(policies)
+    print(
+        f"check-exact: {len(prompts)} prompts x {len(policies)} policies = {runs} runs, "
+        f"{args.max_new_tokens} tokens each, target {target.name} "
+        f"({read_manifest(target).dtype}): {len(divergences)} divergences"
+    )
+    return 1 if divergences else 0
 
 
 def _split(text: str) -> tuple[str, ...]:

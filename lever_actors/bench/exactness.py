@@ -1,0 +1,146 @@
+"""`lever-actors check-exact`: every speculative policy against one-token greedy decoding of
+the same flash layout, token for token, on real prompts (repetitive prose among them, where
+near-ties are common). Any divergence is printed and makes the audit fail."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+import trio
+
+from lever_actors.checkpoints import load_checkpoint
+from lever_actors.checkpoints.tokenizer import Tokenizer
+from lever_actors.config import DramBudget, EngineConfig
+from lever_actors.device.layout import read_manifest
+from lever_actors.draft import DraftModel, load_draft
+from lever_actors.engine import Engine
+from lever_actors.errors import ConfigError
+from lever_actors.model.greedy import greedy_cached
+from lever_actors.model.transformer import Transformer
+
+# name -> EngineConfig fields; static:8,8 (72 nodes) and gain-cost trees go past every row
+# count at which a BLAS kernel may switch
+POLICIES: dict[str, dict[str, object]] = {
+    "chain-4": {"tree": "chain:4"},
+    "static-4-2-2-1": {"tree": "static:4,2,2,1"},
+    "static-8-8": {"tree": "static:8,8"},
+    "gaincost": {"tree": "gaincost"},
+    "gaincost-no-ahead": {"tree": "gaincost", "draft_ahead": False},
+    "gaincost-prune-always": {"tree": "gaincost", "early_exit": "lens", "prune_when": "always"},
+    "gaincost-exit-off": {"tree": "gaincost", "early_exit": "off"},
+}
+
+# continued as raw text: repetition makes the target's top two tokens close
+REPETITIVE_PROSE = (
+    "The rain came down on the roofs of the town, and the rain came down on the fields, and "
+    "the rain came down on the river, and the people of the town said to one another that the "
+    "rain came down",
+    "She walked to the end of the road and back again. She walked to the end of the road and "
+    "back again. Each morning she walked to the end of the road and",
+    "Once there was a miller who had a mill, and the mill had a wheel, and the wheel had a "
+    "spoke, and the spoke had a crack, and the crack had",
+    "It was late, and it was cold, and it was dark, and it was quiet; it was late and cold and "
+    "dark and quiet in the house where it was always late and",
+)
+
+
+class Prompt(msgspec.Struct, frozen=True):
+    name: str  # e.g. "prose-0", "humaneval-3"
+    tokens: list[int]
+
+
+class Divergence(msgspec.Struct, frozen=True):
+    prompt: str
+    policy: str
+    position: int  # index of the first generated token that differs
+    expected: list[int]  # one-token greedy, from `position` on (a few tokens)
+    got: list[int]
+
+
+def audit_prompts(tokenizer: Tokenizer, texts: dict[str, list[str]], count: int) -> list[Prompt]:
+    """`count` prompts taken in turn from the prose continuations and each prompt set (chat
+    template applied to the sets' prompts, as `generate` does)."""
+    sources = [[(f"prose-{i}", t, False) for i, t in enumerate(REPETITIVE_PROSE)]]
+    sources += [[(f"{name}-{i}", t, True) for i, t in enumerate(ts)] for name, ts in texts.items()]
+    picked = []
+    for i in range(count):
+        source = sources[i % len(sources)]
+        if i // len(sources) < len(source):
+            picked.append(source[i // len(sources)])
+    if len(picked) < count:
+        raise ConfigError(f"only {len(picked)} prompts available, {count} asked")
+    return [
+        Prompt(name, tokenizer.encode(tokenizer.apply_chat_template(t) if chat else t))
+        for name, t, chat in picked
+    ]
+
+
+def check_exact(
+    layout: Path,
+    draft_path: Path,
+    prompts: Sequence[Prompt],
+    *,
+    policies: Sequence[str],
+    max_new_tokens: int,
+    dram_budget: DramBudget,
+    draft_dtype: str = "bfloat16",
+) -> list[Divergence]:
+    """Run every policy on every prompt; -> the divergences from one-token greedy."""
+    unknown = set(policies) - set(POLICIES)
+    if unknown:
+        raise ConfigError(f"unknown policies {sorted(unknown)}; known: {', '.join(POLICIES)}")
+    checkpoint = load_checkpoint(layout, read_manifest(layout).torch_dtype)
+    stop_ids = checkpoint.tokenizer.eos_ids if checkpoint.tokenizer else frozenset()
+    reference = Transformer(checkpoint.args, checkpoint.weights)
+    expected = {}
+    for prompt in prompts:
+        expected[prompt.name] = greedy_cached(reference, prompt.tokens, max_new_tokens, stop_ids)
+        _say(f"one-token greedy {prompt.name}: {len(expected[prompt.name])} tokens")
+    del reference, checkpoint
+    draft = load_draft(str(draft_path), draft_dtype)
+    divergences = []
+    for policy in policies:
+        config = EngineConfig(
+            target=str(layout),
+            draft=str(draft_path),
+            dram_budget=dram_budget,
+            draft_dtype=draft_dtype,
+            **POLICIES[policy],
+        )
+        found = trio.run(_run_policy, config, draft, prompts, max_new_tokens)
+        for prompt in prompts:
+            got, want = found[prompt.name], expected[prompt.name]
+            if got != want:
+                common = min(len(got), len(want))
+                at = next((i for i in range(common) if got[i] != want[i]), common)
+                divergences.append(
+                    Divergence(prompt.name, policy, at, want[at : at + 5], got[at : at + 5])
+                )
+        _say(f"{policy}: {sum(d.policy == policy for d in divergences)} divergences")
+    return divergences
+
+
+async def _run_policy(
+    config: EngineConfig, draft: DraftModel, prompts: Sequence[Prompt], max_new_tokens: int
+) -> dict[str, list[int]]:
+    tokens = {}
+    async with Engine.open(config, draft=draft) as engine:
+        for prompt in prompts:
+            started = time.perf_counter()
+            result = await engine.generate(prompt.tokens, max_new_tokens=max_new_tokens)
+            tokens[prompt.name] = result.tokens
+            largest = max(s.tree_nodes for s in result.steps)
+            _say(
+                f"  {config.tree} {prompt.name}: {len(result.tokens)} tokens in "
+                f"{len(result.steps)} steps, largest tree {largest} nodes, "
+                f"{time.perf_counter() - started:.1f} s"
+            )
+    return tokens
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
