@@ -12,6 +12,7 @@ PACKAGE = Path(lever_actors.__file__).parent
 
 # top to bottom; a unit is a subpackage or a top-level module of lever_actors
 LAYERS = (
+    ("launch",),
     ("cli",),
     ("bench", "testing"),
     ("engine",),

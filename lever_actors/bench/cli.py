@@ -223,9 +223,8 @@ def run_check_exact_command(args: argparse.Namespace) -> int:
     tokenizer = _tokenizer(target)
     if tokenizer is None:
         raise ConfigError(f"{target} has no tokenizer; check-exact needs one for the prompts")
-    per_set = -(-args.prompts // (len(_split(args.prompt_sets)) + 1))  # ceil: sets share N
     texts = {
-        name: load_prompts(name, args.cache_dir, per_set, args.seed)
+        name: load_prompts(name, args.cache_dir, args.prompts, args.seed)
         for name in _split(args.prompt_sets)
     }
     prompts = audit_prompts(tokenizer, texts, args.prompts)

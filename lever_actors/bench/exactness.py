@@ -4,6 +4,7 @@ near-ties are common). Any divergence is printed and makes the audit fail."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from collections.abc import Sequence
@@ -63,19 +64,15 @@ class Divergence(msgspec.Struct, frozen=True):
 
 def audit_prompts(tokenizer: Tokenizer, texts: dict[str, list[str]], count: int) -> list[Prompt]:
     """`count` prompts taken in turn from the prose continuations and each prompt set (chat
-    template applied to the sets' prompts, as `generate` does)."""
+    template applied to the sets' prompts, as `generate` does), while each lasts."""
     sources = [[(f"prose-{i}", t, False) for i, t in enumerate(REPETITIVE_PROSE)]]
     sources += [[(f"{name}-{i}", t, True) for i, t in enumerate(ts)] for name, ts in texts.items()]
-    picked = []
-    for i in range(count):
-        source = sources[i % len(sources)]
-        if i // len(sources) < len(source):
-            picked.append(source[i // len(sources)])
-    if len(picked) < count:
-        raise ConfigError(f"only {len(picked)} prompts available, {count} asked")
+    in_turn = [item for row in itertools.zip_longest(*sources) for item in row if item]
+    if len(in_turn) < count:
+        raise ConfigError(f"only {len(in_turn)} prompts available, {count} asked")
     return [
         Prompt(name, tokenizer.encode(tokenizer.apply_chat_template(t) if chat else t))
-        for name, t, chat in picked
+        for name, t, chat in in_turn[:count]
     ]
 
 
