@@ -6,7 +6,6 @@ import argparse
 import logging
 import sys
 import time
-import typing
 from pathlib import Path
 
 import msgspec
@@ -27,7 +26,13 @@ from lever_actors.checkpoints.export import export_hf
 from lever_actors.checkpoints.fetch import REAL_MODELS, default_cache_dir
 from lever_actors.checkpoints.prompts import load_prompts
 from lever_actors.checkpoints.real_pair import real_model_path, real_target_layout
-from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, EngineConfig, check_max_new_tokens
+from lever_actors.config import (
+    DEFAULT_MAX_NEW_TOKENS,
+    EngineConfig,
+    check_max_new_tokens,
+    choices_of,
+    default_of,
+)
 from lever_actors.device.disk_profile import profile_disk
 from lever_actors.device.layout import MANIFEST_NAME, WEIGHTS_NAME, read_manifest
 from lever_actors.engine import Engine
@@ -41,9 +46,6 @@ from lever_actors.sizes import format_bytes, parse_bytes
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 STORE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
-
-
-DEFAULTS = EngineConfig(target="")  # the library's defaults, which the flags show
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--tree",
         help="none, chain:K, static:W1,W2,... or gaincost[:CAP] (default: "
-        f"{DEFAULTS.tree.kind} with a draft, else none)",
+        f"{default_of('tree')} with a draft, else none)",
     )
     _option(gen, "early_exit", help="trained needs `train-exit` first")
     gen.add_argument("--exit-layer", type=int, help="default: 7/8 of the way through")
@@ -187,14 +189,11 @@ def _parser() -> argparse.ArgumentParser:
 def _option(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
     """A flag for an EngineConfig field, with the library's default and, for a Literal field,
     its choices: both defined once, in config.py."""
-    hint = typing.get_type_hints(EngineConfig)[name]
-    choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
-    default = getattr(DEFAULTS, name)
-    note = kwargs.pop("help", "")
+    note, default = kwargs.pop("help", ""), default_of(name)
     parser.add_argument(
         "--" + name.replace("_", "-"),
         default=default,
-        choices=choices,
+        choices=choices_of(name),
         help=f"{note} (default: {default})".strip(),
         **kwargs,
     )

@@ -205,3 +205,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if isinstance(self.dram_budget, str | int):
             msgspec.structs.force_setattr(self, "dram_budget", DramBudget.parse(self.dram_budget))
         _check_fields(self)
+
+
+def default_of(name: str) -> object:
+    """The library's default of an EngineConfig field: the one the CLI's flags show."""
+    return next(f.default for f in msgspec.structs.fields(EngineConfig) if f.name == name)
+
+
+def choices_of(name: str) -> tuple[str, ...] | None:
+    """The values an EngineConfig field allows, if they form a set (a Literal)."""
+    hint = typing.get_type_hints(EngineConfig)[name]
+    return typing.get_args(hint) if _is_literal(hint) else None

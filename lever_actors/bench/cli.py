@@ -34,7 +34,13 @@ from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.prompts import PROMPT_SETS, load_prompts
 from lever_actors.checkpoints.real_pair import real_model_path, real_target_layout
 from lever_actors.checkpoints.tokenizer import Tokenizer
-from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, DramBudget, check_max_new_tokens
+from lever_actors.config import (
+    DEFAULT_MAX_NEW_TOKENS,
+    DramBudget,
+    check_max_new_tokens,
+    choices_of,
+    default_of,
+)
 from lever_actors.device.layout import MANIFEST_NAME, read_manifest
 from lever_actors.errors import ConfigError
 from lever_actors.progress import ProgressLine
@@ -69,14 +75,21 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="DRAM budgets for flash and peer-offload modes: percentages of the target's "
         "weights or sizes (1.5GiB); the first is the one the summary compares at",
     )
-    parser.add_argument("--throttle", default="none", help="flash profile: none, ufs3.1, ufs4.0")
+    parser.add_argument(
+        "--throttle",
+        default=default_of("throttle"),
+        choices=choices_of("throttle"),
+        help="flash profile",
+    )
     parser.add_argument(
         "--draft",
         type=Path,
         default=None,
         help="draft model for SD modes (default: the real 0.5B draft GGUF, fetched on first use)",
     )
-    parser.add_argument("--draft-dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    parser.add_argument(
+        "--draft-dtype", choices=choices_of("draft_dtype"), default=default_of("draft_dtype")
+    )
     parser.add_argument("--chain", default="4", help="sd-chain lengths to run, e.g. 2,4,6,8")
     parser.add_argument("--static-tree", default="4,2,2,1", help="sd-static widths per depth")
     parser.add_argument(

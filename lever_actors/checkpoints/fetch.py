@@ -26,7 +26,6 @@ CHUNK = 8 << 20  # 8 MiB: big enough for throughput, small enough to never hold 
 PART_ENTRY = re.compile(r"(?:^|/)data/part(\d+)\.bin$")
 
 
-
 class Download(Protocol):
     def __call__(self, name: str, version: str, dest: Path) -> Path:
         """Put the wheel `name==version` into the empty directory `dest`; return its path."""

@@ -1,0 +1,131 @@
+"""Decode tok/s of memory-resident AR and Lever under thread settings, on a quiet machine and
+beside one busy neighbour process, all in one run (each generation a process of its own).
+
+    .venv/bin/python bench/thread_policy.py [--tokens 32] [--baseline-tree DIR]
+
+Settings: ours (the CLI's default: idle OpenMP threads sleep, per-unit threads), spinning
+idle threads (OMP_WAIT_POLICY=ACTIVE) and one thread (OMP_NUM_THREADS=1). --baseline-tree
+adds the code of another checkout (e.g. a worktree of an older commit) run with ours'
+environment, to price a change. Results: a markdown table on stdout and a JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "Write a Python function that checks whether a string is a palindrome."
+SETTINGS = {
+    "ours": {},
+    "spin (OMP_WAIT_POLICY=ACTIVE)": {"OMP_WAIT_POLICY": "ACTIVE"},
+    "one thread (OMP_NUM_THREADS=1)": {"OMP_NUM_THREADS": "1"},
+}
+RATE = re.compile(r"decode ([0-9.]+) tok/s")
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def workloads(layout: Path, tokens: int) -> dict[str, list[str]]:
+    common = ["generate", "--max-new-tokens", str(tokens), "--prompt", PROMPT]
+    return {
+        "memory-ar": [*common, "--model", str(layout), "--dtype", "bfloat16"],
+        "lever@25%": common,
+    }
+
+
+def decode_rate(tree: Path, args: list[str], env_extra: dict[str, str]) -> float:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    env |= env_extra | {"PYTHONPATH": str(tree)}
+    # the entry point of `tree`, which sets the wait policy before torch loads where it does
+    entry = "lever_actors.launch" if (tree / "lever_actors/launch.py").is_file() else None
+    code = f"import sys; from {entry or 'lever_actors.cli'} import main; sys.exit(main())"
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, check=True
+    )
+    return float(RATE.findall(done.stderr)[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--baseline-tree", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=REPO / "bench/results/thread-policy.json")
+    parser.add_argument(
+        "--layout",
+        type=Path,
+        default=Path.home() / ".cache/lever_actors/flash/qwen2.5-coder-1.5b-instruct-q4_k_m-bf16",
+    )
+    args = parser.parse_args()
+    variants = {name: (REPO, env) for name, env in SETTINGS.items()}
+    if args.baseline_tree:
+        variants[f"baseline ({args.baseline_tree.name})"] = (args.baseline_tree, {})
+    rows = []
+    for condition in ("quiet", "busy neighbour"):
+        neighbour = None
+        if condition == "busy neighbour":
+            neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            time.sleep(1)
+        try:
+            for workload, command in workloads(args.layout, args.tokens).items():
+                for name, (tree, env) in variants.items():
+                    rate = decode_rate(tree, command, env)
+                    rows.append(
+                        {
+                            "condition": condition,
+                            "workload": workload,
+                            "setting": name,
+                            "decode_tok_s": rate,
+                        }
+                    )
+                    print(
+                        f"{condition:15} {workload:10} {name:34} {rate:6.2f} tok/s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        finally:
+            if neighbour:
+                neighbour.kill()
+    result = {
+        "command": " ".join([".venv/bin/python", "bench/thread_policy.py", *sys.argv[1:]]),
+        "date": datetime.date.today().isoformat(),
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "tokens": args.tokens,
+        "rows": rows,
+    }
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(
+        f"Measured {result['date']} on {result['cpu']} ({result['cores']} cores), "
+        f"{args.tokens} tokens, decode tok/s:\n"
+    )
+    print("| condition | workload | " + " | ".join(variants) + " | ours / best |")
+    print("|---|---|" + "---|" * (len(variants) + 1))
+    for condition in ("quiet", "busy neighbour"):
+        for workload in workloads(args.layout, args.tokens):
+            rates = {
+                r["setting"]: r["decode_tok_s"]
+                for r in rows
+                if r["condition"] == condition and r["workload"] == workload
+            }
+            best = max(rates[name] for name in SETTINGS)
+            cells = " | ".join(f"{rates[name]:.2f}" for name in variants)
+            print(f"| {condition} | {workload} | {cells} | {rates['ours'] / best:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
