@@ -5,8 +5,9 @@ rounds differently from its matrix-matrix one, and on a Xeon with AMX its matrix
 kernel changes again past 32 rows (float32 past 8). A row's result then depends on how many
 rows share the call, and at a near-tie that flips the target's choice. So `linear` only
 ever calls the kernel with a power-of-two number of rows from 2 up to a block measured on
-this machine, for this weight: the largest size at which every row equals the same row
-computed alone (padded to 2 rows, as one-token decoding computes it).
+this machine, for this weight's shape: the largest size at which every row equals the same
+row computed alone (padded to 2 rows, as one-token decoding computes it), on inputs built
+so that any change in the order of accumulation shows.
 """
 
 from __future__ import annotations
@@ -40,10 +41,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def row_block(weight: torch.Tensor, bias: torch.Tensor | None) -> int:
     """The rows one kernel call may take for this weight's shape and dtype (measured once)."""
-    key = (weight.dtype, tuple(weight.shape), bias is not None)
+    n_out, n_in = weight.shape
+    key = (weight.dtype, n_out, n_in, bias is not None)
     block = _blocks.get(key)
     if block is None:
-        block = _measure(weight[:PROBE_FEATURES], None if bias is None else bias[:PROBE_FEATURES])
+        block = _measure(weight.dtype, min(n_out, PROBE_FEATURES), n_in, bias is not None)
         with _lock:
             _blocks[key] = block
     return block
@@ -58,15 +60,36 @@ def _padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return F.linear(x, weight, bias)[:n]
 
 
-def _measure(weight: torch.Tensor, bias: torch.Tensor | None) -> int:
+def _measure(dtype: torch.dtype, n_out: int, n_in: int, bias: bool) -> int:
     """The largest power of two (2 to LARGEST_BLOCK) at which every size up to it gives each
-    of random rows exactly its result computed alone."""
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(LARGEST_BLOCK, weight.shape[1], generator=generator).to(weight.dtype)
-    alone = torch.cat([_padded_linear(x[i : i + 1], weight, bias) for i in range(LARGEST_BLOCK)])
+    of the probe's rows exactly its result computed alone."""
+    x, weight, b = _probe(dtype, n_out, n_in, bias)
+    alone = torch.cat([_padded_linear(x[i : i + 1], weight, b) for i in range(LARGEST_BLOCK)])
     block = 2
     while block < LARGEST_BLOCK and torch.equal(
-        F.linear(x[: 2 * block], weight, bias), alone[: 2 * block]
+        torch.cat(
+            [F.linear(x[i : i + 2 * block], weight, b) for i in range(0, LARGEST_BLOCK, 2 * block)]
+        ),
+        alone,
     ):
         block *= 2
     return block
+
+
+def _probe(dtype: torch.dtype, n_out: int, n_in: int, bias: bool):
+    """Inputs whose products cancel in pairs (the second half of each row repeats the first,
+    the weights' second half negates theirs): every result is the rounding left over by the
+    order of accumulation, so two kernels that accumulate differently differ almost
+    everywhere, where random data would differ in one element in ten thousand."""
+    generator = torch.Generator().manual_seed(0)
+    half = n_in // 2
+    x = torch.zeros(LARGEST_BLOCK, n_in)
+    x[:, :half] = torch.randn(LARGEST_BLOCK, half, generator=generator) * 16
+    x[:, half : 2 * half] = x[:, :half]
+    weight = torch.zeros(n_out, n_in)
+    weight[:, :half] = torch.randn(n_out, half, generator=generator)
+    weight[:, half : 2 * half] = -weight[:, :half]
+    x, weight = x.to(dtype), weight.to(dtype)
+    residue = F.linear(x[:2], weight).abs().float().mean()  # the scale of what is left over
+    b = (torch.randn(n_out, generator=generator) * residue).to(dtype) if bias else None
+    return x, weight, b
