@@ -8,7 +8,7 @@ channels with it and the next request starts clean. Requests are served one at a
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +45,7 @@ from lever_actors.draft import DraftModel, load_draft
 from lever_actors.errors import ConfigError
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.setup import Policies, build_policies
+from lever_actors.progress import Progress
 from lever_actors.target import FlashTarget
 
 
@@ -107,9 +108,10 @@ class Engine:
         config: EngineConfig,
         *,
         draft: DraftModel | None = None,
-        progress: Callable[[int, int, str], None] | None = None,
+        progress: Progress | None = None,
     ) -> AsyncIterator[Engine]:
-        """Validate the config, load both models, and serve requests until the block ends.
+        """Load both models (the config was checked when it was built) and serve requests
+        until the block ends.
 
         `draft` may pass an already loaded draft model (engines can share one); otherwise
         it is loaded from `config.draft`. `progress(done, total, label)` hears about the

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from lever_actors.config import EngineConfig, TreeSpec, default_exit_layer
@@ -13,6 +12,7 @@ from lever_actors.policy.cost_model import CostModel
 from lever_actors.policy.exit_predictor import LensPredictor, LowRankAdapter
 from lever_actors.policy.profiler import profile_costs
 from lever_actors.policy.pruning import PrunePolicy, WhenComputeBound, keep_everything
+from lever_actors.progress import Progress
 from lever_actors.target import FlashTarget
 
 
@@ -31,7 +31,7 @@ def build_policies(
     config: EngineConfig,
     target: FlashTarget,
     draft: Transformer | None,
-    progress: Callable[[int, int, str], None] | None = None,
+    progress: Progress | None = None,
 ) -> Policies:
     """Blocking: may profile the machine (a second or two) and load a trained predictor."""
     spec = config.tree
