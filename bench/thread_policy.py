@@ -5,8 +5,8 @@ beside one busy neighbour process, all in one run (each generation a process of 
 
 Settings: ours (the CLI's default: idle OpenMP threads sleep, per-unit threads), spinning
 idle threads (OMP_WAIT_POLICY=ACTIVE) and one thread (OMP_NUM_THREADS=1). --baseline-tree
-adds the code of another checkout (e.g. a worktree of an older commit) run with ours'
-environment, to price a change. Results: a markdown table on stdout and a JSON file.
+adds the code of another checkout (e.g. a worktree of an older commit) with idle threads
+sleeping as in ours, to price a change of code. Results: a markdown table on stdout and a JSON file.
 """
 
 from __future__ import annotations
@@ -72,7 +72,11 @@ def main() -> int:
     args = parser.parse_args()
     variants = {name: (REPO, env) for name, env in SETTINGS.items()}
     if args.baseline_tree:
-        variants[f"baseline ({args.baseline_tree.name})"] = (args.baseline_tree, {})
+        # the same wait policy as ours, so that the difference is the code's
+        variants[f"baseline ({args.baseline_tree.name})"] = (
+            args.baseline_tree,
+            {"OMP_WAIT_POLICY": "PASSIVE"},
+        )
     rows = []
     for condition in ("quiet", "busy neighbour"):
         neighbour = None
