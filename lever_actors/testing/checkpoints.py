@@ -1,7 +1,8 @@
 """Tiny random checkpoints for tests: float64 HF checkpoints written from `ModelArgs`, noisy
-copies of them, a word-level tokenizer, their flash layouts and exit predictors, all cached
-per process (a small LRU in a temporary directory, removed at exit): building and converting
-a checkpoint costs more than decoding a few tokens with it."""
+copies of them, a word-level tokenizer, their flash layouts (float64, or bf16 for models
+sized by `bf16_args`) and exit predictors, all cached per process (a small LRU in a
+temporary directory, removed at exit): building and converting a checkpoint costs more than
+decoding a few tokens with it."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.hf import GLOBAL_NAMES, LAYER_NAMES
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import read_manifest
-from lever_actors.model.args import ModelArgs
+from lever_actors.model.args import Architecture, ModelArgs
 from lever_actors.model.weights import layer_tensor_names
 from lever_actors.policy.exit_predictor import LowRankAdapter
 
@@ -35,6 +36,29 @@ DRAFT_RELATIONS: tuple[Relation, ...] = ("identical", "perturbed", "independent"
 WEIGHT_STD = 0.3  # matrices and biases: logits spread by several units, far from ties
 NORM_STD = 0.2  # norm weights: 1 +- this
 PERTURBATION = 0.02  # default noise a perturbed target adds to every weight
+# twins this close often tie after bf16 rounding: a rounding difference then decides them
+TWIN_GAP = 0.003
+
+
+def bf16_args(arch: Architecture = "qwen2", *, tie_embeddings: bool = False) -> ModelArgs:
+    """The smallest config where bf16 rounding depends on how many rows a matrix product
+    has: matrices of 512 and 1024 inputs (oneDNN switches kernel past 32 rows there, not at
+    256), heads of 128 dims, and 4 layers, through which a rounding difference spreads to
+    most rows (with 2, few generations ever meet a flipped argmax)."""
+    return ModelArgs(
+        arch=arch,
+        vocab_size=1024,
+        d_model=512,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=1,
+        head_dim=128,
+        ffn_dim=1024,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_seq_len=512,
+        tie_embeddings=tie_embeddings,
+    )
 
 
 def hf_config(args: ModelArgs) -> dict:
@@ -62,9 +86,15 @@ def _layer_shape(args: ModelArgs, name: str) -> tuple[int, ...]:
     }[name]
 
 
-def random_hf_tensors(args: ModelArgs, seed: int = 0) -> dict[str, torch.Tensor]:
+def random_hf_tensors(
+    args: ModelArgs, seed: int = 0, *, twin_gap: float | None = None
+) -> dict[str, torch.Tensor]:
     """float64 weights under their HF names: matrices and biases ~ N(0, 0.3^2), norm weights
-    ~ 1 + N(0, 0.2^2). The same (args, seed) always gives the same tensors."""
+    ~ 1 + N(0, 0.2^2). The same (args, seed, twin_gap) always gives the same tensors.
+
+    With `twin_gap` the vocabulary comes in twins: the LM head's row 2k+1 is row 2k plus
+    N(0, twin_gap^2) noise, so the twins' logits nearly tie (as "the" and " the" do in a
+    real vocabulary) and a rounding difference may decide between them."""
     generator = torch.Generator().manual_seed(seed)
 
     def draw(shape: tuple[int, ...], is_norm: bool) -> torch.Tensor:
@@ -79,6 +109,10 @@ def random_hf_tensors(args: ModelArgs, seed: int = 0) -> dict[str, torch.Tensor]
     tensors[GLOBAL_NAMES["final_norm"]] = draw((args.d_model,), True)
     if not args.tie_embeddings:
         tensors["lm_head.weight"] = draw((args.vocab_size, args.d_model), False)
+    if twin_gap is not None:
+        head = tensors[GLOBAL_NAMES["embed"] if args.tie_embeddings else "lm_head.weight"]
+        noise = torch.randn(head[1::2].shape, generator=generator, dtype=torch.float64)
+        head[1::2] = head[0::2][: len(noise)] + twin_gap * noise
     return tensors
 
 
@@ -101,14 +135,17 @@ def write_tiny_checkpoint(
     seed: int = 0,
     tokenizer: bool = False,
     eos_id: int | None = None,
+    twin_gap: float | None = None,
 ) -> Path:
-    """Write a random float64 HF checkpoint (config.json + model.safetensors) for `args`.
+    """Write a random float64 HF checkpoint (config.json + model.safetensors) for `args`
+    (see `random_hf_tensors` for `twin_gap`).
 
     With `tokenizer` (implied by `eos_id`) a word-level tokenizer.json goes beside it.
     """
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(hf_config(args), indent=2))
-    save_file(random_hf_tensors(args, seed), str(directory / "model.safetensors"))
+    tensors = random_hf_tensors(args, seed, twin_gap=twin_gap)
+    save_file(tensors, str(directory / "model.safetensors"))
     if tokenizer or eos_id is not None:
         write_tiny_tokenizer(directory, args.vocab_size, eos_id)
     return directory
@@ -171,14 +208,19 @@ _layouts = _FileCache(capacity=64)
 
 
 def tiny_checkpoint(
-    args: ModelArgs, seed: int = 0, *, tokenizer: bool = False, eos_id: int | None = None
+    args: ModelArgs,
+    seed: int = 0,
+    *,
+    tokenizer: bool = False,
+    eos_id: int | None = None,
+    twin_gap: float | None = None,
 ) -> Path:
     """`write_tiny_checkpoint` into the process cache; the returned directory is shared."""
     tokenizer = tokenizer or eos_id is not None
     return _checkpoints.get(
-        ("random", args, seed, tokenizer, eos_id),
+        ("random", args, seed, tokenizer, eos_id, twin_gap),
         lambda path: write_tiny_checkpoint(
-            path, args, seed=seed, tokenizer=tokenizer, eos_id=eos_id
+            path, args, seed=seed, tokenizer=tokenizer, eos_id=eos_id, twin_gap=twin_gap
         ),
     )
 
@@ -191,27 +233,29 @@ def perturbed_checkpoint(
     scale: float = PERTURBATION,
     tokenizer: bool = False,
     eos_id: int | None = None,
+    twin_gap: float | None = None,
 ) -> Path:
-    """The cached `tiny_checkpoint(args, seed)` plus noise (see `write_perturbed_copy`)."""
-    base = tiny_checkpoint(args, seed, tokenizer=tokenizer, eos_id=eos_id)
+    """The cached `tiny_checkpoint(args, seed, ...)` plus noise (see `write_perturbed_copy`)."""
+    base = tiny_checkpoint(args, seed, tokenizer=tokenizer, eos_id=eos_id, twin_gap=twin_gap)
     return _checkpoints.get(
         ("perturbed", base, noise_seed, scale),
         lambda path: write_perturbed_copy(base, path, seed=noise_seed, scale=scale),
     )
 
 
-def flash_layout(checkpoint: Path) -> Path:
-    """The float64 flash layout of an HF checkpoint directory, converted once per process."""
+def flash_layout(checkpoint: Path, dtype: torch.dtype = torch.float64) -> Path:
+    """The flash layout of an HF checkpoint directory with weights stored as `dtype`, which
+    the engine then computes in; converted once per process."""
     return _layouts.get(
-        ("layout", Path(checkpoint)),
-        lambda path: convert(Path(checkpoint), path, torch.float64),
+        ("layout", Path(checkpoint), dtype),
+        lambda path: convert(Path(checkpoint), path, dtype),
     )
 
 
 @dataclass(frozen=True)
 class ModelPair:
-    target: Path  # float64 flash layout
-    draft: Path  # HF checkpoint directory
+    target: Path  # flash layout (float64 unless `model_pair` was given another dtype)
+    draft: Path  # HF checkpoint directory (float64)
 
 
 def model_pair(
@@ -223,6 +267,8 @@ def model_pair(
     tokenizer: bool = False,
     eos_id: int | None = None,
     scale: float = PERTURBATION,
+    dtype: torch.dtype = torch.float64,
+    twin_gap: float | None = None,
 ) -> ModelPair:
     """A target layout and a draft checkpoint, related as `relation` says:
 
@@ -230,9 +276,10 @@ def model_pair(
     plus noise of std `scale`; independent: two unrelated random models (the draft built
     from `draft_args`, which must share the vocabulary, or `args`).
     With `tokenizer` both carry the same word-level tokenizer (see `write_tiny_tokenizer`),
-    and with `eos_id` it ends generation on that token.
+    and with `eos_id` it ends generation on that token. The target layout stores `dtype`;
+    with `twin_gap` every model's vocabulary comes in near-tied twins (`random_hf_tensors`).
     """
-    tok = dict(tokenizer=tokenizer, eos_id=eos_id)
+    tok = dict(tokenizer=tokenizer, eos_id=eos_id, twin_gap=twin_gap)
     if relation == "identical":
         draft = target = tiny_checkpoint(args, seed, **tok)
     elif relation == "perturbed":
@@ -246,7 +293,7 @@ def model_pair(
         draft = tiny_checkpoint(draft_args, seed + 1, **tok)
     else:
         raise ValueError(f"unknown draft relation {relation!r}; use one of {DRAFT_RELATIONS}")
-    return ModelPair(target=flash_layout(target), draft=draft)
+    return ModelPair(target=flash_layout(target, dtype), draft=draft)
 
 
 def budget_bytes(layout: Path, budget: float | str, ring_slots: int = 2) -> int | str:

@@ -1,5 +1,5 @@
-"""The exactness oracle: sequential greedy decoding of the target in float64, and
-`assert_matches_greedy`, which holds the engine to it and reports where they part."""
+"""The exactness oracle: sequential greedy decoding of the target in its layout's own dtype,
+and `assert_matches_greedy`, which holds the engine to it and reports where they part."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
-import torch
 
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.config import EngineConfig
+from lever_actors.device.layout import read_manifest
 from lever_actors.draft import DraftModel
 from lever_actors.engine import Engine, GenerationResult
 from lever_actors.model.greedy import greedy_reference
@@ -22,10 +22,11 @@ _references: OrderedDict[Path, tuple[Transformer, Tokenizer | None]] = OrderedDi
 
 
 def _reference_model(layout: Path) -> tuple[Transformer, Tokenizer | None]:
-    """The target loaded whole in float64, and its tokenizer, cached per layout."""
+    """The target loaded whole in the dtype its layout stores (the engine computes in it),
+    and its tokenizer, cached per layout."""
     layout = Path(layout)
     if layout not in _references:
-        checkpoint = load_checkpoint(layout, torch.float64)
+        checkpoint = load_checkpoint(layout, read_manifest(layout).torch_dtype)
         model = Transformer(checkpoint.args, checkpoint.weights)
         _references[layout] = (model, checkpoint.tokenizer)
         while len(_references) > 16:
@@ -37,9 +38,10 @@ def _reference_model(layout: Path) -> tuple[Transformer, Tokenizer | None]:
 def reference_tokens(
     layout: Path, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[str] = ()
 ) -> list[int]:
-    """Sequential greedy decoding of the target layout in float64 with no KV cache. Like the
-    engine it stops after one of its tokenizer's end tokens, or after the first token whose
-    text completes one of the `stop` strings."""
+    """Sequential greedy decoding of the target layout with no KV cache, in the layout's own
+    dtype (float64 or bf16), which the engine computes in too. Like the engine it stops
+    after one of its tokenizer's end tokens, or after the first token whose text completes
+    one of the `stop` strings."""
     model, tokenizer = _reference_model(layout)
     stop_ids = tokenizer.eos_ids if tokenizer else frozenset()
     tokens = greedy_reference(model, list(prompt), max_new_tokens, stop_ids)
@@ -64,8 +66,10 @@ async def assert_matches_greedy(
     given) and assert that its tokens are exactly `reference_tokens` of its target, with a
     message naming the first position that differs. Returns the engine's result.
 
-    The target layout should be float64 (tiny models from this module are); the draft's
-    dtype cannot change the output, only the acceptance rate.
+    The reference computes in the target layout's dtype, as the engine does: in float64
+    (tiny models from this module) or in bf16, where the engine must round every token as
+    one-token decoding does. The draft's dtype cannot change the output, only the
+    acceptance rate.
     """
     expected = reference_tokens(Path(engine_config.target), prompt, n, stop)
     async with Engine.open(engine_config, draft=draft) as engine:
