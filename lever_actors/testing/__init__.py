@@ -1,9 +1,12 @@
 """Testing support, for our tests and for users': tiny random checkpoints, hypothesis
 strategies over engine configurations, and `assert_matches_greedy`, the exactness check.
 
-Everything is float64 on tiny models, where near-ties cannot flip an argmax, so the engine
-must emit exactly what sequential greedy decoding of the target emits ("Exactness contract"
-in DESIGN.md). A typical property test:
+The engine must emit exactly what sequential greedy decoding of the target emits
+("Exactness contract" in DESIGN.md), in the target's own dtype. The tiny models are float64,
+where near-ties cannot flip an argmax; `bf16_engine_cases` draws bf16 targets just large
+enough for rounding to depend on how many rows a pass has, with near-tied twin tokens
+(`bf16_args`, `TWIN_GAP`), where a pass that rounds a token otherwise than one-token
+decoding changes the output. A typical property test:
 
     from hypothesis import given
     from lever_actors.testing import assert_matches_greedy, engine_cases
@@ -27,7 +30,9 @@ from typing import TYPE_CHECKING
 
 from lever_actors.testing.checkpoints import (
     DRAFT_RELATIONS,
+    TWIN_GAP,
     ModelPair,
+    bf16_args,
     budget_bytes,
     flash_layout,
     hf_config,
@@ -45,15 +50,19 @@ from lever_actors.testing.oracle import assert_matches_greedy, reference_tokens
 if TYPE_CHECKING:
     from lever_actors.testing.strategies import (
         EngineCase,
+        bf16_engine_cases,
+        bf16_model_args,
         budgets,
         channel_sizes,
         draft_relations,
         early_exits,
         engine_cases,
         jitters,
+        large_trees,
         model_args,
         prompts,
         prune_thresholds,
+        repetitive_prompts,
         ring_slots,
         seeds,
         trees,
@@ -63,7 +72,11 @@ __all__ = [
     "DRAFT_RELATIONS",
     "EngineCase",
     "ModelPair",
+    "TWIN_GAP",
     "assert_matches_greedy",
+    "bf16_args",
+    "bf16_engine_cases",
+    "bf16_model_args",
     "budget_bytes",
     "budgets",
     "channel_sizes",
@@ -73,6 +86,7 @@ __all__ = [
     "flash_layout",
     "hf_config",
     "jitters",
+    "large_trees",
     "model_args",
     "model_pair",
     "perturbed_checkpoint",
@@ -80,6 +94,7 @@ __all__ = [
     "prune_thresholds",
     "random_hf_tensors",
     "reference_tokens",
+    "repetitive_prompts",
     "ring_slots",
     "seeds",
     "tiny_checkpoint",

@@ -3,8 +3,11 @@ one drawn configuration that builds its own models and engine config."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import torch
 
 try:
     from hypothesis import strategies as st
@@ -18,8 +21,10 @@ from lever_actors.config import ChannelSizes, EngineConfig, TreeSpec
 from lever_actors.model.args import SUPPORTED_ARCHITECTURES, ModelArgs, RopeScaling
 from lever_actors.testing.checkpoints import (
     DRAFT_RELATIONS,
+    TWIN_GAP,
     ModelPair,
     Relation,
+    bf16_args,
     budget_bytes,
     model_pair,
     with_exit_predictor,
@@ -58,6 +63,13 @@ def model_args(
     )
 
 
+def bf16_model_args(
+    archs: Sequence[str] = SUPPORTED_ARCHITECTURES,
+) -> st.SearchStrategy[ModelArgs]:
+    """`bf16_args` of each architecture, tied or untied LM head."""
+    return st.builds(bf16_args, st.sampled_from(archs), tie_embeddings=st.booleans())
+
+
 def draft_relations() -> st.SearchStrategy[Relation]:
     return st.sampled_from(DRAFT_RELATIONS)
 
@@ -66,6 +78,17 @@ def prompts(vocab_size: int, *, min_size: int = 1, max_size: int = 12) -> st.Sea
     """Token-id prompts; repeated tokens are likely, which is where caches go wrong."""
     tokens = st.integers(0, vocab_size - 1)
     return st.lists(tokens, min_size=min_size, max_size=max_size)
+
+
+@st.composite
+def repetitive_prompts(
+    draw: st.DrawFn, vocab_size: int, *, min_size: int = 1, max_size: int = 12
+) -> list[int]:
+    """A pattern of 1-4 tokens repeated, cut to `min_size`-`max_size` tokens: text like code
+    and lists, where real drafts are accepted for long stretches."""
+    pattern = draw(st.lists(st.integers(0, vocab_size - 1), min_size=1, max_size=4))
+    size = draw(st.integers(min_size, max_size))
+    return (pattern * size)[:size]
 
 
 TREE_KINDS = ("chain", "static", "gaincost", "none")  # hypothesis favours the first
@@ -104,6 +127,39 @@ def trees(
     spec = f"static:{','.join(map(str, widths))}"
     assert TreeSpec.parse(spec).max_nodes <= max_nodes
     return spec
+
+
+LARGE_TREE_KINDS = ("static", "gaincost", "chain")
+
+
+@st.composite
+def large_trees(
+    draw: st.DrawFn,
+    *,
+    kinds: Sequence[str] = LARGE_TREE_KINDS,
+    min_nodes: int = 33,
+    max_nodes: int = 96,
+    max_chain: int = 8,
+) -> str:
+    """Trees verified in passes of more rows than a kernel may take before it rounds
+    differently: static trees of `min_nodes` to `max_nodes` draft nodes, 2 or 3 levels of
+    2-8 children ("static:6,6" has 42, "static:8,8" 72); gain-cost with its default cap or
+    one in that range (its trees grow that large when flash paces the pass); and, for the
+    small passes between, "chain:1" to "chain:`max_chain`"."""
+    kind = draw(st.sampled_from(kinds))
+    if kind == "chain":
+        return f"chain:{draw(st.integers(1, max_chain))}"
+    if kind == "gaincost":
+        cap = draw(st.one_of(st.none(), st.integers(min_nodes, max_nodes)))
+        return "gaincost" if cap is None else f"gaincost:{cap}"
+    shapes = [
+        widths
+        for depth in (2, 3)
+        for widths in itertools.product(range(2, 9), repeat=depth)
+        if min_nodes <= TreeSpec("static", widths).max_nodes <= max_nodes
+    ]
+    shapes.sort(key=lambda widths: TreeSpec("static", widths).max_nodes)  # shrink to smaller
+    return f"static:{','.join(map(str, draw(st.sampled_from(shapes))))}"
 
 
 def budgets() -> st.SearchStrategy[float | str]:
@@ -176,6 +232,9 @@ class EngineCase:
     channels: ChannelSizes
     jitter_seconds: float
     seed: int
+    dtype: torch.dtype = torch.float64  # the target layout's, which the engine computes in
+    twin_gap: float | None = None  # see `random_hf_tensors`
+    throttle: str = "none"  # emulated flash
 
     def models(self, *, tokenizer: bool = False, eos_id: int | None = None) -> ModelPair:
         """Build (or reuse) the checkpoints; see `model_pair` for the keywords."""
@@ -187,6 +246,8 @@ class EngineCase:
             tokenizer=tokenizer,
             eos_id=eos_id,
             scale=self.scale,
+            dtype=self.dtype,
+            twin_gap=self.twin_gap,
         )
         if self.early_exit != "trained":
             return pair
@@ -210,7 +271,8 @@ class EngineCase:
             audit_every=self.audit_every,
             draft_ahead=self.draft_ahead,
             projection=self.projection,
-            draft_dtype="float64",
+            draft_dtype=str(self.dtype).removeprefix("torch."),
+            throttle=self.throttle,
             channels=self.channels,
             jitter_seconds=self.jitter_seconds,
             seed=self.seed,
@@ -228,6 +290,8 @@ def engine_cases(
     models: st.SearchStrategy[ModelArgs] | None = None,
     relations: st.SearchStrategy[Relation] | None = None,
     model_seeds: st.SearchStrategy[int] | None = None,
+    scales: st.SearchStrategy[float] | None = None,
+    prompt_lists: Callable[[int], st.SearchStrategy[list[int]]] = prompts,
     new_tokens: st.SearchStrategy[int] | None = None,
     tree_shapes: st.SearchStrategy[str] | None = None,
     dram_budgets: st.SearchStrategy[float | str] | None = None,
@@ -235,8 +299,13 @@ def engine_cases(
     projections: st.SearchStrategy[str] | None = None,
     channels: st.SearchStrategy[ChannelSizes] | None = None,
     jitter: st.SearchStrategy[float] | None = None,
+    throttles: st.SearchStrategy[str] | None = None,
+    dtype: torch.dtype = torch.float64,
+    twin_gap: float | None = None,
 ) -> EngineCase:
-    """Every dimension at once; pass a narrower strategy for any of them."""
+    """Every dimension at once; pass a narrower strategy for any of them (`prompt_lists`
+    gets the drawn vocabulary size). The target layout stores `dtype`, and `twin_gap` makes
+    every model's vocabulary come in near-tied twins (see `random_hf_tensors`)."""
     args = _given(draw, models, model_args())
     relation = _given(draw, relations, draft_relations())
     draft_args = None
@@ -247,8 +316,10 @@ def engine_cases(
         relation=relation,
         draft_args=draft_args,
         model_seed=_given(draw, model_seeds, seeds()),
-        scale=draw(st.sampled_from([0.003, 0.01, 0.03])) if relation == "perturbed" else 0.0,
-        prompt=draw(prompts(args.vocab_size)),
+        scale=_given(draw, scales, st.sampled_from([0.003, 0.01, 0.03]))
+        if relation == "perturbed"
+        else 0.0,
+        prompt=draw(prompt_lists(args.vocab_size)),
         max_new_tokens=_given(draw, new_tokens, st.integers(1, 24)),
         tree=_given(draw, tree_shapes, trees()),
         budget=_given(draw, dram_budgets, budgets()),
@@ -263,4 +334,36 @@ def engine_cases(
         channels=_given(draw, channels, channel_sizes()),
         jitter_seconds=_given(draw, jitter, jitters()),
         seed=draw(seeds()),
+        dtype=dtype,
+        twin_gap=twin_gap,
+        throttle=_given(draw, throttles, st.just("none")),
     )
+
+
+# prompt and new tokens together. The oracle recomputes the whole sequence for each token, and
+# up to 32 rows every kernel here rounds a row as it would alone: so even where the engine's
+# matrix products are not batch-invariant, the oracle is one-token decoding
+BF16_MAX_SEQUENCE = 32
+BF16_PROMPT = 8  # the longest prompt
+
+
+def bf16_engine_cases(**narrower: object) -> st.SearchStrategy[EngineCase]:
+    """`engine_cases` for exactness in bf16, where near-ties are likely and rounding decides
+    them: bf16 targets (`bf16_args`) whose vocabularies come in near-tied twins (`TWIN_GAP`),
+    drafts they are close copies of (noise of 0.001-0.003, or none), repetitive prompts of
+    2 to 8 tokens and 24 new ones, trees that mostly verify more than 32 nodes a
+    pass (`large_trees`), every layer streamed from throttled flash, which paces the pass (so
+    gain-cost trees grow large too), and a few model seeds, so that examples share
+    checkpoints. Keywords narrow it as in `engine_cases`."""
+    defaults: dict[str, object] = dict(
+        models=bf16_model_args(),
+        relations=st.sampled_from(["perturbed", "identical"]),
+        model_seeds=st.integers(0, 2),
+        scales=st.sampled_from([0.001, 0.003]),
+        prompt_lists=lambda vocab: repetitive_prompts(vocab, min_size=2, max_size=BF16_PROMPT),
+        new_tokens=st.just(BF16_MAX_SEQUENCE - BF16_PROMPT),  # each a near-tie that may flip
+        tree_shapes=large_trees(),
+        dram_budgets=st.just(0.0),
+        throttles=st.just("ufs3.1"),
+    )
+    return engine_cases(dtype=torch.bfloat16, twin_gap=TWIN_GAP, **{**defaults, **narrower})
