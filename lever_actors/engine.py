@@ -39,7 +39,6 @@ from lever_actors.channels.messages import (
 from lever_actors.channels.stats import decode_phase, decode_rate, per_step
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, EngineConfig, check_max_new_tokens
-from lever_actors.device.threads import unit_threads
 from lever_actors.device.units import ComputeUnit
 from lever_actors.draft import DraftModel, load_draft
 from lever_actors.errors import ConfigError
@@ -93,10 +92,8 @@ class Engine:
         self.draft = draft
         self.policies = policies
         self.spec = policies.spec
-        split = config.units == "split"
-        threads = unit_threads(split)
-        self.npu = ComputeUnit("npu", threads["npu"])
-        self.cpu = ComputeUnit("cpu", threads["cpu"]) if split else self.npu
+        self.npu = ComputeUnit("npu")
+        self.cpu = ComputeUnit("cpu") if config.units == "split" else self.npu
         self._nursery = nursery
         self._one_at_a_time = trio.Lock()
         self.channels: ChannelSet | None = None  # those of the latest request, for statistics

@@ -1,6 +1,11 @@
-"""The `lever-actors` console entry point: idle OpenMP threads sleep rather than spin
-(device/threads.py says why), set here before the CLI loads torch, because OpenMP reads
-the setting only once, when it loads. A value the user set is kept."""
+"""The `lever-actors` console entry point: idle OpenMP threads sleep rather than spin, set
+before the CLI loads torch, because OpenMP reads the setting only once, when it loads. A
+value the user set is kept.
+
+Why: spinning idle threads lose their time slices beside a busy process. On two cores
+with one busy neighbour, memory-resident decoding ran at 2.44 tok/s with idle threads
+sleeping against 1.50 spinning (`bench/thread_policy.py`, docs/status.md).
+"""
 
 import os
 

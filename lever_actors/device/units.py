@@ -2,8 +2,7 @@
 
 "npu" is the batched unit (the accelerator if there were one; here a CPU worker thread),
 "cpu" a second worker for small irregular work. Each admits one job at a time through its
-CapacityLimiter, so work on one unit is serialised and the two units run side by side; each
-sets its own intra-op thread count (device/threads.py) before every job.
+CapacityLimiter, so work on one unit is serialised and the two units run side by side.
 """
 
 from __future__ import annotations
@@ -12,16 +11,14 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-import torch
 import trio
 
 T = TypeVar("T")
 
 
 class ComputeUnit:
-    def __init__(self, name: str, threads: int | None = None) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
-        self.threads = threads  # intra-op threads of its torch work (None: torch's setting)
         self.limiter = trio.CapacityLimiter(1)
         self.busy_seconds = 0.0
         self.jobs = 0
@@ -33,8 +30,6 @@ class ComputeUnit:
 
     def _timed(self, fn: Callable[..., T], *args: object) -> T:
         self.running += 1
-        if self.threads is not None:  # per OS thread: trio's worker threads serve both units
-            torch.set_num_threads(self.threads)
         started = time.perf_counter()
         try:
             return fn(*args)
