@@ -1,12 +1,13 @@
 """Decode tok/s of memory-resident AR and Lever under thread settings, on a quiet machine and
 beside one busy neighbour process, all in one run (each generation a process of its own).
 
-    .venv/bin/python bench/thread_policy.py [--tokens 32] [--baseline-tree DIR]
+    .venv/bin/python bench/thread_policy.py [--tokens 32] [--repeats 2] [--baseline-tree DIR]
 
-Settings: ours (the CLI's default: idle OpenMP threads sleep, per-unit threads), spinning
-idle threads (OMP_WAIT_POLICY=ACTIVE) and one thread (OMP_NUM_THREADS=1). --baseline-tree
-adds the code of another checkout (e.g. a worktree of an older commit) with idle threads
-sleeping as in ours, to price a change of code. Results: a markdown table on stdout and a JSON file.
+Settings: ours (the CLI's default: idle OpenMP threads sleep), torch's default (the wait
+policy left unset: idle threads spin a while, then sleep) and one thread (OMP_NUM_THREADS=1).
+--baseline-tree adds the code of another checkout (e.g. a worktree of an older commit) with
+idle threads sleeping as in ours, to price a change of code. Results: a markdown table on
+stdout and a JSON file.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -24,10 +26,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Write a Python function that checks whether a string is a palindrome."
+# name -> (entry module, environment); the CLI's entry point sets the wait policy, cli's does not
 SETTINGS = {
-    "ours": {},
-    "spin (OMP_WAIT_POLICY=ACTIVE)": {"OMP_WAIT_POLICY": "ACTIVE"},
-    "one thread (OMP_NUM_THREADS=1)": {"OMP_NUM_THREADS": "1"},
+    "ours": ("lever_actors.launch", {}),
+    "torch's default (wait policy unset)": ("lever_actors.cli", {}),
+    "one thread (OMP_NUM_THREADS=1)": ("lever_actors.launch", {"OMP_NUM_THREADS": "1"}),
 }
 RATE = re.compile(r"decode ([0-9.]+) tok/s")
 
@@ -47,12 +50,11 @@ def workloads(layout: Path, tokens: int) -> dict[str, list[str]]:
     }
 
 
-def decode_rate(tree: Path, args: list[str], env_extra: dict[str, str]) -> float:
+def decode_rate(tree: Path, entry: str, args: list[str], env_extra: dict[str, str]) -> float:
+    """Run `lever-actors ARGS` from the checkout `tree` through `entry`; -> its decode tok/s."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
     env |= env_extra | {"PYTHONPATH": str(tree)}
-    # the entry point of `tree`, which sets the wait policy before torch loads where it does
-    entry = "lever_actors.launch" if (tree / "lever_actors/launch.py").is_file() else None
-    code = f"import sys; from {entry or 'lever_actors.cli'} import main; sys.exit(main())"
+    code = f"import sys; from {entry} import main; sys.exit(main())"
     done = subprocess.run(
         [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, check=True
     )
@@ -62,6 +64,7 @@ def decode_rate(tree: Path, args: list[str], env_extra: dict[str, str]) -> float
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2, help="runs per cell; the median counts")
     parser.add_argument("--baseline-tree", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/thread-policy.json")
     parser.add_argument(
@@ -70,11 +73,12 @@ def main() -> int:
         default=Path.home() / ".cache/lever_actors/flash/qwen2.5-coder-1.5b-instruct-q4_k_m-bf16",
     )
     args = parser.parse_args()
-    variants = {name: (REPO, env) for name, env in SETTINGS.items()}
+    variants = {name: (REPO, entry, env) for name, (entry, env) in SETTINGS.items()}
     if args.baseline_tree:
         # the same wait policy as ours, so that the difference is the code's
         variants[f"baseline ({args.baseline_tree.name})"] = (
             args.baseline_tree,
+            "lever_actors.cli",
             {"OMP_WAIT_POLICY": "PASSIVE"},
         )
     rows = []
@@ -84,22 +88,17 @@ def main() -> int:
             neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"])
             time.sleep(1)
         try:
-            for workload, command in workloads(args.layout, args.tokens).items():
-                for name, (tree, env) in variants.items():
-                    rate = decode_rate(tree, command, env)
-                    rows.append(
-                        {
-                            "condition": condition,
-                            "workload": workload,
-                            "setting": name,
-                            "decode_tok_s": rate,
-                        }
-                    )
-                    print(
-                        f"{condition:15} {workload:10} {name:34} {rate:6.2f} tok/s",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+            for repeat in range(args.repeats):  # settings take turns: drift hits all alike
+                for workload, command in workloads(args.layout, args.tokens).items():
+                    for name, (tree, entry, env) in variants.items():
+                        rate = decode_rate(tree, entry, command, env)
+                        cell = {"condition": condition, "workload": workload, "setting": name}
+                        rows.append(cell | {"repeat": repeat, "decode_tok_s": rate})
+                        print(
+                            f"{condition:15} {workload:10} {name:34} {rate:6.2f} tok/s",
+                            file=sys.stderr,
+                            flush=True,
+                        )
         finally:
             if neighbour:
                 neighbour.kill()
@@ -109,21 +108,25 @@ def main() -> int:
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "tokens": args.tokens,
+        "repeats": args.repeats,
         "rows": rows,
     }
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(
         f"Measured {result['date']} on {result['cpu']} ({result['cores']} cores), "
-        f"{args.tokens} tokens, decode tok/s:\n"
+        f"{args.tokens} tokens, median decode tok/s of {args.repeats} runs:\n"
     )
     print("| condition | workload | " + " | ".join(variants) + " | ours / best |")
     print("|---|---|" + "---|" * (len(variants) + 1))
     for condition in ("quiet", "busy neighbour"):
         for workload in workloads(args.layout, args.tokens):
             rates = {
-                r["setting"]: r["decode_tok_s"]
-                for r in rows
-                if r["condition"] == condition and r["workload"] == workload
+                name: statistics.median(
+                    r["decode_tok_s"]
+                    for r in rows
+                    if (r["condition"], r["workload"], r["setting"]) == (condition, workload, name)
+                )
+                for name in variants
             }
             best = max(rates[name] for name in SETTINGS)
             cells = " | ".join(f"{rates[name]:.2f}" for name in variants)
