@@ -11,6 +11,7 @@ Run it against two checkouts (PYTHONPATH) to compare their kernels on the same m
 import sys
 from pathlib import Path
 
+import msgspec
 import torch
 import trio
 
@@ -18,24 +19,13 @@ from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.convert import convert
 from lever_actors.config import EngineConfig
 from lever_actors.engine import Engine
-from lever_actors.model.args import ModelArgs
 from lever_actors.model.greedy import greedy_cached
 from lever_actors.model.transformer import Transformer
-from lever_actors.testing import write_perturbed_copy, write_tiny_checkpoint
+from lever_actors.testing import bf16_args, write_perturbed_copy, write_tiny_checkpoint
 
-ARGS = ModelArgs(
-    arch="qwen2",
-    vocab_size=8000,
-    d_model=512,
-    n_layers=12,
-    n_heads=4,
-    n_kv_heads=1,
-    head_dim=128,
-    ffn_dim=1536,
-    norm_eps=1e-6,
-    rope_theta=1e6,
-    max_seq_len=1024,
-    tie_embeddings=False,
+# the tests' bf16 config, deeper, wider in the feed-forward and with the issue's vocabulary
+ARGS = msgspec.structs.replace(
+    bf16_args(), vocab_size=8000, n_layers=12, ffn_dim=1536, max_seq_len=1024
 )
 PROMPTS = [[(i * 7 + 3) % 50 for i in range(24)], [5, 6, 7, 8] * 6, list(range(100, 140))]
 NEW_TOKENS = 40
