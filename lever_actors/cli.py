@@ -1,4 +1,5 @@
-"""The `lever-actors` command: generate, fetch-models, convert, profile-disk, bench."""
+"""The `lever-actors` command: generate, fetch-models, convert, profile-disk, train-exit,
+bench, report, check-exact, export-hf."""
 
 from __future__ import annotations
 
