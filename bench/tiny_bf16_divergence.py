@@ -19,7 +19,7 @@ from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.convert import convert
 from lever_actors.config import EngineConfig
 from lever_actors.engine import Engine
-from lever_actors.model.greedy import greedy_cached
+from lever_actors.model.sequential import sequential_cached
 from lever_actors.model.transformer import Transformer
 from lever_actors.testing import bf16_args, write_perturbed_copy, write_tiny_checkpoint
 
@@ -58,7 +58,7 @@ def main() -> None:
         convert(root / "target", root / "layout", torch.bfloat16)
     checkpoint = load_checkpoint(root / "layout", torch.bfloat16)
     reference = Transformer(checkpoint.args, checkpoint.weights)
-    expected = [greedy_cached(reference, p, NEW_TOKENS) for p in PROMPTS]
+    expected = [sequential_cached(reference, p, NEW_TOKENS) for p in PROMPTS]
     for tree, ahead, throttle in POLICIES:
         config = EngineConfig(
             target=str(root / "layout"),

@@ -8,12 +8,13 @@ channels with it and the next request starts clean. Requests are served one at a
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
+import structlog
 import trio
 
 from lever_actors.actors.drafter import Drafter, DrafterInbox, DraftPolicy
@@ -29,6 +30,7 @@ from lever_actors.channels.messages import (
     DraftTree,
     ExitProbe,
     FinalHidden,
+    FinishReason,
     LayerWeights,
     PruneVerdict,
     SlotRelease,
@@ -36,25 +38,38 @@ from lever_actors.channels.messages import (
     TokenEvent,
     Verdict,
 )
-from lever_actors.channels.stats import decode_phase, decode_rate, per_step
+from lever_actors.channels.stats import DecodePhase, decode_phase, decode_rate, per_step
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, EngineConfig, check_max_new_tokens
+from lever_actors.device.memory import peak_rss_bytes
 from lever_actors.device.units import ComputeUnit
 from lever_actors.draft import DraftModel, load_draft
 from lever_actors.errors import ConfigError
+from lever_actors.model.sampling import Sampling
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.setup import Policies, build_policies
 from lever_actors.progress import Progress
 from lever_actors.target import FlashTarget
 
+log = structlog.get_logger(__name__)
+
 
 class GenerationResult(msgspec.Struct, frozen=True):
-    tokens: list[int]
-    text: str
+    tokens: list[int]  # the end token that stopped generation included
+    text: str  # special tokens never appear in it; a stop string that ended it does
+    logprobs: list[float]  # per token: the target's log-probability of it
     steps: list[StepStats]
+    finish_reason: FinishReason | None  # None only when no token was generated
+    prompt_tokens: int
+    seed: int | None  # the sampling seed, given or drawn; None when greedy
     prefill_seconds: float  # request start to the first token
     decode_tokens: int  # tokens after the first step, which comes with the prefill
     decode_seconds: float  # the end of the first step to the last token
+    peak_rss_bytes: int  # this process's high-water mark of resident memory so far
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.tokens)
 
     @property
     def decode_tokens_per_second(self) -> float | None:
@@ -71,6 +86,7 @@ class _Request:
     prompt: list[int]
     max_new_tokens: int
     stop: tuple[str, ...]
+    sampling: Sampling
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     created: float = field(default_factory=time.perf_counter)
     error: BaseException | None = None
@@ -138,45 +154,93 @@ class Engine:
 
     async def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | None = None,
         *,
+        messages: Sequence[Mapping[str, str]] | None = None,
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         stop: Sequence[str] = (),
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int | None = None,
     ) -> GenerationResult:
-        """Run one request to the end; the result carries per-step statistics."""
+        """Run one request to the end (see `stream` for the arguments); the result carries
+        the text, per-token log-probabilities and per-step statistics."""
         events: list[TokenEvent] = []
-        request = self._request(prompt, max_new_tokens, stop)
+        request = self._request(
+            prompt, messages, max_new_tokens, stop, temperature, top_k, top_p, min_p, seed
+        )
         async for event in self._events(request):
             events.append(event)
         decode_tokens, decode_seconds = decode_phase(events)
         return GenerationResult(
             tokens=[e.token for e in events],
             text="".join(e.text for e in events),
+            logprobs=[e.logprob for e in events],
             steps=request.steps,
+            finish_reason=events[-1].finish_reason if events else None,
+            prompt_tokens=len(request.prompt),
+            seed=None if request.sampling.greedy else request.sampling.seed,
             prefill_seconds=events[0].elapsed_seconds if events else 0.0,
             decode_tokens=decode_tokens,
             decode_seconds=decode_seconds,
+            peak_rss_bytes=peak_rss_bytes(),
         )
 
     async def stream(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | None = None,
         *,
+        messages: Sequence[Mapping[str, str]] | None = None,
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         stop: Sequence[str] = (),
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int | None = None,
     ) -> AsyncIterator[TokenEvent]:
-        """Yield each token as it is accepted. Leaving the loop early cancels the request."""
-        async for event in self._events(self._request(prompt, max_new_tokens, stop)):
+        """Yield each token as it is accepted. Leaving the loop early cancels the request.
+
+        Give either `prompt`, raw text (no chat template) or token ids, or `messages`, a
+        conversation of {"role": "system" | "user" | "assistant", "content": str} that the
+        model's chat template renders, ending with the assistant's prompt.
+
+        Generation ends after `max_new_tokens` ("length"), or ("stop") after one of the
+        tokenizer's end tokens (`tokenizer.eos_ids`: end of text and end of turn), whose
+        text is not emitted, or after the token that completes one of the `stop` strings,
+        which stays in the text.
+
+        temperature 0 is greedy decoding. Above 0 tokens are sampled from the target's
+        softmax at that temperature, after top-k, top-p (nucleus) and min-p filtering; the
+        output equals sequential sampling with the same `seed`, whatever the tree. Without
+        a seed one is drawn: `GenerationResult.seed` and the log report it."""
+        request = self._request(
+            prompt, messages, max_new_tokens, stop, temperature, top_k, top_p, min_p, seed
+        )
+        async for event in self._events(request):
             yield event
 
     def _request(
-        self, prompt: str | Sequence[int], max_new_tokens: int, stop: Sequence[str]
+        self,
+        prompt: str | Sequence[int] | None,
+        messages: Sequence[Mapping[str, str]] | None,
+        max_new_tokens: int,
+        stop: Sequence[str],
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        min_p: float,
+        seed: int | None,
     ) -> _Request:
         """Check everything about a request before any work starts."""
+        if (prompt is None) == (messages is None):
+            raise ConfigError("give either prompt or messages")
+        if messages is not None:
+            prompt = self._need_tokenizer().apply_chat_template(messages)
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ConfigError("this target has no tokenizer: pass the prompt as token ids")
-            ids = self.tokenizer.encode(prompt)
+            ids = self._need_tokenizer().encode(prompt)
         else:
             ids = [int(t) for t in prompt]
         if not ids:
@@ -191,7 +255,19 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                 f"model's context of {limit} tokens"
             )
-        return _Request(ids, max_new_tokens, tuple(stop))
+        if isinstance(stop, str):
+            raise ConfigError("stop must be a list of strings, not one string")
+        sampling = Sampling.drawn(
+            seed, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
+        )
+        if seed is None and not sampling.greedy:
+            log.info("sampling seed drawn", seed=sampling.seed)
+        return _Request(ids, max_new_tokens, tuple(stop), sampling)
+
+    def _need_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ConfigError("this target has no tokenizer: pass the prompt as token ids")
+        return self.tokenizer
 
     async def _events(self, request: _Request) -> AsyncIterator[TokenEvent]:
         send, receive = trio.open_memory_channel[TokenEvent](self.config.channels.events)
@@ -234,7 +310,9 @@ class Engine:
         capacity = len(request.prompt) + request.max_new_tokens + self.spec.max_nodes + 2
         jitter = _jitters(config)
         p = self.policies
-        draft_policy = DraftPolicy(p.spec, p.cost, p.calibrator, config.draft_ahead)
+        draft_policy = DraftPolicy(
+            p.spec, p.cost, p.calibrator, config.draft_ahead, request.sampling
+        )
         ahead_room = self.spec.max_nodes if config.draft_ahead else 0
         drafter = Drafter(
             self.draft,
@@ -255,6 +333,7 @@ class Engine:
             self.npu if p.eager_projection else self.cpu,
             next(jitter),
             p.eager_projection,
+            request.sampling,
         )
         async with trio.open_nursery() as nursery:
             prefetcher = Prefetcher(target.store, target.plan, target.resident_layers)
@@ -283,38 +362,49 @@ class Engine:
     async def _steps(self, request, events, requests, verdicts, commits) -> None:
         """The engine's own loop: ask for a tree, take the verdict, emit, commit."""
         started = request.created
-        decoder = self.tokenizer.stream_decoder() if self.tokenizer else None
+        decoder = self.tokenizer.stream_decoder(skip_special=True) if self.tokenizer else None
         stop_ids = self.tokenizer.eos_ids if self.tokenizer else frozenset()
         text = ""
         generated = 0
+        phase = DecodePhase()
         for step in range(request.max_new_tokens):
             step_started = time.perf_counter()
             await requests.send(DraftRequest(step=step, max_nodes=self.spec.max_nodes))
             verdict: Verdict = await verdicts.receive()
-            finished = False
+            finish: FinishReason | None = None
             emitted = 0
-            for token, from_draft in zip(verdict.tokens, verdict.from_draft, strict=True):
+            for token, from_draft, logprob in zip(
+                verdict.tokens, verdict.from_draft, verdict.logprobs, strict=True
+            ):
                 emitted += 1
+                generated += 1
                 delta = decoder.push(token) if decoder else ""
                 text += delta
-                generated += 1
+                if token in stop_ids or any(s in text for s in request.stop):
+                    finish = "stop"
+                elif generated >= request.max_new_tokens:
+                    finish = "length"
+                if finish is not None and decoder:
+                    delta += decoder.flush()  # a character still held back ends here
+                elapsed = time.perf_counter() - started
+                phase.add(step, elapsed)
                 event = TokenEvent(
                     token=token,
                     text=delta,
                     step=step,
                     from_draft=from_draft,
-                    elapsed_seconds=time.perf_counter() - started,
+                    logprob=logprob,
+                    prompt_tokens=len(request.prompt),
+                    generated_tokens=generated,
+                    elapsed_seconds=elapsed,
+                    tokens_per_second=phase.rate,
+                    finish_reason=finish,
                 )
                 try:
                     await events.send(event)
                 except trio.BrokenResourceError:
                     return  # the consumer stopped listening: the request ends here
-                finished = (
-                    generated >= request.max_new_tokens
-                    or token in stop_ids
-                    or any(s in text for s in request.stop)
-                )
-                if finished:
+                if finish is not None:
                     break
             stats = msgspec.structs.replace(
                 verdict.stats, new_tokens=emitted, step_seconds=time.perf_counter() - step_started
@@ -322,7 +412,7 @@ class Engine:
             request.steps.append(stats)
             if self.policies.cost is not None:
                 self.policies.cost.observe(stats)
-            if finished:
+            if finish is not None:
                 return
             commit = Commit(step=step, accepted=verdict.accepted, next_tokens=verdict.tokens[-1:])
             for channel in commits:

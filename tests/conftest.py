@@ -1,4 +1,5 @@
-"""Hypothesis profiles for the property tests, chosen by HYPOTHESIS_PROFILE.
+"""Hypothesis profiles for the property tests, chosen by HYPOTHESIS_PROFILE; and structlog
+back at its defaults after each test (the CLI's tests configure it for the process).
 
 ci (the default): reproducible (derandomized) and sized to finish in minutes.
 thorough: ten times the examples, freshly random on every run, failures kept in the
@@ -9,6 +10,8 @@ example database for replay:
 
 import os
 
+import pytest
+import structlog
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -28,3 +31,9 @@ settings.register_profile(
     database=settings.get_profile("default").database,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def default_logging():
+    yield
+    structlog.reset_defaults()

@@ -39,7 +39,7 @@ from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import read_manifest
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError
-from lever_actors.model.greedy import greedy_reference
+from lever_actors.model.sequential import sequential_reference
 from lever_actors.model.transformer import Transformer
 from tests.tiny_hf import save_tiny, tiny_model
 
@@ -87,7 +87,7 @@ class Models:
         reference = load_hf(self.target_hf, torch.float64)
         self.model = Transformer(reference.args, reference.weights)
         self.tokenizer = reference.tokenizer
-        self.expected = greedy_reference(self.model, PROMPT, 40)
+        self.expected = sequential_reference(self.model, PROMPT, 40)
 
     def config(self, **overrides) -> EngineConfig:
         settings = dict(
@@ -184,7 +184,7 @@ async def test_a_text_prompt_is_tokenized_and_stop_strings_end_the_request(tiny)
     text = "def f(x):"
     ids = tiny.tokenizer.encode(text)
     assert len(ids) == len(text)
-    expected = greedy_reference(tiny.model, ids, 20)
+    expected = sequential_reference(tiny.model, ids, 20)
     full = tiny.tokenizer.decode(expected)
     stop = full[5:7]
     cut = next(k for k in range(1, 21) if stop in tiny.tokenizer.decode(expected[:k]))
@@ -234,7 +234,7 @@ async def test_cancelling_the_callers_scope_stops_the_request(tiny):
 
 async def test_a_request_waiting_behind_another_gets_its_own_tokens(tiny):
     other_prompt = [1, 2, 3]
-    other_expected = greedy_reference(tiny.model, other_prompt, NEW)
+    other_expected = sequential_reference(tiny.model, other_prompt, NEW)
     results = {}
     async with Engine.open(tiny.config()) as engine:
         with trio.fail_after(TIMEOUT):
@@ -419,7 +419,7 @@ async def test_a_request_filling_the_context_exactly_works(tiny):
     prompt = [(7 * i) % 97 for i in range(250)]
     async with Engine.open(tiny.config(tree="static:2,2")) as engine:
         result = await generate(engine, prompt, 6)
-    assert result.tokens == greedy_reference(tiny.model, prompt, 6)
+    assert result.tokens == sequential_reference(tiny.model, prompt, 6)
 
 
 @pytest.mark.parametrize(

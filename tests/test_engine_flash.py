@@ -16,7 +16,7 @@ from lever_actors.config import EngineConfig
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import read_manifest
 from lever_actors.engine import Engine
-from lever_actors.model.greedy import greedy_reference
+from lever_actors.model.sequential import sequential_reference
 from lever_actors.model.transformer import Transformer
 from tests.tiny_hf import save_tiny, tiny_model
 
@@ -30,7 +30,9 @@ def source(request, tmp_path_factory):
     layout = tmp_path_factory.mktemp("flash") / "layout"
     convert(hf, layout, torch.float64)
     reference = load_hf(hf, torch.float64)
-    expected = greedy_reference(Transformer(reference.args, reference.weights), PROMPT, NEW_TOKENS)
+    expected = sequential_reference(
+        Transformer(reference.args, reference.weights), PROMPT, NEW_TOKENS
+    )
     return layout, expected
 
 

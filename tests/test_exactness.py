@@ -1,6 +1,7 @@
 """The exactness contract, as properties: whatever the models, the draft, the tree, the DRAM
 budget, the channel capacities and the actors' scheduling, the engine emits exactly the
-target's sequential greedy tokens (float64 tiny models; lever_actors.testing draws them).
+target's sequential greedy tokens, or with a seed its sequentially sampled ones (float64
+tiny models; lever_actors.testing draws them).
 
 Example counts scale with the hypothesis profile (see tests/conftest.py).
 """
@@ -14,12 +15,13 @@ from hypothesis import strategies as st
 from lever_actors.config import TreeSpec
 from lever_actors.engine import Engine
 from lever_actors.testing import (
-    assert_matches_greedy,
+    assert_matches_sequential,
     early_exits,
     engine_cases,
     jitters,
     prompts,
     reference_tokens,
+    samplings,
     trees,
 )
 
@@ -38,8 +40,8 @@ def tally(case, result) -> None:
 
 @examples(1.5)
 @given(case=engine_cases())
-async def test_engine_equals_greedy_reference(case):
-    result = await assert_matches_greedy(case.engine_config(), case.prompt, case.max_new_tokens)
+async def test_engine_equals_sequential_reference(case):
+    result = await assert_matches_sequential(case.engine_config(), case.prompt, case.max_new_tokens)
     tally(case, result)
 
 
@@ -54,9 +56,20 @@ drafting = trees(kinds=("chain", "static", "gaincost"))
         jitter=jitters(always=True),
     )
 )
-async def test_speculation_under_scheduling_jitter_equals_greedy_reference(case):
+async def test_speculation_under_scheduling_jitter_equals_sequential_reference(case):
     """Random actor pauses reorder every message exchange, pruning probes included."""
-    result = await assert_matches_greedy(case.engine_config(), case.prompt, case.max_new_tokens)
+    result = await assert_matches_sequential(case.engine_config(), case.prompt, case.max_new_tokens)
+    tally(case, result)
+
+
+@examples(0.7)
+@given(case=engine_cases(tree_shapes=drafting, sampling=samplings(), jitter=jitters()))
+async def test_seeded_sampling_equals_sequential_sampling(case):
+    """Sampled tokens are a function of (seed, position) and the target's logits alone, so
+    the engine emits exactly what one-token sampling with the same seed emits."""
+    result = await assert_matches_sequential(
+        case.engine_config(), case.prompt, case.max_new_tokens, sampling=case.sampling
+    )
     tally(case, result)
 
 
@@ -66,7 +79,7 @@ async def test_stops_after_an_end_token(case, data):
     free = reference_tokens(case.models().target, case.prompt, case.max_new_tokens)
     stop = free[data.draw(st.integers(0, len(free) - 1), label="end token at")]
     note(f"end token {stop}; free run {free}")
-    result = await assert_matches_greedy(
+    result = await assert_matches_sequential(
         case.engine_config(eos_id=stop), case.prompt, case.max_new_tokens
     )
     assert result.tokens == free[: free.index(stop) + 1]
@@ -78,13 +91,13 @@ async def test_stops_after_a_stop_string(case, data):
     config = case.engine_config(tokenizer=True)
     free = reference_tokens(config.target, case.prompt, case.max_new_tokens)
     word = f"t{free[data.draw(st.integers(0, len(free) - 1), label='stop word at')]}"
-    result = await assert_matches_greedy(config, case.prompt, case.max_new_tokens, stop=[word])
+    result = await assert_matches_sequential(config, case.prompt, case.max_new_tokens, stop=[word])
     assert word in result.text
 
 
 @examples(0.4)
 @given(case=engine_cases(tree_shapes=drafting), data=st.data())
-async def test_requests_on_one_engine_each_equal_greedy_reference(case, data):
+async def test_requests_on_one_engine_each_equal_sequential_reference(case, data):
     """KV caches, the prefetcher's passes and the drafter's state start clean per request:
     after a request abandoned mid-stream, one after another, and several at once."""
     config = case.engine_config()
@@ -124,6 +137,6 @@ async def test_identical_draft_is_always_accepted(case):
     """Not exactness but its mirror: a draft equal to the target proposes the target's own
     greedy path, so without pruning every step but the last takes the whole fixed tree's
     depth. (A pruner may drop the right branch: that costs speed, never output.)"""
-    result = await assert_matches_greedy(case.engine_config(), case.prompt, case.max_new_tokens)
+    result = await assert_matches_sequential(case.engine_config(), case.prompt, case.max_new_tokens)
     depth = len(TreeSpec.parse(case.tree).widths)
     assert [s.new_tokens for s in result.steps[:-1]] == [depth + 1] * (len(result.steps) - 1)

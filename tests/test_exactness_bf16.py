@@ -1,5 +1,6 @@
 """The exactness contract in bf16: the engine emits exactly the bf16 target's sequential greedy
-tokens, whatever the tree policy, with trees of more than 32 nodes verified in one pass.
+(or seeded sampled) tokens, whatever the tree policy, with trees of more than 32 nodes
+verified in one pass.
 
 A bf16 matrix product may round a row differently when the call has more rows (oneDNN
 switches kernel past 32), and at a near-tie that changes the target's choice. The models
@@ -20,11 +21,12 @@ from lever_actors.policy import cost_model
 from lever_actors.policy import setup as policy_setup
 from lever_actors.testing import (
     TWIN_GAP,
-    assert_matches_greedy,
+    assert_matches_sequential,
     bf16_args,
     bf16_engine_cases,
     budget_bytes,
     model_pair,
+    samplings,
 )
 
 # the most rows a pass may have before bf16 kernels round differently
@@ -33,11 +35,19 @@ KERNEL_ROWS = 32
 
 @settings(max_examples=max(1, settings.default.max_examples // 15))  # ci: 10
 @given(case=bf16_engine_cases())
-async def test_engine_in_bf16_equals_greedy_reference_in_bf16(case):
-    result = await assert_matches_greedy(case.engine_config(), case.prompt, case.max_new_tokens)
+async def test_engine_in_bf16_equals_sequential_reference_in_bf16(case):
+    result = await assert_matches_sequential(case.engine_config(), case.prompt, case.max_new_tokens)
     largest = max(s.tree_nodes for s in result.steps[1:]) if len(result.steps) > 1 else 0
     event(f"tree {case.tree.split(':')[0]}, draft ahead {case.draft_ahead}")
     event(f"a tree after the prompt's of more than {KERNEL_ROWS} nodes: {largest > KERNEL_ROWS}")
+
+
+@settings(max_examples=max(1, settings.default.max_examples // 20))  # ci: 7
+@given(case=bf16_engine_cases(sampling=samplings()))
+async def test_seeded_sampling_in_bf16_equals_sequential_sampling_in_bf16(case):
+    await assert_matches_sequential(
+        case.engine_config(), case.prompt, case.max_new_tokens, sampling=case.sampling
+    )
 
 
 # repetitive, as bf16_engine_cases draws them
@@ -71,12 +81,12 @@ async def later_trees(config: EngineConfig, prompt: list[int]) -> list[int]:
     """Generate to 32 tokens in all (the oracle's passes within KERNEL_ROWS, so it is one-token
     decoding on any kernel), equal to the bf16 reference; -> the nodes of each tree after the
     first (whose pass also holds the prompt)."""
-    result = await assert_matches_greedy(config, prompt, KERNEL_ROWS - len(prompt))
+    result = await assert_matches_sequential(config, prompt, KERNEL_ROWS - len(prompt))
     return [s.tree_nodes for s in result.steps[1:]]
 
 
 @pytest.mark.parametrize("tree", ["static:6,6", "static:8,8", "static:4,4,4"])
-async def test_static_trees_above_32_nodes_equal_greedy_reference_in_bf16(tree):
+async def test_static_trees_above_32_nodes_equal_sequential_reference_in_bf16(tree):
     config = bf16_config(tree=tree)
     for prompt in PROMPTS[:3]:
         nodes = await later_trees(config, prompt)
@@ -100,7 +110,7 @@ def slow_flash(monkeypatch):
 
 
 @pytest.mark.parametrize("draft_ahead", [False, True])
-async def test_gain_cost_trees_above_32_nodes_equal_greedy_reference_in_bf16(
+async def test_gain_cost_trees_above_32_nodes_equal_sequential_reference_in_bf16(
     draft_ahead, slow_flash
 ):
     """Gain-cost trees grow beyond 32 nodes where flash, not compute, paces the pass."""

@@ -47,7 +47,7 @@ WITHOUT_HYPOTHESIS = textwrap.dedent(
 
     pair = testing.model_pair({ARGS!r}, "perturbed")
     config = EngineConfig(target=str(pair.target), draft=str(pair.draft), tree="chain:2")
-    trio.run(testing.assert_matches_greedy, config, [1, 2, 3], 4)
+    trio.run(testing.assert_matches_sequential, config, [1, 2, 3], 4)
     try:
         testing.engine_cases
     except ImportError as error:
@@ -88,7 +88,7 @@ async def test_mismatch_report_names_first_differing_token(monkeypatch) -> None:
     wrong = [*right[:2], (right[2] + 1) % ARGS.vocab_size, right[3]]
     monkeypatch.setattr(oracle, "reference_tokens", lambda *_: wrong)
     with pytest.raises(AssertionError) as failure:
-        await testing.assert_matches_greedy(config, [1, 2, 3], 4)
+        await testing.assert_matches_sequential(config, [1, 2, 3], 4)
     report = str(failure.value)
     assert "differs from sequential greedy decoding of the target at new token 2" in report
     assert f"agreed:   {right[:2]}" in report

@@ -12,6 +12,7 @@ from lever_actors.actors.jitter import Jitter
 from lever_actors.channels.messages import Commit, DraftRequest, DraftTree
 from lever_actors.config import TreeSpec
 from lever_actors.device.units import ComputeUnit
+from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.cost_model import CostModel
@@ -37,6 +38,7 @@ class DraftPolicy:
     cost: CostModel | None = None  # needed by the gain-cost tree
     calibrator: AcceptanceCalibrator | None = None  # needed by the gain-cost tree
     ahead: bool = False  # gain-cost only: draft the next tree while this one is verified
+    sampling: Sampling = GREEDY  # the request's: the draft draws with the target's noise
 
 
 class Drafter:
@@ -125,7 +127,7 @@ class Drafter:
         if builder is None:
             if self.backlog:
                 await self.npu.run(self._absorb_backlog)
-            builder = TreeBuilder(self.model, self.cache, self.chain)
+            builder = TreeBuilder(self.model, self.cache, self.chain, self.policy.sampling)
             await self.npu.run(builder.run, list(range(len(self.chain))), 1)
         ahead = len(builder.tokens) - builder.n_chain
         self.builder = builder

@@ -11,12 +11,14 @@ from lever_actors.actors.jitter import Jitter
 from lever_actors.channels.messages import FinalHidden, StepStats, Verdict
 from lever_actors.device.units import ComputeUnit
 from lever_actors.model.layers import output_logits
+from lever_actors.model.sampling import GREEDY, Sampling, choose, logprobs
 from lever_actors.model.tree import TokenTree
 
 
 class Projector:
-    """Walks from the last committed node: project it, take the argmax, and if a live child
-    holds that token move to it and repeat; otherwise the argmax is the bonus token.
+    """Walks from the last committed node: project it, choose the target's token (the argmax,
+    or the seeded sample), and if a live child holds that token move to it and repeat;
+    otherwise the chosen token is the bonus token.
 
     On demand, a node is projected together with its predicted descendants (each time the
     live child the drafter ranked first) in one batch, since one pass over the LM head
@@ -32,6 +34,7 @@ class Projector:
         unit: ComputeUnit,
         jitter: Jitter,
         eager: bool = False,
+        sampling: Sampling = GREEDY,
     ) -> None:
         self.final_norm = final_norm
         self.lm_head = lm_head
@@ -39,6 +42,7 @@ class Projector:
         self.unit = unit  # the "cpu" unit on demand, the batched "npu" unit when eager
         self.jitter = jitter
         self.eager = eager  # project every live node in one batch, then walk
+        self.sampling = sampling  # the request's: which token a node's logits choose
 
     async def run(
         self,
@@ -58,21 +62,19 @@ class Projector:
         message = final.tree
         tree = TokenTree(message.tokens, message.parents)
         row = {node: i for i, node in enumerate(final.nodes)}
-        argmax: dict[int, int] = {}  # node -> the target's greedy next token after it
+        chosen: dict[int, int] = {}  # node -> the target's next token after it
+        logits: dict[int, torch.Tensor] = {}  # node -> its logits [vocab]
         if self.eager:
-            argmax = dict(
-                zip(final.nodes, self._project(final.hidden).argmax(-1).tolist(), strict=True)
-            )
+            self._choose(final, tree, list(final.nodes), row, chosen, logits)
         node = message.n_committed - 1
-        accepted = list(range(message.n_committed))
+        path = [node]  # the nodes whose chosen tokens are emitted
         tokens: list[int] = []
         from_draft: list[bool] = []
         while True:
-            if node not in argmax:
+            if node not in chosen:
                 chain = _predicted_chain(tree, message.draft_ranks, row, node)
-                logits = self._project(final.hidden[[row[n] for n in chain]])
-                argmax.update(zip(chain, logits.argmax(-1).tolist(), strict=True))
-            token = argmax[node]
+                self._choose(final, tree, chain, row, chosen, logits)
+            token = chosen[node]
             child = next(
                 (c for c in tree.children(node) if c in row and tree.tokens[c] == token), None
             )
@@ -80,8 +82,9 @@ class Projector:
             from_draft.append(child is not None)
             if child is None:
                 break
-            accepted.append(child)
+            path.append(child)
             node = child
+        accepted = [*range(message.n_committed - 1), *path]
         stats = StepStats(
             step=message.step,
             tree_nodes=len(tree),
@@ -90,7 +93,7 @@ class Projector:
             saved_node_layers=final.saved_node_layers,
             audited=final.audit,
             false_prunes=len(set(final.would_drop) & set(accepted)),
-            projected_nodes=len(argmax),
+            projected_nodes=len(chosen),
             drafted_ahead=message.drafted_ahead,
             draft_rounds=message.draft_rounds,
             draft_seconds=message.draft_seconds,
@@ -103,8 +106,24 @@ class Projector:
             accepted=tuple(accepted),
             tokens=tuple(tokens),
             from_draft=tuple(from_draft),
+            logprobs=tuple(logprobs(torch.stack([logits[n] for n in path]), tokens)),
             stats=stats,
         )
+
+    def _choose(
+        self,
+        final: FinalHidden,
+        tree: TokenTree,
+        nodes: list[int],
+        row: dict[int, int],
+        chosen: dict[int, int],
+        logits: dict[int, torch.Tensor],
+    ) -> None:
+        """Project `nodes` in one batch; record each one's logits and chosen next token."""
+        rows = self._project(final.hidden[[row[n] for n in nodes]])
+        positions = torch.tensor([final.position + tree.depths[n] + 1 for n in nodes])
+        chosen.update(zip(nodes, choose(rows, positions, self.sampling), strict=True))
+        logits.update(zip(nodes, rows, strict=True))
 
     def _project(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, d_model] -> logits [n, vocab]"""

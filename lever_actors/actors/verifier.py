@@ -87,7 +87,8 @@ class Verifier:
     ):
         target = self.target
         tree = TokenTree(message.tokens, message.parents)
-        place = tree_placement(target.rope, cache.length, tree, target.dtype)
+        context = cache.length
+        place = tree_placement(target.rope, context, tree, target.dtype)
         x = await self.unit.run(target.embed, list(tree.tokens))  # [n, d_model]
         live = list(range(len(tree)))
         audit, would_drop = False, ()
@@ -127,6 +128,7 @@ class Verifier:
         return FinalHidden(
             step=message.step,
             tree=message,
+            position=context,
             nodes=tuple(live),
             hidden=x[live],
             io_wait_seconds=io_wait,

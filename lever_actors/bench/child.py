@@ -21,9 +21,10 @@ from typing import BinaryIO
 import msgspec
 import trio
 
-from lever_actors.bench.isolation import CgroupSupport, MemoryCgroup, peak_rss_bytes
+from lever_actors.bench.isolation import CgroupSupport, MemoryCgroup
 from lever_actors.bench.modes import Decoded, ModeFailed, describe
 from lever_actors.bench.plan import PlannedMode, open_in_process
+from lever_actors.device.memory import peak_rss_bytes
 from lever_actors.sizes import format_bytes
 
 # The child's program. It waits for Open before it imports this module (and torch with it):

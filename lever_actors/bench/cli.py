@@ -33,7 +33,7 @@ from lever_actors.bench.run import (
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.prompts import PROMPT_SETS, load_prompts
 from lever_actors.checkpoints.real_pair import real_model_path, real_target_layout
-from lever_actors.checkpoints.tokenizer import Tokenizer
+from lever_actors.checkpoints.tokenizer import Tokenizer, user_turn
 from lever_actors.config import (
     DEFAULT_MAX_NEW_TOKENS,
     DramBudget,
@@ -305,7 +305,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         PromptSet(
             name,
             [
-                tokenizer.encode(tokenizer.apply_chat_template(text))
+                tokenizer.encode(tokenizer.apply_chat_template(user_turn(text)))
                 for text in load_prompts(name, args.cache_dir, options.prompts, options.seed)
             ],
         )

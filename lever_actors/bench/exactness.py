@@ -14,13 +14,13 @@ import msgspec
 import trio
 
 from lever_actors.checkpoints import load_checkpoint
-from lever_actors.checkpoints.tokenizer import Tokenizer
+from lever_actors.checkpoints.tokenizer import Tokenizer, user_turn
 from lever_actors.config import DramBudget, EngineConfig
 from lever_actors.device.layout import read_manifest
 from lever_actors.draft import DraftModel, load_draft
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError
-from lever_actors.model.greedy import greedy_cached
+from lever_actors.model.sequential import sequential_cached
 from lever_actors.model.transformer import Transformer
 
 # name -> EngineConfig fields; static:8,8 (72 nodes) and gain-cost trees go past every row
@@ -71,7 +71,7 @@ def audit_prompts(tokenizer: Tokenizer, texts: dict[str, list[str]], count: int)
     if len(in_turn) < count:
         raise ConfigError(f"only {len(in_turn)} prompts available, {count} asked")
     return [
-        Prompt(name, tokenizer.encode(tokenizer.apply_chat_template(t) if chat else t))
+        Prompt(name, tokenizer.encode(tokenizer.apply_chat_template(user_turn(t)) if chat else t))
         for name, t, chat in in_turn[:count]
     ]
 
@@ -95,7 +95,9 @@ def check_exact(
     reference = Transformer(checkpoint.args, checkpoint.weights)
     expected = {}
     for prompt in prompts:
-        expected[prompt.name] = greedy_cached(reference, prompt.tokens, max_new_tokens, stop_ids)
+        expected[prompt.name] = sequential_cached(
+            reference, prompt.tokens, max_new_tokens, stop_ids
+        )
         _say(f"one-token greedy {prompt.name}: {len(expected[prompt.name])} tokens")
     del reference, checkpoint
     draft = load_draft(str(draft_path), draft_dtype)

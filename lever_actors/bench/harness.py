@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
-from lever_actors.bench.isolation import peak_rss_bytes
 from lever_actors.bench.modes import Decoded, Mode, describe
 from lever_actors.bench.results import BenchResults, Machine, PromptRun
 from lever_actors.bench.summary import compute_summary, summarise, with_agreement
+from lever_actors.device.memory import peak_rss_bytes
 
 
 @dataclass

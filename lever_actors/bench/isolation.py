@@ -6,7 +6,7 @@ only offers the v1 hierarchy, the v1 memory controller (memory.limit_in_bytes /
 memory.max_usage_in_bytes). Needs root and a writable cgroup of our own; without them the
 benchmark still runs children and measures peak RSS, and says the limit was not enforced.
 
-Beside the cgroups: a process's peak RSS, the bytes it has read from storage, and eviction
+Beside the cgroups: the bytes a process has read from storage, and eviction
 of weight files from the page cache, so that the next read of them comes from storage.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-import resource
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -195,18 +194,6 @@ def _enable_v2_memory(base: Path) -> None:
 def _write(path: Path, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process: VmHWM, the high-water mark of its own memory.
-    Not getrusage's ru_maxrss, which a child inherits from the parent it was forked from."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def storage_read_bytes() -> int | None:

@@ -19,7 +19,7 @@ from lever_actors.config import EngineConfig
 from lever_actors.device.layout import DTYPE_NAMES
 from lever_actors.draft import DraftModel
 from lever_actors.engine import Engine
-from lever_actors.model.greedy import greedy_stream
+from lever_actors.model.sequential import sequential_stream
 from lever_actors.model.transformer import Transformer
 
 
@@ -92,7 +92,7 @@ class MemoryAR:
     async def decode(
         self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]
     ) -> Decoded:
-        stream = greedy_stream(self.model, prompt, max_new_tokens, stop_ids)
+        stream = sequential_stream(self.model, prompt, max_new_tokens, stop_ids)
         return await trio.to_thread.run_sync(stamped, stream)
 
 

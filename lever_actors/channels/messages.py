@@ -3,7 +3,7 @@ the trace codec (channels/trace.py) summarises them when messages are written ou
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -70,6 +70,7 @@ class FinalHidden(Message, frozen=True):
     """verifier -> projector: last-layer hidden states of the nodes that survived pruning."""
 
     tree: DraftTree
+    position: int  # absolute position of the tree's first node: the target's context length
     nodes: tuple[int, ...]  # live node indices, in order
     hidden: Any  # torch.Tensor [len(nodes), d_model]
     io_wait_seconds: float
@@ -108,6 +109,7 @@ class Verdict(Message, frozen=True):
     accepted: tuple[int, ...]  # node indices along the path, committed chain first
     tokens: tuple[int, ...]  # new tokens: accepted draft tokens, then the bonus token
     from_draft: tuple[bool, ...]  # per new token: was it proposed by the drafter
+    logprobs: tuple[float, ...]  # per new token: the target's log-probability of it
     stats: StepStats
 
 
@@ -118,11 +120,19 @@ class Commit(Message, frozen=True):
     next_tokens: tuple[int, ...]  # committed tokens not in any cache yet (the bonus token)
 
 
+FinishReason = Literal["stop", "length"]
+
+
 class TokenEvent(msgspec.Struct, frozen=True):
-    """engine -> user: one generated token."""
+    """engine -> user: one generated token, with the request's running totals."""
 
     token: int
-    text: str  # the text this token completes (may be empty mid-character)
+    text: str  # the text this token completes (may be empty mid-character; never special tokens)
     step: int
     from_draft: bool
+    logprob: float  # the target's log-probability of this token (before temperature, filters)
+    prompt_tokens: int
+    generated_tokens: int  # so far, this one included
     elapsed_seconds: float  # since the request started
+    tokens_per_second: float | None  # decode rate so far after the first step; None during it
+    finish_reason: FinishReason | None = None  # on the last token: "stop" or "length"

@@ -17,10 +17,34 @@ def per_step(tokens: int, steps: int) -> float | None:
     return tokens / steps if steps > 0 else None
 
 
+class DecodePhase:
+    """Running (tokens, seconds) of decoding proper: after the first step, which comes with
+    the prefill, up to the latest token."""
+
+    def __init__(self) -> None:
+        self.first_step: int | None = None
+        self.first_step_end = 0.0  # when the first step's last token came
+        self.tokens = 0
+        self.seconds = 0.0
+
+    def add(self, step: int, elapsed_seconds: float) -> None:
+        """One more token, of `step`, `elapsed_seconds` after the request started."""
+        if self.first_step is None:
+            self.first_step = step
+        if step == self.first_step:
+            self.first_step_end = elapsed_seconds
+        else:
+            self.tokens += 1
+            self.seconds = elapsed_seconds - self.first_step_end
+
+    @property
+    def rate(self) -> float | None:
+        return decode_rate(self.tokens, self.seconds)
+
+
 def decode_phase(events: Sequence[TokenEvent]) -> tuple[int, float]:
-    """(tokens, seconds) of decoding proper: after the first step, which comes with the
-    prefill, up to the last token."""
-    if not events:
-        return 0, 0.0
-    first = [e for e in events if e.step == events[0].step]
-    return len(events) - len(first), events[-1].elapsed_seconds - first[-1].elapsed_seconds
+    """(tokens, seconds) of decoding proper over a request's events (see DecodePhase)."""
+    phase = DecodePhase()
+    for event in events:
+        phase.add(event.step, event.elapsed_seconds)
+    return phase.tokens, phase.seconds

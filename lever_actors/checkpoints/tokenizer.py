@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import gguf
+import structlog
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
-from lever_actors.errors import CheckpointError
+from lever_actors.errors import CheckpointError, ConfigError
+
+log = structlog.get_logger(__name__)
 
 # Pre-tokenizer split patterns, keyed by GGUF `tokenizer.ggml.pre`.
 _GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -37,7 +41,7 @@ _WHOLE_WORD_PRE = {"llama-bpe", "llama3"}  # Llama 3 looks a whole pre-token up 
 _CONTROL, _USER_DEFINED = 3, 4
 # Special tokens that end a turn or a document; the model stops on any of them it has.
 _END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
-_CHATML = "<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+ROLES = ("system", "user", "assistant")
 
 
 class Tokenizer:
@@ -51,8 +55,10 @@ class Tokenizer:
         bos_id: int | None,
         chat_template: str | None,
         vocab_size: int,
+        source: str = "",
     ) -> None:
         self.backend = backend
+        self.source = source  # where it was read from, for messages
         self.bos_id = bos_id
         self.chat_template = chat_template
         self.vocab_size = vocab_size
@@ -83,6 +89,7 @@ class Tokenizer:
             bos_id=bos_id,
             chat_template=template if isinstance(template, str) else None,
             vocab_size=backend.get_vocab_size(with_added_tokens=True),
+            source=str(path.parent),
         )
 
     @classmethod
@@ -146,6 +153,7 @@ class Tokenizer:
             bos_id=bos_id,
             chat_template=meta("tokenizer.chat_template"),
             vocab_size=len(tokens),
+            source=str(source),
         )
 
     def encode(self, text: str) -> list[int]:
@@ -155,15 +163,19 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special)
 
-    def apply_chat_template(self, user_text: str) -> str:
-        """One user turn followed by the assistant's prompt, in the model's own chat format."""
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The conversation (system, user and assistant turns) in the model's own chat
+        format, ending with the assistant's prompt. Without a template: the turns' contents
+        joined by blank lines, with a warning; a format is never invented."""
+        checked = check_messages(messages)
         if self.chat_template is None:
-            return _CHATML.format(text=user_text)
+            log.warning("no chat template: the messages are joined as raw text", model=self.source)
+            return "\n\n".join(m["content"] for m in checked)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.filters["tojson"] = _to_json
         env.globals["raise_exception"] = _raise_template_error
         return env.from_string(self.chat_template).render(
-            messages=[{"role": "user", "content": user_text}],
+            messages=checked,
             add_generation_prompt=True,
             bos_token=self._token(self.bos_id),
             eos_token=self._token(self._eos_id),
@@ -218,6 +230,28 @@ class StreamDecoder:
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special=self._skip_special)
+
+
+def user_turn(text: str) -> list[dict[str, str]]:
+    """A conversation of one user message."""
+    return [{"role": "user", "content": text}]
+
+
+def check_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
+    """Plain {"role", "content"} dicts, or ConfigError naming the first bad message."""
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
+        raise ConfigError("messages must be a non-empty list of {'role', 'content'} objects")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or set(message) != {"role", "content"}:
+            raise ConfigError(f"messages[{i}] must have exactly the keys 'role' and 'content'")
+        role, content = message["role"], message["content"]
+        if role not in ROLES:
+            raise ConfigError(f"messages[{i}].role = {role!r}: expected one of {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise ConfigError(f"messages[{i}].content must be a string")
+        checked.append({"role": role, "content": content})
+    return checked
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.checkpoint import Checkpoint
-from lever_actors.checkpoints.tokenizer import Tokenizer
+from lever_actors.checkpoints.tokenizer import Tokenizer, user_turn
 from lever_actors.config import default_exit_layer
 from lever_actors.device.layout import MANIFEST_NAME, read_manifest
 from lever_actors.errors import ConfigError
@@ -240,7 +240,7 @@ def chat_token_ids(layout: Path, prompts: Sequence[str]) -> tuple[list[list[int]
     if manifest.tokenizer is None:
         raise ConfigError(f"{layout} has no tokenizer; training on prompts needs one")
     tokenizer = Tokenizer.from_file(Path(layout) / manifest.tokenizer)
-    texts = [tokenizer.encode(tokenizer.apply_chat_template(p)) for p in prompts]
+    texts = [tokenizer.encode(tokenizer.apply_chat_template(user_turn(p))) for p in prompts]
     return texts, tokenizer.eos_ids
 
 

@@ -13,6 +13,7 @@ import torch
 
 from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.placement import Placement
+from lever_actors.model.sampling import Sampling, scores
 from lever_actors.model.transformer import Transformer
 from lever_actors.model.tree import TokenTree
 from lever_actors.policy.calibration import AcceptanceCalibrator
@@ -28,11 +29,15 @@ RunBatch = Callable[[list[int]], Awaitable[None]]  # runs TreeBuilder.run on som
 class TreeBuilder:
     """One tree under construction: the committed chain, then draft nodes. A node is "run"
     when the draft model has processed it (at the next free slot of the pending block),
-    which gives the distribution of its children."""
+    which gives the distribution of its children: the draft's own, or when sampling, that
+    of its perturbed scores, whose top token is the one the shared noise makes it draw."""
 
-    def __init__(self, model: Transformer, cache: KVCache, chain: list[int]) -> None:
+    def __init__(
+        self, model: Transformer, cache: KVCache, chain: list[int], sampling: Sampling
+    ) -> None:
         self.model = model
         self.cache = cache
+        self.sampling = sampling
         self.n_chain = len(chain)
         self.tokens = list(chain)
         self.parents = list(range(-1, len(chain) - 1))
@@ -68,7 +73,7 @@ class TreeBuilder:
         ran = [n for n in subtree if n in self.offsets]
         self.cache.keep([self.offsets[n] for n in accepted], [self.offsets[n] for n in ran])
         renamed = {old: new for new, old in enumerate(subtree)}
-        builder = TreeBuilder(self.model, self.cache, [self.tokens[root]])
+        builder = TreeBuilder(self.model, self.cache, [self.tokens[root]], self.sampling)
         for node in subtree[1:]:
             parent = renamed[self.parents[node]]
             builder.add(parent, self.tokens[node], self.probs[node], self.ranks[node])
@@ -88,13 +93,16 @@ class TreeBuilder:
         index = torch.tensor(nodes)
         context = self.cache.length
         visible = tree.ancestry()[index][:, columns]  # [len(nodes), span]
-        cos, sin = self.model.rope.tables(tree.positions(context)[index], self.model.dtype)
+        positions = tree.positions(context)[index]
+        cos, sin = self.model.rope.tables(positions, self.model.dtype)
         mask = torch.cat((torch.ones(len(nodes), context, dtype=torch.bool), visible), dim=1)
         offsets = torch.tensor([self.offsets[n] for n in nodes])
         place = Placement(cos, sin, mask, offsets, len(columns))
         tokens = torch.tensor([self.tokens[n] for n in nodes])
         hidden = self.model.forward(tokens, self.cache, place)
-        probs = torch.softmax(self.model.logits(hidden[len(nodes) - wanted :]).float(), dim=-1)
+        logits = self.model.logits(hidden[len(nodes) - wanted :])
+        chosen = scores(logits, positions[len(nodes) - wanted :] + 1, self.sampling)
+        probs = torch.softmax(chosen.float(), dim=-1)
         for row, node in enumerate(nodes[len(nodes) - wanted :]):
             self.child_probs[node] = probs[row]
 

@@ -1,19 +1,20 @@
 """Testing support, for our tests and for users': tiny random checkpoints, hypothesis
-strategies over engine configurations, and `assert_matches_greedy`, the exactness check.
+strategies over engine configurations, and `assert_matches_sequential`, the exactness check.
 
-The engine must emit exactly what sequential greedy decoding of the target emits
-("Exactness contract" in DESIGN.md), in the target's own dtype. The tiny models are float64,
+The engine must emit exactly what sequential decoding of the target emits ("Exactness
+contract" in DESIGN.md), in the target's own dtype: greedy, or sampled with the same seed
+(`samplings`; `EngineCase.sampling`). The tiny models are float64,
 where near-ties cannot flip an argmax; `bf16_engine_cases` draws bf16 targets just large
 enough for rounding to depend on how many rows a pass has, with near-tied twin tokens
 (`bf16_args`, `TWIN_GAP`), where a pass that rounds a token otherwise than one-token
 decoding changes the output. A typical property test:
 
     from hypothesis import given
-    from lever_actors.testing import assert_matches_greedy, engine_cases
+    from lever_actors.testing import assert_matches_sequential, engine_cases
 
     @given(case=engine_cases())
     async def test_exact(case):
-        await assert_matches_greedy(case.engine_config(), case.prompt, case.max_new_tokens)
+        await assert_matches_sequential(case.engine_config(), case.prompt, case.max_new_tokens)
 
 Building and converting a checkpoint costs more than decoding a few tokens with it, so
 checkpoints and flash layouts are cached per process (a small LRU in a temporary
@@ -45,7 +46,7 @@ from lever_actors.testing.checkpoints import (
     write_tiny_checkpoint,
     write_tiny_tokenizer,
 )
-from lever_actors.testing.oracle import assert_matches_greedy, reference_tokens
+from lever_actors.testing.oracle import assert_matches_sequential, reference_tokens
 
 if TYPE_CHECKING:
     from lever_actors.testing.strategies import (
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
         prune_thresholds,
         repetitive_prompts,
         ring_slots,
+        samplings,
         seeds,
         trees,
     )
@@ -73,7 +75,7 @@ __all__ = [
     "EngineCase",
     "ModelPair",
     "TWIN_GAP",
-    "assert_matches_greedy",
+    "assert_matches_sequential",
     "bf16_args",
     "bf16_engine_cases",
     "bf16_model_args",
@@ -96,6 +98,7 @@ __all__ = [
     "reference_tokens",
     "repetitive_prompts",
     "ring_slots",
+    "samplings",
     "seeds",
     "tiny_checkpoint",
     "trees",

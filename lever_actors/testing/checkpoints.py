@@ -18,8 +18,8 @@ from typing import Literal
 
 import torch
 from safetensors.torch import load_file, save_file
+from tokenizers import AddedToken, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import models, pre_tokenizers
 
 from lever_actors.checkpoints import export
 from lever_actors.checkpoints.convert import convert
@@ -118,12 +118,15 @@ def random_hf_tensors(
 
 def write_tiny_tokenizer(directory: Path, vocab_size: int, eos_id: int | None = None) -> None:
     """A word-level tokenizer over the words t0 .. t<vocab-1> (token i is "t<i>"), with
-    `eos_id` as the end-of-sequence token the engine stops on."""
+    `eos_id` as the end-of-sequence token the engine stops on: a special token, which
+    decoding leaves out of the text."""
     vocab = {f"t{i}": i for i in range(vocab_size)}
     backend = BackendTokenizer(models.WordLevel(vocab, unk_token="t0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.save(str(directory / "tokenizer.json"))
     eos = None if eos_id is None else f"t{eos_id}"
+    if eos is not None:
+        backend.add_special_tokens([AddedToken(eos, special=True, normalized=False)])
+    backend.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id}))
 

@@ -1,5 +1,6 @@
-"""The exactness oracle: sequential greedy decoding of the target in its layout's own dtype,
-and `assert_matches_greedy`, which holds the engine to it and reports where they part."""
+"""The exactness oracle: sequential decoding of the target in its layout's own dtype, greedy
+or sampled with a seed, and `assert_matches_sequential`, which holds the engine to it and
+reports where they part."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from lever_actors.config import EngineConfig
 from lever_actors.device.layout import read_manifest
 from lever_actors.draft import DraftModel
 from lever_actors.engine import Engine, GenerationResult
-from lever_actors.model.greedy import greedy_reference
+from lever_actors.model.sampling import GREEDY, Sampling
+from lever_actors.model.sequential import sequential_reference
 from lever_actors.model.transformer import Transformer
 
 _references: OrderedDict[Path, tuple[Transformer, Tokenizer | None]] = OrderedDict()
@@ -36,15 +38,20 @@ def _reference_model(layout: Path) -> tuple[Transformer, Tokenizer | None]:
 
 
 def reference_tokens(
-    layout: Path, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[str] = ()
+    layout: Path,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    stop: Sequence[str] = (),
+    sampling: Sampling = GREEDY,
 ) -> list[int]:
-    """Sequential greedy decoding of the target layout with no KV cache, in the layout's own
-    dtype (float64 or bf16), which the engine computes in too. Like the engine it stops
+    """Sequential decoding (greedy, or sampled with `sampling`) of the target layout with no
+    KV cache, in the layout's own dtype (float64 or bf16), which the engine computes in
+    too. Like the engine it stops
     after one of its tokenizer's end tokens, or after the first token whose text completes
     one of the `stop` strings."""
     model, tokenizer = _reference_model(layout)
     stop_ids = tokenizer.eos_ids if tokenizer else frozenset()
-    tokens = greedy_reference(model, list(prompt), max_new_tokens, stop_ids)
+    tokens = sequential_reference(model, list(prompt), max_new_tokens, stop_ids, sampling)
     if stop:
         if tokenizer is None:
             raise ValueError(f"{layout}: stop strings need a target with a tokenizer")
@@ -54,16 +61,18 @@ def reference_tokens(
     return tokens
 
 
-async def assert_matches_greedy(
+async def assert_matches_sequential(
     engine_config: EngineConfig,
     prompt: Sequence[int],
     n: int,
     *,
     stop: Sequence[str] = (),
     draft: DraftModel | None = None,
+    sampling: Sampling = GREEDY,
 ) -> GenerationResult:
-    """Run the engine on `prompt` for `n` new tokens (with `stop` strings, and `draft` if
-    given) and assert that its tokens are exactly `reference_tokens` of its target, with a
+    """Run the engine on `prompt` for `n` new tokens (with `stop` strings, `draft` if given,
+    and `sampling`: greedy, or its temperature, filters and seed) and assert that its
+    tokens are exactly `reference_tokens` of its target with the same sampling, with a
     message naming the first position that differs. Returns the engine's result.
 
     The reference computes in the target layout's dtype, as the engine does: in float64
@@ -71,12 +80,16 @@ async def assert_matches_greedy(
     one-token decoding does. The draft's dtype cannot change the output, only the
     acceptance rate.
     """
-    expected = reference_tokens(Path(engine_config.target), prompt, n, stop)
+    expected = reference_tokens(Path(engine_config.target), prompt, n, stop, sampling)
     async with Engine.open(engine_config, draft=draft) as engine:
-        result = await engine.generate(list(prompt), max_new_tokens=n, stop=stop)
+        result = await engine.generate(
+            list(prompt), max_new_tokens=n, stop=stop, **msgspec.structs.asdict(sampling)
+        )
     got = list(result.tokens)
     if got != expected:
-        raise AssertionError(_mismatch(engine_config, list(prompt), n, stop, expected, result))
+        raise AssertionError(
+            _mismatch(engine_config, list(prompt), n, stop, sampling, expected, result)
+        )
     return result
 
 
@@ -85,6 +98,7 @@ def _mismatch(
     prompt: list[int],
     n: int,
     stop: Sequence[str],
+    sampling: Sampling,
     expected: list[int],
     result: GenerationResult,
 ) -> str:
@@ -101,9 +115,9 @@ def _mismatch(
         step += 1
     return "\n".join(
         [
-            f"engine output differs from sequential greedy decoding of the target at new token "
-            f"{first} (step {step}); {len(got)} tokens vs {len(expected)} expected",
-            f"  prompt:   {prompt}  (max_new_tokens={n}, stop={list(stop)})",
+            f"engine output differs from sequential {_decoding(sampling)} of the target at new "
+            f"token {first} (step {step}); {len(got)} tokens vs {len(expected)} expected",
+            f"  prompt:   {prompt}  (max_new_tokens={n}, stop={list(stop)}, {sampling})",
             f"  agreed:   {expected[:first]}",
             f"  expected: ...{expected[first:]}",
             f"  engine:   ...{got[first:]}",
@@ -112,3 +126,7 @@ def _mismatch(
             f"  config: {msgspec.json.encode(config).decode()}",
         ]
     )
+
+
+def _decoding(sampling: Sampling) -> str:
+    return "greedy decoding" if sampling.greedy else f"sampling (seed {sampling.seed})"

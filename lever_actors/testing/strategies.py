@@ -19,6 +19,7 @@ except ImportError as missing:
 
 from lever_actors.config import ChannelSizes, EngineConfig, TreeSpec
 from lever_actors.model.args import SUPPORTED_ARCHITECTURES, ModelArgs, RopeScaling
+from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.testing.checkpoints import (
     DRAFT_RELATIONS,
     TWIN_GAP,
@@ -207,6 +208,18 @@ def seeds() -> st.SearchStrategy[int]:
     return st.integers(0, 2**16 - 1)
 
 
+def samplings() -> st.SearchStrategy[Sampling]:
+    """Seeded sampling: temperatures from sharp to flat, with and without each filter."""
+    return st.builds(
+        Sampling,
+        temperature=st.sampled_from([0.3, 0.7, 1.0, 1.5]),
+        top_k=st.sampled_from([0, 2, 5, 40]),
+        top_p=st.sampled_from([1.0, 0.9, 0.5]),
+        min_p=st.sampled_from([0.0, 0.05, 0.3]),
+        seed=st.integers(0, 2**64 - 1),
+    )
+
+
 @dataclass(frozen=True)
 class EngineCase:
     """One drawn configuration: models, request and engine settings. Its repr is what
@@ -235,6 +248,7 @@ class EngineCase:
     dtype: torch.dtype = torch.float64  # the target layout's, which the engine computes in
     twin_gap: float | None = None  # see `random_hf_tensors`
     throttle: str = "none"  # emulated flash
+    sampling: Sampling = GREEDY  # the request's
 
     def models(self, *, tokenizer: bool = False, eos_id: int | None = None) -> ModelPair:
         """Build (or reuse) the checkpoints; see `model_pair` for the keywords."""
@@ -300,12 +314,14 @@ def engine_cases(
     channels: st.SearchStrategy[ChannelSizes] | None = None,
     jitter: st.SearchStrategy[float] | None = None,
     throttles: st.SearchStrategy[str] | None = None,
+    sampling: st.SearchStrategy[Sampling] | None = None,
     dtype: torch.dtype = torch.float64,
     twin_gap: float | None = None,
 ) -> EngineCase:
     """Every dimension at once; pass a narrower strategy for any of them (`prompt_lists`
     gets the drawn vocabulary size). The target layout stores `dtype`, and `twin_gap` makes
-    every model's vocabulary come in near-tied twins (see `random_hf_tensors`)."""
+    every model's vocabulary come in near-tied twins (see `random_hf_tensors`). Requests are
+    greedy unless `sampling` draws otherwise (`samplings()`)."""
     args = _given(draw, models, model_args())
     relation = _given(draw, relations, draft_relations())
     draft_args = None
@@ -337,6 +353,7 @@ def engine_cases(
         dtype=dtype,
         twin_gap=twin_gap,
         throttle=_given(draw, throttles, st.just("none")),
+        sampling=_given(draw, sampling, st.just(GREEDY)),
     )
 
 

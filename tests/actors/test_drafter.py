@@ -15,7 +15,7 @@ from lever_actors.channels.messages import Commit, DraftRequest, DraftTree
 from lever_actors.checkpoints.hf import load_hf
 from lever_actors.config import TreeSpec
 from lever_actors.device.units import ComputeUnit
-from lever_actors.model.greedy import greedy_reference
+from lever_actors.model.sequential import sequential_reference
 from lever_actors.model.transformer import Transformer
 from lever_actors.model.tree import TokenTree
 from tests.tiny_hf import save_tiny, tiny_model
@@ -86,7 +86,7 @@ async def test_chain_is_the_draft_models_greedy_continuation(draft):
     check_committed_chain(tree, PROMPT)
     n = len(PROMPT)
     assert tree.parents == tuple(range(-1, n + 3))  # one chain through the draft nodes
-    expected = greedy_reference(draft, PROMPT, 4)
+    expected = sequential_reference(draft, PROMPT, 4)
     assert list(tree.tokens[n:]) == expected
     for i, token in enumerate(expected):
         prob = distribution(draft, PROMPT + expected[:i])[token].item()
@@ -107,7 +107,7 @@ async def test_after_commits_the_chain_continues_the_committed_text(draft):
             n = tree.n_committed
             for step, n_accepted in enumerate([2, 4, 0, 1, 3], start=1):
                 proposals = list(tree.tokens[n:])
-                assert proposals == greedy_reference(draft, text, 4), f"step {step - 1}"
+                assert proposals == sequential_reference(draft, text, 4), f"step {step - 1}"
                 accepted = tuple(range(n)) + tuple(range(n, n + n_accepted))
                 text += proposals[:n_accepted]
                 # a bonus the draft did not propose next, so the next tree must change
@@ -121,7 +121,7 @@ async def test_after_commits_the_chain_continues_the_committed_text(draft):
                 assert tree.step == step
                 check_committed_chain(tree, [bonus])
                 n = tree.n_committed
-            assert list(tree.tokens[n:]) == greedy_reference(draft, text, 4)
+            assert list(tree.tokens[n:]) == sequential_reference(draft, text, 4)
 
 
 def check_static_shape(tree: DraftTree, widths: tuple[int, ...]) -> None:

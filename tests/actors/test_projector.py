@@ -17,8 +17,8 @@ from lever_actors.actors.projector import Projector
 from lever_actors.channels.messages import DraftTree, FinalHidden, Verdict
 from lever_actors.checkpoints.hf import load_hf
 from lever_actors.device.units import ComputeUnit
-from lever_actors.model.greedy import greedy_reference
 from lever_actors.model.placement import tree_placement
+from lever_actors.model.sequential import sequential_reference
 from lever_actors.model.transformer import Transformer
 from lever_actors.model.tree import TokenTree
 from tests.tiny_hf import save_tiny, tiny_model
@@ -37,7 +37,7 @@ def model(request, tmp_path_factory) -> Transformer:
 
 @pytest.fixture(scope="module")
 def greedy(model) -> list[int]:
-    return greedy_reference(model, PROMPT, 5)
+    return sequential_reference(model, PROMPT, 5)
 
 
 def other(token: int, k: int = 1) -> int:
@@ -84,6 +84,7 @@ def final_hidden(
     return FinalHidden(
         step=tree.step,
         tree=tree,
+        position=len(context),
         nodes=tuple(live),
         hidden=hidden[live],
         io_wait_seconds=0.5,

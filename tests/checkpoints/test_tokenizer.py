@@ -8,9 +8,10 @@ from pathlib import Path
 import gguf
 import pytest
 import tokenizers
+from structlog.testing import capture_logs
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 
-from lever_actors.checkpoints.tokenizer import _QWEN2_SPLIT, Tokenizer
+from lever_actors.checkpoints.tokenizer import _QWEN2_SPLIT, Tokenizer, user_turn
 from lever_actors.errors import CheckpointError
 
 TEXTS = [
@@ -154,10 +155,44 @@ def test_special_ids(tok: Tokenizer, bpe: Vocab) -> None:
 
 
 def test_chat_template(tok: Tokenizer) -> None:
-    prompt = tok.apply_chat_template("Write fizzbuzz.")
+    prompt = tok.apply_chat_template(user_turn("Write fizzbuzz."))
     assert prompt == "<|im_start|>user\nWrite fizzbuzz.<|im_end|>\n<|im_start|>assistant\n"
-    tok_without = Tokenizer(tok.backend, eos_ids=[], bos_id=None, chat_template=None, vocab_size=1)
-    assert tok_without.apply_chat_template("Write fizzbuzz.") == prompt  # the ChatML fallback
+
+
+def test_chat_template_renders_system_and_turns(tok: Tokenizer) -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Bye"},
+    ]
+    assert tok.apply_chat_template(messages) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_without_a_template_turns_are_joined_with_a_warning(tok: Tokenizer) -> None:
+    bare = Tokenizer(
+        tok.backend, eos_ids=[], bos_id=None, chat_template=None, vocab_size=1, source="bare"
+    )
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    with capture_logs() as logs:
+        assert bare.apply_chat_template(messages) == "Be brief.\n\nHi"
+    assert logs == [
+        {
+            "event": "no chat template: the messages are joined as raw text",
+            "model": "bare",
+            "log_level": "warning",
+        }
+    ]
+
+
+def test_special_tokens_are_left_out_of_streamed_text(tok: Tokenizer) -> None:
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+    decoder = tok.stream_decoder(skip_special=True)
+    assert "".join(decoder.push(i) for i in ids) + decoder.flush() == "user\nhi"
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -207,6 +242,8 @@ def test_save_round_trips_special_tokens_and_template(
     assert loaded.eos_ids == gguf_tokenizer.eos_ids
     assert loaded.bos_id == gguf_tokenizer.bos_id
     assert loaded.chat_template == gguf_tokenizer.chat_template
-    assert loaded.apply_chat_template("hi") == gguf_tokenizer.apply_chat_template("hi")
+    assert loaded.apply_chat_template(user_turn("hi")) == gguf_tokenizer.apply_chat_template(
+        user_turn("hi")
+    )
     for text in TEXTS:
         assert loaded.encode(text) == gguf_tokenizer.encode(text)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lever_actors.checkpoints.hf import load_hf
-from lever_actors.model.greedy import greedy_cached, greedy_reference
+from lever_actors.model.sequential import sequential_cached, sequential_reference
 from lever_actors.model.transformer import Transformer
 from tests.tiny_hf import ARCHS, full_precision_norms, save_tiny, tiny_model
 
@@ -82,7 +82,9 @@ def _their_greedy(theirs, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("decode", [greedy_reference, greedy_cached], ids=["no-cache", "kv-cache"])
+@pytest.mark.parametrize(
+    "decode", [sequential_reference, sequential_cached], ids=["no-cache", "kv-cache"]
+)
 def test_greedy_equals_transformers_generate(pair, decode):
     theirs, ours = pair
     prompt = [3, 14, 15, 92, 65, 35]
@@ -93,8 +95,8 @@ def test_greedy_equals_transformers_generate(pair, decode):
 def test_stop_token_ends_generation(arch, tmp_path):
     ours = load_hf(save_tiny(tiny_model(arch), tmp_path), torch.float64)
     model = Transformer(ours.args, ours.weights)
-    free = greedy_cached(model, [1, 2, 3], 12)
+    free = sequential_cached(model, [1, 2, 3], 12)
     stop = free[4]
     first = free.index(stop)
-    assert greedy_cached(model, [1, 2, 3], 12, frozenset({stop})) == free[: first + 1]
-    assert greedy_reference(model, [1, 2, 3], 12, frozenset({stop})) == free[: first + 1]
+    assert sequential_cached(model, [1, 2, 3], 12, frozenset({stop})) == free[: first + 1]
+    assert sequential_reference(model, [1, 2, 3], 12, frozenset({stop})) == free[: first + 1]

@@ -11,7 +11,7 @@ from lever_actors.checkpoints.convert import convert
 from lever_actors.cli import main
 from lever_actors.config import EngineConfig
 from lever_actors.engine import Engine
-from lever_actors.model.greedy import greedy_reference
+from lever_actors.model.sequential import sequential_reference
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.exit_predictor import LowRankAdapter
 from lever_actors.policy.exit_training import (
@@ -71,7 +71,7 @@ def test_packed_collection_equals_one_sequence_at_a_time(models):
     texts = [PROMPT, [7, 8], [50, 51, 52, 53, 54, 55, 56]]
     _, finals = collect_hidden_states(checkpoint, texts, EXIT_LAYER, continue_tokens=5)
     for text, final in zip(texts, finals, strict=True):
-        continuation = greedy_reference(model, text, 5)
+        continuation = sequential_reference(model, text, 5)
         full = text + continuation
         assert model.logits(final[len(text) - 1 : -1]).argmax(-1).tolist() == continuation
         expected = model.forward(torch.tensor(full), model.new_cache(len(full)))
@@ -106,7 +106,7 @@ async def test_saved_predictor_is_picked_up_and_output_stays_exact(models, train
     assert torch.equal(loaded.down, adapter.down) and torch.equal(loaded.up, adapter.up)
 
     checkpoint = load_checkpoint(layout, torch.float64)
-    expected = greedy_reference(Transformer(checkpoint.args, checkpoint.weights), PROMPT, 16)
+    expected = sequential_reference(Transformer(checkpoint.args, checkpoint.weights), PROMPT, 16)
     config = EngineConfig(
         target=str(target),
         draft=str(draft),
@@ -133,7 +133,7 @@ def test_cli_trains_on_prompts_and_saves_beside_the_layout(models, tmp_path, mon
         assert (name, count) == ("sharegpt", 4)
         return words[:count]
 
-    monkeypatch.setattr("lever_actors.cli.load_prompts", fake_prompts)
+    monkeypatch.setattr("lever_actors.cli.tools.load_prompts", fake_prompts)
     argv = ["train-exit", str(target), "--prompt-set", "sharegpt", "--prompts", "4"]
     argv += ["--exit-layer", "2", "--rank", "4", "--steps", "20", "--continue-tokens", "4"]
     assert main(argv) == 0

@@ -1,4 +1,5 @@
-"""Sequential greedy decoding of one model: the oracle and the memory-resident baseline."""
+"""Sequential decoding of one model, one token per forward: the oracle and the
+memory-resident baseline. Tokens are chosen by `sampling` (greedy by default)."""
 
 from __future__ import annotations
 
@@ -6,50 +7,54 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from lever_actors.model.sampling import GREEDY, Sampling, choose
 from lever_actors.model.transformer import Transformer
 
 
-def greedy_reference(
+def sequential_reference(
     model: Transformer,
     prompt: Sequence[int],
     max_new_tokens: int,
     stop_ids: frozenset[int] = frozenset(),
+    sampling: Sampling = GREEDY,
 ) -> list[int]:
     """The oracle: recomputes the whole sequence for every token, no state kept between steps."""
     tokens = list(prompt)
     for _ in range(max_new_tokens):
         cache = model.new_cache(len(tokens))
         hidden = model.forward(torch.tensor(tokens), cache)
-        token = int(model.logits(hidden[-1:]).argmax())
+        [token] = choose(model.logits(hidden[-1:]), torch.tensor([len(tokens)]), sampling)
         tokens.append(token)
         if token in stop_ids:
             break
     return tokens[len(prompt) :]
 
 
-def greedy_stream(
+def sequential_stream(
     model: Transformer,
     prompt: Sequence[int],
     max_new_tokens: int,
     stop_ids: frozenset[int] = frozenset(),
+    sampling: Sampling = GREEDY,
 ) -> Iterator[int]:
-    """KV-cached greedy decoding, yielding each token as it is produced."""
+    """KV-cached decoding, yielding each token as it is produced."""
     cache = model.new_cache(len(prompt) + max_new_tokens)
     pending = torch.tensor(list(prompt))
     for _ in range(max_new_tokens):
         hidden = model.forward(pending, cache)
         cache.commit(len(pending))
-        token = int(model.logits(hidden[-1:]).argmax())
+        [token] = choose(model.logits(hidden[-1:]), torch.tensor([cache.length]), sampling)
         yield token
         if token in stop_ids:
             return
         pending = torch.tensor([token])
 
 
-def greedy_cached(
+def sequential_cached(
     model: Transformer,
     prompt: Sequence[int],
     max_new_tokens: int,
     stop_ids: frozenset[int] = frozenset(),
+    sampling: Sampling = GREEDY,
 ) -> list[int]:
-    return list(greedy_stream(model, prompt, max_new_tokens, stop_ids))
+    return list(sequential_stream(model, prompt, max_new_tokens, stop_ids, sampling))

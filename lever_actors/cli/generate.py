@@ -1,0 +1,353 @@
+"""`lever-actors generate`: stream text from the pipeline (default: the real pair) or from a
+model held whole in DRAM, with the figures to stderr at the end."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+import trio
+
+from lever_actors.channels.messages import FinishReason, TokenEvent
+from lever_actors.channels.stats import decode_phase, decode_rate, per_step
+from lever_actors.checkpoints import load_checkpoint
+from lever_actors.checkpoints.real_pair import real_model_path, real_target_layout
+from lever_actors.checkpoints.tokenizer import Tokenizer, check_messages, user_turn
+from lever_actors.config import (
+    DEFAULT_MAX_NEW_TOKENS,
+    EngineConfig,
+    check_max_new_tokens,
+    choices_of,
+    default_of,
+)
+from lever_actors.device.memory import peak_rss_bytes
+from lever_actors.engine import Engine
+from lever_actors.errors import ConfigError
+from lever_actors.model.sampling import Sampling
+from lever_actors.model.sequential import sequential_stream
+from lever_actors.model.transformer import Transformer
+from lever_actors.progress import ProgressLine
+from lever_actors.sizes import format_bytes
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DEFAULT_CHAT = "Write a Python function that returns the n-th Fibonacci number."
+SAMPLING_DEFAULTS = Sampling()
+
+
+def add_generate_command(sub: argparse._SubParsersAction) -> None:
+    gen = sub.add_parser(
+        "generate",
+        help="stream text: the pipeline (default: the real pair) or a model in DRAM",
+    )
+    gen.add_argument("--target", type=Path, help="flash layout of the target (from `convert`)")
+    gen.add_argument("--draft", type=Path, help="draft model: HF dir, GGUF file or flash layout")
+    gen.add_argument(
+        "--tree",
+        help="none, chain:K, static:W1,W2,... or gaincost[:CAP] (default: "
+        f"{default_of('tree')} with a draft, else none)",
+    )
+    _option(gen, "early_exit", help="trained needs `train-exit` first")
+    gen.add_argument("--exit-layer", type=int, help="default: 7/8 of the way through")
+    _option(gen, "prune_threshold", type=float)
+    _option(gen, "prune_when", help="compute_bound: only passes that compute, not flash, paces")
+    gen.add_argument(
+        "--no-draft-ahead",
+        action="store_true",
+        help="do not draft the next tree while the target verifies this one",
+    )
+    _option(gen, "draft_dtype")
+    _option(gen, "projection")
+    _option(gen, "units", help="split: small work on a second unit beside the batched one")
+    gen.add_argument(
+        "--dram-budget",
+        help="target weights held in DRAM: 25%%, 1.5GiB or all (default: 25%% for the real "
+        "pair, else all)",
+    )
+    _option(gen, "throttle", help="emulated phone flash")
+    gen.add_argument("--verify", action="store_true", help="check tensor checksums as they load")
+    gen.add_argument("--trace", type=Path, help="write every message between actors to FILE")
+    gen.add_argument(
+        "--model",
+        type=Path,
+        help="instead of the pipeline: HF dir, GGUF or flash layout held whole in DRAM",
+    )
+    gen.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype with --model"
+    )
+    given = gen.add_argument_group(
+        "what to continue (default: --chat with a coding request)",
+        "--prompt is raw text, as the library's prompt=; --chat and --messages go through the "
+        "model's chat template, as its messages=. TEXT or FILE '-' reads stdin.",
+    )
+    given.add_argument("--prompt", metavar="TEXT", help="raw text to continue, no chat template")
+    given.add_argument("--chat", metavar="TEXT", help="one user message")
+    given.add_argument(
+        "--messages",
+        metavar="FILE",
+        help='a JSON list of {"role": "system"|"user"|"assistant", "content": TEXT}',
+    )
+    given.add_argument("--system", metavar="TEXT", help="a system message before --chat's")
+    gen.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help=f"(default: {DEFAULT_MAX_NEW_TOKENS})",
+    )
+    sampling = gen.add_argument_group(
+        "sampling", "temperature 0 is greedy; above it, output equals sequential sampling"
+    )
+    for name, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("min_p", float)):
+        default = getattr(SAMPLING_DEFAULTS, name)
+        flag = "--" + name.replace("_", "-")
+        sampling.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
+    sampling.add_argument("--seed", type=int, help="(default: drawn, and reported)")
+    gen.add_argument(
+        "--stats",
+        choices=["text", "json"],
+        default="text",
+        help="the figures at the end, on stderr: a line, or one JSON object (default: text)",
+    )
+    gen.set_defaults(command=run_generate)
+
+
+def _option(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
+    """A flag for an EngineConfig field, with the library's default and, for a Literal field,
+    its choices: both defined once, in config.py."""
+    note, default = kwargs.pop("help", ""), default_of(name)
+    parser.add_argument(
+        "--" + name.replace("_", "-"),
+        default=default,
+        choices=choices_of(name),
+        help=f"{note} (default: {default})".strip(),
+        **kwargs,
+    )
+
+
+class Summary(msgspec.Struct, omit_defaults=True):
+    """What `--stats` reports after a generation."""
+
+    prompt_tokens: int
+    generated_tokens: int
+    finish_reason: FinishReason | None
+    first_token_seconds: float
+    decode_tokens_per_second: float | None
+    peak_rss_bytes: int
+    seed: int | None
+    steps: int | None = None  # the pipeline's figures
+    tokens_per_step: float | None = None
+    from_draft: int | None = None
+    bytes_read_per_token: int | None = None
+
+    def line(self) -> str:
+        rate = self.decode_tokens_per_second
+        parts = [
+            f"{self.generated_tokens} tokens ({self.finish_reason})",
+            f"prompt {self.prompt_tokens} tokens",
+        ]
+        if self.steps is not None:
+            parts.append(
+                f"{self.steps} steps ({self.tokens_per_step:.2f} per step, "
+                f"{self.from_draft} from the draft)"
+            )
+        parts += [
+            f"first token after {self.first_token_seconds:.2f} s",
+            "decode " + ("-" if rate is None else f"{rate:.2f} tok/s"),
+        ]
+        if self.bytes_read_per_token is not None:
+            parts.append(f"{format_bytes(self.bytes_read_per_token)} read per token")
+        parts.append(f"peak RSS {format_bytes(self.peak_rss_bytes)}")
+        if self.seed is not None:
+            parts.append(f"seed {self.seed}")
+        return "; ".join(parts)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    check_max_new_tokens(args.max_new_tokens)
+    sampling = Sampling.drawn(
+        args.seed,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+    )
+    prompt, messages = _what_to_continue(args)
+    if args.model is not None:
+        if args.target or args.draft:
+            raise ConfigError(
+                "--model runs a model held in DRAM; --target/--draft run the pipeline"
+            )
+        summary = _generate_in_memory(args, prompt, messages, sampling)
+    else:
+        summary = _generate_with_engine(args, prompt, messages, sampling)
+    if args.stats == "json":
+        print(msgspec.json.encode(summary).decode(), file=sys.stderr)
+    else:
+        print(summary.line(), file=sys.stderr)
+    return 0
+
+
+def _what_to_continue(args: argparse.Namespace) -> tuple[str | None, list[dict] | None]:
+    """(raw prompt, None) for --prompt, else (None, the conversation)."""
+    if args.prompt is not None:
+        if args.chat is not None or args.messages is not None or args.system is not None:
+            raise ConfigError(
+                "--prompt is raw text: it does not combine with --chat, --messages or --system"
+            )
+        return _text(args.prompt), None
+    if args.chat is not None and args.messages is not None:
+        raise ConfigError("give --chat or --messages, not both")
+    if args.messages is not None:
+        source = args.messages
+        try:
+            raw = sys.stdin.read() if source == "-" else Path(source).read_text()
+            messages = check_messages(json.loads(raw))
+        except (OSError, ValueError) as cause:
+            raise ConfigError(f"--messages {source}: {cause}") from cause
+    else:
+        messages = user_turn(_text(args.chat if args.chat is not None else DEFAULT_CHAT))
+    if args.system is not None:
+        if messages[0]["role"] == "system":
+            raise ConfigError("--messages already starts with a system message")
+        messages = [{"role": "system", "content": args.system}, *messages]
+    return None, messages
+
+
+def _text(value: str) -> str:
+    return sys.stdin.read() if value == "-" else value
+
+
+def _generate_in_memory(
+    args: argparse.Namespace, prompt: str | None, messages: list[dict] | None, sampling: Sampling
+) -> Summary:
+    started = time.perf_counter()
+    checkpoint = load_checkpoint(args.model, DTYPES[args.dtype])
+    tokenizer = checkpoint.tokenizer
+    if tokenizer is None:
+        raise ConfigError(f"{args.model} has no tokenizer; generate needs one to encode text")
+    ids = tokenizer.encode(prompt if messages is None else tokenizer.apply_chat_template(messages))
+    model = Transformer(checkpoint.args, checkpoint.weights)
+    print(f"loaded {args.model.name} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    printer = _TextPrinter(tokenizer)
+    started = first = time.perf_counter()
+    tokens: list[int] = []
+    stream = sequential_stream(model, ids, args.max_new_tokens, tokenizer.eos_ids, sampling)
+    for token in stream:
+        if not tokens:
+            first = time.perf_counter()
+        tokens.append(token)
+        printer.push(token)
+    printer.close()
+    stopped = bool(tokens) and tokens[-1] in tokenizer.eos_ids
+    return Summary(
+        prompt_tokens=len(ids),
+        generated_tokens=len(tokens),
+        finish_reason="stop" if stopped else "length",
+        first_token_seconds=first - started,
+        decode_tokens_per_second=decode_rate(len(tokens) - 1, time.perf_counter() - first),
+        peak_rss_bytes=peak_rss_bytes(),
+        seed=None if sampling.greedy else sampling.seed,
+    )
+
+
+def _generate_with_engine(
+    args: argparse.Namespace, prompt: str | None, messages: list[dict] | None, sampling: Sampling
+) -> Summary:
+    """The pipeline: the target streamed from flash, the draft in DRAM. With neither given,
+    the real pair (fetched and converted on first use)."""
+    real = args.target is None
+    target = args.target or real_target_layout(args.cache_dir, ProgressLine())
+    draft = args.draft or (
+        real_model_path(args.cache_dir, "draft", ProgressLine()) if real else None
+    )
+    tree = args.tree or ("gaincost" if draft else "none")
+    config = EngineConfig(
+        target=str(target),
+        draft=str(draft) if draft and tree != "none" else None,
+        tree=tree,
+        dram_budget=args.dram_budget or ("25%" if real else "all"),
+        throttle=args.throttle,
+        verify_checksums=args.verify,
+        early_exit=args.early_exit,
+        exit_layer=args.exit_layer,
+        prune_threshold=args.prune_threshold,
+        prune_when=args.prune_when,
+        draft_ahead=not args.no_draft_ahead,
+        draft_dtype=args.draft_dtype,
+        projection=args.projection,
+        units=args.units,
+        trace=str(args.trace) if args.trace else None,
+    )
+    return trio.run(_stream_from_engine, config, args, prompt, messages, sampling)
+
+
+async def _stream_from_engine(
+    config: EngineConfig,
+    args: argparse.Namespace,
+    prompt: str | None,
+    messages: list[dict] | None,
+    sampling: Sampling,
+) -> Summary:
+    started = time.perf_counter()
+    async with Engine.open(config, progress=ProgressLine(unit="")) as engine:
+        target, plan = engine.target, engine.target.plan
+        if engine.tokenizer is None:
+            raise ConfigError(f"{config.target} has no tokenizer; generate needs one")
+        print(
+            f"loaded in {time.perf_counter() - started:.1f} s: tree {config.tree}, "
+            f"{len(plan.streamed_layers)}/{target.args.n_layers} target layers streamed "
+            f"({target.store.mode}), {format_bytes(plan.used(target.manifest))} of target "
+            "weights in DRAM",
+            file=sys.stderr,
+        )
+        before = target.store.stats.bytes_read
+        events: list[TokenEvent] = []
+        stream = engine.stream(
+            prompt,
+            messages=messages,
+            max_new_tokens=args.max_new_tokens,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            min_p=sampling.min_p,
+            seed=sampling.seed,
+        )
+        async for event in stream:
+            events.append(event)
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        read = target.store.stats.bytes_read - before
+    steps = len({e.step for e in events})
+    last = events[-1]
+    return Summary(
+        prompt_tokens=last.prompt_tokens,
+        generated_tokens=last.generated_tokens,
+        finish_reason=last.finish_reason,
+        first_token_seconds=events[0].elapsed_seconds,
+        decode_tokens_per_second=decode_rate(*decode_phase(events)),
+        peak_rss_bytes=peak_rss_bytes(),
+        seed=None if sampling.greedy else sampling.seed,
+        steps=steps,
+        tokens_per_step=per_step(len(events), steps),
+        from_draft=sum(e.from_draft for e in events),
+        bytes_read_per_token=read // len(events),
+    )
+
+
+class _TextPrinter:
+    """Writes each token's text to stdout as it comes, special tokens left out."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.decoder = tokenizer.stream_decoder(skip_special=True)
+
+    def push(self, token: int) -> None:
+        sys.stdout.write(self.decoder.push(token))
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        sys.stdout.write(self.decoder.flush() + "\n")
