@@ -43,11 +43,18 @@ def cpu_model() -> str:
 
 
 def workloads(layout: Path, tokens: int) -> dict[str, list[str]]:
-    common = ["generate", "--max-new-tokens", str(tokens), "--prompt", PROMPT]
+    """Arguments after the chat flag and PROMPT (see `chat_flag`)."""
+    common = ["generate", "--max-new-tokens", str(tokens)]
     return {
         "memory-ar": [*common, "--model", str(layout), "--dtype", "bfloat16"],
         "lever@25%": common,
     }
+
+
+def chat_flag(tree: Path) -> str:
+    """The flag that sends PROMPT through the chat template in the checkout `tree`: --chat
+    since the CLI took raw text on --prompt, --prompt before."""
+    return "--chat" if (tree / "lever_actors/cli/generate.py").is_file() else "--prompt"
 
 
 def decode_rate(tree: Path, entry: str, args: list[str], env_extra: dict[str, str]) -> float:
@@ -55,6 +62,7 @@ def decode_rate(tree: Path, entry: str, args: list[str], env_extra: dict[str, st
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
     env |= env_extra | {"PYTHONPATH": str(tree)}
     code = f"import sys; from {entry} import main; sys.exit(main())"
+    args = [*args, chat_flag(tree), PROMPT]
     done = subprocess.run(
         [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, check=True
     )
@@ -66,6 +74,13 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2, help="runs per cell; the median counts")
     parser.add_argument("--baseline-tree", type=Path, default=None)
+    parser.add_argument(
+        "--setting",
+        action="append",
+        default=[],
+        metavar="NAME:VAR=VALUE[,VAR=VALUE]",
+        help="another setting to compare, through torch's defaults plus these variables",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/thread-policy.json")
     parser.add_argument(
         "--layout",
@@ -81,6 +96,10 @@ def main() -> int:
             "lever_actors.cli",
             {"OMP_WAIT_POLICY": "PASSIVE"},
         )
+    for setting in args.setting:
+        name, _, assignments = setting.partition(":")
+        env = dict(item.split("=", 1) for item in assignments.split(","))
+        variants[name] = (REPO, "lever_actors.cli", env)
     rows = []
     for condition in ("quiet", "busy neighbour"):
         neighbour = None
