@@ -1,25 +1,35 @@
 # Two entry points on a fresh machine: `make demo` (the main job) and `make test`.
+# The demo installs only what the library needs; the tests add the dev and bench extras.
+# constraints.txt pins torch to the CPU build these machines carry.
 VENV ?= .venv
 PYTHON ?= python3
-STAMP := $(VENV)/.installed
+PIP := $(VENV)/bin/python -m pip install --quiet -c constraints.txt
+CORE := $(VENV)/.installed-core
+DEV := $(VENV)/.installed-dev
 ARGS ?=
 
 .PHONY: demo test lint bench
 
-$(STAMP): pyproject.toml
+$(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e '.[dev,bench]'
-	touch $(STAMP)
 
-demo: $(STAMP)
+$(CORE): pyproject.toml constraints.txt | $(VENV)/bin/python
+	$(PIP) -e .
+	touch $(CORE)
+
+$(DEV): pyproject.toml constraints.txt | $(VENV)/bin/python
+	$(PIP) -e '.[dev,bench]'
+	touch $(CORE) $(DEV)
+
+demo: $(CORE)
 	$(VENV)/bin/lever-actors generate $(ARGS)
 
-test: $(STAMP)
+test: $(DEV)
 	$(VENV)/bin/python -m pytest $(ARGS)
 
-lint: $(STAMP)
-	$(VENV)/bin/ruff check lever_actors tests
+lint: $(DEV)
+	$(VENV)/bin/ruff check lever_actors tests bench
 
-bench: $(STAMP)
+bench: $(DEV)
 	$(VENV)/bin/lever-actors bench $(ARGS)

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
-import structlog
 import trio
 
 from lever_actors.actors.drafter import Drafter, DrafterInbox, DraftPolicy
@@ -44,14 +43,15 @@ from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, EngineConfig, check_max_
 from lever_actors.device.memory import peak_rss_bytes
 from lever_actors.device.units import ComputeUnit
 from lever_actors.draft import DraftModel, load_draft
-from lever_actors.errors import ConfigError
-from lever_actors.model.sampling import Sampling
+from lever_actors.errors import ConfigError, EngineClosedError
+from lever_actors.logs import get_logger
+from lever_actors.model.sampling import Sampling, seed_or_drawn
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.setup import Policies, build_policies
 from lever_actors.progress import Progress
 from lever_actors.target import FlashTarget
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class GenerationResult(msgspec.Struct, frozen=True):
@@ -112,6 +112,7 @@ class Engine:
         self.cpu = ComputeUnit("cpu") if config.units == "split" else self.npu
         self._nursery = nursery
         self._one_at_a_time = trio.Lock()
+        self._closed = False
         self.channels: ChannelSet | None = None  # those of the latest request, for statistics
 
     @classmethod
@@ -145,7 +146,11 @@ class Engine:
             )
             try:
                 async with trio.open_nursery() as nursery:
-                    yield cls(config, target, model, policies, nursery)
+                    engine = cls(config, target, model, policies, nursery)
+                    try:
+                        yield engine
+                    finally:
+                        engine._closed = True
                     nursery.cancel_scope.cancel()  # requests still running end with the block
             except BaseExceptionGroup as group:
                 raise _original(group) from None
@@ -235,6 +240,8 @@ class Engine:
         seed: int | None,
     ) -> _Request:
         """Check everything about a request before any work starts."""
+        if self._closed:
+            raise EngineClosedError("this engine was closed; open another")
         if (prompt is None) == (messages is None):
             raise ConfigError("give either prompt or messages")
         if messages is not None:
@@ -257,8 +264,12 @@ class Engine:
             )
         if isinstance(stop, str):
             raise ConfigError("stop must be a list of strings, not one string")
-        sampling = Sampling.drawn(
-            seed, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
+        sampling = Sampling(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seed=seed_or_drawn(seed),
         )
         if seed is None and not sampling.greedy:
             log.info("sampling seed drawn", seed=sampling.seed)

@@ -15,3 +15,7 @@ class FetchError(LeverError):
 
 class ConfigError(LeverError, ValueError):
     """A configuration value is invalid."""
+
+
+class EngineClosedError(LeverError, RuntimeError):
+    """A request came after its engine's `open` block had ended."""

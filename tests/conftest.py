@@ -1,5 +1,4 @@
-"""Hypothesis profiles for the property tests, chosen by HYPOTHESIS_PROFILE; and structlog
-back at its defaults after each test (the CLI's tests configure it for the process).
+"""Hypothesis profiles for the property tests, chosen by HYPOTHESIS_PROFILE.
 
 ci (the default): reproducible (derandomized) and sized to finish in minutes.
 thorough: ten times the examples, freshly random on every run, failures kept in the
@@ -10,8 +9,6 @@ example database for replay:
 
 import os
 
-import pytest
-import structlog
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -31,9 +28,3 @@ settings.register_profile(
     database=settings.get_profile("default").database,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-
-
-@pytest.fixture(autouse=True)
-def default_logging():
-    yield
-    structlog.reset_defaults()

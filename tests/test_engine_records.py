@@ -6,6 +6,7 @@ the text."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -13,7 +14,6 @@ import msgspec
 import pytest
 import torch
 import trio
-from structlog.testing import capture_logs
 
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.config import EngineConfig
@@ -116,15 +116,13 @@ async def test_the_result_carries_totals_and_peak_rss():
     assert result.peak_rss_bytes > 10 * 2**20
 
 
-async def test_a_drawn_seed_is_reported_and_reproduces_the_text():
-    with capture_logs() as logs:
-        async with Engine.open(config()) as engine:
-            first = await engine.generate(PROMPT, max_new_tokens=NEW, temperature=1.0)
-            again = await engine.generate(
-                PROMPT, max_new_tokens=NEW, temperature=1.0, seed=first.seed
-            )
+async def test_a_drawn_seed_is_reported_and_reproduces_the_text(caplog):
+    caplog.set_level(logging.INFO, logger="lever_actors")
+    async with Engine.open(config()) as engine:
+        first = await engine.generate(PROMPT, max_new_tokens=NEW, temperature=1.0)
+        again = await engine.generate(PROMPT, max_new_tokens=NEW, temperature=1.0, seed=first.seed)
     assert first.seed is not None and again.tokens == first.tokens
-    assert {"event": "sampling seed drawn", "seed": first.seed, "log_level": "info"} in logs
+    assert f"sampling seed drawn seed={first.seed}" in caplog.messages
 
 
 @pytest.mark.parametrize("tree", ["none", "chain:4", "static:4,2,2,1", "gaincost"])
@@ -188,16 +186,15 @@ async def test_messages_go_through_the_chat_template(chat_layout):
     assert chat.tokens == raw.tokens == text.tokens
 
 
-async def test_without_a_template_messages_are_joined_with_a_warning():
+async def test_without_a_template_messages_are_joined_with_a_warning(caplog):
     messages = [{"role": "system", "content": "t1 t2"}, {"role": "user", "content": "t4"}]
-    with capture_logs() as logs:
-        async with Engine.open(config()) as engine:
-            chat = await engine.generate(messages=messages, max_new_tokens=NEW)
-            raw = await engine.generate([1, 2, 4], max_new_tokens=NEW)
+    async with Engine.open(config()) as engine:
+        chat = await engine.generate(messages=messages, max_new_tokens=NEW)
+        raw = await engine.generate([1, 2, 4], max_new_tokens=NEW)
     assert chat.tokens == raw.tokens
-    assert [log["event"] for log in logs if log["log_level"] == "warning"] == [
-        "no chat template: the messages are joined as raw text"
-    ]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert warnings[0].startswith("no chat template: the messages are joined as raw text model=")
 
 
 @pytest.mark.parametrize(

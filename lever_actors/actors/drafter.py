@@ -12,7 +12,7 @@ from lever_actors.actors.jitter import Jitter
 from lever_actors.channels.messages import Commit, DraftRequest, DraftTree
 from lever_actors.config import TreeSpec
 from lever_actors.device.units import ComputeUnit
-from lever_actors.model.sampling import GREEDY, Sampling
+from lever_actors.model.sampling import GREEDY, Chooser, Sampling
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.cost_model import CostModel
@@ -68,6 +68,7 @@ class Drafter:
         self.builder: TreeBuilder | None = None  # the last tree's
         self.growth: GainCostGrowth | None = None  # the last tree's, when gain-cost
         self.drafted_ahead: TreeBuilder | None = None  # the next tree, when a commit hit it
+        self.chooser = Chooser(policy.sampling)
 
     async def run(
         self,
@@ -127,7 +128,7 @@ class Drafter:
         if builder is None:
             if self.backlog:
                 await self.npu.run(self._absorb_backlog)
-            builder = TreeBuilder(self.model, self.cache, self.chain, self.policy.sampling)
+            builder = TreeBuilder(self.model, self.cache, self.chain, self.chooser)
             await self.npu.run(builder.run, list(range(len(self.chain))), 1)
         ahead = len(builder.tokens) - builder.n_chain
         self.builder = builder

@@ -11,7 +11,7 @@ from lever_actors.actors.jitter import Jitter
 from lever_actors.channels.messages import FinalHidden, StepStats, Verdict
 from lever_actors.device.units import ComputeUnit
 from lever_actors.model.layers import output_logits
-from lever_actors.model.sampling import GREEDY, Sampling, choose, logprobs
+from lever_actors.model.sampling import GREEDY, Chooser, Sampling, logprobs
 from lever_actors.model.tree import TokenTree
 
 
@@ -42,7 +42,7 @@ class Projector:
         self.unit = unit  # the "cpu" unit on demand, the batched "npu" unit when eager
         self.jitter = jitter
         self.eager = eager  # project every live node in one batch, then walk
-        self.sampling = sampling  # the request's: which token a node's logits choose
+        self.chooser = Chooser(sampling)  # the request's: which token a node's logits choose
 
     async def run(
         self,
@@ -122,7 +122,7 @@ class Projector:
         """Project `nodes` in one batch; record each one's logits and chosen next token."""
         rows = self._project(final.hidden[[row[n] for n in nodes]])
         positions = torch.tensor([final.position + tree.depths[n] + 1 for n in nodes])
-        chosen.update(zip(nodes, choose(rows, positions, self.sampling), strict=True))
+        chosen.update(zip(nodes, self.chooser.choose(rows, positions), strict=True))
         logits.update(zip(nodes, rows, strict=True))
 
     def _project(self, hidden: torch.Tensor) -> torch.Tensor:

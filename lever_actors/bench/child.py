@@ -25,6 +25,7 @@ from lever_actors.bench.isolation import CgroupSupport, MemoryCgroup
 from lever_actors.bench.modes import Decoded, ModeFailed, describe
 from lever_actors.bench.plan import PlannedMode, open_in_process
 from lever_actors.device.memory import peak_rss_bytes
+from lever_actors.model.sampling import Sampling
 from lever_actors.sizes import format_bytes
 
 # The child's program. It waits for Open before it imports this module (and torch with it):
@@ -52,6 +53,7 @@ class Decode(msgspec.Struct, frozen=True, tag="decode"):
     prompt: list[int]
     max_new_tokens: int
     stop_ids: list[int]
+    sampling: Sampling
 
 
 class Opened(msgspec.Struct, frozen=True, tag="opened"):
@@ -113,7 +115,10 @@ async def _serve(first: bytes, out: BinaryIO) -> int:
             started = time.perf_counter()
             try:
                 decoded = await mode.decode(
-                    request.prompt, request.max_new_tokens, frozenset(request.stop_ids)
+                    request.prompt,
+                    request.max_new_tokens,
+                    frozenset(request.stop_ids),
+                    request.sampling,
                 )
             except Exception as e:
                 send(Failure(describe(e)))
@@ -165,10 +170,11 @@ class ChildMode:
             self.info = msgspec.structs.replace(self.info, note=response.note)
 
     async def decode(
-        self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]
+        self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int], sampling: Sampling
     ) -> Decoded:
         t0 = time.perf_counter()
-        response = await self._request(Decode(list(prompt), max_new_tokens, sorted(stop_ids)))
+        request = Decode(list(prompt), max_new_tokens, sorted(stop_ids), sampling)
+        response = await self._request(request)
         if isinstance(response, Failure):
             raise ModeFailed(response.error)
         if not isinstance(response, Result):

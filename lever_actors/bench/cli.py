@@ -9,6 +9,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import msgspec
 import torch
 
 from lever_actors.bench.exactness import POLICIES, audit_prompts, check_exact
@@ -43,6 +44,7 @@ from lever_actors.config import (
 )
 from lever_actors.device.layout import MANIFEST_NAME, read_manifest
 from lever_actors.errors import ConfigError
+from lever_actors.model.sampling import Sampling
 from lever_actors.progress import ProgressLine
 
 DEFAULT_MODES = "memory-ar,flash-ar"
@@ -109,7 +111,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="compute dtype of memory-resident modes (default: the layout's)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="picks the prompts")
+    parser.add_argument("--seed", type=int, default=0, help="picks the prompts, and samples")
+    add_sampling_arguments(
+        parser.add_argument_group("sampling", "every mode samples alike; --seed seeds it")
+    )
     parser.add_argument(
         "--isolate",
         nargs="?",
@@ -265,6 +270,24 @@ def run_check_exact_command(args: argparse.Namespace) -> int:
     return 1 if divergences else 0
 
 
+def add_sampling_arguments(group: argparse._ArgumentGroup) -> None:
+    """--temperature, --top-k, --top-p, --min-p: Sampling's fields, with its defaults."""
+    for field in msgspec.structs.fields(Sampling):
+        if field.name != "seed":
+            group.add_argument(
+                "--" + field.name.replace("_", "-"),
+                type=field.type,
+                default=field.default,
+                help=f"(default: {field.default})",
+            )
+
+
+def sampling_of(args: argparse.Namespace, seed: int) -> Sampling:
+    """The Sampling the flags of `add_sampling_arguments` ask for, with `seed`."""
+    fields = {f.name: getattr(args, f.name) for f in msgspec.structs.fields(Sampling)}
+    return Sampling(**(fields | {"seed": seed}))
+
+
 def _split(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
@@ -284,6 +307,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         prompts=args.prompts,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
+        sampling=sampling_of(args, args.seed),
         isolate=args.isolate,
         order=args.order or ("sequential" if args.isolate == "all" else "interleaved"),
         memory_limit=args.memory_limit,

@@ -18,6 +18,7 @@ from lever_actors.bench.modes import Decoded, Mode, describe
 from lever_actors.bench.results import BenchResults, Machine, PromptRun
 from lever_actors.bench.summary import compute_summary, summarise, with_agreement
 from lever_actors.device.memory import peak_rss_bytes
+from lever_actors.model.sampling import GREEDY, Sampling
 
 
 @dataclass
@@ -36,12 +37,14 @@ async def run_bench(
     command: str = "",
     order: str = "interleaved",
     budget: str | None = None,
+    sampling: Sampling = GREEDY,
     log=None,
 ) -> BenchResults:
     """The first mode is the reference that agreement is measured against; `budget` is the
-    one the summary compares at (default: the first budget among the modes)."""
+    one the summary compares at (default: the first budget among the modes). Every mode
+    decodes with `sampling` (greedy by default)."""
     log = log or sys.stderr  # looked up now: tests and callers may replace it
-    runner = _Runner(modes, max_new_tokens, stop_ids, log)
+    runner = _Runner(modes, max_new_tokens, stop_ids, sampling, log)
     if order == "sequential":
         for mode in modes:
             async with AsyncExitStack() as stack:
@@ -76,9 +79,12 @@ async def run_bench(
 
 
 class _Runner:
-    def __init__(self, modes: Sequence[Mode], max_new_tokens: int, stop_ids, log) -> None:
+    def __init__(
+        self, modes: Sequence[Mode], max_new_tokens: int, stop_ids, sampling: Sampling, log
+    ) -> None:
         self.max_new_tokens = max_new_tokens
         self.stop_ids = stop_ids
+        self.sampling = sampling
         self.log = log
         self.runs: list[PromptRun] = []
         self.failed: dict[str, str] = {}  # mode name -> its first error
@@ -102,7 +108,9 @@ class _Runner:
         if name not in self.failed:
             t0 = time.perf_counter()
             try:
-                decoded = await mode.decode(prompt, self.max_new_tokens, self.stop_ids)
+                decoded = await mode.decode(
+                    prompt, self.max_new_tokens, self.stop_ids, self.sampling
+                )
             except Exception as e:
                 self.failed[name] = describe(e)
                 self._say(f"{where}: FAILED: {self.failed[name]}")

@@ -19,6 +19,7 @@ from lever_actors.config import EngineConfig
 from lever_actors.device.layout import DTYPE_NAMES
 from lever_actors.draft import DraftModel
 from lever_actors.engine import Engine
+from lever_actors.model.sampling import Sampling
 from lever_actors.model.sequential import sequential_stream
 from lever_actors.model.transformer import Transformer
 
@@ -47,7 +48,7 @@ class Mode(Protocol):
         """Load what the mode needs; anything to close goes on `stack`."""
 
     async def decode(
-        self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]
+        self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int], sampling: Sampling
     ) -> Decoded: ...
 
 
@@ -76,7 +77,8 @@ class MemoryARSpec(msgspec.Struct, frozen=True, tag="memory-ar"):
 
 
 class MemoryAR:
-    """Ours, the whole target in DRAM, KV-cached greedy: the memory-resident baseline."""
+    """Ours, the whole target in DRAM, KV-cached one token per pass: the memory-resident
+    baseline."""
 
     def __init__(self, info: ModeInfo, spec: MemoryARSpec) -> None:
         self.info = info
@@ -90,9 +92,9 @@ class MemoryAR:
         return Transformer(checkpoint.args, checkpoint.weights)
 
     async def decode(
-        self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]
+        self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int], sampling: Sampling
     ) -> Decoded:
-        stream = sequential_stream(self.model, prompt, max_new_tokens, stop_ids)
+        stream = sequential_stream(self.model, prompt, max_new_tokens, stop_ids, sampling)
         return await trio.to_thread.run_sync(stamped, stream)
 
 
@@ -114,13 +116,14 @@ class EngineMode:
         self.engine = await stack.enter_async_context(engine)
 
     async def decode(
-        self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]
+        self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int], sampling: Sampling
     ) -> Decoded:
         decoded = Decoded()
         stats = self.engine.target.store.stats
         before = stats.bytes_read
         steps = []
-        async for event in self.engine.stream(prompt, max_new_tokens=max_new_tokens):
+        request = msgspec.structs.asdict(sampling)
+        async for event in self.engine.stream(prompt, max_new_tokens=max_new_tokens, **request):
             decoded.add(event.token)
             steps.append(event.step)
         decoded.bytes_read = stats.bytes_read - before

@@ -25,10 +25,11 @@ import torch
 import trio
 
 from lever_actors.bench.isolation import evict_from_page_cache, storage_read_bytes
-from lever_actors.bench.modes import Decoded
+from lever_actors.bench.modes import Decoded, ModeFailed
 from lever_actors.bench.results import ModeInfo
 from lever_actors.checkpoints.export import export_hf
 from lever_actors.device.layout import DTYPE_NAMES, MANIFEST_NAME
+from lever_actors.model.sampling import Sampling
 from lever_actors.progress import ProgressLine
 
 
@@ -84,8 +85,10 @@ class PeerHF:
         self.info = msgspec.structs.replace(self.info, note=placement_note(self.model))
 
     async def decode(
-        self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]
+        self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int], sampling: Sampling
     ) -> Decoded:
+        if not sampling.greedy:
+            raise ModeFailed("the transformers peer decodes greedily only")
         return await trio.to_thread.run_sync(self._generate, prompt, max_new_tokens, stop_ids)
 
     def _generate(

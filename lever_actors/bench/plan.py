@@ -19,6 +19,7 @@ from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, DramBudget, EngineConfig
 from lever_actors.device.layout import DTYPE_NAMES, MANIFEST_NAME, read_manifest
 from lever_actors.draft import DraftModel, load_draft
 from lever_actors.errors import ConfigError
+from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.sizes import parse_bytes
 
 ENGINE_FAMILIES = (
@@ -55,6 +56,7 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     prompts: int = 5
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     seed: int = 0
+    sampling: Sampling = GREEDY  # how every mode chooses tokens
     # none; all: each mode in a child process, under a memory cgroup where possible; peers:
     # only the transformers peers (whose offload reads go through the page cache), so that
     # ours, whose reads bypass it, can run interleaved in this process beside them

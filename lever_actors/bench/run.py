@@ -162,6 +162,7 @@ def run_modes(
             command=command,
             order=options.order,
             budget=str(options.budgets[0]) if options.budgets else None,
+            sampling=options.sampling,
             log=log,
         )
     )

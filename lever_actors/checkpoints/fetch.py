@@ -15,12 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-import structlog
-
 from lever_actors.errors import FetchError
+from lever_actors.logs import get_logger
 from lever_actors.progress import Progress
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 CHUNK = 8 << 20  # 8 MiB: big enough for throughput, small enough to never hold a GB in memory
 PART_ENTRY = re.compile(r"(?:^|/)data/part(\d+)\.bin$")

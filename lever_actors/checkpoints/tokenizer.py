@@ -8,14 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import gguf
-import structlog
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from lever_actors.errors import CheckpointError, ConfigError
+from lever_actors.logs import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # Pre-tokenizer split patterns, keyed by GGUF `tokenizer.ggml.pre`.
 _GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""

@@ -13,22 +13,17 @@ import msgspec
 import torch
 import trio
 
+from lever_actors.bench.cli import add_sampling_arguments, sampling_of
 from lever_actors.channels.messages import FinishReason, TokenEvent
 from lever_actors.channels.stats import decode_phase, decode_rate, per_step
 from lever_actors.checkpoints import load_checkpoint
-from lever_actors.checkpoints.real_pair import real_model_path, real_target_layout
 from lever_actors.checkpoints.tokenizer import Tokenizer, check_messages, user_turn
-from lever_actors.config import (
-    DEFAULT_MAX_NEW_TOKENS,
-    EngineConfig,
-    check_max_new_tokens,
-    choices_of,
-    default_of,
-)
+from lever_actors.cli.engine_options import add_engine_arguments, engine_config
+from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, EngineConfig, check_max_new_tokens
 from lever_actors.device.memory import peak_rss_bytes
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError
-from lever_actors.model.sampling import Sampling
+from lever_actors.model.sampling import Sampling, seed_or_drawn
 from lever_actors.model.sequential import sequential_stream
 from lever_actors.model.transformer import Transformer
 from lever_actors.progress import ProgressLine
@@ -36,7 +31,6 @@ from lever_actors.sizes import format_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 DEFAULT_CHAT = "Write a Python function that returns the n-th Fibonacci number."
-SAMPLING_DEFAULTS = Sampling()
 
 
 def add_generate_command(sub: argparse._SubParsersAction) -> None:
@@ -44,33 +38,7 @@ def add_generate_command(sub: argparse._SubParsersAction) -> None:
         "generate",
         help="stream text: the pipeline (default: the real pair) or a model in DRAM",
     )
-    gen.add_argument("--target", type=Path, help="flash layout of the target (from `convert`)")
-    gen.add_argument("--draft", type=Path, help="draft model: HF dir, GGUF file or flash layout")
-    gen.add_argument(
-        "--tree",
-        help="none, chain:K, static:W1,W2,... or gaincost[:CAP] (default: "
-        f"{default_of('tree')} with a draft, else none)",
-    )
-    _option(gen, "early_exit", help="trained needs `train-exit` first")
-    gen.add_argument("--exit-layer", type=int, help="default: 7/8 of the way through")
-    _option(gen, "prune_threshold", type=float)
-    _option(gen, "prune_when", help="compute_bound: only passes that compute, not flash, paces")
-    gen.add_argument(
-        "--no-draft-ahead",
-        action="store_true",
-        help="do not draft the next tree while the target verifies this one",
-    )
-    _option(gen, "draft_dtype")
-    _option(gen, "projection")
-    _option(gen, "units", help="split: small work on a second unit beside the batched one")
-    gen.add_argument(
-        "--dram-budget",
-        help="target weights held in DRAM: 25%%, 1.5GiB or all (default: 25%% for the real "
-        "pair, else all)",
-    )
-    _option(gen, "throttle", help="emulated phone flash")
-    gen.add_argument("--verify", action="store_true", help="check tensor checksums as they load")
-    gen.add_argument("--trace", type=Path, help="write every message between actors to FILE")
+    add_engine_arguments(gen)
     gen.add_argument(
         "--model",
         type=Path,
@@ -101,10 +69,7 @@ def add_generate_command(sub: argparse._SubParsersAction) -> None:
     sampling = gen.add_argument_group(
         "sampling", "temperature 0 is greedy; above it, output equals sequential sampling"
     )
-    for name, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("min_p", float)):
-        default = getattr(SAMPLING_DEFAULTS, name)
-        flag = "--" + name.replace("_", "-")
-        sampling.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
+    add_sampling_arguments(sampling)
     sampling.add_argument("--seed", type=int, help="(default: drawn, and reported)")
     gen.add_argument(
         "--stats",
@@ -113,19 +78,6 @@ def add_generate_command(sub: argparse._SubParsersAction) -> None:
         help="the figures at the end, on stderr: a line, or one JSON object (default: text)",
     )
     gen.set_defaults(command=run_generate)
-
-
-def _option(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
-    """A flag for an EngineConfig field, with the library's default and, for a Literal field,
-    its choices: both defined once, in config.py."""
-    note, default = kwargs.pop("help", ""), default_of(name)
-    parser.add_argument(
-        "--" + name.replace("_", "-"),
-        default=default,
-        choices=choices_of(name),
-        help=f"{note} (default: {default})".strip(),
-        **kwargs,
-    )
 
 
 class Summary(msgspec.Struct, omit_defaults=True):
@@ -168,13 +120,7 @@ class Summary(msgspec.Struct, omit_defaults=True):
 
 def run_generate(args: argparse.Namespace) -> int:
     check_max_new_tokens(args.max_new_tokens)
-    sampling = Sampling.drawn(
-        args.seed,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-    )
+    sampling = sampling_of(args, seed_or_drawn(args.seed))
     prompt, messages = _what_to_continue(args)
     if args.model is not None:
         if args.target or args.draft:
@@ -188,6 +134,8 @@ def run_generate(args: argparse.Namespace) -> int:
         print(msgspec.json.encode(summary).decode(), file=sys.stderr)
     else:
         print(summary.line(), file=sys.stderr)
+        if summary.finish_reason == "length":
+            print(f"stopped at --max-new-tokens {args.max_new_tokens}", file=sys.stderr)
     return 0
 
 
@@ -257,31 +205,8 @@ def _generate_in_memory(
 def _generate_with_engine(
     args: argparse.Namespace, prompt: str | None, messages: list[dict] | None, sampling: Sampling
 ) -> Summary:
-    """The pipeline: the target streamed from flash, the draft in DRAM. With neither given,
-    the real pair (fetched and converted on first use)."""
-    real = args.target is None
-    target = args.target or real_target_layout(args.cache_dir, ProgressLine())
-    draft = args.draft or (
-        real_model_path(args.cache_dir, "draft", ProgressLine()) if real else None
-    )
-    tree = args.tree or ("gaincost" if draft else "none")
-    config = EngineConfig(
-        target=str(target),
-        draft=str(draft) if draft and tree != "none" else None,
-        tree=tree,
-        dram_budget=args.dram_budget or ("25%" if real else "all"),
-        throttle=args.throttle,
-        verify_checksums=args.verify,
-        early_exit=args.early_exit,
-        exit_layer=args.exit_layer,
-        prune_threshold=args.prune_threshold,
-        prune_when=args.prune_when,
-        draft_ahead=not args.no_draft_ahead,
-        draft_dtype=args.draft_dtype,
-        projection=args.projection,
-        units=args.units,
-        trace=str(args.trace) if args.trace else None,
-    )
+    """The pipeline: the target streamed from flash, the draft in DRAM."""
+    config = engine_config(args)
     return trio.run(_stream_from_engine, config, args, prompt, messages, sampling)
 
 

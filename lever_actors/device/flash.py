@@ -16,7 +16,6 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import structlog
 import torch
 
 from lever_actors.device.layout import (
@@ -29,8 +28,9 @@ from lever_actors.device.layout import (
     read_manifest,
 )
 from lever_actors.errors import CheckpointError, ConfigError
+from lever_actors.logs import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # Sustained sequential read of phone storage, bytes/s (UFS 3.1 ~1.5 GB/s, UFS 4.0 ~3 GB/s as
 # measured for large reads in phones; spec-sheet peaks are higher).

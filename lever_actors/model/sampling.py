@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections import OrderedDict
 
 import msgspec
 import torch
@@ -23,6 +24,7 @@ import torch
 from lever_actors.errors import ConfigError
 
 _MASK64 = (1 << 64) - 1
+NUCLEUS_HEAD = 1024  # tokens sorted for top-p when they hold its mass
 
 
 class Sampling(msgspec.Struct, frozen=True):
@@ -32,7 +34,7 @@ class Sampling(msgspec.Struct, frozen=True):
     top_k: int = 0  # keep the k likeliest tokens (ties at the k-th kept too); 0: no limit
     top_p: float = 1.0  # keep the likeliest tokens whose probabilities reach p (nucleus)
     min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest one
-    seed: int = 0  # the noise's key; `Sampling.drawn` draws one when the user gave none
+    seed: int = 0  # the noise's key (`seed_or_drawn` draws one when the user gave none)
 
     def __post_init__(self) -> None:
         checks = (
@@ -46,11 +48,6 @@ class Sampling(msgspec.Struct, frozen=True):
             if not ok:
                 raise ConfigError(f"{name} = {getattr(self, name)!r}: expected {expected}")
 
-    @classmethod
-    def drawn(cls, seed: int | None = None, **fields) -> Sampling:
-        """`Sampling(**fields)` with `seed`, or with a freshly drawn one when it is None."""
-        return cls(seed=secrets.randbits(63) if seed is None else seed, **fields)
-
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
@@ -59,22 +56,53 @@ class Sampling(msgspec.Struct, frozen=True):
 GREEDY = Sampling()
 
 
-def choose(logits: torch.Tensor, positions: torch.Tensor, sampling: Sampling) -> list[int]:
-    """logits: [n, vocab], positions: [n] absolute positions of the tokens chosen -> n tokens"""
-    return scores(logits, positions, sampling).argmax(-1).tolist()
+def seed_or_drawn(seed: int | None) -> int:
+    """`seed`, or a freshly drawn one when the user gave none."""
+    return secrets.randbits(63) if seed is None else seed
 
 
-def scores(logits: torch.Tensor, positions: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """logits: [n, vocab] -> [n, vocab] whose argmax per row is the chosen token: the logits
-    themselves when greedy, else filtered(logits / T) + noise in float64 (-inf: filtered)."""
-    if sampling.greedy:
-        return logits
-    rows = [
-        filtered(row.double() / sampling.temperature, sampling)
-        + gumbel(sampling.seed, int(p), row.numel())
-        for row, p in zip(logits, positions.tolist(), strict=True)
-    ]
-    return torch.stack(rows)
+class Chooser:
+    """Chooses one request's tokens by its `sampling`, keeping the noise of the positions it
+    used last: a tree's nodes at one depth share a position, and successive steps overlap.
+    Each actor keeps its own (they run on different threads)."""
+
+    def __init__(self, sampling: Sampling, kept_positions: int = 16) -> None:
+        self.sampling = sampling
+        self._kept = kept_positions
+        self._noise: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+
+    def choose(self, logits: torch.Tensor, positions: torch.Tensor) -> list[int]:
+        """logits: [n, vocab], positions: [n] absolute positions of the chosen tokens
+        -> the n tokens: the argmax of the logits, or of filtered(logits / T) + noise"""
+        if self.sampling.greedy:
+            return logits.argmax(-1).tolist()
+        noises = self._rows(positions, logits.shape[-1])
+        temperature = self.sampling.temperature
+        return [
+            int((filtered(row.double() / temperature, self.sampling) + noise).argmax())
+            for row, noise in zip(logits, noises, strict=True)
+        ]
+
+    def draft_scores(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """logits: [n, vocab] -> [n, vocab] scores whose order ranks a draft's candidates: the
+        logits when greedy, else logits / T + the target's noise (unfiltered: a draft row
+        costs no sort), so that the top candidate is the token the draft would draw."""
+        if self.sampling.greedy:
+            return logits
+        noise = torch.stack(self._rows(positions, logits.shape[-1]))
+        return logits.double() / self.sampling.temperature + noise
+
+    def _rows(self, positions: torch.Tensor, vocab: int) -> list[torch.Tensor]:
+        rows = []
+        for position in positions.tolist():
+            key = (int(position), vocab)
+            if key not in self._noise:
+                self._noise[key] = gumbel(self.sampling.seed, key[0], vocab)
+                while len(self._noise) > self._kept:
+                    self._noise.popitem(last=False)
+            self._noise.move_to_end(key)
+            rows.append(self._noise[key])
+        return rows
 
 
 def filtered(scaled: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -84,12 +112,23 @@ def filtered(scaled: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         drop |= scaled < torch.topk(scaled, sampling.top_k).values[-1]
     probs = torch.softmax(scaled.masked_fill(drop, -math.inf), dim=-1)
     if sampling.top_p < 1:
-        ordered, order = torch.sort(probs, descending=True, stable=True)
-        before = torch.cumsum(ordered, dim=-1) - ordered  # mass of the likelier tokens
-        drop[order[before >= sampling.top_p]] = True
+        drop |= ~_nucleus(probs, sampling.top_p)
     if sampling.min_p > 0:
         drop |= probs < sampling.min_p * probs.max()
     return scaled.masked_fill(drop, -math.inf)
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[vocab] bool: the likeliest tokens until their mass reaches top_p. Sorting the whole
+    vocabulary costs milliseconds, so only the head is sorted where it holds that mass."""
+    head = min(NUCLEUS_HEAD, probs.numel())
+    ordered, order = torch.topk(probs, head)
+    if head < probs.numel() and float(ordered.sum()) < top_p:
+        ordered, order = torch.sort(probs, descending=True, stable=True)
+    before = torch.cumsum(ordered, dim=-1) - ordered  # mass of the likelier tokens
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    keep[order[before < top_p]] = True
+    return keep
 
 
 def gumbel(seed: int, position: int, vocab: int) -> torch.Tensor:

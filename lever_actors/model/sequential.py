@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from lever_actors.model.sampling import GREEDY, Sampling, choose
+from lever_actors.model.sampling import GREEDY, Chooser, Sampling
 from lever_actors.model.transformer import Transformer
 
 
@@ -20,10 +20,11 @@ def sequential_reference(
 ) -> list[int]:
     """The oracle: recomputes the whole sequence for every token, no state kept between steps."""
     tokens = list(prompt)
+    chooser = Chooser(sampling)
     for _ in range(max_new_tokens):
         cache = model.new_cache(len(tokens))
         hidden = model.forward(torch.tensor(tokens), cache)
-        [token] = choose(model.logits(hidden[-1:]), torch.tensor([len(tokens)]), sampling)
+        [token] = chooser.choose(model.logits(hidden[-1:]), torch.tensor([len(tokens)]))
         tokens.append(token)
         if token in stop_ids:
             break
@@ -40,10 +41,11 @@ def sequential_stream(
     """KV-cached decoding, yielding each token as it is produced."""
     cache = model.new_cache(len(prompt) + max_new_tokens)
     pending = torch.tensor(list(prompt))
+    chooser = Chooser(sampling)
     for _ in range(max_new_tokens):
         hidden = model.forward(pending, cache)
         cache.commit(len(pending))
-        [token] = choose(model.logits(hidden[-1:]), torch.tensor([cache.length]), sampling)
+        [token] = chooser.choose(model.logits(hidden[-1:]), torch.tensor([cache.length]))
         yield token
         if token in stop_ids:
             return

@@ -13,7 +13,7 @@ import torch
 
 from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.placement import Placement
-from lever_actors.model.sampling import Sampling, scores
+from lever_actors.model.sampling import Chooser
 from lever_actors.model.transformer import Transformer
 from lever_actors.model.tree import TokenTree
 from lever_actors.policy.calibration import AcceptanceCalibrator
@@ -33,11 +33,11 @@ class TreeBuilder:
     of its perturbed scores, whose top token is the one the shared noise makes it draw."""
 
     def __init__(
-        self, model: Transformer, cache: KVCache, chain: list[int], sampling: Sampling
+        self, model: Transformer, cache: KVCache, chain: list[int], chooser: Chooser
     ) -> None:
         self.model = model
         self.cache = cache
-        self.sampling = sampling
+        self.chooser = chooser
         self.n_chain = len(chain)
         self.tokens = list(chain)
         self.parents = list(range(-1, len(chain) - 1))
@@ -73,7 +73,7 @@ class TreeBuilder:
         ran = [n for n in subtree if n in self.offsets]
         self.cache.keep([self.offsets[n] for n in accepted], [self.offsets[n] for n in ran])
         renamed = {old: new for new, old in enumerate(subtree)}
-        builder = TreeBuilder(self.model, self.cache, [self.tokens[root]], self.sampling)
+        builder = TreeBuilder(self.model, self.cache, [self.tokens[root]], self.chooser)
         for node in subtree[1:]:
             parent = renamed[self.parents[node]]
             builder.add(parent, self.tokens[node], self.probs[node], self.ranks[node])
@@ -101,8 +101,8 @@ class TreeBuilder:
         tokens = torch.tensor([self.tokens[n] for n in nodes])
         hidden = self.model.forward(tokens, self.cache, place)
         logits = self.model.logits(hidden[len(nodes) - wanted :])
-        chosen = scores(logits, positions[len(nodes) - wanted :] + 1, self.sampling)
-        probs = torch.softmax(chosen.float(), dim=-1)
+        scores = self.chooser.draft_scores(logits, positions[len(nodes) - wanted :] + 1)
+        probs = torch.softmax(scores.float(), dim=-1)
         for row, node in enumerate(nodes[len(nodes) - wanted :]):
             self.child_probs[node] = probs[row]
 

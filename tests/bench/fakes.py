@@ -31,7 +31,7 @@ class FakeMode:
         if self.fail_open:
             raise self.fail_open
 
-    async def decode(self, prompt, max_new_tokens, stop_ids) -> Decoded:
+    async def decode(self, prompt, max_new_tokens, stop_ids, sampling) -> Decoded:
         self.calls += 1
         if self.fail_at is not None and self.calls >= self.fail_at:
             raise NotImplementedError("Cannot copy out of meta tensor; no data!")
@@ -48,8 +48,8 @@ class BurstMode(FakeMode):
         super().__init__(info, rate)
         self.burst = burst
 
-    async def decode(self, prompt, max_new_tokens, stop_ids) -> Decoded:
-        decoded = await super().decode(prompt, max_new_tokens, stop_ids)
+    async def decode(self, prompt, max_new_tokens, stop_ids, sampling) -> Decoded:
+        decoded = await super().decode(prompt, max_new_tokens, stop_ids, sampling)
         first = decoded.stamps[0]
         decoded.stamps[: self.burst] = [first] * self.burst
         decoded.stamps[self.burst :] = [

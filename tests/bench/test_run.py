@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 
+import msgspec
 import pytest
 from PIL import Image
 
@@ -15,6 +16,7 @@ from lever_actors.bench.plan import BenchOptions
 from lever_actors.bench.report import output_paths
 from lever_actors.bench.results import BenchResults, read_results
 from lever_actors.bench.run import bench
+from lever_actors.model.sampling import Sampling
 
 ALL_MODES = (
     "memory-ar",
@@ -167,3 +169,30 @@ def test_pngs_show_the_results(run):
             steps = sum(r.steps for r in runs)
             assert value == pytest.approx(sum(r.new_tokens for r in runs) / steps)
             assert value >= 1.0
+
+
+@pytest.mark.parametrize("isolate", ["none", "all"])
+def test_a_sampled_run_agrees_token_for_token_and_peers_refuse_it(
+    workload, tmp_path_factory, isolate
+):
+    """Every mode of ours samples with the bench's seed, so each agrees with memory-AR (the
+    reference) on every token, in this process and in children; the peer cannot sample."""
+    sampling = Sampling(temperature=0.9, top_p=0.9, seed=11)
+    options = BenchOptions(
+        modes=("memory-ar", "flash-ar", "sd-chain", "lever", "peer-memory"),
+        budgets=("50%",),
+        chain=(2,),
+        draft_dtype="float32",
+        prompts=2,
+        max_new_tokens=8,
+        sampling=sampling,
+        isolate=isolate,
+        cache_dir=str(tmp_path_factory.mktemp("cache")),
+    )
+    out = tmp_path_factory.mktemp("results") / "sampled.json"
+    results = bench(options, workload, out=out, command="test")
+    ours = [r for r in results.runs if not r.mode.startswith("peer")]
+    assert len(ours) == 16 and all(r.failed is None and r.agreement == 1.0 for r in ours)
+    peer = [r for r in results.runs if r.mode == "peer-memory"]
+    assert peer and all(r.failed == "the transformers peer decodes greedily only" for r in peer)
+    assert results.config["sampling"] == msgspec.structs.asdict(sampling)

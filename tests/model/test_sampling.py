@@ -15,12 +15,13 @@ from lever_actors.checkpoints.hf import load_hf
 from lever_actors.errors import ConfigError
 from lever_actors.model.sampling import (
     GREEDY,
+    NUCLEUS_HEAD,
+    Chooser,
     Sampling,
-    choose,
     filtered,
     gumbel,
     logprobs,
-    scores,
+    seed_or_drawn,
 )
 from lever_actors.model.sequential import sequential_cached, sequential_reference
 from lever_actors.model.transformer import Transformer
@@ -42,8 +43,8 @@ def model(tmp_path_factory) -> Transformer:
 
 def test_temperature_zero_is_the_argmax_bit_for_bit():
     logits = torch.randn(5, 50, dtype=torch.bfloat16)
-    assert choose(logits, torch.arange(5), GREEDY) == logits.argmax(-1).tolist()
-    assert scores(logits, torch.arange(5), GREEDY) is logits
+    assert Chooser(GREEDY).choose(logits, torch.arange(5)) == logits.argmax(-1).tolist()
+    assert Chooser(GREEDY).draft_scores(logits, torch.arange(5)) is logits
 
 
 @pytest.mark.parametrize(
@@ -65,9 +66,8 @@ def test_bad_settings_are_refused_by_name(fields, message):
 
 
 def test_a_seed_is_drawn_only_when_none_is_given():
-    assert Sampling.drawn(7, temperature=1.0).seed == 7
-    drawn = {Sampling.drawn(None, temperature=1.0).seed for _ in range(4)}
-    assert len(drawn) == 4
+    assert seed_or_drawn(7) == 7
+    assert len({seed_or_drawn(None) for _ in range(4)}) == 4
 
 
 def test_noise_depends_on_seed_and_position_alone():
@@ -80,9 +80,29 @@ def test_a_rows_token_does_not_depend_on_its_batch():
     logits = torch.randn(9, 300, dtype=torch.float64)
     positions = torch.arange(20, 29)
     sampling = Sampling(temperature=0.8, top_p=0.9, seed=3)
-    together = choose(logits, positions, sampling)
-    alone = [choose(logits[i : i + 1], positions[i : i + 1], sampling)[0] for i in range(9)]
+    together = Chooser(sampling).choose(logits, positions)
+    alone = [Chooser(sampling).choose(logits[i : i + 1], positions[i : i + 1])[0] for i in range(9)]
     assert together == alone
+
+
+def test_cached_noise_is_the_noise_of_its_position():
+    chooser = Chooser(Sampling(temperature=1.0, seed=9), kept_positions=2)
+    logits = torch.zeros(4, 30, dtype=torch.float64)
+    positions = torch.tensor([5, 6, 5, 7])  # 5 is evicted by 7 after its second use
+    scores = chooser.draft_scores(logits, positions)
+    for row, position in zip(scores, positions.tolist(), strict=True):
+        assert torch.equal(row, gumbel(9, position, 30))
+    assert torch.equal(chooser.draft_scores(logits[:1], torch.tensor([5]))[0], gumbel(9, 5, 30))
+
+
+def test_the_nucleus_of_a_flat_distribution_is_sorted_whole():
+    """Past NUCLEUS_HEAD tokens the head does not hold top_p's mass: the slow path."""
+    vocab = NUCLEUS_HEAD * 4
+    flat = torch.zeros(vocab, dtype=torch.float64)
+    kept = torch.isfinite(filtered(flat, Sampling(temperature=1, top_p=0.5)))
+    count = int(kept.sum())
+    assert vocab // 2 <= count <= vocab // 2 + 1  # the last one as the running sum rounds
+    assert kept[:count].all()  # ties go to the lower ids, as a stable sort orders them
 
 
 def test_filters_keep_what_they_promise():

@@ -8,7 +8,7 @@ import torch
 import trio
 
 from lever_actors.checkpoints.hf import load_hf
-from lever_actors.model.sampling import GREEDY
+from lever_actors.model.sampling import GREEDY, Chooser
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.cost_model import CostModel, Curve
@@ -40,7 +40,7 @@ class Recorded:
     """A builder whose draft rounds are checked: every node run has its parent run."""
 
     def __init__(self, model: Transformer, chain: list[int] = PROMPT) -> None:
-        self.builder = TreeBuilder(model, model.new_cache(256), chain, GREEDY)
+        self.builder = TreeBuilder(model, model.new_cache(256), chain, Chooser(GREEDY))
         self.builder.run(list(range(len(chain))), 1)
         self.batches: list[list[int]] = []
 

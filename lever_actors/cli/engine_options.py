@@ -1,0 +1,81 @@
+"""The engine's flags, shared by `generate` and `serve`, and the EngineConfig they make."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from lever_actors.checkpoints.real_pair import real_model_path, real_target_layout
+from lever_actors.config import EngineConfig, choices_of, default_of
+from lever_actors.progress import ProgressLine
+
+
+def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
+    gen.add_argument("--target", type=Path, help="flash layout of the target (from `convert`)")
+    gen.add_argument("--draft", type=Path, help="draft model: HF dir, GGUF file or flash layout")
+    gen.add_argument(
+        "--tree",
+        help="none, chain:K, static:W1,W2,... or gaincost[:CAP] (default: "
+        f"{default_of('tree')} with a draft, else none)",
+    )
+    _option(gen, "early_exit", help="trained needs `train-exit` first")
+    gen.add_argument("--exit-layer", type=int, help="default: 7/8 of the way through")
+    _option(gen, "prune_threshold", type=float)
+    _option(gen, "prune_when", help="compute_bound: only passes that compute, not flash, paces")
+    gen.add_argument(
+        "--no-draft-ahead",
+        action="store_true",
+        help="do not draft the next tree while the target verifies this one",
+    )
+    _option(gen, "draft_dtype")
+    _option(gen, "projection")
+    _option(gen, "units", help="split: small work on a second unit beside the batched one")
+    gen.add_argument(
+        "--dram-budget",
+        help="target weights held in DRAM: 25%%, 1.5GiB or all (default: 25%% for the real "
+        "pair, else all)",
+    )
+    _option(gen, "throttle", help="emulated phone flash")
+    gen.add_argument("--verify", action="store_true", help="check tensor checksums as they load")
+    gen.add_argument("--trace", type=Path, help="write every message between actors to FILE")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The config the flags ask for. Without --target, the real pair (fetched and converted
+    on first use), with a 25% DRAM budget."""
+    real = args.target is None
+    target = args.target or real_target_layout(args.cache_dir, ProgressLine())
+    draft = args.draft or (
+        real_model_path(args.cache_dir, "draft", ProgressLine()) if real else None
+    )
+    tree = args.tree or ("gaincost" if draft else "none")
+    return EngineConfig(
+        target=str(target),
+        draft=str(draft) if draft and tree != "none" else None,
+        tree=tree,
+        dram_budget=args.dram_budget or ("25%" if real else "all"),
+        throttle=args.throttle,
+        verify_checksums=args.verify,
+        early_exit=args.early_exit,
+        exit_layer=args.exit_layer,
+        prune_threshold=args.prune_threshold,
+        prune_when=args.prune_when,
+        draft_ahead=not args.no_draft_ahead,
+        draft_dtype=args.draft_dtype,
+        projection=args.projection,
+        units=args.units,
+        trace=str(args.trace) if args.trace else None,
+    )
+
+
+def _option(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
+    """A flag for an EngineConfig field, with the library's default and, for a Literal field,
+    its choices: both defined once, in config.py."""
+    note, default = kwargs.pop("help", ""), default_of(name)
+    parser.add_argument(
+        "--" + name.replace("_", "-"),
+        default=default,
+        choices=choices_of(name),
+        help=f"{note} (default: {default})".strip(),
+        **kwargs,
+    )

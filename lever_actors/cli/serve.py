@@ -1,0 +1,59 @@
+"""`lever-actors serve`: the engine behind an OpenAI-compatible HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import partial
+
+import trio
+
+from lever_actors.cli.engine_options import add_engine_arguments, engine_config
+from lever_actors.config import DEFAULT_MAX_NEW_TOKENS
+from lever_actors.progress import ProgressLine
+from lever_actors.serve import serve
+
+
+def add_serve_command(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/models",
+    )
+    add_engine_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="(default: 8000)")
+    parser.add_argument("--api-key", help="required as 'Authorization: Bearer KEY' when given")
+    parser.add_argument(
+        "--queue", type=int, default=8, help="requests that may wait; more get 429 (default: 8)"
+    )
+    parser.add_argument("--model-name", default="lever", help="the id /v1/models lists")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help=f"when a request gives none (default: {DEFAULT_MAX_NEW_TOKENS})",
+    )
+    parser.set_defaults(command=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    config = engine_config(args)
+    run = partial(
+        serve,
+        config,
+        host=args.host,
+        port=args.port,
+        model_name=args.model_name,
+        queue=args.queue,
+        api_key=args.api_key,
+        default_max_tokens=args.max_tokens,
+        progress=ProgressLine(unit=""),
+    )
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(run)
+            print(f"serving {config.target} at {', '.join(binds)}", file=sys.stderr)
+
+    trio.run(main)
+    return 0

@@ -1,0 +1,124 @@
+"""The engine under asyncio (`lever_actors.aio`): exact output through stream and generate,
+cancellation by break and by task cancel, errors raised as themselves, and requests after
+the block refused."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from lever_actors.aio import AsyncEngine
+from lever_actors.config import EngineConfig
+from lever_actors.errors import ConfigError, EngineClosedError
+from lever_actors.model.args import ModelArgs
+from lever_actors.model.sampling import Sampling
+from lever_actors.testing import model_pair, reference_tokens
+
+ARGS = ModelArgs(
+    arch="llama",
+    vocab_size=32,
+    d_model=16,
+    n_layers=2,
+    n_heads=2,
+    n_kv_heads=1,
+    head_dim=8,
+    ffn_dim=16,
+    norm_eps=1e-6,
+    rope_theta=1e4,
+    max_seq_len=256,
+    tie_embeddings=False,
+)
+PROMPT = [3, 1, 4, 1, 5]
+NEW = 12
+TIMEOUT = 30
+
+
+@pytest.fixture(scope="module")
+def config() -> EngineConfig:
+    pair = model_pair(ARGS, "perturbed", 0)
+    return EngineConfig(target=str(pair.target), draft=str(pair.draft), tree="gaincost")
+
+
+def expected(config: EngineConfig, sampling: Sampling | None = None) -> list[int]:
+    return reference_tokens(Path(config.target), PROMPT, NEW, sampling=sampling or Sampling())
+
+
+def run(main):
+    async def bounded():
+        return await asyncio.wait_for(main(), TIMEOUT)
+
+    return asyncio.run(bounded())
+
+
+def test_stream_and_generate_are_exact_under_asyncio(config):
+    sampling = Sampling(temperature=0.8, top_k=8, seed=21)
+
+    async def main():
+        async with AsyncEngine.open(config) as engine:
+            streamed = [e.token async for e in engine.stream(PROMPT, max_new_tokens=NEW)]
+            sampled = await engine.generate(
+                PROMPT, max_new_tokens=NEW, **msgspec.structs.asdict(sampling)
+            )
+        return streamed, sampled
+
+    streamed, sampled = run(main)
+    assert streamed == expected(config)
+    assert sampled.tokens == expected(config, sampling)
+    assert sampled.finish_reason == "length"
+
+
+def test_break_and_task_cancellation_end_the_request_and_the_next_is_exact(config):
+    async def main():
+        async with AsyncEngine.open(config) as engine:
+            async for event in engine.stream(PROMPT, max_new_tokens=NEW):
+                if event.generated_tokens == 3:
+                    break
+            seen = []
+
+            async def consume():
+                async for event in engine.stream(PROMPT, max_new_tokens=200):
+                    seen.append(event.token)
+
+            task = asyncio.create_task(consume())
+            while len(seen) < 2:
+                await asyncio.sleep(0.005)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            after = await engine.generate(PROMPT, max_new_tokens=NEW)
+        return seen, after
+
+    seen, after = run(main)
+    assert seen == reference_tokens(Path(config.target), PROMPT, 200)[: len(seen)]
+    assert after.tokens == expected(config)
+
+
+def test_errors_reach_asyncio_as_themselves(config):
+    async def main():
+        async with AsyncEngine.open(config) as engine:
+            with pytest.raises(ConfigError, match="temperature = -1.0: expected >= 0"):
+                await engine.generate(PROMPT, temperature=-1.0)
+            with pytest.raises(ConfigError, match="the prompt is empty"):
+                async for _ in engine.stream([]):
+                    pass
+            ok = await engine.generate(PROMPT, max_new_tokens=NEW)
+        with pytest.raises(EngineClosedError, match="this engine was closed"):
+            await engine.generate(PROMPT, max_new_tokens=NEW)
+        return ok
+
+    assert run(main).tokens == expected(config)
+
+
+def test_an_engine_that_cannot_open_raises_its_error(config, tmp_path):
+    bad = msgspec.structs.replace(config, target=str(tmp_path / "missing"))
+
+    async def main():
+        async with AsyncEngine.open(bad):
+            pass
+
+    with pytest.raises(Exception, match="missing") as raised:
+        run(main)
+    assert not isinstance(raised.value, BaseExceptionGroup)

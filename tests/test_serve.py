@@ -1,0 +1,206 @@
+"""`serve` on a tiny model at 127.0.0.1, driven by the official `openai` client and by raw
+HTTP: exact text streamed and whole, concurrent clients, the queue's 429, a client that
+leaves mid-stream, and bad requests answered 4xx with OpenAI's error body."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import trio
+
+from lever_actors.config import EngineConfig
+from lever_actors.model.args import ModelArgs
+from lever_actors.model.sampling import Sampling
+from lever_actors.serve import serve
+from lever_actors.testing import model_pair, reference_tokens
+
+ARGS = ModelArgs(
+    arch="llama",
+    vocab_size=32,
+    d_model=16,
+    n_layers=2,
+    n_heads=2,
+    n_kv_heads=1,
+    head_dim=8,
+    ffn_dim=16,
+    norm_eps=1e-6,
+    rope_theta=1e4,
+    max_seq_len=256,
+    tie_embeddings=False,
+)
+KEY = "sk-test"
+NEW = 10
+TIMEOUT = 60
+
+
+@pytest.fixture(scope="module")
+def config() -> EngineConfig:
+    pair = model_pair(ARGS, "perturbed", 0, tokenizer=True)
+    return EngineConfig(target=str(pair.target), draft=str(pair.draft), tree="chain:3")
+
+
+def text_of(config: EngineConfig, prompt: list[int], sampling: Sampling | None = None) -> str:
+    tokens = reference_tokens(Path(config.target), prompt, NEW, sampling=sampling or Sampling())
+    return " ".join(f"t{t}" for t in tokens)
+
+
+async def start(nursery: trio.Nursery, config: EngineConfig, **kw) -> str:
+    binds = await nursery.start(partial(serve, config, port=0, api_key=KEY, **kw))
+    return binds[0]
+
+
+def client(base: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0)
+
+
+async def test_the_openai_client_gets_exact_text_streamed_and_whole(config):
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            base = await start(nursery, config)
+            api = client(base)
+            whole = await api.completions.create(
+                model="lever", prompt="t3 t1 t4", max_tokens=NEW, temperature=0
+            )
+            chunks = await api.completions.create(
+                model="lever",
+                prompt="t3 t1 t4",
+                max_tokens=NEW,
+                temperature=0.8,
+                seed=7,
+                stream=True,
+            )
+            streamed = [chunk async for chunk in chunks]
+            chat = await api.chat.completions.create(
+                model="lever",
+                messages=[
+                    {"role": "system", "content": "t3"},
+                    {"role": "user", "content": "t1 t4"},
+                ],
+                max_tokens=NEW,
+                temperature=0,
+            )
+            models = await api.models.list()
+            nursery.cancel_scope.cancel()
+    assert whole.choices[0].text == text_of(config, [3, 1, 4])
+    assert whole.choices[0].finish_reason == "length"
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (3, NEW)
+    sampled = text_of(config, [3, 1, 4], Sampling(temperature=0.8, seed=7))
+    assert "".join(c.choices[0].text for c in streamed) == sampled
+    assert streamed[-1].choices[0].finish_reason == "length"
+    assert chat.choices[0].message.content == text_of(config, [3, 1, 4])
+    assert [m.id for m in models.data] == ["lever"]
+
+
+async def test_raw_http_streams_server_sent_events_and_health(config):
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            base = await start(nursery, config)
+            headers = {"Authorization": f"Bearer {KEY}"}
+            async with httpx.AsyncClient(base_url=base, headers=headers) as http:
+                health = await http.get("/health")
+                body = {
+                    "messages": [{"role": "user", "content": "t3 t1 t4"}],
+                    "max_tokens": NEW,
+                    "temperature": 0,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                    lines = [line async for line in response.aiter_lines() if line]
+            nursery.cancel_scope.cancel()
+    assert health.json()["status"] == "ok"
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == text_of(config, [3, 1, 4])
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": NEW, "total_tokens": 13}
+
+
+@pytest.mark.parametrize("queue", [8, 2])
+async def test_eight_concurrent_clients_each_get_their_text_or_a_429(config, queue):
+    prompts = [[3, 1, 4], [1, 5, 9], [2, 6], [5, 3, 5], [8, 9, 7], [9, 3], [2, 3, 8, 4], [6, 2]]
+    answers: dict[int, object] = {}
+
+    async def ask(api, index):
+        words = " ".join(f"t{t}" for t in prompts[index])
+        try:
+            reply = await api.completions.create(
+                model="lever", prompt=words, max_tokens=NEW, temperature=0
+            )
+            answers[index] = reply.choices[0].text
+        except openai.RateLimitError as e:
+            answers[index] = e
+
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            base = await start(nursery, config, queue=queue)
+            api = client(base)
+            async with trio.open_nursery() as clients:
+                for index in range(len(prompts)):
+                    clients.start_soon(ask, api, index)
+            nursery.cancel_scope.cancel()
+    refused = [i for i, a in answers.items() if isinstance(a, openai.RateLimitError)]
+    for index, answer in answers.items():
+        if index not in refused:
+            assert answer == text_of(config, prompts[index]), f"client {index}"
+    if queue == 8:
+        assert refused == []
+    else:  # one running, two waiting: the rest are told to come back
+        assert len(refused) == len(prompts) - 3
+        assert all(answers[i].response.headers["retry-after"] == "5" for i in refused)
+
+
+async def test_a_client_that_leaves_mid_stream_cancels_its_request(config):
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            base = await start(nursery, config)
+            headers = {"Authorization": f"Bearer {KEY}"}
+            body = {"prompt": "t3 t1 t4", "max_tokens": 200, "temperature": 0, "stream": True}
+            async with httpx.AsyncClient(base_url=base, headers=headers) as http:
+                async with http.stream("POST", "/v1/completions", json=body) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: "):
+                            break  # gone after the first token
+                after = await client(base).completions.create(
+                    model="lever", prompt="t3 t1 t4", max_tokens=NEW, temperature=0
+                )
+                health = (await http.get("/health")).json()
+            nursery.cancel_scope.cancel()
+    assert after.choices[0].text == text_of(config, [3, 1, 4])
+    assert health["requests"] == 0  # the abandoned request no longer holds a place
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "fragment"),
+    [
+        ("{not json", None, 400, "not valid JSON"),
+        ({"prompt": "t1", "n": 2}, None, 400, "unknown field `n`"),
+        ({"prompt": "t1", "max_tokens": 0}, None, 400, "max_new_tokens"),
+        ({"prompt": "t1", "temperature": -1}, None, 400, "temperature = -1"),
+        ({"prompt": 5}, None, 400, "Expected `str | array`"),
+        ({"prompt": "t1"}, {"Authorization": "Bearer wrong"}, 401, "incorrect API key"),
+        ({"prompt": "t1"}, {}, 401, "incorrect API key"),
+    ],
+)
+async def test_bad_requests_get_4xx_with_an_openai_error_body(
+    config, body, headers, status, fragment
+):
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            base = await start(nursery, config)
+            sent_headers = {"Authorization": f"Bearer {KEY}"} if headers is None else headers
+            content = body if isinstance(body, str) else json.dumps(body)
+            async with httpx.AsyncClient(base_url=base, headers=sent_headers) as http:
+                response = await http.post("/v1/completions", content=content)
+                missing = await http.get("/v1/nothing")
+            nursery.cancel_scope.cancel()
+    assert response.status_code == status
+    assert fragment in response.json()["error"]["message"]
+    assert missing.status_code == 404 and "error" in missing.json()
