@@ -68,7 +68,7 @@ class Drafter:
         self.builder: TreeBuilder | None = None  # the last tree's
         self.growth: GainCostGrowth | None = None  # the last tree's, when gain-cost
         self.drafted_ahead: TreeBuilder | None = None  # the next tree, when a commit hit it
-        self.chooser = Chooser(policy.sampling)
+        self.chooser = Chooser(policy.sampling, noise_dtype=torch.float32)  # ranks only
 
     async def run(
         self,

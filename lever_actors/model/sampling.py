@@ -66,9 +66,12 @@ class Chooser:
     used last: a tree's nodes at one depth share a position, and successive steps overlap.
     Each actor keeps its own (they run on different threads)."""
 
-    def __init__(self, sampling: Sampling, kept_positions: int = 16) -> None:
+    def __init__(
+        self, sampling: Sampling, kept_positions: int = 16, noise_dtype=torch.float64
+    ) -> None:
         self.sampling = sampling
         self._kept = kept_positions
+        self._noise_dtype = noise_dtype  # float32 for a drafter, which only ranks
         self._noise: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
 
     def choose(self, logits: torch.Tensor, positions: torch.Tensor) -> list[int]:
@@ -85,19 +88,23 @@ class Chooser:
 
     def draft_scores(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """logits: [n, vocab] -> [n, vocab] scores whose order ranks a draft's candidates: the
-        logits when greedy, else logits / T + the target's noise (unfiltered: a draft row
-        costs no sort), so that the top candidate is the token the draft would draw."""
+        logits when greedy, else logits / T + the target's noise, in float32 and unfiltered
+        (a proposal needs no exact rounding and no sort), so that the top candidate is the
+        token the draft would draw."""
         if self.sampling.greedy:
             return logits
-        noise = torch.stack(self._rows(positions, logits.shape[-1]))
-        return logits.double() / self.sampling.temperature + noise
+        scores = logits.float() / self.sampling.temperature
+        for row, noise in zip(scores, self._rows(positions, logits.shape[-1]), strict=True):
+            row += noise
+        return scores
 
     def _rows(self, positions: torch.Tensor, vocab: int) -> list[torch.Tensor]:
         rows = []
         for position in positions.tolist():
             key = (int(position), vocab)
             if key not in self._noise:
-                self._noise[key] = gumbel(self.sampling.seed, key[0], vocab)
+                noise = gumbel(self.sampling.seed, key[0], vocab)
+                self._noise[key] = noise.to(self._noise_dtype)
                 while len(self._noise) > self._kept:
                     self._noise.popitem(last=False)
             self._noise.move_to_end(key)
