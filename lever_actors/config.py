@@ -18,6 +18,7 @@ from lever_actors.errors import ConfigError
 from lever_actors.sizes import compact_bytes, parse_bytes
 
 DEFAULT_GAINCOST_CAP = 64
+MAX_TREE_NODES = 1024  # draft nodes one tree may have: a pass verifies them all at once
 DEFAULT_MAX_NEW_TOKENS = 128
 
 EarlyExit = Literal["auto", "lens", "trained", "none", "off"]
@@ -38,6 +39,18 @@ def check_max_new_tokens(n: int) -> int:
     if n <= 0:
         raise ConfigError(f"max_new_tokens must be positive, got {n}")
     return n
+
+
+def check_request_size(prompt_tokens: int, max_new_tokens: int, context: int) -> None:
+    """A request must have a prompt, and it and its new tokens must fit the model's context."""
+    if prompt_tokens == 0:
+        raise ConfigError("the prompt is empty")
+    check_max_new_tokens(max_new_tokens)
+    if prompt_tokens + max_new_tokens > context:
+        raise ConfigError(
+            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"model's context of {context} tokens"
+        )
 
 
 def _check_fields(struct: msgspec.Struct, prefix: str = "") -> None:
@@ -80,7 +93,7 @@ class TreeSpec(msgspec.Struct, frozen=True):
             cap = int(gaincost.group(1) or DEFAULT_GAINCOST_CAP)
             if cap < 1:
                 raise ConfigError(f"tree {text!r}: the cap must be at least 1")
-            return cls("gaincost", cap=cap)
+            return cls("gaincost", cap=cap).checked(text)
         match = re.fullmatch(r"(chain|static):(\d+(?:,\d+)*)", text)
         if not match:
             raise ConfigError(
@@ -92,8 +105,13 @@ class TreeSpec(msgspec.Struct, frozen=True):
         if match.group(1) == "chain":
             if len(numbers) != 1:
                 raise ConfigError(f"tree {text!r}: chain takes one length, e.g. chain:4")
+            _check_tree_nodes(text, numbers[0])  # before a tuple of that length is built
             return cls("chain", (1,) * numbers[0])
-        return cls("static", numbers)
+        return cls("static", numbers).checked(text)
+
+    def checked(self, text: str) -> TreeSpec:
+        _check_tree_nodes(text, self.max_nodes)
+        return self
 
     @property
     def max_nodes(self) -> int:
@@ -113,6 +131,14 @@ class TreeSpec(msgspec.Struct, frozen=True):
         if self.kind == "gaincost":
             return f"gaincost:{self.cap}"
         return "static:" + ",".join(map(str, self.widths))
+
+
+def _check_tree_nodes(text: str, nodes: int) -> None:
+    if nodes > MAX_TREE_NODES:
+        raise ConfigError(
+            f"tree {text!r} has {nodes} draft nodes; at most {MAX_TREE_NODES}, since one "
+            "pass verifies them all"
+        )
 
 
 class DramBudget(msgspec.Struct, frozen=True):

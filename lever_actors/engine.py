@@ -39,7 +39,7 @@ from lever_actors.channels.messages import (
 )
 from lever_actors.channels.stats import DecodePhase, decode_phase, decode_rate, per_step
 from lever_actors.checkpoints.tokenizer import Tokenizer
-from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, EngineConfig, check_max_new_tokens
+from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, EngineConfig, check_request_size
 from lever_actors.device.memory import peak_rss_bytes
 from lever_actors.device.units import ComputeUnit
 from lever_actors.draft import DraftModel, load_draft
@@ -250,18 +250,10 @@ class Engine:
             ids = self._need_tokenizer().encode(prompt)
         else:
             ids = [int(t) for t in prompt]
-        if not ids:
-            raise ConfigError("the prompt is empty")
+        check_request_size(len(ids), max_new_tokens, self.target.args.max_seq_len)
         vocab = self.target.args.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
-        check_max_new_tokens(max_new_tokens)
-        limit = self.target.args.max_seq_len
-        if len(ids) + max_new_tokens > limit:
-            raise ConfigError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                f"model's context of {limit} tokens"
-            )
         if isinstance(stop, str):
             raise ConfigError("stop must be a list of strings, not one string")
         sampling = Sampling(

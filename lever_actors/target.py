@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from lever_actors.checkpoints.tokenizer import Tokenizer
+from lever_actors.checkpoints.flash_layout import layout_tokenizer
 from lever_actors.config import DramBudget
 from lever_actors.device.budget import ResidencyPlan, head_key, plan_residency
 from lever_actors.device.flash import FlashStore
@@ -44,8 +44,7 @@ class FlashTarget:
             i: resident[layer_key(i)] for i in range(self.args.n_layers) if layer_key(i) in resident
         }
         self.rope = Rope(self.args)
-        tokenizer_file = self.manifest.tokenizer
-        self.tokenizer = Tokenizer.from_file(directory / tokenizer_file) if tokenizer_file else None
+        self.tokenizer = layout_tokenizer(directory, self.manifest)
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.args, capacity, self.dtype)

@@ -13,24 +13,9 @@ import pytest
 from lever_actors.aio import AsyncEngine
 from lever_actors.config import EngineConfig
 from lever_actors.errors import ConfigError, EngineClosedError
-from lever_actors.model.args import ModelArgs
 from lever_actors.model.sampling import Sampling
-from lever_actors.testing import model_pair, reference_tokens
+from lever_actors.testing import TINY_ARGS, model_pair, reference_tokens
 
-ARGS = ModelArgs(
-    arch="llama",
-    vocab_size=32,
-    d_model=16,
-    n_layers=2,
-    n_heads=2,
-    n_kv_heads=1,
-    head_dim=8,
-    ffn_dim=16,
-    norm_eps=1e-6,
-    rope_theta=1e4,
-    max_seq_len=256,
-    tie_embeddings=False,
-)
 PROMPT = [3, 1, 4, 1, 5]
 NEW = 12
 TIMEOUT = 30
@@ -38,7 +23,7 @@ TIMEOUT = 30
 
 @pytest.fixture(scope="module")
 def config() -> EngineConfig:
-    pair = model_pair(ARGS, "perturbed", 0)
+    pair = model_pair(TINY_ARGS, "perturbed", 0)
     return EngineConfig(target=str(pair.target), draft=str(pair.draft), tree="gaincost")
 
 

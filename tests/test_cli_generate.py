@@ -11,30 +11,15 @@ from pathlib import Path
 import pytest
 
 from lever_actors.cli import main
-from lever_actors.model.args import ModelArgs
 from lever_actors.model.sampling import Sampling
-from lever_actors.testing import model_pair, reference_tokens
+from lever_actors.testing import TINY_ARGS, model_pair, reference_tokens
 
-ARGS = ModelArgs(
-    arch="llama",
-    vocab_size=32,
-    d_model=16,
-    n_layers=2,
-    n_heads=2,
-    n_kv_heads=1,
-    head_dim=8,
-    ffn_dim=16,
-    norm_eps=1e-6,
-    rope_theta=1e4,
-    max_seq_len=256,
-    tie_embeddings=False,
-)
 NEW = 8
 
 
 @pytest.fixture(scope="module")
 def pair():
-    return model_pair(ARGS, "perturbed", 0, tokenizer=True)
+    return model_pair(TINY_ARGS, "perturbed", 0, tokenizer=True)
 
 
 def run(capsys, pair, *flags: str, model: bool = False) -> tuple[int, str, str]:
@@ -113,4 +98,18 @@ def test_bad_input_exits_2_with_a_clear_message(
     code, _, err = run(capsys, pair, *flags)
     assert code == 2
     assert err.startswith("lever-actors: error: ")
+    assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("model", [False, True], ids=["pipeline", "in-memory"])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--prompt", ""], "the prompt is empty"),
+        (["--prompt", "t1", "--max-new-tokens", "1000"], r"exceeds the model's context of 256"),
+    ],
+)
+def test_both_paths_check_requests_alike(capsys, pair, model, flags, message):
+    code, _, err = run(capsys, pair, *flags, model=model)
+    assert code == 2
     assert re.search(message, err), err

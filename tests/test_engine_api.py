@@ -431,6 +431,15 @@ async def test_a_request_filling_the_context_exactly_works(tiny):
         pytest.param({"tree": "chain:0"}, "at least 1", id="zero-chain"),
         pytest.param({"tree": "static:2,0"}, "at least 1", id="zero-width"),
         pytest.param({"tree": "chain:2,3"}, "chain takes one length", id="chain-two-numbers"),
+        pytest.param(
+            {"tree": "chain:100000"}, "has 100000 draft nodes; at most 1024", id="huge-chain"
+        ),
+        pytest.param(
+            {"tree": "static:1000,1000,1000"},
+            "has 1001001000 draft nodes; at most 1024",
+            id="huge-static",
+        ),
+        pytest.param({"tree": "gaincost:5000"}, "has 5000 draft nodes", id="huge-gaincost"),
         pytest.param({"ring_slots": 1}, "ring_slots = 1: expected `int` >= 2", id="one-slot"),
         pytest.param({"ring_slots": 0}, "ring_slots = 0: expected `int` >= 2", id="no-slots"),
         pytest.param({"draft": None}, "needs a draft model", id="no-draft"),

@@ -18,26 +18,11 @@ import trio
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.config import EngineConfig
 from lever_actors.engine import Engine
-from lever_actors.errors import ConfigError
-from lever_actors.model.args import ModelArgs
+from lever_actors.errors import ConfigError, EngineClosedError
 from lever_actors.model.sampling import Sampling
 from lever_actors.model.transformer import Transformer
-from lever_actors.testing import model_pair, reference_tokens
+from lever_actors.testing import TINY_ARGS, model_pair, reference_tokens
 
-ARGS = ModelArgs(
-    arch="llama",
-    vocab_size=32,
-    d_model=16,
-    n_layers=2,
-    n_heads=2,
-    n_kv_heads=1,
-    head_dim=8,
-    ffn_dim=16,
-    norm_eps=1e-6,
-    rope_theta=1e4,
-    max_seq_len=256,
-    tie_embeddings=False,
-)
 PROMPT = [3, 1, 4, 1, 5]
 NEW = 16
 TIMEOUT = 30
@@ -49,7 +34,7 @@ TEMPLATE = (
 
 
 def config(tree: str = "chain:3", **kw) -> EngineConfig:
-    pair = model_pair(ARGS, "perturbed", 0, tokenizer=True, **kw)
+    pair = model_pair(TINY_ARGS, "perturbed", 0, tokenizer=True, **kw)
     return EngineConfig(target=str(pair.target), draft=str(pair.draft), tree=tree)
 
 
@@ -211,3 +196,10 @@ async def test_bad_messages_are_refused(messages, message):
     async with Engine.open(config()) as engine:
         with pytest.raises(ConfigError, match=message):
             await engine.generate(messages=messages, max_new_tokens=NEW)
+
+
+async def test_a_request_after_the_engine_closed_is_refused():
+    async with Engine.open(config()) as engine:
+        pass
+    with pytest.raises(EngineClosedError, match="this engine was closed; open another"):
+        await engine.generate(PROMPT, max_new_tokens=2)

@@ -13,28 +13,13 @@ import pytest
 
 import lever_actors.testing as testing
 from lever_actors.config import EngineConfig
-from lever_actors.model.args import ModelArgs
-from lever_actors.testing import oracle, strategies
+from lever_actors.testing import TINY_ARGS, oracle, strategies
 
 ROOT = Path(__file__).resolve().parents[1]
 
-ARGS = ModelArgs(
-    arch="llama",
-    vocab_size=32,
-    d_model=16,
-    n_layers=2,
-    n_heads=2,
-    n_kv_heads=1,
-    head_dim=8,
-    ffn_dim=16,
-    norm_eps=1e-6,
-    rope_theta=1e4,
-    max_seq_len=256,
-    tie_embeddings=False,
-)
 
 WITHOUT_HYPOTHESIS = textwrap.dedent(
-    f"""
+    """
     import sys
 
     sys.modules["hypothesis"] = None  # as if it were not installed: importing it fails
@@ -43,9 +28,8 @@ WITHOUT_HYPOTHESIS = textwrap.dedent(
 
     import lever_actors.testing as testing
     from lever_actors.config import EngineConfig
-    from lever_actors.model.args import ModelArgs
-
-    pair = testing.model_pair({ARGS!r}, "perturbed")
+    
+    pair = testing.model_pair(testing.TINY_ARGS, "perturbed")
     config = EngineConfig(target=str(pair.target), draft=str(pair.draft), tree="chain:2")
     trio.run(testing.assert_matches_sequential, config, [1, 2, 3], 4)
     try:
@@ -82,10 +66,10 @@ def test_every_public_name_imports_and_strategies_are_the_strategies_modules() -
 
 
 async def test_mismatch_report_names_first_differing_token(monkeypatch) -> None:
-    pair = testing.model_pair(ARGS, "identical")
+    pair = testing.model_pair(TINY_ARGS, "identical")
     config = EngineConfig(target=str(pair.target), draft=str(pair.draft), tree="chain:2")
     right = testing.reference_tokens(pair.target, [1, 2, 3], 4)
-    wrong = [*right[:2], (right[2] + 1) % ARGS.vocab_size, right[3]]
+    wrong = [*right[:2], (right[2] + 1) % TINY_ARGS.vocab_size, right[3]]
     monkeypatch.setattr(oracle, "reference_tokens", lambda *_: wrong)
     with pytest.raises(AssertionError) as failure:
         await testing.assert_matches_sequential(config, [1, 2, 3], 4)

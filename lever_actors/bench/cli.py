@@ -32,6 +32,7 @@ from lever_actors.bench.run import (
     sweep,
 )
 from lever_actors.checkpoints import load_checkpoint
+from lever_actors.checkpoints.flash_layout import layout_tokenizer
 from lever_actors.checkpoints.prompts import PROMPT_SETS, load_prompts
 from lever_actors.checkpoints.real_pair import real_model_path, real_target_layout
 from lever_actors.checkpoints.tokenizer import Tokenizer, user_turn
@@ -361,8 +362,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 def _tokenizer(target: Path) -> Tokenizer | None:
     if (target / MANIFEST_NAME).is_file():
-        manifest = read_manifest(target)
-        return Tokenizer.from_file(target / manifest.tokenizer) if manifest.tokenizer else None
+        return layout_tokenizer(target, read_manifest(target))
     if target.is_dir():
         path = target / "tokenizer.json"
         return Tokenizer.from_file(path) if path.is_file() else None

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from lever_actors.checkpoints.tokenizer import Tokenizer
+from lever_actors.errors import CheckpointError
 from lever_actors.model.args import ModelArgs
 from lever_actors.model.weights import ModelWeights
 
@@ -16,3 +18,14 @@ class Checkpoint:
     weights: ModelWeights
     tokenizer: Tokenizer | None
     source: Path
+
+
+def file_inside(directory: Path, name: object, what: str) -> Path:
+    """`directory / name` for a file name read from the checkpoint's own metadata, which
+    must name a file inside the directory: no absolute path, no way out through '..'.
+    (Links the user placed in the directory are the user's to make.)"""
+    if not isinstance(name, str) or not name or Path(name).is_absolute():
+        raise CheckpointError(f"{directory}: {what} {name!r} is not a file name in it")
+    if os.path.normpath(name).split(os.sep)[0] == "..":
+        raise CheckpointError(f"{directory}: {what} {name!r} points outside the directory")
+    return directory / name

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from lever_actors.checkpoints.checkpoint import Checkpoint
+from lever_actors.checkpoints.checkpoint import Checkpoint, file_inside
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.device.flash import FlashStore
-from lever_actors.device.layout import layer_key
+from lever_actors.device.layout import Manifest, layer_key
 from lever_actors.model.weights import ModelWeights
 
 
@@ -27,7 +27,16 @@ def load_flash_layout(directory: Path, dtype: torch.dtype) -> Checkpoint:
         lm_head=embed if manifest.args.tie_embeddings else extents["lm_head"]["lm_head"],
         layers=[extents[layer_key(i)] for i in range(manifest.args.n_layers)],
     )
-    tokenizer = Tokenizer.from_file(directory / manifest.tokenizer) if manifest.tokenizer else None
     return Checkpoint(
-        args=manifest.args, weights=weights.to(dtype), tokenizer=tokenizer, source=directory
+        args=manifest.args,
+        weights=weights.to(dtype),
+        tokenizer=layout_tokenizer(directory, manifest),
+        source=directory,
     )
+
+
+def layout_tokenizer(directory: Path, manifest: Manifest) -> Tokenizer | None:
+    """The tokenizer the manifest names, read from inside the layout; None without one."""
+    if manifest.tokenizer is None:
+        return None
+    return Tokenizer.from_file(file_inside(directory, manifest.tokenizer, "manifest tokenizer"))

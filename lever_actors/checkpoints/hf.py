@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from lever_actors.checkpoints.checkpoint import Checkpoint
+from lever_actors.checkpoints.checkpoint import Checkpoint, file_inside
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.errors import CheckpointError
 from lever_actors.model.args import ModelArgs, args_from_hf_config
@@ -74,7 +74,10 @@ class _SafetensorsIndex:
         index_path = directory / "model.safetensors.index.json"
         if index_path.is_file():
             weight_map = json.loads(index_path.read_text())["weight_map"]
-            self.shard_of = {name: directory / shard for name, shard in weight_map.items()}
+            self.shard_of = {
+                name: file_inside(directory, shard, "weight_map shard")
+                for name, shard in weight_map.items()
+            }
         else:
             single = directory / "model.safetensors"
             if not single.is_file():

@@ -19,7 +19,12 @@ from lever_actors.channels.stats import decode_phase, decode_rate, per_step
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.tokenizer import Tokenizer, check_messages, user_turn
 from lever_actors.cli.engine_options import add_engine_arguments, engine_config
-from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, EngineConfig, check_max_new_tokens
+from lever_actors.config import (
+    DEFAULT_MAX_NEW_TOKENS,
+    EngineConfig,
+    check_max_new_tokens,
+    check_request_size,
+)
 from lever_actors.device.memory import peak_rss_bytes
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError
@@ -45,7 +50,10 @@ def add_generate_command(sub: argparse._SubParsersAction) -> None:
         help="instead of the pipeline: HF dir, GGUF or flash layout held whole in DRAM",
     )
     gen.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype with --model"
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="float32",
+        help="compute dtype with --model (default: float32)",
     )
     given = gen.add_argument_group(
         "what to continue (default: --chat with a coding request)",
@@ -178,6 +186,7 @@ def _generate_in_memory(
     if tokenizer is None:
         raise ConfigError(f"{args.model} has no tokenizer; generate needs one to encode text")
     ids = tokenizer.encode(prompt if messages is None else tokenizer.apply_chat_template(messages))
+    check_request_size(len(ids), args.max_new_tokens, checkpoint.args.max_seq_len)
     model = Transformer(checkpoint.args, checkpoint.weights)
     print(f"loaded {args.model.name} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     printer = _TextPrinter(tokenizer)

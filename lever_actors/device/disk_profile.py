@@ -10,6 +10,7 @@ import msgspec
 
 from lever_actors.device.flash import AlignedBuffer, open_for_reads, pread_exact, read_mode
 from lever_actors.device.layout import ALIGNMENT
+from lever_actors.errors import ConfigError
 
 
 class DiskProfile(msgspec.Struct, frozen=True):
@@ -27,7 +28,13 @@ class DiskProfile(msgspec.Struct, frozen=True):
 
 def profile_disk(path: Path, block_bytes: int, max_bytes: int | None = None) -> DiskProfile:
     """Read `path` front to back in `block_bytes` blocks (up to `max_bytes`), one block at a
-    time, bypassing the page cache, and time it."""
+    time, bypassing the page cache, and time it. Blocks are whole multiples of ALIGNMENT."""
+    if block_bytes < ALIGNMENT:
+        raise ConfigError(f"block size {block_bytes} B: at least {ALIGNMENT} B")
+    if max_bytes is not None and max_bytes < ALIGNMENT:
+        raise ConfigError(f"max bytes {max_bytes} B: at least {ALIGNMENT} B")
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file")
     block_bytes -= block_bytes % ALIGNMENT
     size = path.stat().st_size
     limit = min(size, max_bytes or size)

@@ -43,7 +43,8 @@ import torch.nn.functional as F
 
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.checkpoint import Checkpoint
-from lever_actors.checkpoints.tokenizer import Tokenizer, user_turn
+from lever_actors.checkpoints.flash_layout import layout_tokenizer
+from lever_actors.checkpoints.tokenizer import user_turn
 from lever_actors.config import default_exit_layer
 from lever_actors.device.layout import MANIFEST_NAME, read_manifest
 from lever_actors.errors import ConfigError
@@ -236,10 +237,9 @@ def predictor_path(layout: Path) -> Path:
 def chat_token_ids(layout: Path, prompts: Sequence[str]) -> tuple[list[list[int]], frozenset[int]]:
     """Each prompt as one user turn in the chat template of the layout's tokenizer, encoded;
     and the tokenizer's end tokens (where greedy continuations stop)."""
-    manifest = read_manifest(Path(layout))
-    if manifest.tokenizer is None:
+    tokenizer = layout_tokenizer(Path(layout), read_manifest(Path(layout)))
+    if tokenizer is None:
         raise ConfigError(f"{layout} has no tokenizer; training on prompts needs one")
-    tokenizer = Tokenizer.from_file(Path(layout) / manifest.tokenizer)
     texts = [tokenizer.encode(tokenizer.apply_chat_template(user_turn(p))) for p in prompts]
     return texts, tokenizer.eos_ids
 

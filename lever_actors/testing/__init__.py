@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from lever_actors.testing.checkpoints import (
     DRAFT_RELATIONS,
+    TINY_ARGS,
     TWIN_GAP,
     ModelPair,
     bf16_args,
@@ -72,6 +73,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DRAFT_RELATIONS",
+    "TINY_ARGS",
     "EngineCase",
     "ModelPair",
     "TWIN_GAP",

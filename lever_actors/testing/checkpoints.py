@@ -40,6 +40,23 @@ PERTURBATION = 0.02  # default noise a perturbed target adds to every weight
 TWIN_GAP = 0.003
 
 
+# A two-layer llama of width 16 over 32 tokens: the smallest model a test of the API needs.
+TINY_ARGS = ModelArgs(
+    arch="llama",
+    vocab_size=32,
+    d_model=16,
+    n_layers=2,
+    n_heads=2,
+    n_kv_heads=1,
+    head_dim=8,
+    ffn_dim=16,
+    norm_eps=1e-6,
+    rope_theta=1e4,
+    max_seq_len=256,
+    tie_embeddings=False,
+)
+
+
 def bf16_args(arch: Architecture = "qwen2", *, tie_embeddings: bool = False) -> ModelArgs:
     """The smallest config where bf16 rounding depends on how many rows a matrix product
     has: matrices of 512 and 1024 inputs (oneDNN switches kernel past 32 rows there, not at
