@@ -4,22 +4,24 @@ torch, because OpenMP reads it only once, when it loads. Values the user set are
 - Idle threads sleep rather than spin (OMP_WAIT_POLICY=PASSIVE): spinning threads lose
   their time slices beside a busy process.
 - Threads fill only the cores other processes keep out of use (OMP_NUM_THREADS), measured
-  over half a second at start: beside one busy neighbour on two cores, one thread decoded
-  faster than two that take turns with it (`bench/thread_policy.py`, docs/status.md). A
-  core counts as taken only when at least 3/4 busy, so that a process that has just
-  exited (freeing its memory) does not count.
+  at start: beside one busy neighbour on two cores, one thread decoded faster than two
+  that take turns with it (`bench/thread_policy.py`, docs/status.md). A core counts as
+  taken only when at least 3/4 busy in each of three 0.2 s windows, so that a process that
+  has just exited (freeing its memory) does not count: it did, once, when `serve` started
+  right after `generate` and ran on one thread.
 """
 
 import os
 import time
 
-SAMPLE_SECONDS = 0.5
+WINDOWS = 3  # a neighbour counts only if busy in every one: a process that is just
+WINDOW_SECONDS = 0.2  # exiting (freeing its memory) is busy in the first window only
 TAKEN = 0.75  # of a core's time busy, for the core to count as taken
 
 
-def idle_cores(seconds: float = SAMPLE_SECONDS) -> int | None:
-    """Cores the rest of the machine left idle over `seconds` (we idle meanwhile), from
-    /proc/stat; None where it cannot be read."""
+def idle_cores(windows: int = WINDOWS, seconds: float = WINDOW_SECONDS) -> int | None:
+    """Cores the rest of the machine left idle (we idle meanwhile) in the least busy of
+    `windows` windows of `seconds`, from /proc/stat; None where it cannot be read."""
 
     def totals() -> tuple[int, int]:
         with open("/proc/stat") as stat:
@@ -27,16 +29,22 @@ def idle_cores(seconds: float = SAMPLE_SECONDS) -> int | None:
         idle = fields[3] + fields[4]  # idle + iowait
         return sum(fields) - idle, sum(fields)
 
+    cores = os.cpu_count() or 1
     try:
-        busy0, all0 = totals()
-        time.sleep(seconds)
-        busy1, all1 = totals()
+        samples = [totals()]
+        for _ in range(windows):
+            time.sleep(seconds)
+            samples.append(totals())
     except (OSError, ValueError, IndexError):
         return None
-    cores = os.cpu_count() or 1
-    if all1 <= all0:
+    shares = [
+        (busy1 - busy0) / (all1 - all0)
+        for (busy0, all0), (busy1, all1) in zip(samples, samples[1:], strict=False)
+        if all1 > all0
+    ]
+    if not shares:
         return None
-    busy = cores * (busy1 - busy0) / (all1 - all0)
+    busy = cores * min(shares)
     return max(1, cores - int(busy + 1 - TAKEN))
 
 
