@@ -186,7 +186,7 @@ class Engine:
             steps=request.steps,
             finish_reason=events[-1].finish_reason if events else None,
             prompt_tokens=len(request.prompt),
-            seed=None if request.sampling.greedy else request.sampling.seed,
+            seed=request.sampling.reported_seed,
             prefill_seconds=events[0].elapsed_seconds if events else 0.0,
             decode_tokens=decode_tokens,
             decode_seconds=decode_seconds,

@@ -121,7 +121,7 @@ class Projector:
     ) -> None:
         """Project `nodes` in one batch; record each one's logits and chosen next token."""
         rows = self._project(final.hidden[[row[n] for n in nodes]])
-        positions = torch.tensor([final.position + tree.depths[n] + 1 for n in nodes])
+        positions = tree.positions(final.position)[nodes] + 1  # of the tokens they choose
         chosen.update(zip(nodes, self.chooser.choose(rows, positions), strict=True))
         logits.update(zip(nodes, rows, strict=True))
 

@@ -207,7 +207,7 @@ def _generate_in_memory(
         first_token_seconds=first - started,
         decode_tokens_per_second=decode_rate(len(tokens) - 1, time.perf_counter() - first),
         peak_rss_bytes=peak_rss_bytes(),
-        seed=None if sampling.greedy else sampling.seed,
+        seed=sampling.reported_seed,
     )
 
 
@@ -244,11 +244,7 @@ async def _stream_from_engine(
             prompt,
             messages=messages,
             max_new_tokens=args.max_new_tokens,
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-            min_p=sampling.min_p,
-            seed=sampling.seed,
+            **msgspec.structs.asdict(sampling),
         )
         async for event in stream:
             events.append(event)
@@ -265,7 +261,7 @@ async def _stream_from_engine(
         first_token_seconds=events[0].elapsed_seconds,
         decode_tokens_per_second=decode_rate(*decode_phase(events)),
         peak_rss_bytes=peak_rss_bytes(),
-        seed=None if sampling.greedy else sampling.seed,
+        seed=sampling.reported_seed,
         steps=steps,
         tokens_per_step=per_step(len(events), steps),
         from_draft=sum(e.from_draft for e in events),

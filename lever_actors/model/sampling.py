@@ -52,6 +52,11 @@ class Sampling(msgspec.Struct, frozen=True):
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def reported_seed(self) -> int | None:
+        """The seed as results report it: None when greedy, where it decides nothing."""
+        return None if self.greedy else self.seed
+
 
 GREEDY = Sampling()
 
