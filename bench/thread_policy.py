@@ -3,8 +3,9 @@ beside one busy neighbour process, all in one run (each generation a process of 
 
     .venv/bin/python bench/thread_policy.py [--tokens 32] [--repeats 2] [--baseline-tree DIR]
 
-Settings: ours (the CLI's default: idle OpenMP threads sleep), torch's default (the wait
-policy left unset: idle threads spin a while, then sleep) and one thread (OMP_NUM_THREADS=1).
+Settings: ours (the CLI's default, lever_actors/launch.py), torch's default (the wait
+policy left unset: idle threads spin a while, then sleep), idle threads sleeping at once
+(OMP_WAIT_POLICY=PASSIVE) and one thread (OMP_NUM_THREADS=1).
 --baseline-tree adds the code of another checkout (e.g. a worktree of an older commit) with
 idle threads sleeping as in ours, to price a change of code. Results: a markdown table on
 stdout and a JSON file.
@@ -30,6 +31,10 @@ PROMPT = "Write a Python function that checks whether a string is a palindrome."
 SETTINGS = {
     "ours": ("lever_actors.launch", {}),
     "torch's default (wait policy unset)": ("lever_actors.cli", {}),
+    "idle threads sleep (OMP_WAIT_POLICY=PASSIVE)": (
+        "lever_actors.cli",
+        {"OMP_WAIT_POLICY": "PASSIVE"},
+    ),
     "one thread (OMP_NUM_THREADS=1)": ("lever_actors.launch", {"OMP_NUM_THREADS": "1"}),
 }
 RATE = re.compile(r"decode ([0-9.]+) tok/s")
@@ -59,7 +64,7 @@ def chat_flag(tree: Path) -> str:
 
 def decode_rate(tree: Path, entry: str, args: list[str], env_extra: dict[str, str]) -> float:
     """Run `lever-actors ARGS` from the checkout `tree` through `entry`; -> its decode tok/s."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
     env |= env_extra | {"PYTHONPATH": str(tree)}
     code = f"import sys; from {entry} import main; sys.exit(main())"
     args = [*args, chat_flag(tree), PROMPT]

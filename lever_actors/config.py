@@ -8,6 +8,7 @@ ConfigError naming the field, before anything is loaded.
 
 from __future__ import annotations
 
+import math
 import re
 import typing
 from typing import Annotated, Literal
@@ -41,10 +42,16 @@ def check_max_new_tokens(n: int) -> int:
     return n
 
 
+def check_prompt(length: int) -> None:
+    """A request must have a prompt: `length` counts its tokens, or its characters where it
+    is checked before a tokenizer has loaded."""
+    if length == 0:
+        raise ConfigError("the prompt is empty")
+
+
 def check_request_size(prompt_tokens: int, max_new_tokens: int, context: int) -> None:
     """A request must have a prompt, and it and its new tokens must fit the model's context."""
-    if prompt_tokens == 0:
-        raise ConfigError("the prompt is empty")
+    check_prompt(prompt_tokens)
     check_max_new_tokens(max_new_tokens)
     if prompt_tokens + max_new_tokens > context:
         raise ConfigError(
@@ -161,8 +168,8 @@ class DramBudget(msgspec.Struct, frozen=True):
                 raise ConfigError(f"cannot read {text!r} as a percentage") from None
         else:
             budget = cls("size", float(parse_bytes(text)))
-        if budget.value <= 0:
-            raise ConfigError(f"dram_budget must be positive, got {text!r}")
+        if not (math.isfinite(budget.value) and budget.value > 0):  # float() reads inf and nan
+            raise ConfigError(f"dram_budget must be positive and finite, got {text!r}")
         return budget
 
     def bytes_of(self, model_bytes: int) -> int:
@@ -218,7 +225,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     units: Units = "split"  # split: small work on the "cpu" unit beside the "npu"; single
     draft_dtype: DraftDtype = "bfloat16"
     throttle: Throttle = "none"
-    verify_checksums: bool = False
+    verify_checksums: bool = True  # every flash read, before its bytes are used
     channels: ChannelSizes = ChannelSizes()
     # random sleeps between actor steps, for scheduling fuzz tests
     jitter_seconds: Annotated[float, msgspec.Meta(ge=0)] = 0.0

@@ -9,6 +9,10 @@ class CheckpointError(LeverError, ValueError):
     """A checkpoint (HF directory, GGUF file) is missing, malformed or unsupported."""
 
 
+class CorruptLayoutError(CheckpointError):
+    """Bytes read from a flash layout do not match their checksum."""
+
+
 class FetchError(LeverError):
     """Fetching or verifying the real model files failed."""
 

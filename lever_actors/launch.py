@@ -1,17 +1,20 @@
 """The `lever-actors` console entry point: OpenMP's thread policy, set before the CLI loads
 torch, because OpenMP reads it only once, when it loads. Values the user set are kept.
 
-- Idle threads sleep rather than spin (OMP_WAIT_POLICY=PASSIVE): spinning threads lose
-  their time slices beside a busy process.
 - Threads fill only the cores other processes keep out of use (OMP_NUM_THREADS), measured
-  at start: beside one busy neighbour on two cores, one thread decoded faster than two
-  that take turns with it (`bench/thread_policy.py`, docs/status.md). A core counts as
-  taken only when at least 3/4 busy in each of three 0.2 s windows, so that a process that
-  has just exited (freeing its memory) does not count: it did, once, when `serve` started
-  right after `generate` and ran on one thread.
+  at start, and idle threads sleep (OMP_WAIT_POLICY=PASSIVE): beside one busy neighbour on
+  two cores, spinning threads lost their time slices and decoded at half the speed.
+- On an idle machine every core gets a thread. Idle threads sleep too where our own two
+  compute units share the cores (the pipeline: a spinning team of one unit takes the
+  cores the other needs), and spin as torch's default has them where one stream of
+  matrix products runs alone (`generate --model`), which spinning made about 10% faster.
+  Figures: `bench/thread_policy.py`, docs/status.md.
+- A core counts as taken only when at least 3/4 busy in each of three 0.2 s windows, so
+  that a process that has just exited (freeing its memory) does not count.
 """
 
 import os
+import sys
 import time
 
 WINDOWS = 3  # a neighbour counts only if busy in every one: a process that is just
@@ -48,11 +51,26 @@ def idle_cores(windows: int = WINDOWS, seconds: float = WINDOW_SECONDS) -> int |
     return max(1, cores - int(busy + 1 - TAKEN))
 
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-if "OMP_NUM_THREADS" not in os.environ:
-    free = idle_cores()
-    if free is not None and free < (os.cpu_count() or 1):
-        os.environ["OMP_NUM_THREADS"] = str(free)
+def thread_policy(
+    environ: dict[str, str], free: int | None, cores: int, argv: list[str]
+) -> dict[str, str]:
+    """The variables to add to `environ` for the command `argv`, given `free` idle cores of
+    `cores` (None: not known); never one the user set."""
+    policy = {"OMP_WAIT_POLICY": "PASSIVE"}
+    if free is not None and free < cores:
+        policy["OMP_NUM_THREADS"] = str(free)
+    elif runs_one_stream(argv):
+        policy = {}
+    return {k: v for k, v in policy.items() if k not in environ}
+
+
+def runs_one_stream(argv: list[str]) -> bool:
+    """Whether the command computes one stream of products alone: `generate --model`."""
+    return "generate" in argv and any(a.split("=")[0] == "--model" for a in argv)
+
+
+_probed = None if "OMP_NUM_THREADS" in os.environ else idle_cores()
+os.environ.update(thread_policy(dict(os.environ), _probed, os.cpu_count() or 1, sys.argv[1:]))
 
 from lever_actors.cli import main  # noqa: E402  (after the thread policy, which torch reads on load)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from lever_actors.errors import ConfigError
@@ -27,7 +28,10 @@ def parse_bytes(text: str | int) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
         raise ConfigError(f"cannot read {text!r} as a size; use e.g. 1.5GiB, 800MB or 123456")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    size = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not math.isfinite(size):  # a few hundred digits read as inf
+        raise ConfigError(f"{text!r} is too large a size")
+    return int(size)
 
 
 def format_bytes(n: int) -> str:

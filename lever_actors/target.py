@@ -26,7 +26,7 @@ class FlashTarget:
         *,
         ring_slots: int = 2,
         throttle: str = "none",
-        verify: bool = False,
+        verify: bool = True,
     ) -> None:
         self.store = FlashStore(directory, throttle=throttle, verify=verify)
         self.manifest = self.store.manifest

@@ -342,10 +342,10 @@ def plant(where: str, engine: Engine, monkeypatch) -> Fault:
         read_extent = engine.target.store.read_extent
         streamed = len(engine.target.plan.streamed_layers)
 
-        def failing_read(extent, buffer):
+        def failing_read(extent, buffer, **options):
             fault.calls += 1
             fault.fire(fault.calls == 2 * streamed + 1)  # the first read of pass 2
-            return read_extent(extent, buffer)
+            return read_extent(extent, buffer, **options)
 
         monkeypatch.setattr(engine.target.store, "read_extent", failing_read)
     else:

@@ -6,28 +6,49 @@ import os
 import subprocess
 import sys
 
-from lever_actors.launch import idle_cores
+from lever_actors.launch import idle_cores, thread_policy
 
 SHOW = (
-    "import os, lever_actors.launch; "
-    "print(os.environ['OMP_WAIT_POLICY'], os.environ.get('OMP_NUM_THREADS'))"
+    "import os, sys; sys.argv = ['lever-actors', *sys.argv[1:]]; import lever_actors.launch; "
+    "print(*(os.environ.get(k, '-') for k in ('OMP_WAIT_POLICY', 'OMP_NUM_THREADS')))"
 )
+PIPELINE = ["generate", "--chat", "hi"]
+ONE_STREAM = ["generate", "--model", "m.gguf"]
 
 
-def launched(env: dict[str, str]) -> list[str]:
+def launched(env: dict[str, str], argv: list[str]) -> list[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}
     done = subprocess.run(
-        [sys.executable, "-c", SHOW], env=clean | env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", SHOW, *argv],
+        env=clean | env,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return done.stdout.split()
 
 
 def test_the_users_settings_are_kept():
-    assert launched({"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "3"}) == ["ACTIVE", "3"]
+    mine = {"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "3"}
+    assert launched(mine, PIPELINE) == ["ACTIVE", "3"]
+    assert thread_policy({"OMP_WAIT_POLICY": "ACTIVE"}, 1, 2, PIPELINE) == {"OMP_NUM_THREADS": "1"}
 
 
-def test_idle_threads_sleep_by_default():
-    assert launched({})[0] == "PASSIVE"
+def test_the_pipeline_sleeps_its_idle_threads():
+    assert launched({"OMP_NUM_THREADS": "2"}, PIPELINE) == ["PASSIVE", "2"]
+    assert thread_policy({}, free=2, cores=2, argv=PIPELINE) == {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def test_one_stream_on_an_idle_machine_keeps_torchs_default():
+    assert launched({"OMP_NUM_THREADS": "2"}, ONE_STREAM) == ["-", "2"]
+    assert thread_policy({}, free=2, cores=2, argv=ONE_STREAM) == {}
+    assert thread_policy({}, free=None, cores=2, argv=["generate", "--model=m"]) == {}
+
+
+def test_a_busy_machine_gets_the_idle_cores_and_sleeping_threads():
+    busy = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert thread_policy({}, free=1, cores=2, argv=PIPELINE) == busy
+    assert thread_policy({}, free=1, cores=2, argv=ONE_STREAM) == busy
 
 
 def test_a_busy_neighbour_takes_a_core_from_the_count():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import trio
 
@@ -24,7 +25,9 @@ class PrefetchStats:
 class Prefetcher:
     """Walks the layers in order, pass after pass: a resident layer is sent as is, a streamed
     one is read into a free slot first. It waits only when every slot is in use, so reading
-    the next layers (of this pass or the next) overlaps the verifier's compute."""
+    the next layers (of this pass or the next) overlaps the verifier's compute. A streamed
+    layer is checked against its checksums on a second thread while the next one is read,
+    and sent only once checked."""
 
     def __init__(
         self, store: FlashStore, plan: ResidencyPlan, resident_layers: dict[int, dict]
@@ -41,11 +44,24 @@ class Prefetcher:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        manifest = self.store.manifest
         with inbox, outbox:
             slots = [AlignedBuffer(self.plan.slot_bytes) for _ in range(self.plan.ring_slots)]
-            free = list(range(len(slots)))
-            task_status.started()
+            # unbuffered: the reader starts layer k+1 as the checker takes layer k
+            read, unchecked = trio.open_memory_channel[LayerWeights](0)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._read, inbox, read, slots)
+                nursery.start_soon(self._check, unchecked, outbox, slots)
+                task_status.started()
+
+    async def _read(
+        self,
+        inbox: trio.MemoryReceiveChannel[SlotRelease],
+        outbox: trio.MemorySendChannel[LayerWeights],
+        slots: list[AlignedBuffer],
+    ) -> None:
+        manifest = self.store.manifest
+        free = list(range(len(slots)))
+        async with outbox:
             try:
                 for pass_index in itertools.count():
                     for layer in range(manifest.args.n_layers):
@@ -55,14 +71,32 @@ class Prefetcher:
                             slot = await self._free_slot(free, inbox, len(slots))
                             extent = manifest.extent(layer_key(layer))
                             tensors = await trio.to_thread.run_sync(
-                                self.store.read_extent, extent, slots[slot]
+                                partial(self.store.read_extent, check=False), extent, slots[slot]
                             )
                         await outbox.send(
                             LayerWeights(step=pass_index, layer=layer, tensors=tensors, slot=slot)
                         )
-                        self.stats.layers_sent += 1
             except (trio.BrokenResourceError, trio.EndOfChannel):
                 return  # the consumer is gone: stop streaming
+
+    async def _check(
+        self,
+        inbox: trio.MemoryReceiveChannel[LayerWeights],
+        outbox: trio.MemorySendChannel[LayerWeights],
+        slots: list[AlignedBuffer],
+    ) -> None:
+        async with inbox:
+            async for layer in inbox:
+                if layer.slot is not None and self.store.verify:
+                    extent = self.store.manifest.extent(layer_key(layer.layer))
+                    await trio.to_thread.run_sync(
+                        self.store.check_extent, extent, slots[layer.slot]
+                    )
+                try:
+                    await outbox.send(layer)
+                except trio.BrokenResourceError:
+                    return  # the verifier is gone: stop streaming
+                self.stats.layers_sent += 1
 
     async def _free_slot(
         self, free: list[int], inbox: trio.MemoryReceiveChannel[SlotRelease], n_slots: int

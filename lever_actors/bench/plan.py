@@ -32,6 +32,8 @@ ENGINE_FAMILIES = (
     "lever-no-ahead",
     "lever-eager",
     "lever-single-unit",
+    "flash-ar-no-verify",
+    "lever-no-verify",
 )
 PEER_FAMILIES = ("peer-memory", "peer-offload", "peer-assisted")
 MODES = ("memory-ar", *ENGINE_FAMILIES, *PEER_FAMILIES)
@@ -125,6 +127,15 @@ def engine_variants(options: BenchOptions, family: str) -> list[tuple[str, str |
         "lever-no-ahead": [("lever-no-ahead", "gaincost", {**lever, "draft_ahead": False})],
         "lever-eager": [("lever-eager", "gaincost", {**lever, "projection": "eager"})],
         "lever-single-unit": [("lever-single-unit", "gaincost", {**lever, "units": "single"})],
+        # the price of checking every flash read
+        "flash-ar-no-verify": [
+            (
+                "flash-ar-no-verify",
+                None,
+                {"tree": "none", "early_exit": "off", "verify_checksums": False},
+            )
+        ],
+        "lever-no-verify": [("lever-no-verify", "gaincost", {**lever, "verify_checksums": False})],
     }
     return variants[family]
 

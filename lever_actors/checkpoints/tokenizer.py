@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import gguf
 import tokenizers
+from jinja2 import TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
-from lever_actors.errors import CheckpointError, ConfigError
+from lever_actors.errors import CheckpointError, ConfigError, LeverError
 from lever_actors.logs import get_logger
 
 log = get_logger(__name__)
@@ -42,6 +46,8 @@ _CONTROL, _USER_DEFINED = 3, 4
 # Special tokens that end a turn or a document; the model stops on any of them it has.
 _END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
 ROLES = ("system", "user", "assistant")
+TEMPLATE_SECONDS = 2.0  # real chat templates render in milliseconds; past this, a runaway loop
+_TEMPLATE_FILE = "<template>"  # the file name jinja2 gives code compiled from a string
 
 
 class Tokenizer:
@@ -174,12 +180,19 @@ class Tokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.filters["tojson"] = _to_json
         env.globals["raise_exception"] = _raise_template_error
-        return env.from_string(self.chat_template).render(
-            messages=checked,
-            add_generation_prompt=True,
-            bos_token=self._token(self.bos_id),
-            eos_token=self._token(self._eos_id),
-        )
+        try:
+            with _time_limit(TEMPLATE_SECONDS, self.source):
+                return env.from_string(self.chat_template).render(
+                    messages=checked,
+                    add_generation_prompt=True,
+                    bos_token=self._token(self.bos_id),
+                    eos_token=self._token(self._eos_id),
+                )
+        except LeverError:
+            raise
+        except Exception as cause:  # the template is the checkpoint's code: so are its errors
+            line = f" (line {cause.lineno})" if isinstance(cause, TemplateSyntaxError) else ""
+            raise CheckpointError(f"{self.source}: broken chat template{line}: {cause}") from cause
 
     def save(self, directory: Path) -> None:
         """Write tokenizer.json and the config files `from_file` reads back."""
@@ -274,4 +287,31 @@ def _to_json(value: Any, indent: int | None = None) -> str:
 
 
 def _raise_template_error(message: str) -> None:
-    raise ValueError(f"chat template: {message}")
+    # the template refusing the conversation (e.g. roles that do not alternate): bad input
+    raise ConfigError(f"chat template: {message}")
+
+
+@contextmanager
+def _time_limit(seconds: float, source: str) -> Iterator[None]:
+    """Stop template code that runs past `seconds`, in whatever thread renders it.
+
+    A line tracer on the template's own frames raises inside the runaway loop itself: a
+    thread cannot be killed, a signal reaches only the main thread, and the sandbox's call
+    hooks never run in a loop that calls nothing.
+    """
+    deadline = time.monotonic() + seconds
+
+    def on_line(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"{source}: chat template took longer than {seconds:g} s")
+        return on_line
+
+    def on_call(frame, event, arg):
+        return on_line if frame.f_code.co_filename == _TEMPLATE_FILE else None
+
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)

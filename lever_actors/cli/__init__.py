@@ -1,11 +1,15 @@
 """The `lever-actors` command: generate (cli/generate.py); serve (cli/serve.py);
 fetch-models, convert, export-hf, profile-disk, train-exit (cli/tools.py); bench, report,
-check-exact (bench/cli.py)."""
+check-exact (bench/cli.py).
+
+Exit codes: 0 done, 1 a runtime failure, 2 a usage error, 130 interrupted; an expected
+failure prints one line (and its traceback under -v), a bug its traceback."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from pathlib import Path
 
 from lever_actors import __version__
@@ -19,8 +23,20 @@ from lever_actors.checkpoints.fetch import default_cache_dir
 from lever_actors.cli.generate import add_generate_command
 from lever_actors.cli.serve import add_serve_command
 from lever_actors.cli.tools import add_tool_commands
-from lever_actors.errors import LeverError
+from lever_actors.errors import ConfigError, LeverError
 from lever_actors.logs import log_to_stderr
+
+USAGE, RUNTIME, INTERRUPTED = 2, 1, 130  # argparse exits with USAGE on a bad flag itself
+# The one place failures become exit codes, first match wins: a bad value the user gave,
+# then what went wrong at run time (a checkpoint, a download, a file, undecodable input).
+# Any other exception is a bug and keeps its traceback.
+EXIT_CODES: tuple[tuple[type[Exception], int], ...] = (
+    (ConfigError, USAGE),
+    (LeverError, RUNTIME),
+    (OSError, RUNTIME),
+    (UnicodeError, RUNTIME),
+)
+_EXPECTED = tuple(kind for kind, _ in EXIT_CODES)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,17 +49,39 @@ def main(argv: list[str] | None = None) -> int:
             args = parser.parse_args(argv)  # so that flags on the command line still win
         args.cache_dir = args.cache_dir or default_cache_dir()
         return args.command(args)
-    except LeverError as e:
-        print(f"lever-actors: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
-        return 130
+        _report("interrupted", args.verbose)
+        return INTERRUPTED
+    except _EXPECTED as e:
+        _report(f"error: {_message(e)}", args.verbose)
+        return _exit_code(e)
+
+
+def _exit_code(error: Exception) -> int:
+    """The exit code of an expected failure (see EXIT_CODES)."""
+    return next(code for kind, code in EXIT_CODES if isinstance(error, kind))
+
+
+def _message(error: Exception) -> str:
+    """One line; an OS error names its file first, as our own errors do."""
+    if isinstance(error, OSError) and error.filename is not None:
+        paths = " -> ".join(str(p) for p in (error.filename, error.filename2) if p is not None)
+        return f"{paths}: {error.strerror or error}"
+    return str(error)
+
+
+def _report(what: str, verbose: bool) -> None:
+    if verbose:
+        traceback.print_exc()
+    print(f"lever-actors: {what}", file=sys.stderr)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lever-actors", description=__doc__)
     parser.add_argument("--version", action="version", version=f"lever-actors {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log progress, and a failure's traceback"
+    )
     parser.add_argument(
         "--cache-dir",
         type=Path,

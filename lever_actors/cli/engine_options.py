@@ -36,7 +36,12 @@ def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
         "pair, else all)",
     )
     _option(gen, "throttle", help="emulated phone flash")
-    gen.add_argument("--verify", action="store_true", help="check tensor checksums as they load")
+    gen.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip the checksums of flash reads (default: every read is checked before use)",
+    )
     gen.add_argument("--trace", type=Path, help="write every message between actors to FILE")
 
 

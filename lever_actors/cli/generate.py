@@ -23,6 +23,7 @@ from lever_actors.config import (
     DEFAULT_MAX_NEW_TOKENS,
     EngineConfig,
     check_max_new_tokens,
+    check_prompt,
     check_request_size,
 )
 from lever_actors.device.memory import peak_rss_bytes
@@ -127,9 +128,12 @@ class Summary(msgspec.Struct, omit_defaults=True):
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    # everything the request can be checked for without a tokenizer, before models load
     check_max_new_tokens(args.max_new_tokens)
     sampling = sampling_of(args, seed_or_drawn(args.seed))
     prompt, messages = _what_to_continue(args)
+    if prompt is not None:
+        check_prompt(len(prompt))
     if args.model is not None:
         if args.target or args.draft:
             raise ConfigError(
@@ -154,7 +158,7 @@ def _what_to_continue(args: argparse.Namespace) -> tuple[str | None, list[dict] 
             raise ConfigError(
                 "--prompt is raw text: it does not combine with --chat, --messages or --system"
             )
-        return _text(args.prompt), None
+        return _text("--prompt", args.prompt), None
     if args.chat is not None and args.messages is not None:
         raise ConfigError("give --chat or --messages, not both")
     if args.messages is not None:
@@ -165,16 +169,24 @@ def _what_to_continue(args: argparse.Namespace) -> tuple[str | None, list[dict] 
         except (OSError, ValueError) as cause:
             raise ConfigError(f"--messages {source}: {cause}") from cause
     else:
-        messages = user_turn(_text(args.chat if args.chat is not None else DEFAULT_CHAT))
+        messages = user_turn(_text("--chat", args.chat if args.chat is not None else DEFAULT_CHAT))
     if args.system is not None:
         if messages[0]["role"] == "system":
             raise ConfigError("--messages already starts with a system message")
-        messages = [{"role": "system", "content": args.system}, *messages]
+        system = _text("--system", args.system, stdin=False)
+        messages = [{"role": "system", "content": system}, *messages]
     return None, messages
 
 
-def _text(value: str) -> str:
-    return sys.stdin.read() if value == "-" else value
+def _text(flag: str, value: str, *, stdin: bool = True) -> str:
+    """The flag's text (stdin's for '-', where `stdin`), which must be UTF-8: Python hands
+    undecodable bytes of argv (and of stdin in the C locale) over as surrogates."""
+    try:
+        text = sys.stdin.read() if stdin and value == "-" else value
+        text.encode()  # strict: a surrogate raises
+    except UnicodeError as cause:
+        raise ConfigError(f"{flag}: not valid UTF-8 text (at position {cause.start})") from None
+    return text
 
 
 def _generate_in_memory(

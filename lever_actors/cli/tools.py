@@ -10,9 +10,8 @@ import torch
 
 from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.export import export_hf
-from lever_actors.checkpoints.fetch import REAL_MODELS
+from lever_actors.checkpoints.fetch import REAL_MODELS, fetch_model
 from lever_actors.checkpoints.prompts import PROMPT_SETS, load_prompts
-from lever_actors.checkpoints.real_pair import real_model_path
 from lever_actors.device.disk_profile import profile_disk
 from lever_actors.device.layout import MANIFEST_NAME, WEIGHTS_NAME, read_manifest
 from lever_actors.policy import exit_training as et
@@ -24,6 +23,11 @@ STORE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.flo
 
 def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     fetch = sub.add_parser("fetch-models", help="download, assemble and verify the real model pair")
+    fetch.add_argument(
+        "--verify",
+        action="store_true",
+        help="hash the cached files even where their stamps vouch for them (re-fetch on mismatch)",
+    )
     fetch.set_defaults(command=run_fetch_models)
 
     conv = sub.add_parser("convert", help="write the flash layout of an HF directory or GGUF file")
@@ -67,8 +71,9 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def run_fetch_models(args: argparse.Namespace) -> int:
-    for key in REAL_MODELS:
-        print(f"{key}: {real_model_path(args.cache_dir, key, ProgressLine())}")
+    for model in REAL_MODELS.values():
+        path = fetch_model(model, args.cache_dir, progress=ProgressLine(), verify=args.verify)
+        print(f"{model.key}: {path}")
     return 0
 
 

@@ -12,12 +12,12 @@ import mmap
 import os
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from lever_actors.device.checksums import CHUNK_BYTES, checksum
 from lever_actors.device.layout import (
     ALIGNMENT,
     WEIGHTS_NAME,
@@ -27,7 +27,7 @@ from lever_actors.device.layout import (
     align_up,
     read_manifest,
 )
-from lever_actors.errors import CheckpointError, ConfigError
+from lever_actors.errors import CheckpointError, ConfigError, CorruptLayoutError
 from lever_actors.logs import get_logger
 
 log = get_logger(__name__)
@@ -68,14 +68,16 @@ class ReadStats:
 
 
 class FlashStore:
-    """One flash layout opened for reading. Thread-safe: reads use pread at explicit offsets."""
+    """One flash layout opened for reading. Thread-safe: reads use pread at explicit offsets.
+    With `verify` (the default) every byte read is checked against its checksum before any
+    tensor is handed out: a mismatch is a CorruptLayoutError."""
 
     def __init__(
         self,
         directory: Path,
         *,
         throttle: str = "none",
-        verify: bool = False,
+        verify: bool = True,
         direct: bool = True,
     ) -> None:
         if throttle not in THROTTLE_PROFILES:
@@ -105,37 +107,57 @@ class FlashStore:
     def close(self) -> None:
         os.close(self.fd)
 
-    def read_extent(self, extent: Extent, buffer: AlignedBuffer) -> dict[str, torch.Tensor]:
-        """Blocking: one sequential read of the whole extent; tensors are views into `buffer`."""
+    def read_extent(
+        self, extent: Extent, buffer: AlignedBuffer, *, check: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """Blocking: one sequential read of the whole extent; tensors are views into `buffer`.
+        With `check=False` the caller must `check_extent` before it uses them."""
         if buffer.nbytes < extent.nbytes:
             raise ValueError(
                 f"buffer of {buffer.nbytes} bytes cannot hold {extent.key} ({extent.nbytes})"
             )
         self._read_into(buffer, 0, extent.offset, extent.nbytes)
-        tensors = {t.name: buffer.tensor(t) for t in extent.tensors}
+        if check:
+            self.check_extent(extent, buffer)
+        return {t.name: buffer.tensor(t) for t in extent.tensors}
+
+    def check_extent(self, extent: Extent, buffer: AlignedBuffer) -> None:
+        """Blocking: every tensor of the extent read into `buffer` against its checksum (when
+        this store verifies); a mismatch is a CorruptLayoutError."""
         if self.verify:
             for t in extent.tensors:
-                self._check_crc(buffer.bytes[t.offset : t.offset + t.nbytes], t, extent)
-        return tensors
+                data = buffer.view[t.offset : t.offset + t.nbytes]
+                self._check(data, t.checksum, t, extent.offset + t.offset)
 
     def load_extent(self, extent: Extent) -> dict[str, torch.Tensor]:
         """Read an extent into its own new buffer, for weights that stay resident."""
         return self.read_extent(extent, AlignedBuffer(extent.nbytes))
 
     def read_rows(self, extent: Extent, rows: list[int]) -> torch.Tensor:
-        """Rows of a 2-D single-tensor extent (the embedding table), each by its own small read.
+        """Rows of a 2-D single-tensor extent (the embedding table), each by its own small read
+        of the aligned span around it; verified reads widen the span to whole checksum chunks.
         -> [len(rows), row_width]"""
         (entry,) = extent.tensors
         row_bytes = entry.nbytes // entry.shape[0]
+        tensor_start = extent.offset + entry.offset
+        unit = CHUNK_BYTES if self.verify else ALIGNMENT
+        # any row's span: its units, plus a block of slack on each side for alignment
+        buffer = AlignedBuffer(align_up(row_bytes) + 2 * unit + 2 * ALIGNMENT)
         out = []
-        buffer = AlignedBuffer(align_up(row_bytes) + ALIGNMENT)  # any row's aligned span fits
         for row in rows:
-            start = extent.offset + entry.offset + row * row_bytes
-            first = start - start % ALIGNMENT
-            span = align_up(start + row_bytes) - first
-            self._read_into(buffer, 0, first, span)
-            skip = start - first
-            raw = buffer.bytes[skip : skip + row_bytes]
+            lo = row * row_bytes  # within the tensor
+            first = lo - lo % unit
+            end = min(-(-(lo + row_bytes) // unit) * unit, entry.nbytes)
+            read_from = tensor_start + first
+            read_from -= read_from % ALIGNMENT
+            self._read_into(buffer, 0, read_from, align_up(tensor_start + end) - read_from)
+            skip = tensor_start - read_from  # tensor byte b sits at buffer index skip + b
+            if self.verify:
+                for at in range(first, end, CHUNK_BYTES):
+                    chunk = buffer.view[skip + at : skip + min(at + CHUNK_BYTES, entry.nbytes)]
+                    expected = entry.chunk_checksums[at // CHUNK_BYTES]
+                    self._check(chunk, expected, entry, tensor_start + at)
+            raw = buffer.bytes[skip + lo : skip + lo + row_bytes]
             out.append(raw.view(getattr(torch, entry.dtype)).clone())
         return torch.stack(out)
 
@@ -152,11 +174,11 @@ class FlashStore:
                 time.sleep(floor - elapsed)
         self.stats.add(nbytes, time.perf_counter() - started)
 
-    def _check_crc(self, data: torch.Tensor, entry: TensorEntry, extent: Extent) -> None:
-        if zlib.crc32(data.numpy()) != entry.crc32:
-            raise CheckpointError(
-                f"{self.path}: checksum mismatch in tensor {entry.name!r} of {extent.key} "
-                "(the file is corrupt; convert again)"
+    def _check(self, data: memoryview, expected: int, entry: TensorEntry, offset: int) -> None:
+        if checksum(data) != expected:
+            raise CorruptLayoutError(
+                f"{self.path}: checksum mismatch in tensor {entry.name!r}, {len(data)} bytes "
+                f"at byte {offset} (the file is corrupt; convert again)"
             )
 
     def _check_bounds(self) -> None:

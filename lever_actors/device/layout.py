@@ -7,18 +7,23 @@ extent are relative to the extent's start.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import msgspec
 import torch
 
+from lever_actors.device.checksums import CHUNK_BYTES
 from lever_actors.errors import CheckpointError
-from lever_actors.model.args import ModelArgs
+from lever_actors.model.args import ModelArgs, check_args
+from lever_actors.model.weights import expected_shapes, layer_tensor_names
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: per-chunk checksums of tensors read by rows
 ALIGNMENT = 4096  # O_DIRECT needs block-aligned offsets, lengths and buffers
 MANIFEST_NAME = "manifest.json"
 WEIGHTS_NAME = "weights.bin"
+GLOBAL_EXTENTS = ("embed", "final_norm", "lm_head")  # each holds the one tensor of its name
+ROW_READ_EXTENTS = ("embed",)  # read a row at a time, so checksummed per chunk as well
 TOKENIZER_NAME = "tokenizer.json"
 
 DTYPE_NAMES = {
@@ -35,7 +40,9 @@ class TensorEntry(msgspec.Struct, frozen=True):
     nbytes: int
     dtype: str
     shape: tuple[int, ...]
-    crc32: int
+    checksum: int  # of all its bytes (device/checksums.py)
+    # of each CHUNK_BYTES piece, for tensors read a row at a time (the embedding table)
+    chunk_checksums: tuple[int, ...] = ()
 
 
 class Extent(msgspec.Struct, frozen=True):
@@ -83,6 +90,15 @@ def align_up(n: int) -> int:
     return -(-n // ALIGNMENT) * ALIGNMENT
 
 
+def manifest_version(directory: Path) -> int | None:
+    """The version a layout's manifest declares; None if it has no readable one."""
+    try:
+        raw = (directory / MANIFEST_NAME).read_bytes()
+        return msgspec.json.decode(raw, type=_VersionOnly).version
+    except (OSError, msgspec.DecodeError):
+        return None
+
+
 def read_manifest(directory: Path) -> Manifest:
     path = directory / MANIFEST_NAME
     if not path.is_file():
@@ -98,9 +114,88 @@ def read_manifest(directory: Path) -> Manifest:
             f"{MANIFEST_VERSION}; convert the checkpoint again"
         )
     try:
-        return msgspec.json.decode(raw, type=Manifest)
-    except msgspec.ValidationError as e:
+        manifest = msgspec.json.decode(raw, type=Manifest)
+    except msgspec.DecodeError as e:
         raise CheckpointError(f"{path}: invalid manifest ({e})") from None
+    return check_manifest(manifest, str(path))
+
+
+def check_manifest(manifest: Manifest, source: str) -> Manifest:
+    """`manifest` if it describes the layout its args imply: the expected extents at aligned
+    offsets, each holding the tensors of the shapes expected_shapes gives, in the layout's
+    dtype, with sizes that agree and inside the extent; else a CheckpointError naming `source`."""
+    args = check_args(manifest.args, source)
+    if manifest.dtype not in DTYPE_NAMES:
+        raise CheckpointError(
+            f"{source}: dtype {manifest.dtype!r} is not one of {', '.join(DTYPE_NAMES)}"
+        )
+    _check_extent_keys(manifest.extents, args, source)
+    shapes = expected_shapes(args)
+    for extent in manifest.extents:
+        _check_extent(extent, args, source)
+        for entry in extent.tensors:
+            _check_tensor(entry, extent, shapes[entry.name], manifest.dtype, source)
+    return manifest
+
+
+def _check_extent_keys(extents: tuple[Extent, ...], args: ModelArgs, source: str) -> None:
+    globals_ = GLOBAL_EXTENTS[:2] if args.tie_embeddings else GLOBAL_EXTENTS
+    count = len(globals_) + args.n_layers
+    # counted first: a corrupt n_layers of 10**15 must not build that many keys
+    if len(extents) != count:
+        raise CheckpointError(
+            f"{source}: {len(extents)} extents, but n_layers = {args.n_layers} and "
+            f"tie_embeddings = {args.tie_embeddings} make {count}"
+        )
+    keys = {e.key for e in extents}
+    expected = {*globals_, *(layer_key(i) for i in range(args.n_layers))}
+    if keys != expected:  # with the count equal, this also catches a repeated key
+        extra = sorted(keys - expected)
+        raise CheckpointError(
+            f"{source}: no extent {sorted(expected - keys)[0]!r}"
+            + (f" (unexpected extent {extra[0]!r})" if extra else " (a key is repeated)")
+        )
+
+
+def _check_extent(extent: Extent, args: ModelArgs, source: str) -> None:
+    where = f"{source}: extent {extent.key}"
+    for field, value in (("offset", extent.offset), ("nbytes", extent.nbytes)):
+        if value < 0 or value % ALIGNMENT:
+            raise CheckpointError(
+                f"{where}: {field} = {value} is not a non-negative multiple of {ALIGNMENT}"
+            )
+    names = sorted(t.name for t in extent.tensors)
+    expected = sorted(layer_tensor_names(args) if extent.key.startswith("layer.") else [extent.key])
+    if names != expected:
+        raise CheckpointError(f"{where}: holds tensors {names}, expected {expected}")
+
+
+def _check_tensor(
+    entry: TensorEntry, extent: Extent, shape: tuple[int, ...], dtype: str, source: str
+) -> None:
+    where = f"{source}: tensor {entry.name!r} of {extent.key}"
+    if entry.dtype != dtype:
+        raise CheckpointError(f"{where}: dtype {entry.dtype!r}, the layout's is {dtype!r}")
+    if entry.shape != shape:
+        raise CheckpointError(f"{where}: shape {entry.shape}, args imply {shape}")
+    nbytes = math.prod(shape) * DTYPE_NAMES[dtype].itemsize
+    if entry.nbytes != nbytes:
+        raise CheckpointError(
+            f"{where}: nbytes = {entry.nbytes}, its shape and dtype make {nbytes}"
+        )
+    if entry.offset < 0:
+        raise CheckpointError(f"{where}: offset = {entry.offset} is negative")
+    end = entry.offset + entry.nbytes
+    if end > extent.nbytes:
+        raise CheckpointError(
+            f"{where} ends at byte {end}, past the end of its extent ({extent.nbytes} bytes)"
+        )
+    chunks = -(-nbytes // CHUNK_BYTES)
+    if extent.key in ROW_READ_EXTENTS and len(entry.chunk_checksums) != chunks:
+        raise CheckpointError(
+            f"{where}: {len(entry.chunk_checksums)} chunk checksums, its {nbytes} bytes make "
+            f"{chunks}"
+        )
 
 
 class _VersionOnly(msgspec.Struct):

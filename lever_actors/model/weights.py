@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,45 @@ def layer_tensor_names(args: ModelArgs) -> tuple[str, ...]:
     if args.qk_norm:
         names += ["q_norm", "k_norm"]
     return tuple(names)
+
+
+def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """The torch-order shape `args` implies for every stored tensor, by our name: the globals
+    (the LM head only when not tied to the embedding) and one layer's tensors, the same in
+    every layer. The HF, GGUF and flash-layout readers all check their tensors against it."""
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    layer = {
+        "attn_norm": (args.d_model,),
+        "wq": (q, args.d_model),
+        "wk": (kv, args.d_model),
+        "wv": (kv, args.d_model),
+        "wo": (args.d_model, q),
+        "ffn_norm": (args.d_model,),
+        "w_gate": (args.ffn_dim, args.d_model),
+        "w_up": (args.ffn_dim, args.d_model),
+        "w_down": (args.d_model, args.ffn_dim),
+        "bq": (q,),
+        "bk": (kv,),
+        "bv": (kv,),
+        "q_norm": (args.head_dim,),
+        "k_norm": (args.head_dim,),
+    }
+    shapes = {"embed": (args.vocab_size, args.d_model), "final_norm": (args.d_model,)}
+    if not args.tie_embeddings:
+        shapes["lm_head"] = (args.vocab_size, args.d_model)
+    return shapes | {name: layer[name] for name in layer_tensor_names(args)}
+
+
+def stored_tensors(args: ModelArgs) -> Iterator[tuple[str, int | None]]:
+    """(our name, layer index or None for a global) of every tensor a checkpoint stores for
+    `args`, in file order: the embedding, each layer, the final norm, the LM head unless tied."""
+    yield "embed", None
+    for i in range(args.n_layers):
+        for name in layer_tensor_names(args):
+            yield name, i
+    yield "final_norm", None
+    if not args.tie_embeddings:
+        yield "lm_head", None
 
 
 @dataclass

@@ -27,7 +27,7 @@ from lever_actors.checkpoints.hf import GLOBAL_NAMES, LAYER_NAMES
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import read_manifest
 from lever_actors.model.args import Architecture, ModelArgs
-from lever_actors.model.weights import layer_tensor_names
+from lever_actors.model.weights import expected_shapes, layer_tensor_names
 from lever_actors.policy.exit_predictor import LowRankAdapter
 
 Relation = Literal["identical", "perturbed", "independent"]
@@ -83,26 +83,6 @@ def hf_config(args: ModelArgs) -> dict:
     return {**export.hf_config(args, torch.float64), "pad_token_id": None}
 
 
-def _layer_shape(args: ModelArgs, name: str) -> tuple[int, ...]:
-    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    return {
-        "attn_norm": (args.d_model,),
-        "ffn_norm": (args.d_model,),
-        "wq": (q, args.d_model),
-        "wk": (kv, args.d_model),
-        "wv": (kv, args.d_model),
-        "wo": (args.d_model, q),
-        "bq": (q,),
-        "bk": (kv,),
-        "bv": (kv,),
-        "q_norm": (args.head_dim,),
-        "k_norm": (args.head_dim,),
-        "w_gate": (args.ffn_dim, args.d_model),
-        "w_up": (args.ffn_dim, args.d_model),
-        "w_down": (args.d_model, args.ffn_dim),
-    }[name]
-
-
 def random_hf_tensors(
     args: ModelArgs, seed: int = 0, *, twin_gap: float | None = None
 ) -> dict[str, torch.Tensor]:
@@ -122,7 +102,7 @@ def random_hf_tensors(
     for i in range(args.n_layers):
         for name in layer_tensor_names(args):
             hf_name = f"model.layers.{i}.{LAYER_NAMES[name]}"
-            tensors[hf_name] = draw(_layer_shape(args, name), "norm" in name)
+            tensors[hf_name] = draw(expected_shapes(args)[name], "norm" in name)
     tensors[GLOBAL_NAMES["final_norm"]] = draw((args.d_model,), True)
     if not args.tie_embeddings:
         tensors["lm_head.weight"] = draw((args.vocab_size, args.d_model), False)

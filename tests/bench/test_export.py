@@ -143,7 +143,7 @@ def test_cli_and_refusals(tmp_path, capsys):
     assert main(["export-hf", str(layout), str(tmp_path / "out")]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "float32"
     assert "HF safetensors directory" in capsys.readouterr().out
-    assert main(["export-hf", str(layout), str(tmp_path / "out")]) == 2  # exists already
+    assert main(["export-hf", str(layout), str(tmp_path / "out")]) == 1  # exists already
     assert "already exists" in capsys.readouterr().err
     with pytest.raises(CheckpointError, match="no such file"):
         export_hf(tmp_path / "missing.gguf", tmp_path / "x", torch.float32)

@@ -103,7 +103,7 @@ def test_bad_markers_are_refused_and_nothing_changes(results_file, tmp_path, tex
     with pytest.raises(ReportError, match=message):
         rewrite_readme(readme, "new")
     assert readme.read_text() == text
-    assert main(["report", str(results_file), "--readme", str(readme), "--no-plots"]) == 2
+    assert main(["report", str(results_file), "--readme", str(readme), "--no-plots"]) == 1
 
 
 def test_corrupted_results_give_a_clear_error(results_file, tmp_path):

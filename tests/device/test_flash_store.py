@@ -96,7 +96,7 @@ def test_manifest_of_another_version(layout):
     manifest["version"] = 99
     path.write_text(json.dumps(manifest))
     with pytest.raises(
-        CheckpointError, match=r"manifest version 99, this lever_actors reads version 1"
+        CheckpointError, match=r"manifest version 99, this lever_actors reads version 2"
     ):
         read_manifest(layout)
 
@@ -112,20 +112,6 @@ def test_manifest_pointing_past_the_end(layout):
         CheckpointError, match=rf"tensor '{name}' of layer\.1 ends at byte \d+, past the end"
     ):
         FlashStore(layout)
-
-
-def test_checksum_mismatch_detected_with_verify(layout):
-    manifest = read_manifest(layout)
-    extent = manifest.layer(1)
-    entry = next(t for t in extent.tensors if t.name == "w_up")
-    with open(layout / WEIGHTS_NAME, "r+b") as f:
-        f.seek(extent.offset + entry.offset + 3)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    FlashStore(layout).load_extent(extent)  # without --verify the flip goes unnoticed
-    with pytest.raises(CheckpointError, match=r"checksum mismatch in tensor 'w_up' of layer\.1"):
-        FlashStore(layout, verify=True).load_extent(extent)
 
 
 def test_budget_below_minimum_states_the_minimum(layout):
