@@ -49,14 +49,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The config the flags ask for. Without --target, the real pair (fetched and converted
     on first use), with a 25% DRAM budget."""
     real = args.target is None
-    target = args.target or real_target_layout(args.cache_dir, ProgressLine())
-    draft = args.draft or (
-        real_model_path(args.cache_dir, "draft", ProgressLine()) if real else None
-    )
-    tree = args.tree or ("gaincost" if draft else "none")
-    return EngineConfig(
-        target=str(target),
-        draft=str(draft) if draft and tree != "none" else None,
+    tree = args.tree or ("gaincost" if real or args.draft else "none")
+    flags = dict(
         tree=tree,
         dram_budget=args.dram_budget or ("25%" if real else "all"),
         throttle=args.throttle,
@@ -70,6 +64,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         projection=args.projection,
         units=args.units,
         trace=str(args.trace) if args.trace else None,
+    )
+    if real:
+        # the flags are checked before the pair is fetched and converted (minutes, once)
+        EngineConfig(target="the real target", draft="the real draft", **flags)
+        target = real_target_layout(args.cache_dir, ProgressLine())
+        draft = real_model_path(args.cache_dir, "draft", ProgressLine())
+    else:
+        target, draft = args.target, args.draft
+    return EngineConfig(
+        target=str(target), draft=str(draft) if draft and tree != "none" else None, **flags
     )
 
 

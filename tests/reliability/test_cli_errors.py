@@ -168,3 +168,22 @@ def test_requests_are_checked_before_any_model_loads(
     where = ["--model", "m"] if path == "in-memory" else ["--target", "t", "--draft", "d"]
     assert main(["generate", *where, *flags]) == 2
     assert message in one_line(capsys)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tree", "chain:0"], "at least 1"),
+        (["--dram-budget=-5%"], "dram_budget"),
+    ],
+)
+def test_engine_flags_are_checked_before_the_real_pair_is_fetched(
+    capsys, tmp_path, monkeypatch, flags, message
+):
+    def fetch(*args, **kwargs):
+        raise AssertionError("the real pair was fetched before the flags were checked")
+
+    monkeypatch.setattr("lever_actors.cli.engine_options.real_target_layout", fetch)
+    monkeypatch.setattr("lever_actors.cli.engine_options.real_model_path", fetch)
+    assert main(["--cache-dir", str(tmp_path), "generate", *flags]) == 2
+    assert message in one_line(capsys)
