@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lever_actors.checkpoints.convert import convert
+from lever_actors.cli import main
 from lever_actors.config import EngineConfig
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.checksums import CHUNK_BYTES
@@ -19,7 +20,7 @@ from lever_actors.device.flash import FlashStore
 from lever_actors.device.layout import WEIGHTS_NAME, read_manifest
 from lever_actors.engine import Engine
 from lever_actors.errors import CorruptLayoutError
-from lever_actors.testing.checkpoints import TINY_ARGS, tiny_checkpoint
+from lever_actors.testing.checkpoints import TINY_ARGS, flash_layout, tiny_checkpoint
 
 # an embedding table of three checksum chunks and a bit, so rows straddle chunk borders
 ARGS = msgspec.structs.replace(TINY_ARGS, vocab_size=1600, d_model=16)  # 128 B a row in float64
@@ -103,3 +104,13 @@ async def test_the_engine_generates_nothing_from_corrupt_bytes(layout, where):
             async for event in engine.stream(PROMPT, max_new_tokens=4):
                 events.append(event)
     assert events == []
+
+
+def test_the_command_refuses_corrupt_weights_unless_told_not_to_check(tmp_path, capsys):
+    layout = tmp_path / "layout"
+    shutil.copytree(flash_layout(tiny_checkpoint(TINY_ARGS, tokenizer=True)), layout)
+    flip_byte(layout, tensor_start(layout, "layer.1", "w_down") + 9)
+    command = ["generate", "--target", str(layout), "--prompt", "t1 t2", "--max-new-tokens", "3"]
+    assert main(command) == 1
+    assert "checksum mismatch in tensor 'w_down'" in capsys.readouterr().err
+    assert main([*command, "--no-verify"]) == 0
