@@ -29,3 +29,20 @@ def file_inside(directory: Path, name: object, what: str) -> Path:
     if os.path.normpath(name).split(os.sep)[0] == "..":
         raise CheckpointError(f"{directory}: {what} {name!r} points outside the directory")
     return directory / name
+
+
+def check_layer_count(names: object, prefix: tuple[str, ...], n_layers: int, field: str) -> None:
+    """No tensor name `prefix + (i, ...)` (split at dots) may have a layer i past the
+    `n_layers` the metadata's `field` ("FILE: KEY") declares: a file with more layers than
+    its metadata says is corrupt, not a smaller model."""
+    depth = len(prefix)
+    layers = [
+        int(parts[depth])
+        for name in names
+        if len(parts := str(name).split(".")) > depth + 1
+        and tuple(parts[:depth]) == prefix
+        and parts[depth].isdecimal()
+    ]
+    last = max(layers, default=-1)
+    if last >= n_layers:
+        raise CheckpointError(f"{field} = {n_layers}, but the file holds tensors of layer {last}")

@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType
 
-from lever_actors.checkpoints.checkpoint import Checkpoint
+from lever_actors.checkpoints.checkpoint import Checkpoint, check_layer_count
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.errors import CheckpointError
 from lever_actors.model.args import ModelArgs, RopeScaling, check_architecture, check_args
@@ -242,18 +242,7 @@ def _check_tensors(args: ModelArgs, tensors: dict[str, Any], path: Path) -> None
             raise CheckpointError(
                 f"{path}: tensor {name!r} has shape {shape}, the metadata implies {expected[ours]}"
             )
-    last = max((b for name in tensors if (b := _block_of(name)) is not None), default=-1)
-    if last >= args.n_layers:
-        raise CheckpointError(
-            f"{path}: {args.arch}.block_count = {args.n_layers}, but the file holds tensors "
-            f"of block {last}"
-        )
-
-
-def _block_of(name: str) -> int | None:
-    parts = name.split(".")
-    is_block = len(parts) > 2 and parts[0] == "blk" and parts[1].isdecimal()
-    return int(parts[1]) if is_block else None
+    check_layer_count(tensors, ("blk",), args.n_layers, f"{path}: {args.arch}.block_count")
 
 
 def _tokenizer(reader: gguf.GGUFReader, path: Path) -> Tokenizer | None:

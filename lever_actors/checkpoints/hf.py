@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from lever_actors.checkpoints.checkpoint import Checkpoint, file_inside
+from lever_actors.checkpoints.checkpoint import Checkpoint, check_layer_count, file_inside
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.errors import CheckpointError
 from lever_actors.model.args import ModelArgs, args_from_hf_config
@@ -91,18 +91,8 @@ def _check_tensors(args: ModelArgs, tensors: _SafetensorsIndex, config_path: Pat
                 f"{tensors.shard_of[name]}: tensor {name!r} has shape {shape}, "
                 f"{config_path} implies {expected[ours]}"
             )
-    last = max((n for name in tensors.shard_of if (n := _layer_of(name)) is not None), default=-1)
-    if last >= args.n_layers:
-        raise CheckpointError(
-            f"{config_path}: num_hidden_layers = {args.n_layers}, but the checkpoint holds "
-            f"tensors of layer {last}"
-        )
-
-
-def _layer_of(name: str) -> int | None:
-    parts = name.split(".")
-    is_layer = len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdecimal()
-    return int(parts[2]) if is_layer else None
+    field = f"{config_path}: num_hidden_layers"
+    check_layer_count(tensors.shard_of, ("model", "layers"), args.n_layers, field)
 
 
 def _read_json(path: Path) -> Any:

@@ -51,7 +51,7 @@ def test_the_unchanged_file_loads(tmp_path: Path) -> None:
             "qwen2.block_count",
             1,
             V.UINT32,
-            ["block_count = 1, but the file holds tensors of block 1"],
+            ["block_count = 1, but the file holds tensors of layer 1"],
         ),
         ("qwen2.block_count", 3, V.UINT32, ["lacks tensor 'blk.2.attn_norm.weight'"]),
         ("qwen2.block_count", "2", V.STRING, ["'qwen2.block_count' is unreadable as int"]),

@@ -112,7 +112,7 @@ def test_a_tensor_of_the_wrong_shape(hf_dir: Path) -> None:
 
 def test_fewer_layers_than_the_tensors_hold(hf_dir: Path) -> None:
     edit_json(hf_dir / "config.json", lambda config: config.update(num_hidden_layers=1))
-    _expect_error(hf_dir, "num_hidden_layers = 1, but the checkpoint holds tensors of layer 1")
+    _expect_error(hf_dir, "num_hidden_layers = 1, but the file holds tensors of layer 1")
 
 
 @pytest.mark.parametrize(
