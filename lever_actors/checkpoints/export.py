@@ -19,12 +19,12 @@ from safetensors.torch import save_file
 
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.checkpoint import Checkpoint
-from lever_actors.checkpoints.hf import GLOBAL_NAMES, LAYER_NAMES
+from lever_actors.checkpoints.hf import hf_name
 from lever_actors.checkpoints.new_directory import new_directory
 from lever_actors.device.layout import DTYPE_NAMES
 from lever_actors.errors import CheckpointError
 from lever_actors.model.args import ModelArgs
-from lever_actors.model.weights import layer_tensor_names
+from lever_actors.model.weights import stored_tensors
 from lever_actors.progress import Progress
 
 DEFAULT_SHARD_BYTES = 2 * 10**9  # one model.safetensors up to this size, shards above it
@@ -91,15 +91,9 @@ def write_hf(
 
 def hf_tensors(checkpoint: Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) in file order: embedding, layers, final norm, LM head unless tied."""
-    w, args = checkpoint.weights, checkpoint.args
-    yield GLOBAL_NAMES["embed"], w.embed
-    names = layer_tensor_names(args)
-    for i, layer in enumerate(w.layers):
-        for name in names:
-            yield f"model.layers.{i}.{LAYER_NAMES[name]}", layer[name]
-    yield GLOBAL_NAMES["final_norm"], w.final_norm
-    if not args.tie_embeddings:
-        yield "lm_head.weight", w.lm_head
+    w = checkpoint.weights
+    for ours, layer in stored_tensors(checkpoint.args):
+        yield hf_name(ours, layer), getattr(w, ours) if layer is None else w.layers[layer][ours]
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:

@@ -93,8 +93,7 @@ def align_up(n: int) -> int:
 def manifest_version(directory: Path) -> int | None:
     """The version a layout's manifest declares; None if it has no readable one."""
     try:
-        raw = (directory / MANIFEST_NAME).read_bytes()
-        return msgspec.json.decode(raw, type=_VersionOnly).version
+        return _declared_version((directory / MANIFEST_NAME).read_bytes())
     except (OSError, msgspec.DecodeError):
         return None
 
@@ -105,7 +104,7 @@ def read_manifest(directory: Path) -> Manifest:
         raise CheckpointError(f"{directory}: not a flash layout (no {MANIFEST_NAME})")
     raw = path.read_bytes()
     try:
-        version = msgspec.json.decode(raw, type=_VersionOnly).version
+        version = _declared_version(raw)
     except msgspec.DecodeError as e:
         raise CheckpointError(f"{path}: unreadable manifest ({e})") from None
     if version != MANIFEST_VERSION:
@@ -200,3 +199,8 @@ def _check_tensor(
 
 class _VersionOnly(msgspec.Struct):
     version: int
+
+
+def _declared_version(raw: bytes) -> int:
+    """The version a manifest's bytes declare, whatever else they hold."""
+    return msgspec.json.decode(raw, type=_VersionOnly).version

@@ -23,11 +23,11 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from lever_actors.checkpoints import export
 from lever_actors.checkpoints.convert import convert
-from lever_actors.checkpoints.hf import GLOBAL_NAMES, LAYER_NAMES
+from lever_actors.checkpoints.hf import hf_name
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import read_manifest
 from lever_actors.model.args import Architecture, ModelArgs
-from lever_actors.model.weights import expected_shapes, layer_tensor_names
+from lever_actors.model.weights import expected_shapes, stored_tensors
 from lever_actors.policy.exit_predictor import LowRankAdapter
 
 Relation = Literal["identical", "perturbed", "independent"]
@@ -98,16 +98,13 @@ def random_hf_tensors(
         noise = torch.randn(shape, generator=generator, dtype=torch.float64)
         return 1.0 + NORM_STD * noise if is_norm else WEIGHT_STD * noise
 
-    tensors = {GLOBAL_NAMES["embed"]: draw((args.vocab_size, args.d_model), False)}
-    for i in range(args.n_layers):
-        for name in layer_tensor_names(args):
-            hf_name = f"model.layers.{i}.{LAYER_NAMES[name]}"
-            tensors[hf_name] = draw(expected_shapes(args)[name], "norm" in name)
-    tensors[GLOBAL_NAMES["final_norm"]] = draw((args.d_model,), True)
-    if not args.tie_embeddings:
-        tensors["lm_head.weight"] = draw((args.vocab_size, args.d_model), False)
+    shapes = expected_shapes(args)
+    tensors = {
+        hf_name(ours, layer): draw(shapes[ours], "norm" in ours)
+        for ours, layer in stored_tensors(args)
+    }
     if twin_gap is not None:
-        head = tensors[GLOBAL_NAMES["embed"] if args.tie_embeddings else "lm_head.weight"]
+        head = tensors[hf_name("embed" if args.tie_embeddings else "lm_head", None)]
         noise = torch.randn(head[1::2].shape, generator=generator, dtype=torch.float64)
         head[1::2] = head[0::2][: len(noise)] + twin_gap * noise
     return tensors

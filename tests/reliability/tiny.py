@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import msgspec
 import numpy as np
 import torch
 from gguf import GGUFValueType as V
@@ -16,22 +17,11 @@ from lever_actors.checkpoints.checkpoint import Checkpoint
 from lever_actors.checkpoints.gguf_file import gguf_name
 from lever_actors.model.args import ModelArgs, check_args
 from lever_actors.model.weights import expected_shapes, layer_tensor_names, stored_tensors
-from lever_actors.testing.checkpoints import write_tiny_checkpoint
+from lever_actors.testing.checkpoints import TINY_ARGS, write_tiny_checkpoint
 
 # qwen2: q/k/v biases too; 4 query heads over 2 key/value heads, so head counts can disagree
-ARGS = ModelArgs(
-    arch="qwen2",
-    vocab_size=32,
-    d_model=16,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=4,
-    ffn_dim=24,
-    norm_eps=1e-6,
-    rope_theta=1e4,
-    max_seq_len=64,
-    tie_embeddings=False,
+ARGS = msgspec.structs.replace(
+    TINY_ARGS, arch="qwen2", n_heads=4, n_kv_heads=2, head_dim=4, ffn_dim=24, max_seq_len=64
 )
 TOKENS = [*"abcdefghijklmnopqrstuvwxyz", "<|im_end|>"]
 
