@@ -332,7 +332,7 @@ class Engine:
         projector = Projector(
             target.final_norm,
             target.lm_head,
-            target.args.norm_eps,
+            target.args,
             self.npu if p.eager_projection else self.cpu,
             next(jitter),
             p.eager_projection,

@@ -12,7 +12,7 @@ from lever_actors.device.budget import ResidencyPlan, head_key, plan_residency
 from lever_actors.device.flash import FlashStore
 from lever_actors.device.layout import layer_key
 from lever_actors.model.kv_cache import KVCache
-from lever_actors.model.layers import output_logits
+from lever_actors.model.layers import embedding, output_logits
 from lever_actors.model.rope import Rope
 
 
@@ -52,12 +52,14 @@ class FlashTarget:
     def embed(self, tokens: list[int]) -> torch.Tensor:
         """-> [n, d_model]; rows come from flash when the table is not resident."""
         if self.embed_table is not None:
-            return self.embed_table[torch.tensor(tokens)]
-        return self.store.read_rows(self.manifest.extent("embed"), tokens)
+            rows = self.embed_table[torch.tensor(tokens)]
+        else:
+            rows = self.store.read_rows(self.manifest.extent("embed"), tokens)
+        return embedding(rows, self.args)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, d_model] -> [n, vocab]"""
-        return output_logits(hidden, self.final_norm, self.lm_head, self.args.norm_eps)
+        return output_logits(hidden, self.final_norm, self.lm_head, self.args)
 
     def close(self) -> None:
         self.store.close()

@@ -10,7 +10,8 @@ import transformers
 
 from lever_actors.testing.checkpoints import NORM_STD, WEIGHT_STD
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3")
+WINDOW = 8  # sliding windows shorter than the tests' sequences, so that they matter
 
 
 def tiny_config(
@@ -20,6 +21,7 @@ def tiny_config(
     rope_scaling: dict | None = None,
     vocab: int = 97,
     layers: int = 2,
+    window: int | None = WINDOW,
 ):
     common = dict(
         vocab_size=vocab,
@@ -49,6 +51,29 @@ def tiny_config(
         return transformers.Qwen3Config(
             **common, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e6}
         )
+    if arch == "mistral":
+        return transformers.MistralConfig(
+            **common,
+            sliding_window=window,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        )
+    if arch == "phi3":
+        return transformers.Phi3Config(
+            **common,
+            sliding_window=window,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        )
+    if arch == "gemma2":
+        # layer 0 attends within the window, layer 1 to everything; caps small enough to bite
+        return transformers.Gemma2Config(
+            **common,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=window,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=8.0,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        )
     raise ValueError(arch)
 
 
@@ -59,10 +84,12 @@ def tiny_model(arch: str, seed: int = 0, **config_kwargs) -> transformers.PreTra
     torch.manual_seed(seed)
     config = tiny_config(arch, **config_kwargs)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+    # Gemma's norms apply 1 + w: their stored w is then near 0, the weight applied near 1
+    offset = 1.0 if arch == "gemma2" else 0.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_(1.0 + NORM_STD * torch.randn_like(p))
+                p.copy_(1.0 - offset + NORM_STD * torch.randn_like(p))
             else:
                 p.copy_(WEIGHT_STD * torch.randn_like(p))
     return model.eval()
@@ -81,23 +108,55 @@ def _rms_norm_float64(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return self.weight * h.to(hidden_states.dtype)
 
 
+def _gemma_rms_norm_float64(self, x: torch.Tensor) -> torch.Tensor:
+    # Gemma's norm multiplies by 1 + w, and the stock forward computes in float32
+    h = x.to(torch.promote_types(x.dtype, torch.float32))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+    return (h * (1.0 + self.weight.to(h.dtype))).to(x.dtype)
+
+
+def _gemma_attention_float64(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs
+):
+    # Gemma 2 runs its own eager attention, whose softmax is float32 whatever the inputs
+    from transformers.models.gemma2.modeling_gemma2 import repeat_kv
+
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
+    scores = query @ key.transpose(2, 3) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, :, : key.shape[-2]]
+    weights = torch.softmax(scores, dim=-1)
+    return (weights @ value).transpose(1, 2).contiguous(), weights
+
+
 @contextlib.contextmanager
 def full_precision_norms():
-    """Make transformers' RMSNorms keep float64 inputs in float64, as ours do."""
+    """Make transformers' RMSNorms (and Gemma 2's attention) keep float64 inputs in float64,
+    as ours do."""
+    from transformers.models.gemma2 import modeling_gemma2
     from transformers.models.llama import modeling_llama
+    from transformers.models.mistral import modeling_mistral
+    from transformers.models.phi3 import modeling_phi3
     from transformers.models.qwen2 import modeling_qwen2
     from transformers.models.qwen3 import modeling_qwen3
 
-    classes = [
-        modeling_llama.LlamaRMSNorm,
-        modeling_qwen2.Qwen2RMSNorm,
-        modeling_qwen3.Qwen3RMSNorm,
+    patches = [
+        (modeling_llama.LlamaRMSNorm, "forward", _rms_norm_float64),
+        (modeling_mistral.MistralRMSNorm, "forward", _rms_norm_float64),
+        (modeling_phi3.Phi3RMSNorm, "forward", _rms_norm_float64),
+        (modeling_qwen2.Qwen2RMSNorm, "forward", _rms_norm_float64),
+        (modeling_qwen3.Qwen3RMSNorm, "forward", _rms_norm_float64),
+        (modeling_gemma2.Gemma2RMSNorm, "forward", _gemma_rms_norm_float64),
+        (modeling_gemma2, "eager_attention_forward", _gemma_attention_float64),
     ]
-    saved = [c.forward for c in classes]
+    saved = [getattr(owner, name) for owner, name, _ in patches]
     try:
-        for c in classes:
-            c.forward = _rms_norm_float64
+        for owner, name, replacement in patches:
+            setattr(owner, name, replacement)
         yield
     finally:
-        for c, f in zip(classes, saved, strict=True):
-            c.forward = f
+        for (owner, name, _), original in zip(patches, saved, strict=True):
+            setattr(owner, name, original)

@@ -10,6 +10,7 @@ import trio
 from lever_actors.actors.jitter import Jitter
 from lever_actors.channels.messages import FinalHidden, StepStats, Verdict
 from lever_actors.device.units import ComputeUnit
+from lever_actors.model.args import ModelArgs
 from lever_actors.model.layers import output_logits
 from lever_actors.model.sampling import GREEDY, Chooser, Sampling, logprobs
 from lever_actors.model.tree import TokenTree
@@ -30,7 +31,7 @@ class Projector:
         self,
         final_norm: torch.Tensor,
         lm_head: torch.Tensor,
-        eps: float,
+        args: ModelArgs,
         unit: ComputeUnit,
         jitter: Jitter,
         eager: bool = False,
@@ -38,7 +39,7 @@ class Projector:
     ) -> None:
         self.final_norm = final_norm
         self.lm_head = lm_head
-        self.eps = eps
+        self.args = args
         self.unit = unit  # the "cpu" unit on demand, the batched "npu" unit when eager
         self.jitter = jitter
         self.eager = eager  # project every live node in one batch, then walk
@@ -127,7 +128,7 @@ class Projector:
 
     def _project(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, d_model] -> logits [n, vocab]"""
-        return output_logits(hidden, self.final_norm, self.lm_head, self.eps)
+        return output_logits(hidden, self.final_norm, self.lm_head, self.args)
 
 
 def _predicted_chain(

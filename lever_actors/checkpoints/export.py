@@ -24,7 +24,7 @@ from lever_actors.checkpoints.new_directory import new_directory
 from lever_actors.device.layout import DTYPE_NAMES
 from lever_actors.errors import CheckpointError
 from lever_actors.model.args import ModelArgs
-from lever_actors.model.weights import stored_tensors
+from lever_actors.model.weights import is_norm, stored_tensors
 from lever_actors.progress import Progress
 
 DEFAULT_SHARD_BYTES = 2 * 10**9  # one model.safetensors up to this size, shards above it
@@ -32,8 +32,11 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 
@@ -91,9 +94,12 @@ def write_hf(
 
 def hf_tensors(checkpoint: Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) in file order: embedding, layers, final norm, LM head unless tied."""
-    w = checkpoint.weights
-    for ours, layer in stored_tensors(checkpoint.args):
-        yield hf_name(ours, layer), getattr(w, ours) if layer is None else w.layers[layer][ours]
+    w, args = checkpoint.weights, checkpoint.args
+    for ours, layer in stored_tensors(args):
+        tensor = getattr(w, ours) if layer is None else w.layers[layer][ours]
+        if is_norm(ours) and args.norm_offset:
+            tensor = tensor.to(torch.float64) - args.norm_offset  # HF stores w of (1 + w)
+        yield hf_name(ours, layer, args), tensor
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
@@ -102,6 +108,10 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
     dtype_name = next(name for name, d in DTYPE_NAMES.items() if d == dtype)
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
     rope_scaling: dict[str, Any] | None = None
+    if args.rope_scaling is not None and args.rope_scaling.kind == "freq_factors":
+        raise CheckpointError(
+            "RoPE frequency factors (a GGUF's rope_freqs) have no HF config.json spelling"
+        )
     if args.rope_scaling is not None:
         s = args.rope_scaling
         rope_scaling = {"rope_type": s.kind, "factor": s.factor}
@@ -122,7 +132,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
         "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_kv_heads,
         "head_dim": args.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": "gelu_pytorch_tanh" if args.gemma else "silu",
         "max_position_embeddings": args.max_seq_len,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
@@ -139,10 +149,37 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
         config["attention_bias"] = False  # qwen2's q/k/v biases are implied by its type
     if args.arch == "llama":
         config["mlp_bias"] = False
-    if args.arch in ("qwen2", "qwen3"):
-        config["use_sliding_window"] = False
-        config["sliding_window"] = None
-    return config
+    return config | _attention_config(args)
+
+
+def _attention_config(args: ModelArgs) -> dict[str, Any]:
+    """The keys that say which layers attend within a window, and Gemma 2's attention."""
+    layer_types = [
+        "sliding_attention" if args.window(i) else "full_attention" for i in range(args.n_layers)
+    ]
+    if args.arch == "gemma2":
+        return {
+            "sliding_window": args.sliding_window,
+            "layer_types": layer_types,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": args.query_scale or args.head_dim,
+            "attn_logit_softcapping": args.attn_softcap,
+            "final_logit_softcapping": args.final_softcap,
+        }
+    if args.arch == "qwen2":
+        # Qwen2's window covers the layers from max_window_layers on
+        first = min(args.sliding_layers, default=args.n_layers)
+        return {
+            "use_sliding_window": bool(args.sliding_layers),
+            "sliding_window": args.sliding_window,
+            "max_window_layers": first,
+            "layer_types": layer_types,
+        }
+    if args.arch in ("mistral", "phi3"):
+        return {"sliding_window": args.sliding_window}  # every layer or none
+    if args.arch == "qwen3":
+        return {"use_sliding_window": False, "sliding_window": None}
+    return {}
 
 
 def _write_safetensors(

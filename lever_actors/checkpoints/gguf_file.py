@@ -16,7 +16,7 @@ from gguf import GGUFValueType
 from lever_actors.checkpoints.checkpoint import Checkpoint, check_layer_count
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.errors import CheckpointError
-from lever_actors.model.args import ModelArgs, RopeScaling, check_architecture, check_args
+from lever_actors.model.args import ModelArgs, RopeScaling, check_args
 from lever_actors.model.weights import (
     LayerTensors,
     ModelWeights,
@@ -41,7 +41,14 @@ _LAYER_NAMES = {
     "w_gate": "ffn_gate.weight",
     "w_up": "ffn_up.weight",
     "w_down": "ffn_down.weight",
+    "post_attn_norm": "post_attention_norm.weight",  # Gemma 2
+    "post_ffn_norm": "post_ffw_norm.weight",
+    "wqkv": "attn_qkv.weight",  # Phi-3's fused projections
+    "w_gate_up": "ffn_up.weight",
 }
+# llama.cpp's architecture names we read (it converts Mistral, SmolLM and TinyLlama to llama)
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "phi3")
+_SWA_LAYERS = {"gemma2": 2, "phi3": 1}  # every n-th layer from layer 0 attends within the window
 _GLOBAL_NAMES = {
     "embed": "token_embd.weight",
     "final_norm": "output_norm.weight",
@@ -59,7 +66,13 @@ _META_KEYS = {
     "rope_theta": "rope.freq_base",
     "max_seq_len": "context_length",
     "rope_scaling.factor": "rope.scaling.factor",
+    "sliding_window": "attention.sliding_window",
+    "attn_softcap": "attn_logit_softcapping",
+    "final_softcap": "final_logit_softcapping",
+    "rope_dims": "rope.dimension_count",
 }
+_ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE scaling, stored as per-pair frequency divisors
+_UNSUPPORTED_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # LongRoPE
 # What gguf's reader and numpy raise on a corrupt header, metadata value or tensor table.
 _READER_ERRORS = (ValueError, TypeError, IndexError, KeyError, OverflowError, RecursionError)
 _MISSING: Any = object()
@@ -67,13 +80,14 @@ _CHUNK_BLOCKS = 2048
 
 
 def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
-    """Read a llama/qwen2/qwen3 GGUF file into DRAM, every tensor dequantized to `dtype`,
-    after checking its metadata and every tensor's shape against what the metadata implies."""
+    """Read a GGUF file of one of GGUF_ARCHITECTURES into DRAM, every tensor dequantized to
+    `dtype`, after checking its metadata and every tensor's shape against what the metadata
+    implies."""
     reader = _open(path)
     tensors = {t.name: t for t in reader.tensors}
-    if "rope_freqs.weight" in tensors:
-        # llama.cpp stores llama3 RoPE scaling as precomputed frequency factors, not as parameters.
-        raise CheckpointError(f"{path}: RoPE scaling stored as a rope_freqs tensor is unsupported")
+    for name in _UNSUPPORTED_TENSORS:
+        if name in tensors:
+            raise CheckpointError(f"{path}: LongRoPE scaling ({name}) is unsupported")
     args = _read_args(reader, tensors, path)
     _check_tensors(args, tensors, path)
 
@@ -171,32 +185,48 @@ def _meta(
 
 
 def _read_args(reader: gguf.GGUFReader, tensors: dict[str, Any], path: Path) -> ModelArgs:
-    arch = check_architecture(_meta(reader, "general.architecture", str, path), str(path))
+    arch = _meta(reader, "general.architecture", str, path)
+    if arch not in GGUF_ARCHITECTURES:
+        raise CheckpointError(
+            f"{path}: unsupported general.architecture {arch!r}; "
+            f"supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
 
     def meta(ours: str, kind: type, default: Any = _MISSING) -> Any:
         return _meta(reader, f"{arch}.{_META_KEYS[ours]}", kind, path, default)
 
-    d_model, n_heads = meta("d_model", int), meta("n_heads", int)
+    d_model, n_heads, n_layers = meta("d_model", int), meta("n_heads", int), meta("n_layers", int)
+    # a zero head count is reported by check_args, not divided by here
+    head_dim = meta("head_dim", int, d_model // n_heads if n_heads > 0 else 0)
+    if meta("rope_dims", int, head_dim) != head_dim:
+        raise CheckpointError(
+            f"{path}: {arch}.rope.dimension_count = {meta('rope_dims', int)} is unsupported: "
+            f"RoPE over part of a head (head_dim {head_dim})"
+        )
+    window = meta("sliding_window", int, None) if arch in _SWA_LAYERS else None
     args = ModelArgs(
         arch=arch,
         vocab_size=_vocab_size(tensors, path),
         d_model=d_model,
-        n_layers=meta("n_layers", int),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=meta("n_kv_heads", int, n_heads),
-        # a zero head count is reported by check_args, not divided by here
-        head_dim=meta("head_dim", int, d_model // n_heads if n_heads > 0 else 0),
+        head_dim=head_dim,
         ffn_dim=meta("ffn_dim", int),
         norm_eps=meta("norm_eps", float),
         rope_theta=meta("rope_theta", float, 10000.0),
         max_seq_len=meta("max_seq_len", int),
         tie_embeddings=_GLOBAL_NAMES["lm_head"] not in tensors,
         rope_scaling=_rope_scaling(
-            _meta(reader, f"{arch}.rope.scaling.type", str, path, "none"), meta, path
+            _meta(reader, f"{arch}.rope.scaling.type", str, path, "none"), meta, tensors, path
         ),
+        sliding_window=window,
+        sliding_layers=() if window is None else tuple(range(0, n_layers, _SWA_LAYERS[arch])),
+        **(_gemma2_args(meta, d_model, n_heads, n_layers, head_dim) if arch == "gemma2" else {}),
     )
     names = {ours: f"{arch}.{key}" for ours, key in _META_KEYS.items()}
-    return check_args(args, str(path), names | {"vocab_size": "token_embd.weight's vocabulary"})
+    names |= {"vocab_size": "token_embd.weight's vocabulary", "rope_scaling.factors": _ROPE_FREQS}
+    return check_args(args, str(path), names)
 
 
 def _vocab_size(tensors: dict[str, Any], path: Path) -> int:
@@ -219,7 +249,24 @@ def _decimal(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _rope_scaling(kind: str, meta: Any, path: Path) -> RopeScaling | None:
+def _gemma2_args(
+    meta: Callable[..., Any], d_model: int, n_heads: int, n_layers: int, head_dim: int
+) -> dict[str, Any]:
+    """Gemma 2's soft caps, and its query scale, which GGUF does not store: llama.cpp takes
+    head_dim, but d_model / n_heads for the 46-layer 27B model, as Google's config does."""
+    return {
+        "attn_softcap": meta("attn_softcap", float, None),
+        "final_softcap": meta("final_softcap", float, None),
+        "query_scale": float(d_model // n_heads if n_layers == 46 else head_dim),
+    }
+
+
+def _rope_scaling(
+    kind: str, meta: Any, tensors: dict[str, Any], path: Path
+) -> RopeScaling | None:
+    if _ROPE_FREQS in tensors:
+        factors = _tensor(tensors[_ROPE_FREQS], path).flatten().tolist()
+        return RopeScaling(kind="freq_factors", factors=tuple(factors))
     if kind == "none":
         return None
     if kind == "linear":
@@ -276,7 +323,7 @@ def _load_layer(
     args: ModelArgs, i: int, load: Callable[[str, int | None], torch.Tensor]
 ) -> LayerTensors:
     layer = {name: load(name, i) for name in layer_tensor_names(args)}
-    if args.arch == "llama":
+    if args.arch == "llama":  # Mistral, SmolLM and TinyLlama too
         # llama.cpp's converter permutes q/k rows for its rotary layout; undo it to get HF's rows.
         layer["wq"] = unpermute_qk(layer["wq"], args.n_heads)
         layer["wk"] = unpermute_qk(layer["wk"], args.n_kv_heads)

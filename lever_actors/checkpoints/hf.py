@@ -16,6 +16,7 @@ from lever_actors.model.args import ModelArgs, args_from_hf_config
 from lever_actors.model.weights import (
     ModelWeights,
     expected_shapes,
+    is_norm,
     layer_tensor_names,
     stored_tensors,
 )
@@ -40,6 +41,14 @@ LAYER_NAMES = {
     "w_gate": "mlp.gate_proj.weight",
     "w_up": "mlp.up_proj.weight",
     "w_down": "mlp.down_proj.weight",
+    "wqkv": "self_attn.qkv_proj.weight",
+    "w_gate_up": "mlp.gate_up_proj.weight",
+}
+# Gemma 2 norms its sublayers' inputs and outputs: post_attention_layernorm is an output's
+_GEMMA_LAYER_NAMES = LAYER_NAMES | {
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "ffn_norm": "pre_feedforward_layernorm.weight",
+    "post_ffn_norm": "post_feedforward_layernorm.weight",
 }
 
 
@@ -58,7 +67,10 @@ def load_hf(directory: Path, dtype: torch.dtype) -> Checkpoint:
     _check_tensors(args, tensors, directory / "config.json")
 
     def load(ours: str, layer: int | None = None) -> torch.Tensor:
-        return tensors.get(hf_name(ours, layer), dtype)
+        name = hf_name(ours, layer, args)
+        if is_norm(ours) and args.norm_offset:
+            return (tensors.get(name, torch.float64) + args.norm_offset).to(dtype)
+        return tensors.get(name, dtype)
 
     embed = load("embed")
     weights = ModelWeights(
@@ -74,9 +86,12 @@ def load_hf(directory: Path, dtype: torch.dtype) -> Checkpoint:
     return Checkpoint(args=args, weights=weights, tokenizer=tokenizer, source=directory)
 
 
-def hf_name(ours: str, layer: int | None) -> str:
+def hf_name(ours: str, layer: int | None, args: ModelArgs) -> str:
     """The HF name of our tensor `ours` of `layer` (None for the embedding, norm and head)."""
-    return GLOBAL_NAMES[ours] if layer is None else f"model.layers.{layer}.{LAYER_NAMES[ours]}"
+    if layer is None:
+        return GLOBAL_NAMES[ours]
+    names = _GEMMA_LAYER_NAMES if args.gemma else LAYER_NAMES
+    return f"model.layers.{layer}.{names[ours]}"
 
 
 def _check_tensors(args: ModelArgs, tensors: _SafetensorsIndex, config_path: Path) -> None:
@@ -84,7 +99,7 @@ def _check_tensors(args: ModelArgs, tensors: _SafetensorsIndex, config_path: Pat
     num_hidden_layers; read from the safetensors headers, before any tensor is loaded."""
     expected = expected_shapes(args)
     for ours, layer in stored_tensors(args):
-        name = hf_name(ours, layer)
+        name = hf_name(ours, layer, args)
         shape = tensors.shape(name)
         if shape != expected[ours]:
             raise CheckpointError(

@@ -1,4 +1,6 @@
-"""Model hyper-parameters for the Llama family (Llama, Qwen2, Qwen3), read from HF or GGUF."""
+"""Model hyper-parameters of the Llama family and its relatives (Llama, Mistral, Qwen2,
+Qwen3, Gemma 2, Phi-3), read from HF or GGUF: one struct, the few differences as fields and
+properties that the layer functions consult."""
 
 from __future__ import annotations
 
@@ -10,18 +12,20 @@ import msgspec
 
 from lever_actors.errors import CheckpointError
 
-Architecture = Literal["llama", "qwen2", "qwen3"]
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+Architecture = Literal["llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3"]
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3")
 
 
 class RopeScaling(msgspec.Struct, frozen=True):
-    """RoPE frequency scaling: 'linear' divides positions, 'llama3' rescales low frequencies."""
+    """RoPE frequency scaling: 'linear' divides positions, 'llama3' rescales low frequencies,
+    'freq_factors' divides each pair's frequency by its own factor (a GGUF's rope_freqs)."""
 
-    kind: Literal["linear", "llama3"]
-    factor: float
+    kind: Literal["linear", "llama3", "freq_factors"]
+    factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    factors: tuple[float, ...] = ()  # freq_factors: one per rotated pair, [head_dim // 2]
 
 
 class ModelArgs(msgspec.Struct, frozen=True):
@@ -40,6 +44,11 @@ class ModelArgs(msgspec.Struct, frozen=True):
     max_seq_len: int
     tie_embeddings: bool
     rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None  # a token attends to the keys of the last this many positions
+    sliding_layers: tuple[int, ...] = ()  # ... in these layers; the others attend to all
+    query_scale: float | None = None  # Gemma 2's query_pre_attn_scalar (None: head_dim)
+    attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: the same on the logits
 
     @property
     def qkv_bias(self) -> bool:
@@ -48,6 +57,27 @@ class ModelArgs(msgspec.Struct, frozen=True):
     @property
     def qk_norm(self) -> bool:
         return self.arch == "qwen3"
+
+    @property
+    def fused_projections(self) -> bool:
+        """Phi-3 stores q, k, v as one matrix and gate, up as another."""
+        return self.arch == "phi3"
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma 2's differences: embeddings scaled by sqrt(d_model), norms after attention and
+        after the feed-forward as well as before, a tanh-approximated GELU gate."""
+        return self.arch == "gemma2"
+
+    @property
+    def norm_offset(self) -> float:
+        """What HF checkpoints leave out of each norm weight (Gemma stores w and applies 1 + w);
+        we hold, as GGUF files do, the weight applied."""
+        return 1.0 if self.gemma else 0.0
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, or None where it attends to the whole context."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
 
 COUNT_FIELDS = (
@@ -87,8 +117,24 @@ def check_args(args: ModelArgs, source: str, names: Mapping[str, str] | None = N
     _check_float(args.norm_eps, field("norm_eps"), source, upper=1.0)
     _check_float(args.rope_theta, field("rope_theta"), source)
     if args.rope_scaling is not None:
-        _check_rope_scaling(args.rope_scaling, source, field)
+        _check_rope_scaling(args.rope_scaling, args.head_dim, source, field)
+    _check_windows(args, source, field)
+    for name in ("query_scale", "attn_softcap", "final_softcap"):
+        if getattr(args, name) is not None:
+            _check_float(getattr(args, name), field(name), source)
     return args
+
+
+def _check_windows(args: ModelArgs, source: str, field: Callable[[str], str]) -> None:
+    if args.sliding_window is not None and args.sliding_window <= 0:
+        raise CheckpointError(
+            f"{source}: {field('sliding_window')} = {args.sliding_window} is not positive"
+        )
+    outside = [i for i in args.sliding_layers if not 0 <= i < args.n_layers]
+    if outside:
+        raise CheckpointError(
+            f"{source}: sliding-window layers {outside} lie outside the {args.n_layers} layers"
+        )
 
 
 def _check_float(value: float, name: str, source: str, upper: float = math.inf) -> None:
@@ -97,8 +143,19 @@ def _check_float(value: float, name: str, source: str, upper: float = math.inf) 
         raise CheckpointError(f"{source}: {name} = {value} is not {bounds}")
 
 
-def _check_rope_scaling(s: RopeScaling, source: str, field: Callable[[str], str]) -> None:
+def _check_rope_scaling(
+    s: RopeScaling, head_dim: int, source: str, field: Callable[[str], str]
+) -> None:
     _check_float(s.factor, field("rope_scaling.factor"), source)
+    if s.kind == "freq_factors":
+        if len(s.factors) != head_dim // 2:
+            raise CheckpointError(
+                f"{source}: {field('rope_scaling.factors')} has {len(s.factors)} values, "
+                f"one per rotated pair needs {head_dim // 2}"
+            )
+        for value in s.factors:
+            _check_float(value, field("rope_scaling.factors"), source)
+        return
     if s.kind != "llama3":
         return
     _check_float(s.low_freq_factor, field("rope_scaling.low_freq_factor"), source)
@@ -135,6 +192,10 @@ class _HfRope(msgspec.Struct):
     low_freq_factor: float | None = None
     high_freq_factor: float | None = None
     original_max_position_embeddings: int | None = None
+    partial_rotary_factor: float | None = None
+
+
+Unset = msgspec.UnsetType  # a key absent from config.json, where null means something else
 
 
 class _HfConfig(msgspec.Struct):
@@ -155,6 +216,29 @@ class _HfConfig(msgspec.Struct):
     mlp_bias: bool | None = None
     rope_parameters: _HfRope | None = None
     rope_scaling: _HfRope | None = None
+    partial_rotary_factor: float | None = None
+    hidden_act: str | None = None
+    hidden_activation: str | None = None  # Gemma's spelling
+    sliding_window: int | None | Unset = msgspec.UNSET
+    layer_types: list[str] | None = None  # transformers >= 4.53: per layer, full or sliding
+    use_sliding_window: bool = False  # Qwen2: sliding layers from max_window_layers on
+    max_window_layers: int = 0
+    query_pre_attn_scalar: float | Unset = msgspec.UNSET
+    attn_logit_softcapping: float | None | Unset = msgspec.UNSET
+    final_logit_softcapping: float | None | Unset = msgspec.UNSET
+
+
+# transformers' defaults for the keys a config.json may leave out, per model_type
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mistral": {"sliding_window": 4096},
+    "gemma2": {
+        "sliding_window": 4096,
+        "query_pre_attn_scalar": 256,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    },
+}
+_ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh"}  # the others gate with SiLU
 
 
 # ModelArgs field -> the config.json key it comes from, for error messages
@@ -169,6 +253,9 @@ HF_CONFIG_KEYS = {
     "norm_eps": "rms_norm_eps",
     "rope_theta": "rope_theta",
     "max_seq_len": "max_position_embeddings",
+    "query_scale": "query_pre_attn_scalar",
+    "attn_softcap": "attn_logit_softcapping",
+    "final_softcap": "final_logit_softcapping",
 }
 
 
@@ -185,8 +272,15 @@ def args_from_hf_config(config: Any, source: str) -> ModelArgs:
         raise CheckpointError(f"{source}: llama attention_bias/mlp_bias are not supported")
     # transformers >= 5 nests RoPE settings in rope_parameters; older configs keep them flat
     rope = c.rope_parameters or c.rope_scaling or _HfRope()
+    _check_hf_support(arch, c, rope, source)
+    defaults = _HF_DEFAULTS.get(arch, {})
+
+    def given(key: str) -> Any:
+        value = getattr(c, key)
+        return defaults.get(key) if value is msgspec.UNSET else value
     # a zero head count is reported by check_args, not divided by here
     default_head_dim = c.hidden_size // c.num_attention_heads if c.num_attention_heads > 0 else 0
+    sliding_layers = _hf_sliding_layers(arch, c, given("sliding_window"), source)
     args = ModelArgs(
         arch=arch,
         vocab_size=c.vocab_size,
@@ -201,8 +295,53 @@ def args_from_hf_config(config: Any, source: str) -> ModelArgs:
         max_seq_len=c.max_position_embeddings,
         tie_embeddings=c.tie_word_embeddings,
         rope_scaling=_rope_scaling_from_hf(rope, source),
+        # a window no layer uses (Qwen2's configs carry one) is no window
+        sliding_window=given("sliding_window") if sliding_layers else None,
+        sliding_layers=sliding_layers,
+        query_scale=given("query_pre_attn_scalar"),
+        attn_softcap=given("attn_logit_softcapping"),
+        final_softcap=given("final_logit_softcapping"),
     )
     return check_args(args, source, HF_CONFIG_KEYS)
+
+
+def _check_hf_support(arch: str, c: _HfConfig, rope: _HfRope, source: str) -> None:
+    """Refuse what the model core does not compute, rather than compute something else."""
+    expected = _ACTIVATIONS.get(arch, "silu")
+    activation = c.hidden_activation or c.hidden_act or expected
+    if activation != expected:
+        raise CheckpointError(
+            f"{source}: {arch} with activation {activation!r} is unsupported; expected {expected!r}"
+        )
+    partial = _first_set(rope.partial_rotary_factor, c.partial_rotary_factor, 1.0)
+    if partial != 1.0:
+        raise CheckpointError(
+            f"{source}: partial_rotary_factor = {partial} is unsupported (RoPE over whole heads)"
+        )
+
+
+def _hf_sliding_layers(
+    arch: str, c: _HfConfig, window: int | None, source: str
+) -> tuple[int, ...]:
+    """The layers that attend within `window`: as layer_types lists them, else as each
+    model_type's transformers class decides."""
+    if window is None:
+        return ()
+    layers = range(c.num_hidden_layers)
+    if c.layer_types is not None:
+        if len(c.layer_types) != c.num_hidden_layers:
+            raise CheckpointError(
+                f"{source}: layer_types lists {len(c.layer_types)} layers, "
+                f"num_hidden_layers is {c.num_hidden_layers}"
+            )
+        return tuple(i for i in layers if c.layer_types[i] == "sliding_attention")
+    if arch == "gemma2":
+        return tuple(i for i in layers if i % 2 == 0)  # local, global, local, ...
+    if arch == "qwen2":
+        return tuple(i for i in layers if c.use_sliding_window and i >= c.max_window_layers)
+    if arch in ("mistral", "phi3"):
+        return tuple(layers)
+    return ()
 
 
 def _first_set(*values: Any) -> Any:

@@ -11,7 +11,8 @@ from lever_actors.model.args import ModelArgs
 
 
 class KVCache:
-    """Keys/values for every layer: [n_layers, n_kv_heads, capacity, head_dim].
+    """Keys/values for every layer: [n_layers, n_kv_heads, capacity, head_dim], and the
+    sequence position of each slot's token: [capacity] (sliding windows are judged on it).
 
     A forward pass writes its n new tokens into the pending block [length, length+n) at
     each layer; afterwards the caller commits all of them, keeps a subset (the accepted
@@ -22,6 +23,7 @@ class KVCache:
         shape = (args.n_layers, args.n_kv_heads, capacity, args.head_dim)
         self.keys = torch.zeros(shape, dtype=dtype)
         self.values = torch.zeros(shape, dtype=dtype)
+        self.positions = torch.zeros(capacity, dtype=torch.int64)
         self.capacity = capacity
         self.length = 0
 
@@ -32,19 +34,21 @@ class KVCache:
         v: torch.Tensor,
         offsets: torch.Tensor | None = None,
         span: int | None = None,
+        positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: [n_kv_heads, n, hd] stored at pending `offsets` (default 0..n-1).
+        """k, v: [n_kv_heads, n, hd] of tokens at `positions` [n] (default: their slots, as
+        for a chain), stored at pending `offsets` (default 0..n-1).
         -> the context plus `span` pending slots (default n): [n_kv_heads, length+span, hd]"""
         n = k.shape[1]
         end = self.length + (span if span is not None else n)
         if end > self.capacity:
             raise ConfigError(f"KV cache full: {end} positions needed, capacity {self.capacity}")
-        if offsets is None:
-            self.keys[layer, :, self.length : self.length + n] = k
-            self.values[layer, :, self.length : self.length + n] = v
-        else:
-            self.keys[layer, :, self.length + offsets] = k
-            self.values[layer, :, self.length + offsets] = v
+        slots = slice(self.length, self.length + n) if offsets is None else self.length + offsets
+        self.keys[layer, :, slots] = k
+        self.values[layer, :, slots] = v
+        if positions is None:
+            positions = torch.arange(self.capacity)[slots]
+        self.positions[slots] = positions
         return self.keys[layer, :, :end], self.values[layer, :, :end]
 
     def commit(self, n: int) -> None:
@@ -61,6 +65,7 @@ class KVCache:
             # index_select copies first, so overlapping source and destination are safe
             self.keys[:, :, dst] = self.keys.index_select(2, src)
             self.values[:, :, dst] = self.values.index_select(2, src)
+            self.positions[dst] = self.positions[src]
         self.length += len(offsets)
 
     def truncate(self, length: int) -> None:

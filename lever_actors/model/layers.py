@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from lever_actors.model.args import ModelArgs
 from lever_actors.model.kv_cache import KVCache
+from lever_actors.model.masks import within_window
 from lever_actors.model.placement import Placement
 from lever_actors.model.rope import apply_rope
 from lever_actors.model.row_blocks import linear
@@ -27,7 +28,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    args: ModelArgs,
 ) -> torch.Tensor:
     """Scaled dot-product attention with grouped KV heads, in float64 so that a row's
     result does not depend on how many keys are masked beside it.
@@ -35,11 +40,31 @@ def attend(
     n_heads, n, hd = q.shape
     n_kv = keys.shape[0]
     group = q.to(torch.float64).reshape(n_kv, n_heads // n_kv * n, hd)  # heads sharing a kv head
-    scores = group @ keys.to(torch.float64).transpose(1, 2) * hd**-0.5
+    scores = group @ keys.to(torch.float64).transpose(1, 2) * (args.query_scale or hd) ** -0.5
+    if args.attn_softcap is not None:
+        scores = softcap(scores, args.attn_softcap)
     if mask is not None:
         scores = scores.view(n_kv, n_heads // n_kv, n, -1).masked_fill(~mask, float("-inf"))
     out = torch.softmax(scores.view(n_kv, n_heads // n_kv * n, -1), -1) @ values.to(torch.float64)
     return out.view(n_heads, n, hd).to(q.dtype)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """Squash x smoothly into (-cap, cap)."""
+    return torch.tanh(x / cap) * cap
+
+
+def project_qkv(
+    x: torch.Tensor, w: LayerTensors, args: ModelArgs
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: [n, d_model] -> q: [n, n_heads*hd], k and v: [n, n_kv_heads*hd]"""
+    if args.fused_projections:
+        kv = args.n_kv_heads * args.head_dim
+        q, k, v = linear(x, w["wqkv"]).split([args.n_heads * args.head_dim, kv, kv], dim=-1)
+        return q, k, v
+    return linear(x, w["wq"], w.get("bq")), linear(x, w["wk"], w.get("bk")), linear(
+        x, w["wv"], w.get("bv")
+    )
 
 
 def attention(
@@ -52,21 +77,30 @@ def attention(
 ) -> torch.Tensor:
     """x: [n, d_model] normed -> [n, d_model]; k/v go into the cache where `place` says."""
     n = x.shape[0]
-    q = linear(x, w["wq"], w.get("bq")).view(n, args.n_heads, args.head_dim).transpose(0, 1)
-    k = linear(x, w["wk"], w.get("bk")).view(n, args.n_kv_heads, args.head_dim).transpose(0, 1)
-    v = linear(x, w["wv"], w.get("bv")).view(n, args.n_kv_heads, args.head_dim).transpose(0, 1)
+    q, k, v = project_qkv(x, w, args)
+    q = q.view(n, args.n_heads, args.head_dim).transpose(0, 1)
+    k = k.view(n, args.n_kv_heads, args.head_dim).transpose(0, 1)
+    v = v.view(n, args.n_kv_heads, args.head_dim).transpose(0, 1)
     if args.qk_norm:
         q = rms_norm(q, w["q_norm"], args.norm_eps)
         k = rms_norm(k, w["k_norm"], args.norm_eps)
     q, k = apply_rope(q, place.cos, place.sin), apply_rope(k, place.cos, place.sin)
-    keys, values = cache.write(layer, k, v, place.offsets, place.span)
-    out = attend(q, keys, values, place.mask)  # [n_heads, n, hd]
+    keys, values = cache.write(layer, k, v, place.offsets, place.span, place.positions)
+    mask, window = place.mask, args.window(layer)
+    if window is not None:
+        mask = within_window(mask, place.positions, cache.positions[: keys.shape[1]], window)
+    out = attend(q, keys, values, mask, args)  # [n_heads, n, hd]
     return linear(out.transpose(0, 1).reshape(n, -1), w["wo"])
 
 
-def feed_forward(x: torch.Tensor, w: LayerTensors) -> torch.Tensor:
-    """SwiGLU. x: [n, d_model] normed -> [n, d_model]"""
-    return linear(F.silu(linear(x, w["w_gate"])) * linear(x, w["w_up"]), w["w_down"])
+def feed_forward(x: torch.Tensor, w: LayerTensors, args: ModelArgs) -> torch.Tensor:
+    """A gated MLP: SwiGLU, or Gemma's tanh-GELU gate. x: [n, d_model] normed -> the same"""
+    if args.fused_projections:
+        gate, up = linear(x, w["w_gate_up"]).chunk(2, dim=-1)
+    else:
+        gate, up = linear(x, w["w_gate"]), linear(x, w["w_up"])
+    gated = F.gelu(gate, approximate="tanh") if args.gemma else F.silu(gate)
+    return linear(gated * up, w["w_down"])
 
 
 def layer_forward(
@@ -78,12 +112,28 @@ def layer_forward(
     place: Placement,
 ) -> torch.Tensor:
     """x: [n, d_model] residual stream of the n pending tokens -> the same after this layer."""
-    x = x + attention(rms_norm(x, w["attn_norm"], args.norm_eps), w, args, cache, layer, place)
-    return x + feed_forward(rms_norm(x, w["ffn_norm"], args.norm_eps), w)
+    eps = args.norm_eps
+    h = attention(rms_norm(x, w["attn_norm"], eps), w, args, cache, layer, place)
+    if args.gemma:
+        h = rms_norm(h, w["post_attn_norm"], eps)
+    x = x + h
+    h = feed_forward(rms_norm(x, w["ffn_norm"], eps), w, args)
+    if args.gemma:
+        h = rms_norm(h, w["post_ffn_norm"], eps)
+    return x + h
+
+
+def embedding(rows: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """The embedding table's rows for the tokens [n, d_model] -> the residual stream's start
+    (Gemma scales it by sqrt(d_model), rounded to the model's dtype as it was trained)."""
+    if args.gemma:
+        return rows * torch.tensor(args.d_model**0.5, dtype=rows.dtype)
+    return rows
 
 
 def output_logits(
-    hidden: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, eps: float
+    hidden: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, args: ModelArgs
 ) -> torch.Tensor:
-    """Final norm + LM head. hidden: [n, d_model] -> [n, vocab]"""
-    return linear(rms_norm(hidden, final_norm, eps), lm_head)
+    """Final norm + LM head (+ Gemma's soft cap). hidden: [n, d_model] -> [n, vocab]"""
+    logits = linear(rms_norm(hidden, final_norm, args.norm_eps), lm_head)
+    return logits if args.final_softcap is None else softcap(logits, args.final_softcap)

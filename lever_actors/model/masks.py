@@ -16,3 +16,12 @@ def causal_mask(context: int, n: int) -> torch.Tensor | None:
     if n == 1:
         return None
     return with_context(context, torch.ones(n, n, dtype=torch.bool).tril())
+
+
+def within_window(
+    mask: torch.Tensor | None, queries: torch.Tensor, keys: torch.Tensor, window: int
+) -> torch.Tensor:
+    """`mask` ([n, T] or None: all visible) narrowed to keys less than `window` positions
+    behind each query. queries: [n] and keys: [T] positions -> [n, T] bool."""
+    near = queries[:, None] - keys[None, :] < window
+    return near if mask is None else mask & near

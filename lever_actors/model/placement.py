@@ -15,11 +15,13 @@ from lever_actors.model.tree import TokenTree
 class Placement:
     """For n tokens written into a KV cache's pending block.
 
+    positions: [n] each token's position in its sequence (sliding windows count in these).
     offsets: [n] each token's slot in the pending block (None: 0..n-1).
     span: how much of the pending block attention sees (None: n).
     mask: [n, context+span] bool, True = may attend (None: everything).
     """
 
+    positions: torch.Tensor  # [n] int64
     cos: torch.Tensor  # [n, head_dim]
     sin: torch.Tensor  # [n, head_dim]
     mask: torch.Tensor | None
@@ -31,16 +33,20 @@ class Placement:
         offsets = self.offsets[index] if self.offsets is not None else index
         span = self.span if self.span is not None else self.cos.shape[0]
         mask = self.mask[index] if self.mask is not None else None
-        return Placement(self.cos[index], self.sin[index], mask, offsets, span)
+        return Placement(
+            self.positions[index], self.cos[index], self.sin[index], mask, offsets, span
+        )
 
 
 def chain_placement(rope: Rope, context: int, n: int, dtype: torch.dtype) -> Placement:
     """n tokens continuing the committed context, each seeing the ones before it."""
-    cos, sin = rope.tables(torch.arange(context, context + n), dtype)
-    return Placement(cos, sin, causal_mask(context, n))
+    positions = torch.arange(context, context + n)
+    cos, sin = rope.tables(positions, dtype)
+    return Placement(positions, cos, sin, causal_mask(context, n))
 
 
 def tree_placement(rope: Rope, context: int, tree: TokenTree, dtype: torch.dtype) -> Placement:
     """A whole tree at pending offsets 0..n-1; a node sees the context and its ancestors."""
-    cos, sin = rope.tables(tree.positions(context), dtype)
-    return Placement(cos, sin, tree.attention_mask(context))
+    positions = tree.positions(context)
+    cos, sin = rope.tables(positions, dtype)
+    return Placement(positions, cos, sin, tree.attention_mask(context))

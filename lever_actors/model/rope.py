@@ -1,4 +1,4 @@
-"""Rotary position embedding, with the 'linear' and 'llama3' frequency scalings.
+"""Rotary position embedding, with the 'linear', 'llama3' and per-pair 'freq_factors' scalings.
 
 Angles are computed in float32 whatever the model dtype: that is the convention the
 checkpoints were trained and published with, so every dtype sees the same rotation.
@@ -21,6 +21,8 @@ def inverse_frequencies(args: ModelArgs) -> torch.Tensor:
         return inv_freq
     if args.rope_scaling.kind == "linear":
         return inv_freq / args.rope_scaling.factor
+    if args.rope_scaling.kind == "freq_factors":
+        return inv_freq / torch.tensor(args.rope_scaling.factors, dtype=torch.float32)
     return _llama3_scaled(inv_freq, args.rope_scaling)
 
 

@@ -6,7 +6,7 @@ import torch
 
 from lever_actors.model.args import ModelArgs
 from lever_actors.model.kv_cache import KVCache
-from lever_actors.model.layers import layer_forward, output_logits
+from lever_actors.model.layers import embedding, layer_forward, output_logits
 from lever_actors.model.placement import Placement, chain_placement
 from lever_actors.model.rope import Rope
 from lever_actors.model.weights import ModelWeights
@@ -34,7 +34,7 @@ class Transformer:
         """
         if place is None:
             place = chain_placement(self.rope, cache.length, tokens.shape[0], self.dtype)
-        x = self.weights.embed[tokens]
+        x = embedding(self.weights.embed[tokens], self.args)
         for i, layer in enumerate(self.weights.layers):
             x = layer_forward(x, layer, self.args, cache, i, place)
         return x
@@ -43,4 +43,4 @@ class Transformer:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, d_model] -> [n, vocab]"""
         w = self.weights
-        return output_logits(hidden, w.final_norm, w.lm_head, self.args.norm_eps)
+        return output_logits(hidden, w.final_norm, w.lm_head, self.args)

@@ -14,12 +14,21 @@ LayerTensors = dict[str, torch.Tensor]
 
 def layer_tensor_names(args: ModelArgs) -> tuple[str, ...]:
     """Names (and so the flash-layout order) of one layer's tensors for this architecture."""
+    if args.fused_projections:
+        return ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down")
     names = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down"]
+    if args.gemma:
+        names += ["post_attn_norm", "post_ffn_norm"]
     if args.qkv_bias:
         names += ["bq", "bk", "bv"]
     if args.qk_norm:
         names += ["q_norm", "k_norm"]
     return tuple(names)
+
+
+def is_norm(name: str) -> bool:
+    """Whether our tensor `name` is a norm's weight (a vector that multiplies, near 1)."""
+    return name.endswith("norm")
 
 
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -37,6 +46,10 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         "w_gate": (args.ffn_dim, args.d_model),
         "w_up": (args.ffn_dim, args.d_model),
         "w_down": (args.d_model, args.ffn_dim),
+        "wqkv": (q + 2 * kv, args.d_model),  # rows: q, then k, then v
+        "w_gate_up": (2 * args.ffn_dim, args.d_model),  # rows: gate, then up
+        "post_attn_norm": (args.d_model,),
+        "post_ffn_norm": (args.d_model,),
         "bq": (q,),
         "bk": (kv,),
         "bv": (kv,),

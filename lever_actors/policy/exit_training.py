@@ -48,8 +48,9 @@ from lever_actors.checkpoints.tokenizer import user_turn
 from lever_actors.config import default_exit_layer
 from lever_actors.device.layout import MANIFEST_NAME, read_manifest
 from lever_actors.errors import ConfigError
+from lever_actors.model.args import ModelArgs
 from lever_actors.model.kv_cache import KVCache
-from lever_actors.model.layers import layer_forward, output_logits, rms_norm
+from lever_actors.model.layers import embedding, layer_forward, output_logits, rms_norm
 from lever_actors.model.placement import Placement
 from lever_actors.model.rope import Rope
 from lever_actors.policy.exit_predictor import PREDICTOR_FILE, LowRankAdapter
@@ -170,7 +171,7 @@ def train_exit_predictor(
             torch.cat([finals[i] for i in ids]),
             weights.final_norm,
             weights.lm_head,
-            args.norm_eps,
+            args,
             top_k,
             n_random,
             generator,
@@ -326,9 +327,10 @@ class _PackedBatch:
         slot = torch.arange(context + n)
         # mask: [n, context+n]; a token sees the slots of its sequence up to its own
         mask = (tags[None, :] == tags[context:, None]) & (slot[None, :] <= slot[context:, None])
-        cos, sin = self.rope.tables(torch.tensor(positions), self.dtype)
-        place = Placement(cos, sin, mask)
-        x = self.weights.embed[torch.tensor(tokens)]
+        at = torch.tensor(positions)
+        cos, sin = self.rope.tables(at, self.dtype)
+        place = Placement(at, cos, sin, mask)
+        x = embedding(self.weights.embed[torch.tensor(tokens)], self.args)
         h_exit = x
         for i, layer in enumerate(self.weights.layers):
             x = layer_forward(x, layer, self.args, self.cache, i, place)
@@ -341,7 +343,7 @@ class _PackedBatch:
     def greedy(self, hidden: torch.Tensor) -> list[int]:
         """hidden: [n, d_model] final states -> the n greedy next tokens."""
         w = self.weights
-        logits = output_logits(hidden, w.final_norm, w.lm_head, self.args.norm_eps)
+        logits = output_logits(hidden, w.final_norm, w.lm_head, self.args)
         return logits.argmax(-1).tolist()
 
 
@@ -351,7 +353,7 @@ def kd_set(
     final_hidden: torch.Tensor,
     final_norm: torch.Tensor,
     lm_head: torch.Tensor,
-    eps: float,
+    args: ModelArgs,
     top_k: int,
     n_random: int,
     generator: torch.Generator,
@@ -364,17 +366,17 @@ def kd_set(
     candidates, teacher = [], []
     for start in range(0, final_hidden.shape[0], CHUNK):
         h = final_hidden[start : start + CHUNK]
-        logits = output_logits(h, final_norm, lm_head, eps)  # [chunk, vocab]
+        logits = output_logits(h, final_norm, lm_head, args)  # [chunk, vocab]
         top = logits.topk(top_k, dim=-1).indices
         # n_random distinct other tokens: the largest of uniform noise outside the top
         noise = torch.rand(logits.shape, generator=generator)
         noise.scatter_(1, top, -1.0)
         cand = torch.cat((top, noise.topk(n_random, dim=-1).indices), dim=1)  # [chunk, k]
-        normed = rms_norm(h.float(), final_norm.float(), eps)
+        normed = rms_norm(h.float(), final_norm.float(), args.norm_eps)
         candidates.append(cand)
         teacher.append(torch.einsum("nkd,nd->nk", lm_head[cand].float(), normed))
     h = exit_hidden.float()
-    hidden = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    hidden = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + args.norm_eps)
     return KDSet(hidden, torch.cat(candidates), torch.cat(teacher))
 
 

@@ -51,7 +51,7 @@ def profile_costs(
         tick("profile draft")
     hidden = torch.zeros(1, target.args.d_model, dtype=target.dtype)
     project = _best_time(
-        lambda: output_logits(hidden, target.final_norm, target.lm_head, target.args.norm_eps)
+        lambda: output_logits(hidden, target.final_norm, target.lm_head, target.args)
     )
     tick("profile projection")
     streamed = sum(target.manifest.layer(i).nbytes for i in target.plan.streamed_layers)

@@ -97,7 +97,7 @@ class TreeBuilder:
         cos, sin = self.model.rope.tables(positions, self.model.dtype)
         mask = torch.cat((torch.ones(len(nodes), context, dtype=torch.bool), visible), dim=1)
         offsets = torch.tensor([self.offsets[n] for n in nodes])
-        place = Placement(cos, sin, mask, offsets, len(columns))
+        place = Placement(positions, cos, sin, mask, offsets, len(columns))
         tokens = torch.tensor([self.tokens[n] for n in nodes])
         hidden = self.model.forward(tokens, self.cache, place)
         logits = self.model.logits(hidden[len(nodes) - wanted :])

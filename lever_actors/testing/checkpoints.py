@@ -27,7 +27,7 @@ from lever_actors.checkpoints.hf import hf_name
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import read_manifest
 from lever_actors.model.args import Architecture, ModelArgs
-from lever_actors.model.weights import expected_shapes, stored_tensors
+from lever_actors.model.weights import expected_shapes, is_norm, stored_tensors
 from lever_actors.policy.exit_predictor import LowRankAdapter
 
 Relation = Literal["identical", "perturbed", "independent"]
@@ -94,17 +94,16 @@ def random_hf_tensors(
     real vocabulary) and a rounding difference may decide between them."""
     generator = torch.Generator().manual_seed(seed)
 
-    def draw(shape: tuple[int, ...], is_norm: bool) -> torch.Tensor:
-        noise = torch.randn(shape, generator=generator, dtype=torch.float64)
-        return 1.0 + NORM_STD * noise if is_norm else WEIGHT_STD * noise
+    def draw(ours: str) -> torch.Tensor:
+        noise = torch.randn(shapes[ours], generator=generator, dtype=torch.float64)
+        if is_norm(ours):  # the weight applied is 1 + noise, whatever the HF convention
+            return 1.0 - args.norm_offset + NORM_STD * noise
+        return WEIGHT_STD * noise
 
     shapes = expected_shapes(args)
-    tensors = {
-        hf_name(ours, layer): draw(shapes[ours], "norm" in ours)
-        for ours, layer in stored_tensors(args)
-    }
+    tensors = {hf_name(ours, layer, args): draw(ours) for ours, layer in stored_tensors(args)}
     if twin_gap is not None:
-        head = tensors[hf_name("embed" if args.tie_embeddings else "lm_head", None)]
+        head = tensors[hf_name("embed" if args.tie_embeddings else "lm_head", None, args)]
         noise = torch.randn(head[1::2].shape, generator=generator, dtype=torch.float64)
         head[1::2] = head[0::2][: len(noise)] + twin_gap * noise
     return tensors

@@ -289,7 +289,7 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    _expect_error(path, "'gemma'", "supported: llama, qwen2, qwen3")
+    _expect_error(path, "'gemma'", "supported: llama, qwen2, qwen3, gemma2, phi3")
 
 
 def test_missing_file(tmp_path: Path) -> None:

@@ -34,6 +34,12 @@ CASES = [
     pytest.param(("qwen2", {}), id="qwen2"),
     pytest.param(("qwen2", {"tie": True}), id="qwen2-tied"),
     pytest.param(("qwen3", {}), id="qwen3"),
+    pytest.param(("mistral", {}), id="mistral-window"),
+    pytest.param(("mistral", {"window": None}), id="mistral"),
+    pytest.param(("gemma2", {"tie": True}), id="gemma2"),
+    pytest.param(("gemma2", {"window": 3}), id="gemma2-untied-window3"),
+    pytest.param(("phi3", {}), id="phi3-window"),
+    pytest.param(("phi3", {"window": None}), id="phi3"),
 ]
 
 
