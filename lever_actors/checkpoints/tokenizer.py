@@ -14,37 +14,23 @@ import gguf
 import tokenizers
 from jinja2 import TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
+from lever_actors.checkpoints.gguf_tokenizer import read_gguf_tokenizer
 from lever_actors.errors import CheckpointError, ConfigError, LeverError
 from lever_actors.logs import get_logger
 
 log = get_logger(__name__)
 
-# Pre-tokenizer split patterns, keyed by GGUF `tokenizer.ggml.pre`.
-_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-_QWEN2_SPLIT = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
-    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-_LLAMA3_SPLIT = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
-    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-_SPLITS = {
-    "qwen2": _QWEN2_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "llama3": _LLAMA3_SPLIT,
-    "default": _GPT2_SPLIT,
-    "gpt2": _GPT2_SPLIT,
-}
-_NFC_PRE = {"qwen2"}  # Qwen's own tokenizer.json normalizes to NFC first
-_WHOLE_WORD_PRE = {"llama-bpe", "llama3"}  # Llama 3 looks a whole pre-token up before merging
-
-# GGUF token types (llama.cpp's enum).
-_CONTROL, _USER_DEFINED = 3, 4
 # Special tokens that end a turn or a document; the model stops on any of them it has.
-_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
+_END_TOKENS = (
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<|eom_id|>",
+    "<end_of_turn>",  # Gemma
+    "<|end|>",  # Phi-3
+)
 ROLES = ("system", "user", "assistant")
 TEMPLATE_SECONDS = 2.0  # real chat templates render in milliseconds; past this, a runaway loop
 _TEMPLATE_FILE = "<template>"  # the file name jinja2 gives code compiled from a string
@@ -71,6 +57,7 @@ class Tokenizer:
         self._eos_id = next(iter(eos_ids), None)  # the primary one, for chat templates
         ends = (backend.token_to_id(t) for t in _END_TOKENS)
         self.eos_ids: frozenset[int] = frozenset(eos_ids) | {i for i in ends if i is not None}
+        self._adds_bos = bos_id is not None and backend.encode("").ids[:1] == [bos_id]
 
     @classmethod
     def from_file(cls, path: Path) -> Tokenizer:
@@ -100,71 +87,15 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader, source: Path) -> Tokenizer:
-        """A byte-level BPE tokenizer rebuilt from `tokenizer.ggml.*` metadata."""
-
-        def meta(key: str, default: Any = None) -> Any:
-            field = reader.get_field(key)
-            return default if field is None else field.contents()
-
-        kind = meta("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise CheckpointError(
-                f"{source}: unsupported tokenizer.ggml.model {kind!r}; "
-                "supported: gpt2 (byte-level BPE)"
-            )
-        pre = meta("tokenizer.ggml.pre", "default")
-        if pre not in _SPLITS:
-            raise CheckpointError(
-                f"{source}: unsupported tokenizer.ggml.pre {pre!r}; supported: {', '.join(_SPLITS)}"
-            )
-        tokens: list[str] = meta("tokenizer.ggml.tokens")
-        types: list[int] = meta("tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in meta("tokenizer.ggml.merges", [])]
-        if len(types) != len(tokens):
-            raise CheckpointError(f"{source}: {len(tokens)} tokens but {len(types)} token types")
-        try:
-            vocab = {t: i for i, t in enumerate(tokens)}
-            bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _WHOLE_WORD_PRE)
-        except Exception as cause:  # tokenizers rejects merges naming tokens outside the vocab
-            raise CheckpointError(f"{source}: bad tokenizer vocab or merges: {cause}") from cause
-        backend = tokenizers.Tokenizer(bpe)
-        if pre in _NFC_PRE:
-            backend.normalizer = normalizers.NFC()
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-        backend.decoder = decoders.ByteLevel()
-        # Control and user-defined tokens must match whole in text, never be cut into bytes.
-        typed = list(zip(tokens, types, strict=True))
-        backend.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t, k in typed if k == _CONTROL]
-        )
-        backend.add_tokens(
-            [AddedToken(t, special=False, normalized=False) for t, k in typed if k == _USER_DEFINED]
-        )
-        bos_id = meta("tokenizer.ggml.bos_token_id")
-        if meta("tokenizer.ggml.add_bos_token", False) and bos_id is not None:
-            bos = tokens[bos_id]  # list-form templates, so a token with a space still parses
-            backend.post_processor = processors.TemplateProcessing(
-                single=[bos, "$A"], pair=[bos, "$A", "$B:1"], special_tokens=[(bos, bos_id)]
-            )
-        eos_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
-        eos_ids = [meta(f"tokenizer.ggml.{key}") for key in eos_keys]
-        return cls(
-            backend,
-            eos_ids=[i for i in eos_ids if i is not None],
-            bos_id=bos_id,
-            chat_template=meta("tokenizer.chat_template"),
-            vocab_size=len(tokens),
-            source=str(source),
-        )
+        """The tokenizer rebuilt from `tokenizer.ggml.*` metadata (see gguf_tokenizer)."""
+        return cls(**read_gguf_tokenizer(reader, source)._asdict(), source=str(source))
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; BOS is prepended only where the model's config asks for it."""
-        return self.backend.encode(text).ids
+        """Token ids of `text`; BOS is prepended only where the model's config asks for it,
+        and not a second time before a text that starts with it (a chat template's own)."""
+        ids = self.backend.encode(text).ids
+        doubled = self._adds_bos and len(ids) > 1 and ids[1] == self.bos_id
+        return ids[1:] if doubled else ids
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special)

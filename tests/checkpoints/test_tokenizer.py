@@ -10,7 +10,8 @@ import pytest
 import tokenizers
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 
-from lever_actors.checkpoints.tokenizer import _QWEN2_SPLIT, Tokenizer, user_turn
+from lever_actors.checkpoints.gguf_tokenizer import _QWEN2_SPLIT
+from lever_actors.checkpoints.tokenizer import Tokenizer, user_turn
 from lever_actors.errors import CheckpointError
 
 TEXTS = [
@@ -65,11 +66,16 @@ def bpe() -> Vocab:
 
 
 def _write_vocab_gguf(
-    path: Path, tokens: list[str], merges: list[str], model: str = "gpt2", add_bos: bool = False
+    path: Path,
+    tokens: list[str],
+    merges: list[str],
+    model: str = "gpt2",
+    add_bos: bool = False,
+    pre: str = "qwen2",
 ) -> None:
     writer = gguf.GGUFWriter(path, "qwen2")
     writer.add_tokenizer_model(model)
-    writer.add_tokenizer_pre("qwen2")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     types = [gguf.TokenType.NORMAL] * len(tokens)
     for i, t in enumerate(tokens):
@@ -210,13 +216,44 @@ def test_gguf_bos_added_when_asked(bpe: Vocab, tmp_path: Path) -> None:
     assert tok.encode("hi")[0] == tok.bos_id == bpe[0].index("<|endoftext|>")
 
 
-def test_unsupported_tokenizer_model(bpe: Vocab, tmp_path: Path) -> None:
-    path = tmp_path / "spm.gguf"
-    _write_vocab_gguf(path, *bpe, model="llama")
+@pytest.mark.parametrize("model", ["t5", "bert", "rwkv"])
+def test_unsupported_tokenizer_model(bpe: Vocab, tmp_path: Path, model: str) -> None:
+    path = tmp_path / f"{model}.gguf"
+    _write_vocab_gguf(path, *bpe, model=model)
     with pytest.raises(CheckpointError) as err:
         Tokenizer.from_gguf(gguf.GGUFReader(path), path)
-    assert str(path) in str(err.value)
-    assert "'llama'" in str(err.value) and "supported: gpt2" in str(err.value)
+    assert str(err.value) == (
+        f"{path}: unsupported tokenizer.ggml.model {model!r}; "
+        "supported: gpt2 (byte-level BPE), llama (SentencePiece BPE)"
+    )
+
+
+def test_smollm_splits_every_digit(tmp_path: Path) -> None:
+    """GGUF pre "smollm" against SmolLM's tokenizer.json shape (digits split one by one, then
+    GPT-2's byte-level pattern), on merges learned without that split: "12", " 1" exist."""
+    numbers = ["x = 12345 + 678 * 90;", "in 2024 and 1999, 100% of 12 items", "v1.23 -> v12.3"]
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    trained = tokenizers.Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    trained.train_from_iterator(CORPUS + numbers * 5, trainer)
+    model = json.loads(trained.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    assert {"1 2", "Ġ 1"} <= set(merges)
+    path = tmp_path / "smollm.gguf"
+    _write_vocab_gguf(path, tokens + SPECIALS + USER_DEFINED, merges, pre="smollm")
+    ours = Tokenizer.from_gguf(gguf.GGUFReader(path), path)
+    smollm = trained
+    smollm.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre]
+    )
+    for text in TEXTS[:5] + numbers:
+        assert ours.encode(text) == smollm.encode(text).ids
+        assert ours.decode(ours.encode(text)) == text
+    assert len(ours.encode("12345")) == 5
 
 
 def test_bad_tokenizer_json(tmp_path: Path) -> None:
