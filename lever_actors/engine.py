@@ -447,14 +447,38 @@ def _jitters(config: EngineConfig):
 
 
 def _check_same_vocabulary(target: FlashTarget, draft: DraftModel) -> None:
-    if draft.model.args.vocab_size != target.args.vocab_size:
+    """The target verifies the draft's token ids: both models must have as many tokens and,
+    where both tokenizers are known, spell each id the same."""
+    sizes = draft.model.args.vocab_size, target.args.vocab_size
+    both = draft.tokenizer is not None and target.tokenizer is not None
+    difference = _first_difference(draft.tokenizer, target.tokenizer) if both else ""
+    if sizes[0] != sizes[1] or difference:
         raise ConfigError(
-            f"draft {draft.source} has a vocabulary of {draft.model.args.vocab_size} tokens, "
-            f"the target {target.args.vocab_size}: speculative decoding needs the same vocabulary"
+            f"draft {draft.source} has {sizes[0]} tokens, the target {sizes[1]}{difference}: "
+            "speculative decoding needs the same tokenizer"
         )
-    ours, theirs = target.tokenizer, draft.tokenizer
-    if ours and theirs and ours.backend.get_vocab() != theirs.backend.get_vocab():
-        raise ConfigError(f"draft {draft.source} and the target use different tokenizers")
+
+
+def _first_difference(draft: Tokenizer, target: Tokenizer) -> str:
+    """'; first difference at id N: ...' for the lowest id the two spell differently, or
+    that only one has; empty when they agree."""
+    ours, theirs = _tokens_by_id(draft), _tokens_by_id(target)
+    differing = [i for i in ours.keys() | theirs.keys() if ours.get(i) != theirs.get(i)]
+    if not differing:
+        return ""
+    i = min(differing)
+    return (
+        f"; first difference at id {i}: {_spelled(ours.get(i))} in the draft, "
+        f"{_spelled(theirs.get(i))} in the target"
+    )
+
+
+def _tokens_by_id(tokenizer: Tokenizer) -> dict[int, str]:
+    return {i: t for t, i in tokenizer.backend.get_vocab(with_added_tokens=True).items()}
+
+
+def _spelled(token: str | None) -> str:
+    return "no token" if token is None else repr(token)
 
 
 def _open_target(config: EngineConfig) -> FlashTarget:

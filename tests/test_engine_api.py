@@ -81,6 +81,7 @@ class Models:
         self.other_vocab_hf = save_tiny(
             tiny_model("llama", seed=1, layers=2, vocab=101), root / "v"
         )
+        write_tokenizer(self.other_vocab_hf, CHARS + "éß日本")  # the target's, and four more
         self.other_tokenizer_hf = save_tiny(tiny_model("llama", seed=1, layers=2), root / "t")
         write_tokenizer(self.other_tokenizer_hf, CHARS[::-1])  # same size, other mapping
 
@@ -465,16 +466,39 @@ async def test_bad_configs_fail_before_anything_is_loaded(tiny, overrides, messa
 
 
 async def test_a_draft_with_another_vocabulary_size_is_refused(tiny):
+    message = (
+        f"draft {tiny.other_vocab_hf} has 101 tokens, the target 97; first difference at "
+        "id 97: 'é' in the draft, no token in the target: "
+        "speculative decoding needs the same tokenizer"
+    )
     with trio.fail_after(TIMEOUT):
-        with pytest.raises(ConfigError, match="vocabulary of 101 tokens, the target 97"):
+        with pytest.raises(ConfigError, match=re.escape(message)):
             async with Engine.open(tiny.config(draft=str(tiny.other_vocab_hf))):
                 pytest.fail("the engine opened")
 
 
 async def test_a_draft_with_another_tokenizer_is_refused(tiny):
+    # same size, other mapping: CHARS reversed puts its last character, a tab, at id 0
+    message = (
+        f"draft {tiny.other_tokenizer_hf} has 97 tokens, the target 97; first difference at "
+        "id 0: '\\t' in the draft, ' ' in the target: "
+        "speculative decoding needs the same tokenizer"
+    )
     with trio.fail_after(TIMEOUT):
-        with pytest.raises(ConfigError, match="different tokenizers"):
+        with pytest.raises(ConfigError, match=re.escape(message)):
             async with Engine.open(tiny.config(draft=str(tiny.other_tokenizer_hf))):
+                pytest.fail("the engine opened")
+
+
+async def test_a_draft_without_a_tokenizer_is_judged_by_its_size(tiny, tmp_path):
+    draft = save_tiny(tiny_model("llama", seed=1, layers=2, vocab=101), tmp_path / "bare")
+    message = (
+        f"draft {draft} has 101 tokens, the target 97: "
+        "speculative decoding needs the same tokenizer"
+    )
+    with trio.fail_after(TIMEOUT):
+        with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+            async with Engine.open(tiny.config(draft=str(draft))):
                 pytest.fail("the engine opened")
 
 
