@@ -22,6 +22,7 @@ def tiny_config(
     vocab: int = 97,
     layers: int = 2,
     window: int | None = WINDOW,
+    query_scale: int = 24,
 ):
     common = dict(
         vocab_size=vocab,
@@ -68,7 +69,7 @@ def tiny_config(
         return transformers.Gemma2Config(
             **common,
             head_dim=16,
-            query_pre_attn_scalar=24,
+            query_pre_attn_scalar=query_scale,  # Gemma 2 2B and 9B: head_dim
             sliding_window=window,
             attn_logit_softcapping=5.0,
             final_logit_softcapping=8.0,

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -57,6 +57,22 @@ TINY_ARGS = ModelArgs(
 )
 
 
+def arch_features(arch: str, n_layers: int, window: int | None) -> dict[str, Any]:
+    """The ModelArgs fields particular to `arch` for a tiny model: a sliding `window` on
+    every layer (Mistral, Phi-3) or every other one (Gemma 2, which also gets soft caps small
+    enough to change scores and logits, and a query scale other than head_dim)."""
+    if arch not in ("mistral", "phi3", "gemma2") or window is None:
+        return {}
+    every = 2 if arch == "gemma2" else 1
+    features: dict[str, Any] = {
+        "sliding_window": window,
+        "sliding_layers": tuple(range(0, n_layers, every)),
+    }
+    if arch == "gemma2":
+        features |= {"attn_softcap": 5.0, "final_softcap": 8.0, "query_scale": 24.0}
+    return features
+
+
 def bf16_args(arch: Architecture = "qwen2", *, tie_embeddings: bool = False) -> ModelArgs:
     """The smallest config where bf16 rounding depends on how many rows a matrix product
     has: matrices of 512 and 1024 inputs (oneDNN switches kernel past 32 rows there, not at
@@ -75,6 +91,7 @@ def bf16_args(arch: Architecture = "qwen2", *, tie_embeddings: bool = False) -> 
         rope_theta=1e6,
         max_seq_len=512,
         tie_embeddings=tie_embeddings,
+        **arch_features(arch, 4, window=16),
     )
 
 

@@ -25,6 +25,7 @@ from lever_actors.testing.checkpoints import (
     TWIN_GAP,
     ModelPair,
     Relation,
+    arch_features,
     bf16_args,
     budget_bytes,
     model_pair,
@@ -40,10 +41,13 @@ def model_args(
     vocab_size: int | None = None,
     max_layers: int = 4,
 ) -> ModelArgs:
-    """Tiny configs: llama/qwen2/qwen3, 1-4 layers, 1-2 KV heads shared by 1, 2 or 4 query
+    """Tiny configs of every architecture, 1-4 layers, 1-2 KV heads shared by 1, 2 or 4 query
     heads each, head_dim 8 or 16, vocab 32-128 (or `vocab_size`), tied or untied LM head,
-    sometimes linear RoPE scaling."""
+    sometimes linear RoPE scaling; sliding windows of 2-12 positions where the architecture
+    has them (see `arch_features`)."""
     arch = draw(st.sampled_from(archs))
+    n_layers = draw(st.integers(1, max_layers))
+    window = draw(st.one_of(st.none(), st.integers(2, 12)))
     n_kv_heads = draw(st.sampled_from([1, 2]))
     group = draw(st.sampled_from([1, 2, 4]))
     scaling = draw(st.sampled_from([None, None, None, RopeScaling(kind="linear", factor=2.0)]))
@@ -51,7 +55,7 @@ def model_args(
         arch=arch,  # type: ignore[arg-type]
         vocab_size=vocab_size or draw(st.integers(32, 128)),
         d_model=draw(st.sampled_from([16, 24, 32])),
-        n_layers=draw(st.integers(1, max_layers)),
+        n_layers=n_layers,
         n_heads=n_kv_heads * group,
         n_kv_heads=n_kv_heads,
         head_dim=draw(st.sampled_from([8, 16])),
@@ -61,6 +65,7 @@ def model_args(
         max_seq_len=256,
         tie_embeddings=draw(st.booleans()),
         rope_scaling=scaling,
+        **arch_features(arch, n_layers, window),
     )
 
 
