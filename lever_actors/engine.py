@@ -365,7 +365,11 @@ class Engine:
     async def _steps(self, request, events, requests, verdicts, commits) -> None:
         """The engine's own loop: ask for a tree, take the verdict, emit, commit."""
         started = request.created
-        decoder = self.tokenizer.stream_decoder(skip_special=True) if self.tokenizer else None
+        decoder = (
+            self.tokenizer.stream_decoder(skip_special=True, context=request.prompt[-1:])
+            if self.tokenizer
+            else None
+        )
         stop_ids = self.tokenizer.eos_ids if self.tokenizer else frozenset()
         text = ""
         generated = 0

@@ -31,7 +31,9 @@ def run(capsys, pair, *flags: str, model: bool = False) -> tuple[int, str, str]:
 
 
 def text_of(tokens: list[int]) -> str:
-    return " ".join(f"t{t}" for t in tokens)
+    """What the word-level tokenizer's text gains when `tokens` follow a prompt: each word
+    after a space (the prompt's last word is decoded with them as context)."""
+    return "".join(f" t{t}" for t in tokens)
 
 
 def stats(err: str) -> dict:

@@ -31,7 +31,7 @@ def config() -> EngineConfig:
 
 def text_of(config: EngineConfig, prompt: list[int], sampling: Sampling | None = None) -> str:
     tokens = reference_tokens(Path(config.target), prompt, NEW, sampling=sampling or Sampling())
-    return " ".join(f"t{t}" for t in tokens)
+    return "".join(f" t{t}" for t in tokens)  # what the prompt's text gains: a space per word
 
 
 async def start(nursery: trio.Nursery, config: EngineConfig, **kw) -> str:

@@ -137,8 +137,12 @@ class Tokenizer:
         generation = {"eos_token_id": sorted(self.eos_ids)}
         (directory / "generation_config.json").write_text(json.dumps(generation))
 
-    def stream_decoder(self, skip_special: bool = False) -> StreamDecoder:
-        return StreamDecoder(self, skip_special)
+    def stream_decoder(
+        self, skip_special: bool = False, context: Sequence[int] = ()
+    ) -> StreamDecoder:
+        """Deltas of the tokens pushed after `context` (the prompt's last ids), which is
+        decoded with them but never emitted: a SentencePiece token's leading space is kept."""
+        return StreamDecoder(self, skip_special, context)
 
     def _token(self, token_id: int | None) -> str:
         return "" if token_id is None else self.backend.id_to_token(token_id) or ""
@@ -147,12 +151,14 @@ class Tokenizer:
 class StreamDecoder:
     """Turns token ids, one at a time, into text deltas that never split a UTF-8 character."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, skip_special: bool = False, context: Sequence[int] = ()
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special
-        self._ids: list[int] = []
+        self._ids: list[int] = list(context)
         self._prefix = 0  # ids[_prefix:_read] were emitted last; decoding from there gives context
-        self._read = 0
+        self._read = len(self._ids)
 
     def push(self, token_id: int) -> str:
         """The text `token_id` completes; empty while a multi-byte character is partial."""

@@ -201,7 +201,7 @@ def _generate_in_memory(
     check_request_size(len(ids), args.max_new_tokens, checkpoint.args.max_seq_len)
     model = Transformer(checkpoint.args, checkpoint.weights)
     print(f"loaded {args.model.name} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
-    printer = _TextPrinter(tokenizer)
+    printer = _TextPrinter(tokenizer, ids)
     started = first = time.perf_counter()
     tokens: list[int] = []
     stream = sequential_stream(model, ids, args.max_new_tokens, tokenizer.eos_ids, sampling)
@@ -284,8 +284,8 @@ async def _stream_from_engine(
 class _TextPrinter:
     """Writes each token's text to stdout as it comes, special tokens left out."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.decoder = tokenizer.stream_decoder(skip_special=True)
+    def __init__(self, tokenizer: Tokenizer, prompt: list[int]) -> None:
+        self.decoder = tokenizer.stream_decoder(skip_special=True, context=prompt[-1:])
 
     def push(self, token: int) -> None:
         sys.stdout.write(self.decoder.push(token))

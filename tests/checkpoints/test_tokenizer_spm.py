@@ -279,6 +279,22 @@ def test_stream_decoder(case: Case, text: str) -> None:
     assert not any("\ufffd" in d for d in deltas)
 
 
+def test_streamed_continuation_keeps_its_leading_space(case: Case) -> None:
+    """A continuation streamed after its prompt reads as the whole text decoded, minus the
+    prompt: the first generated token's "▁" is a space, not a start-of-text to strip."""
+    whole = case.tok.encode("hello world again")
+    cut = next(i for i in range(2, len(whole)) if case.sp.id_to_piece(whole[i]).startswith("▁"))
+    prompt, generated = whole[:cut], whole[cut:]
+    stream = case.tok.stream_decoder(skip_special=True, context=prompt[-1:])
+    streamed = "".join(stream.push(i) for i in generated) + stream.flush()
+    full, head = (
+        case.tok.decode(whole, skip_special=True),
+        case.tok.decode(prompt, skip_special=True),
+    )
+    assert streamed == full[len(head) :]
+    assert streamed.startswith(" ")
+
+
 def test_chat_template_from_the_metadata(case: Case) -> None:
     assert case.tok.chat_template == GEMMA_TEMPLATE
     messages = [
