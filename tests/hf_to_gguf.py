@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import gguf
 import torch
 import transformers
+
+from tests.spm import gguf_type
 
 # transformers' model_type -> llama.cpp's architecture (it converts Mistral as llama)
 GGUF_ARCH = {
@@ -43,12 +46,17 @@ _GEMMA_LAYER = _LAYER | {
 _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
-def write_gguf_of(model: transformers.PreTrainedModel, path: Path) -> Path:
-    """`model`'s weights and hyper-parameters as a GGUF file at `path`, every tensor F64."""
+def write_gguf_of(
+    model: transformers.PreTrainedModel, path: Path, tokenizer: dict[str, Any] | None = None
+) -> Path:
+    """`model`'s weights and hyper-parameters as a GGUF file at `path`, every tensor F64,
+    with the `tokenizer` metadata given (key -> value; see tests/spm.py)."""
     config = model.config
     arch = GGUF_ARCH[config.model_type]
     writer = gguf.GGUFWriter(path, arch)
     _write_metadata(writer, config, arch)
+    for key, value in (tokenizer or {}).items():
+        writer.add_key_value(key, value, *gguf_type(value))
     for name, tensor in _gguf_tensors(model, arch):
         writer.add_tensor(name, tensor.detach().to(torch.float64).numpy())
     writer.write_header_to_file()
