@@ -27,6 +27,8 @@ PruneWhen = Literal["compute_bound", "always"]
 Projection = Literal["on_demand", "eager"]
 Units = Literal["split", "single"]
 DraftDtype = Literal["bfloat16", "float32", "float64"]
+# matrices: dense, auto (a GGUF's own precision class), or quantized to 4 or 8 bits
+Weights = Literal["dense", "auto", "q4", "q8"]
 Throttle = Literal["none", "ufs3.1", "ufs4.0"]
 
 
@@ -224,6 +226,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     projection: Projection = "on_demand"  # on_demand (cpu unit, accepted path) or eager (npu)
     units: Units = "split"  # split: small work on the "cpu" unit beside the "npu"; single
     draft_dtype: DraftDtype = "bfloat16"
+    draft_weights: Weights = "auto"  # auto: a GGUF draft stays in its own precision class
     throttle: Throttle = "none"
     verify_checksums: bool = True  # every flash read, before its bytes are used
     channels: ChannelSizes = ChannelSizes()

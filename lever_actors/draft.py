@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.tokenizer import Tokenizer
+from lever_actors.config import Weights
 from lever_actors.device.layout import DTYPE_NAMES
+from lever_actors.model.quantized import COMPUTE_DTYPE
 from lever_actors.model.transformer import Transformer
 
 
@@ -19,7 +21,12 @@ class DraftModel:
     source: str
 
 
-def load_draft(path: str, dtype: str) -> DraftModel:
-    """From an HF directory, a GGUF file or a flash layout."""
-    draft = load_checkpoint(path, DTYPE_NAMES[dtype])
+def load_draft(path: str, dtype: str, weights: Weights = "auto") -> DraftModel:
+    """From an HF directory, a GGUF file or a flash layout; `weights` as in
+    checkpoints/quantize.py, where a quantized draft computes in bfloat16 (in another dtype
+    "auto" keeps the draft dense)."""
+    torch_dtype = DTYPE_NAMES[dtype]
+    if weights == "auto" and torch_dtype != COMPUTE_DTYPE:
+        weights = "dense"
+    draft = load_checkpoint(path, torch_dtype, weights)
     return DraftModel(Transformer(draft.args, draft.weights), draft.tokenizer, path)

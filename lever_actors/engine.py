@@ -137,7 +137,9 @@ class Engine:
         target = await trio.to_thread.run_sync(_open_target, config)
         try:
             if draft is None and drafting:
-                draft = await trio.to_thread.run_sync(load_draft, config.draft, config.draft_dtype)
+                draft = await trio.to_thread.run_sync(
+                    load_draft, config.draft, config.draft_dtype, config.draft_weights
+                )
             model = draft.model if draft is not None and drafting else None
             if model is not None:
                 _check_same_vocabulary(target, draft)

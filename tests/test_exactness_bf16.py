@@ -12,11 +12,14 @@ Example counts scale with the hypothesis profile (see tests/conftest.py).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import event, given, settings
 
 from lever_actors.config import EngineConfig
+from lever_actors.device.layout import read_manifest
 from lever_actors.policy import cost_model
 from lever_actors.policy import setup as policy_setup
 from lever_actors.testing import (
@@ -61,10 +64,17 @@ PROMPTS = [
 ]
 
 
-def bf16_config(*, flash_paced: bool = False, **policy) -> EngineConfig:
-    """A bf16 target and its draft; `flash_paced`: every layer streamed from throttled flash."""
+def bf16_config(*, flash_paced: bool = False, weights: str = "dense", **policy) -> EngineConfig:
+    """A bf16 target and its draft; `flash_paced`: every layer streamed from throttled flash;
+    `weights`: both models' matrices dense or quantized (q4, q8)."""
     pair = model_pair(
-        bf16_args(), "perturbed", 0, scale=0.001, dtype=torch.bfloat16, twin_gap=TWIN_GAP
+        bf16_args(),
+        "perturbed",
+        0,
+        scale=0.001,
+        dtype=torch.bfloat16,
+        twin_gap=TWIN_GAP,
+        weights=weights,
     )
     if flash_paced:
         policy.update(dram_budget=budget_bytes(pair.target, 0.0), throttle="ufs3.1")
@@ -73,6 +83,7 @@ def bf16_config(*, flash_paced: bool = False, **policy) -> EngineConfig:
         draft=str(pair.draft),
         early_exit="off",  # no pruning: every node of the tree runs through every layer
         draft_dtype="bfloat16",
+        draft_weights=weights,
         **policy,
     )
 
@@ -117,3 +128,16 @@ async def test_gain_cost_trees_above_32_nodes_equal_sequential_reference_in_bf16
     config = bf16_config(flash_paced=True, tree="gaincost", draft_ahead=draft_ahead)
     nodes = [await later_trees(config, prompt) for prompt in PROMPTS]
     assert max(n for steps in nodes for n in steps) > KERNEL_ROWS, nodes
+
+
+@pytest.mark.parametrize("weights", ["q4", "q8"])
+async def test_quantized_trees_above_32_nodes_equal_sequential_reference(weights):
+    """Target and draft kept in 4 or 8 bits: a tree verified in one pass equals one-token
+    decoding of the same quantized weights."""
+    config = bf16_config(tree="static:8,8", weights=weights)
+    manifest = read_manifest(Path(config.target))
+    formats = {t.format for extent in manifest.extents for t in extent.tensors}
+    assert formats >= {"int4" if weights == "q4" else "int8", "dense"}
+    for prompt in PROMPTS[:3]:
+        nodes = await later_trees(config, prompt)
+        assert nodes and all(n == config.tree.max_nodes + 1 for n in nodes), nodes

@@ -10,19 +10,27 @@ from lever_actors.checkpoints.checkpoint import Checkpoint
 from lever_actors.checkpoints.flash_layout import load_flash_layout
 from lever_actors.checkpoints.gguf_file import load_gguf
 from lever_actors.checkpoints.hf import load_hf
+from lever_actors.checkpoints.quantize import WeightsChoice, check_choice, quantize_checkpoint
 from lever_actors.device.layout import MANIFEST_NAME
 from lever_actors.errors import CheckpointError
 
 
-def load_checkpoint(path: str | Path, dtype: torch.dtype) -> Checkpoint:
-    """Load an HF directory, a .gguf file or a flash layout whole into DRAM, as `dtype`."""
+def load_checkpoint(
+    path: str | Path, dtype: torch.dtype, weights: WeightsChoice = "dense"
+) -> Checkpoint:
+    """Load an HF directory, a .gguf file or a flash layout whole into DRAM, as `dtype`, its
+    matrices quantized as `weights` says (checkpoints/quantize.py; a flash layout keeps the
+    formats it was converted to)."""
     path = Path(path)
+    weights = check_choice(weights, dtype)
     if (path / MANIFEST_NAME).is_file():
         return load_flash_layout(path, dtype)
     if path.is_dir():
-        return load_hf(path, dtype)
+        if weights in ("dense", "auto"):  # an HF checkpoint holds no precision class to keep
+            return load_hf(path, dtype)
+        return quantize_checkpoint(load_hf(path, torch.float32), weights)
     if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, dtype)
+        return load_gguf(path, dtype, weights)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     raise CheckpointError(

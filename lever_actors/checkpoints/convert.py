@@ -12,6 +12,7 @@ import torch
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.checkpoint import Checkpoint
 from lever_actors.checkpoints.new_directory import new_directory
+from lever_actors.checkpoints.quantize import WeightsChoice
 from lever_actors.device.checksums import checksum, chunk_checksums
 from lever_actors.device.layout import (
     DTYPE_NAMES,
@@ -27,14 +28,22 @@ from lever_actors.device.layout import (
     layer_key,
 )
 from lever_actors.errors import CheckpointError
-from lever_actors.model.weights import layer_tensor_names
+from lever_actors.model.quantized import Format, QuantizedRows, QuantizedWeight
+from lever_actors.model.weights import Weight, layer_tensor_names
 from lever_actors.progress import Progress
 
 TENSOR_ALIGNMENT = 64  # tensors inside an extent start on cache-line boundaries
 
 
-def convert(src: Path, out: Path, dtype: torch.dtype, progress: Progress | None = None) -> Manifest:
-    """Write the flash layout of `src` to directory `out`, which must not exist yet.
+def convert(
+    src: Path,
+    out: Path,
+    dtype: torch.dtype,
+    progress: Progress | None = None,
+    weights: WeightsChoice = "dense",
+) -> Manifest:
+    """Write the flash layout of `src` to directory `out`, which must not exist yet, its
+    matrices in the formats `weights` chooses (checkpoints/quantize.py).
 
     Everything is written under a temporary name beside `out` and renamed at the end, so an
     interrupted conversion leaves nothing that loads.
@@ -42,7 +51,7 @@ def convert(src: Path, out: Path, dtype: torch.dtype, progress: Progress | None 
     if dtype not in DTYPE_NAMES.values():
         raise CheckpointError(f"cannot store weights as {dtype}; choose one of {list(DTYPE_NAMES)}")
     with new_directory(out) as tmp:
-        checkpoint = load_checkpoint(src, dtype)
+        checkpoint = load_checkpoint(src, dtype, weights)
         extents = _write_weights(checkpoint, tmp / WEIGHTS_NAME, progress)
         tokenizer = None
         if checkpoint.tokenizer is not None:
@@ -74,7 +83,7 @@ def _extent_tensors(checkpoint: Checkpoint) -> Iterator[tuple[str, list[tuple[st
 
 def _write_weights(checkpoint: Checkpoint, path: Path, progress: Progress | None) -> list[Extent]:
     planned = list(_extent_tensors(checkpoint))
-    total = sum(t.numel() * t.element_size() for _, tensors in planned for _, t in tensors)
+    total = sum(_nbytes(t) for _, tensors in planned for _, t in tensors)
     done = 0
     extents = []
     with open(path, "wb") as f:
@@ -83,7 +92,7 @@ def _write_weights(checkpoint: Checkpoint, path: Path, progress: Progress | None
             entries = []
             for name, tensor in tensors:
                 f.write(bytes(-(f.tell() - start) % TENSOR_ALIGNMENT))
-                data = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+                data = _bytes(tensor)
                 entries.append(
                     TensorEntry(
                         name=name,
@@ -93,6 +102,7 @@ def _write_weights(checkpoint: Checkpoint, path: Path, progress: Progress | None
                         shape=tuple(tensor.shape),
                         checksum=checksum(data),
                         chunk_checksums=chunk_checksums(data) if key in ROW_READ_EXTENTS else (),
+                        format=_format(tensor),
                     )
                 )
                 f.write(data)
@@ -106,3 +116,23 @@ def _write_weights(checkpoint: Checkpoint, path: Path, progress: Progress | None
         f.flush()
         os.fsync(f.fileno())
     return extents
+
+
+def _format(tensor: Weight) -> Format:
+    if isinstance(tensor, QuantizedWeight):
+        return tensor.fmt
+    return "int4rows" if isinstance(tensor, QuantizedRows) else "dense"
+
+
+def _bytes(tensor: Weight) -> bytes:
+    if isinstance(tensor, torch.Tensor):
+        return tensor.contiguous().view(torch.uint8).numpy().tobytes()
+    return tensor.to_bytes()
+
+
+def _nbytes(tensor: Weight) -> int:
+    return (
+        tensor.numel() * tensor.element_size()
+        if isinstance(tensor, torch.Tensor)
+        else tensor.nbytes
+    )

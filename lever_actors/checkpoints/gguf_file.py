@@ -14,12 +14,19 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType
 
 from lever_actors.checkpoints.checkpoint import Checkpoint, check_layer_count
+from lever_actors.checkpoints.quantize import (
+    WeightsChoice,
+    check_choice,
+    q4k_to_int4,
+    quantize_tensor,
+    tensor_format,
+)
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.errors import CheckpointError
 from lever_actors.model.args import ModelArgs, RopeScaling, check_args
 from lever_actors.model.weights import (
-    LayerTensors,
     ModelWeights,
+    Weight,
     expected_shapes,
     layer_tensor_names,
     stored_tensors,
@@ -79,10 +86,12 @@ _MISSING: Any = object()
 _CHUNK_BLOCKS = 2048
 
 
-def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
-    """Read a GGUF file of one of GGUF_ARCHITECTURES into DRAM, every tensor dequantized to
-    `dtype`, after checking its metadata and every tensor's shape against what the metadata
-    implies."""
+def load_gguf(path: Path, dtype: torch.dtype, weights: WeightsChoice = "dense") -> Checkpoint:
+    """Read a GGUF file of one of GGUF_ARCHITECTURES into DRAM, after checking its metadata
+    and every tensor's shape against what the metadata implies: every tensor dequantized to
+    `dtype`, or with `weights` other than "dense", matrices kept quantized (checkpoints/
+    quantize.py; `dtype` must then be bfloat16)."""
+    weights = check_choice(weights, dtype)
     reader = _open(path)
     tensors = {t.name: t for t in reader.tensors}
     for name in _UNSUPPORTED_TENSORS:
@@ -91,17 +100,36 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
     args = _read_args(reader, tensors, path)
     _check_tensors(args, tensors, path)
 
-    def load(ours: str, layer: int | None = None) -> torch.Tensor:
-        return _tensor(tensors[gguf_name(ours, layer)], path).to(dtype)
+    def load(ours: str, layer: int | None = None, stored_as: str | None = None) -> Weight:
+        t = tensors[gguf_name(stored_as or ours, layer)]
+        shape = _torch_shape(t)
+        fmt = tensor_format(weights, ours, shape, t.tensor_type.name)
+        heads = _permuted_heads(args, ours)
+        if fmt in ("int4", "int4rows") and t.tensor_type == QType.Q4_K:
+            rows = torch.from_numpy(np.array(t.data)).view(shape[0], -1)  # a row's blocks
+            rows = rows if heads is None else unpermute_qk(rows, heads)
+            return q4k_to_int4(rows.reshape(-1, gguf.GGML_QUANT_SIZES[QType.Q4_K][1]), shape, fmt)
+        values = _tensor(t, path)
+        values = values if heads is None else unpermute_qk(values, heads)
+        return quantize_tensor(values, fmt, dtype)
 
     embed = load("embed")
+    tied = args.tie_embeddings
+    lm_head = embed if tied else load("lm_head")
+    if tied and not isinstance(embed, torch.Tensor):
+        # a table read by rows cannot be multiplied by: the head gets its own packing
+        lm_head = load("lm_head", stored_as="embed")
+        args = msgspec.structs.replace(args, tie_embeddings=False)
     return Checkpoint(
         args=args,
         weights=ModelWeights(
             embed=embed,
             final_norm=load("final_norm"),
-            lm_head=embed if args.tie_embeddings else load("lm_head"),
-            layers=[_load_layer(args, i, load) for i in range(args.n_layers)],
+            lm_head=lm_head,
+            layers=[
+                {name: load(name, i) for name in layer_tensor_names(args)}
+                for i in range(args.n_layers)
+            ],
         ),
         tokenizer=_tokenizer(reader, path),
         source=path,
@@ -261,9 +289,7 @@ def _gemma2_args(
     }
 
 
-def _rope_scaling(
-    kind: str, meta: Any, tensors: dict[str, Any], path: Path
-) -> RopeScaling | None:
+def _rope_scaling(kind: str, meta: Any, tensors: dict[str, Any], path: Path) -> RopeScaling | None:
     if _ROPE_FREQS in tensors:
         factors = _tensor(tensors[_ROPE_FREQS], path).flatten().tolist()
         return RopeScaling(kind="freq_factors", factors=tuple(factors))
@@ -319,21 +345,18 @@ def _check_token_ids(tokenizer: Tokenizer, path: Path) -> None:
             )
 
 
-def _load_layer(
-    args: ModelArgs, i: int, load: Callable[[str, int | None], torch.Tensor]
-) -> LayerTensors:
-    layer = {name: load(name, i) for name in layer_tensor_names(args)}
-    if args.arch == "llama":  # Mistral, SmolLM and TinyLlama too
-        # llama.cpp's converter permutes q/k rows for its rotary layout; undo it to get HF's rows.
-        layer["wq"] = unpermute_qk(layer["wq"], args.n_heads)
-        layer["wk"] = unpermute_qk(layer["wk"], args.n_kv_heads)
-    return layer
+def _permuted_heads(args: ModelArgs, ours: str) -> int | None:
+    """The head count whose rows llama.cpp's converter permuted in tensor `ours` (llama's q
+    and k, for its rotary layout; Mistral, SmolLM and TinyLlama are llama), else None."""
+    if args.arch != "llama":
+        return None
+    return {"wq": args.n_heads, "wk": args.n_kv_heads}.get(ours)
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row permutation (per head, rows (half, i) were stored as (i, half)).
 
-    w: [n_heads * head_dim, d_model] -> same shape, rows in HF order.
+    w: [n_heads * head_dim, ...] -> same shape, rows in HF order.
     """
     half = w.shape[0] // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

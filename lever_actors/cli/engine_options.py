@@ -28,6 +28,7 @@ def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
         help="do not draft the next tree while the target verifies this one",
     )
     _option(gen, "draft_dtype")
+    _option(gen, "draft_weights", help="auto keeps a GGUF draft's precision class")
     _option(gen, "projection")
     _option(gen, "units", help="split: small work on a second unit beside the batched one")
     gen.add_argument(
@@ -61,6 +62,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         prune_when=args.prune_when,
         draft_ahead=not args.no_draft_ahead,
         draft_dtype=args.draft_dtype,
+        draft_weights=args.draft_weights,
         projection=args.projection,
         units=args.units,
         trace=str(args.trace) if args.trace else None,

@@ -12,6 +12,7 @@ from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.export import export_hf
 from lever_actors.checkpoints.fetch import REAL_MODELS, fetch_model
 from lever_actors.checkpoints.prompts import PROMPT_SETS, load_prompts
+from lever_actors.checkpoints.quantize import WEIGHTS_CHOICES
 from lever_actors.device.disk_profile import profile_disk
 from lever_actors.device.layout import MANIFEST_NAME, WEIGHTS_NAME, read_manifest
 from lever_actors.policy import exit_training as et
@@ -34,6 +35,13 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     conv.add_argument("src", type=Path)
     conv.add_argument("out", type=Path)
     conv.add_argument("--dtype", choices=sorted(STORE_DTYPES), default="bf16")
+    conv.add_argument(
+        "--weights",
+        choices=WEIGHTS_CHOICES,
+        default=None,
+        help="matrices: auto keeps a GGUF's precision class (4-bit -> int4, 6/8-bit -> int8), "
+        "q4/q8 quantize every one, dense stores --dtype (default: auto for bf16, else dense)",
+    )
     conv.set_defaults(command=run_convert)
 
     prof = sub.add_parser("profile-disk", help="raw O_DIRECT sequential read bandwidth")
@@ -78,7 +86,9 @@ def run_fetch_models(args: argparse.Namespace) -> int:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    manifest = convert(args.src, args.out, STORE_DTYPES[args.dtype], ProgressLine())
+    dtype = STORE_DTYPES[args.dtype]
+    weights = args.weights or ("auto" if dtype == torch.bfloat16 else "dense")
+    manifest = convert(args.src, args.out, dtype, ProgressLine(), weights)
     print(f"{args.out}: {manifest.args.n_layers} layers, {format_bytes(manifest.file_bytes)}")
     return 0
 

@@ -20,6 +20,7 @@ import torch
 from lever_actors.device.checksums import CHUNK_BYTES, checksum
 from lever_actors.device.layout import (
     ALIGNMENT,
+    DTYPE_NAMES,
     WEIGHTS_NAME,
     Extent,
     Manifest,
@@ -29,6 +30,8 @@ from lever_actors.device.layout import (
 )
 from lever_actors.errors import CheckpointError, ConfigError, CorruptLayoutError
 from lever_actors.logs import get_logger
+from lever_actors.model.quantized import decode_rows
+from lever_actors.model.weights import Weight
 
 log = get_logger(__name__)
 
@@ -46,11 +49,10 @@ class AlignedBuffer:
         self.view = memoryview(self._map)
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
 
-    def tensor(self, entry: TensorEntry, base: int = 0) -> torch.Tensor:
+    def tensor(self, entry: TensorEntry, base: int = 0) -> Weight:
         """A zero-copy view of one tensor stored at `base + entry.offset` in this buffer."""
         start = base + entry.offset
-        raw = self.bytes[start : start + entry.nbytes]
-        return raw.view(getattr(torch, entry.dtype)).view(entry.shape)
+        return entry.from_bytes(self.bytes[start : start + entry.nbytes])
 
 
 @dataclass
@@ -109,7 +111,7 @@ class FlashStore:
 
     def read_extent(
         self, extent: Extent, buffer: AlignedBuffer, *, check: bool = True
-    ) -> dict[str, torch.Tensor]:
+    ) -> dict[str, Weight]:
         """Blocking: one sequential read of the whole extent; tensors are views into `buffer`.
         With `check=False` the caller must `check_extent` before it uses them."""
         if buffer.nbytes < extent.nbytes:
@@ -129,14 +131,14 @@ class FlashStore:
                 data = buffer.view[t.offset : t.offset + t.nbytes]
                 self._check(data, t.checksum, t, extent.offset + t.offset)
 
-    def load_extent(self, extent: Extent) -> dict[str, torch.Tensor]:
+    def load_extent(self, extent: Extent) -> dict[str, Weight]:
         """Read an extent into its own new buffer, for weights that stay resident."""
         return self.read_extent(extent, AlignedBuffer(extent.nbytes))
 
     def read_rows(self, extent: Extent, rows: list[int]) -> torch.Tensor:
         """Rows of a 2-D single-tensor extent (the embedding table), each by its own small read
         of the aligned span around it; verified reads widen the span to whole checksum chunks.
-        -> [len(rows), row_width]"""
+        -> [len(rows), row_width] in the table's dtype (a quantized table's rows decoded)"""
         (entry,) = extent.tensors
         row_bytes = entry.nbytes // entry.shape[0]
         tensor_start = extent.offset + entry.offset
@@ -157,9 +159,11 @@ class FlashStore:
                     chunk = buffer.view[skip + at : skip + min(at + CHUNK_BYTES, entry.nbytes)]
                     expected = entry.chunk_checksums[at // CHUNK_BYTES]
                     self._check(chunk, expected, entry, tensor_start + at)
-            raw = buffer.bytes[skip + lo : skip + lo + row_bytes]
-            out.append(raw.view(getattr(torch, entry.dtype)).clone())
-        return torch.stack(out)
+            out.append(buffer.bytes[skip + lo : skip + lo + row_bytes].clone())
+        records = torch.stack(out)  # [len(rows), row_bytes] uint8
+        if entry.format == "int4rows":
+            return decode_rows(records, entry.shape[1])
+        return records.view(DTYPE_NAMES[entry.dtype]).view(len(rows), entry.shape[1])
 
     def _read_into(self, buffer: AlignedBuffer, at: int, offset: int, nbytes: int) -> None:
         started = time.perf_counter()

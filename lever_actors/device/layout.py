@@ -7,7 +7,6 @@ extent are relative to the extent's start.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import msgspec
@@ -16,7 +15,14 @@ import torch
 from lever_actors.device.checksums import CHUNK_BYTES
 from lever_actors.errors import CheckpointError
 from lever_actors.model.args import ModelArgs, check_args
-from lever_actors.model.weights import expected_shapes, layer_tensor_names
+from lever_actors.model.quantized import (
+    Format,
+    QuantizedRows,
+    QuantizedWeight,
+    check_quantizable,
+    storage_bytes,
+)
+from lever_actors.model.weights import Weight, expected_shapes, layer_tensor_names
 
 MANIFEST_VERSION = 2  # 2: per-chunk checksums of tensors read by rows
 ALIGNMENT = 4096  # O_DIRECT needs block-aligned offsets, lengths and buffers
@@ -38,11 +44,21 @@ class TensorEntry(msgspec.Struct, frozen=True):
     name: str
     offset: int  # from the start of its extent
     nbytes: int
-    dtype: str
-    shape: tuple[int, ...]
+    dtype: str  # of a dense tensor; a quantized one computes in it
+    shape: tuple[int, ...]  # logical: a quantized [out, in] matrix is [out, in]
     checksum: int  # of all its bytes (device/checksums.py)
     # of each CHUNK_BYTES piece, for tensors read a row at a time (the embedding table)
     chunk_checksums: tuple[int, ...] = ()
+    format: Format = "dense"  # or one of model/quantized.py's formats
+
+    def from_bytes(self, raw: torch.Tensor) -> Weight:
+        """The tensor (or quantized weight) these stored bytes hold: views, no copy.
+        raw: [nbytes] uint8"""
+        if self.format == "dense":
+            return raw.view(DTYPE_NAMES[self.dtype]).view(self.shape)
+        if self.format == "int4rows":
+            return QuantizedRows.from_bytes(raw, self.shape)  # type: ignore[arg-type]
+        return QuantizedWeight.from_bytes(raw, self.format, self.shape)  # type: ignore[arg-type]
 
 
 class Extent(msgspec.Struct, frozen=True):
@@ -177,10 +193,13 @@ def _check_tensor(
         raise CheckpointError(f"{where}: dtype {entry.dtype!r}, the layout's is {dtype!r}")
     if entry.shape != shape:
         raise CheckpointError(f"{where}: shape {entry.shape}, args imply {shape}")
-    nbytes = math.prod(shape) * DTYPE_NAMES[dtype].itemsize
+    unfit = check_quantizable(shape, entry.format)
+    if unfit is not None:
+        raise CheckpointError(f"{where}: {unfit}")
+    nbytes = storage_bytes(shape, entry.format, DTYPE_NAMES[dtype].itemsize)
     if entry.nbytes != nbytes:
         raise CheckpointError(
-            f"{where}: nbytes = {entry.nbytes}, its shape and dtype make {nbytes}"
+            f"{where}: nbytes = {entry.nbytes}, its shape, dtype and format make {nbytes}"
         )
     if entry.offset < 0:
         raise CheckpointError(f"{where}: offset = {entry.offset} is negative")

@@ -8,8 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from lever_actors.model.args import ModelArgs
+from lever_actors.model.quantized import QuantizedRows, QuantizedWeight
 
-LayerTensors = dict[str, torch.Tensor]
+# a matrix may be held quantized (model/quantized.py); vectors are plain tensors
+Weight = torch.Tensor | QuantizedWeight | QuantizedRows
+LayerTensors = dict[str, Weight]
 
 
 def layer_tensor_names(args: ModelArgs) -> tuple[str, ...]:
@@ -78,16 +81,27 @@ def stored_tensors(args: ModelArgs) -> Iterator[tuple[str, int | None]]:
 class ModelWeights:
     """Shapes: embed/lm_head [vocab, d_model]; wq [n_heads*hd, d_model]; w_down [d_model, ffn]."""
 
-    embed: torch.Tensor
+    embed: Weight
     final_norm: torch.Tensor
-    lm_head: torch.Tensor  # the same tensor object as `embed` when the model ties them
+    lm_head: Weight  # the same object as `embed` when the model ties them
     layers: list[LayerTensors]
 
     def to(self, dtype: torch.dtype) -> ModelWeights:
-        embed = self.embed.to(dtype)
+        """Dense tensors cast to `dtype`; quantized ones stay as they are (they compute in
+        bf16, which a quantized model's dense parts then must be too)."""
+        embed = _cast(self.embed, dtype)
         return ModelWeights(
             embed=embed,
             final_norm=self.final_norm.to(dtype),
-            lm_head=embed if self.lm_head is self.embed else self.lm_head.to(dtype),
-            layers=[{k: t.to(dtype) for k, t in layer.items()} for layer in self.layers],
+            lm_head=embed if self.lm_head is self.embed else _cast(self.lm_head, dtype),
+            layers=[{k: _cast(t, dtype) for k, t in layer.items()} for layer in self.layers],
         )
+
+    @property
+    def quantized(self) -> bool:
+        tensors = [self.embed, self.lm_head, *(t for layer in self.layers for t in layer.values())]
+        return any(not isinstance(t, torch.Tensor) for t in tensors)
+
+
+def _cast(t: Weight, dtype: torch.dtype) -> Weight:
+    return t.to(dtype) if isinstance(t, torch.Tensor) else t

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from lever_actors.channels.messages import ExitProbe
 from lever_actors.errors import CheckpointError
 from lever_actors.model.layers import rms_norm
+from lever_actors.model.weights import Weight
 
 PREDICTOR_FILE = "exit_predictor.safetensors"
 
@@ -61,7 +62,7 @@ class LensPredictor:
     def __init__(
         self,
         final_norm: torch.Tensor,
-        lm_head: torch.Tensor,
+        lm_head: Weight,
         eps: float,
         threshold: float,
         adapter: LowRankAdapter | None = None,
@@ -78,7 +79,11 @@ class LensPredictor:
         if self.adapter is not None:
             h = self.adapter(h)
         h = rms_norm(h, self.final_norm, self.eps)[0]
-        logits = self.lm_head[torch.tensor(candidates)] @ h
+        ids = torch.tensor(candidates)
+        if isinstance(self.lm_head, torch.Tensor):
+            logits = self.lm_head[ids] @ h
+        else:  # a quantized head
+            logits = self.lm_head.products(ids, h)
         return torch.softmax(logits.float(), dim=-1)
 
     def __call__(self, probe: ExitProbe) -> tuple[int, ...]:

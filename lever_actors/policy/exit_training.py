@@ -52,6 +52,7 @@ from lever_actors.model.args import ModelArgs
 from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.layers import embedding, layer_forward, output_logits, rms_norm
 from lever_actors.model.placement import Placement
+from lever_actors.model.quantized import dense_values
 from lever_actors.model.rope import Rope
 from lever_actors.policy.exit_predictor import PREDICTOR_FILE, LowRankAdapter
 from lever_actors.progress import Progress
@@ -165,12 +166,14 @@ def train_exit_predictor(
     n_held = min(max(1, round(heldout * len(texts))), len(texts) - 1)
     held_ids, train_ids = sorted(order[:n_held]), sorted(order[n_held:])
     weights = model.weights
+    # rows of the head are picked per candidate: a quantized head is unpacked once
+    lm_head = dense_values(weights.lm_head).to(weights.final_norm.dtype)
     kd = {
         name: kd_set(
             torch.cat([exits[i] for i in ids]),
             torch.cat([finals[i] for i in ids]),
             weights.final_norm,
-            weights.lm_head,
+            lm_head,
             args,
             top_k,
             n_random,
@@ -181,7 +184,7 @@ def train_exit_predictor(
     collect_seconds = time.perf_counter() - started
 
     started = time.perf_counter()
-    rows = _Rows(weights.lm_head, weights.final_norm, args.norm_eps)
+    rows = _Rows(lm_head, weights.final_norm, args.norm_eps)
     down = torch.randn(rank, args.d_model, generator=generator) / math.sqrt(args.d_model)
     up = torch.zeros(args.d_model, rank)  # the adapter starts as the identity: the plain lens
     lens = [evaluate(kd[name], rows, None, temperature, threshold) for name in kd]

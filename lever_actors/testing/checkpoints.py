@@ -24,6 +24,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from lever_actors.checkpoints import export
 from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.hf import hf_name
+from lever_actors.config import Weights
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import read_manifest
 from lever_actors.model.args import Architecture, ModelArgs
@@ -256,12 +257,15 @@ def perturbed_checkpoint(
     )
 
 
-def flash_layout(checkpoint: Path, dtype: torch.dtype = torch.float64) -> Path:
+def flash_layout(
+    checkpoint: Path, dtype: torch.dtype = torch.float64, weights: Weights = "dense"
+) -> Path:
     """The flash layout of an HF checkpoint directory with weights stored as `dtype`, which
-    the engine then computes in; converted once per process."""
+    the engine then computes in, and matrices as `weights` says (q4, q8: quantized);
+    converted once per process."""
     return _layouts.get(
-        ("layout", Path(checkpoint), dtype),
-        lambda path: convert(Path(checkpoint), path, dtype),
+        ("layout", Path(checkpoint), dtype, weights),
+        lambda path: convert(Path(checkpoint), path, dtype, weights=weights),
     )
 
 
@@ -282,6 +286,7 @@ def model_pair(
     scale: float = PERTURBATION,
     dtype: torch.dtype = torch.float64,
     twin_gap: float | None = None,
+    weights: Weights = "dense",
 ) -> ModelPair:
     """A target layout and a draft checkpoint, related as `relation` says:
 
@@ -289,8 +294,9 @@ def model_pair(
     plus noise of std `scale`; independent: two unrelated random models (the draft built
     from `draft_args`, which must share the vocabulary, or `args`).
     With `tokenizer` both carry the same word-level tokenizer (see `write_tiny_tokenizer`),
-    and with `eos_id` it ends generation on that token. The target layout stores `dtype`;
-    with `twin_gap` every model's vocabulary comes in near-tied twins (`random_hf_tensors`).
+    and with `eos_id` it ends generation on that token. The target layout stores `dtype`
+    and its matrices as `weights` says; with `twin_gap` every model's vocabulary comes in
+    near-tied twins (`random_hf_tensors`).
     """
     tok = dict(tokenizer=tokenizer, eos_id=eos_id, twin_gap=twin_gap)
     if relation == "identical":
@@ -306,7 +312,7 @@ def model_pair(
         draft = tiny_checkpoint(draft_args, seed + 1, **tok)
     else:
         raise ValueError(f"unknown draft relation {relation!r}; use one of {DRAFT_RELATIONS}")
-    return ModelPair(target=flash_layout(target, dtype), draft=draft)
+    return ModelPair(target=flash_layout(target, dtype, weights), draft=draft)
 
 
 def budget_bytes(layout: Path, budget: float | str, ring_slots: int = 2) -> int | str:

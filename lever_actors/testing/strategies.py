@@ -17,7 +17,7 @@ except ImportError as missing:
         "pip install 'lever-actors[dev]' or pip install hypothesis"
     ) from missing
 
-from lever_actors.config import ChannelSizes, EngineConfig, TreeSpec
+from lever_actors.config import ChannelSizes, EngineConfig, TreeSpec, Weights
 from lever_actors.model.args import SUPPORTED_ARCHITECTURES, ModelArgs, RopeScaling
 from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.testing.checkpoints import (
@@ -254,6 +254,7 @@ class EngineCase:
     twin_gap: float | None = None  # see `random_hf_tensors`
     throttle: str = "none"  # emulated flash
     sampling: Sampling = GREEDY  # the request's
+    weights: Weights = "dense"  # the target layout's matrices, and the draft's
 
     def models(self, *, tokenizer: bool = False, eos_id: int | None = None) -> ModelPair:
         """Build (or reuse) the checkpoints; see `model_pair` for the keywords."""
@@ -267,6 +268,7 @@ class EngineCase:
             scale=self.scale,
             dtype=self.dtype,
             twin_gap=self.twin_gap,
+            weights=self.weights,
         )
         if self.early_exit != "trained":
             return pair
@@ -291,6 +293,7 @@ class EngineCase:
             draft_ahead=self.draft_ahead,
             projection=self.projection,
             draft_dtype=str(self.dtype).removeprefix("torch."),
+            draft_weights=self.weights,
             throttle=self.throttle,
             channels=self.channels,
             jitter_seconds=self.jitter_seconds,
@@ -320,6 +323,7 @@ def engine_cases(
     jitter: st.SearchStrategy[float] | None = None,
     throttles: st.SearchStrategy[str] | None = None,
     sampling: st.SearchStrategy[Sampling] | None = None,
+    weights: st.SearchStrategy[str] | None = None,
     dtype: torch.dtype = torch.float64,
     twin_gap: float | None = None,
 ) -> EngineCase:
@@ -359,6 +363,7 @@ def engine_cases(
         twin_gap=twin_gap,
         throttle=_given(draw, throttles, st.just("none")),
         sampling=_given(draw, sampling, st.just(GREEDY)),
+        weights=_given(draw, weights, st.just("dense")),
     )
 
 
@@ -375,8 +380,9 @@ def bf16_engine_cases(**narrower: object) -> st.SearchStrategy[EngineCase]:
     drafts they are close copies of (noise of 0.001-0.003, or none), repetitive prompts of
     2 to 8 tokens and 24 new ones, trees that mostly verify more than 32 nodes a
     pass (`large_trees`), every layer streamed from throttled flash, which paces the pass (so
-    gain-cost trees grow large too), and a few model seeds, so that examples share
-    checkpoints. Keywords narrow it as in `engine_cases`."""
+    gain-cost trees grow large too), target and draft dense or quantized to 4 or 8 bits, and
+    a few model seeds, so that examples share checkpoints. Keywords narrow it as in
+    `engine_cases`."""
     defaults: dict[str, object] = dict(
         models=bf16_model_args(),
         relations=st.sampled_from(["perturbed", "identical"]),
@@ -387,5 +393,6 @@ def bf16_engine_cases(**narrower: object) -> st.SearchStrategy[EngineCase]:
         tree_shapes=large_trees(),
         dram_budgets=st.just(0.0),
         throttles=st.just("ufs3.1"),
+        weights=st.sampled_from(["dense", "q4", "q8"]),
     )
     return engine_cases(dtype=torch.bfloat16, twin_gap=TWIN_GAP, **{**defaults, **narrower})

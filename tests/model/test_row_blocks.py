@@ -6,15 +6,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lever_actors.model.row_blocks import LARGEST_BLOCK, _probe, linear, row_block
+from lever_actors.model.row_blocks import LARGEST_BLOCK, dense_probe, dense_row_block, linear
 
 SHAPES = [(128, 512, True), (512, 512, True), (1536, 512, False), (512, 1536, False)]
 
 
 def cancelling_rows(n_rows: int, n_out: int, n_in: int, bias: bool):
-    """Rows whose results are the rounding of their accumulation order (see _probe), so a
-    kernel switch shows in most elements rather than one in ten thousand."""
-    x, weight, b = _probe(torch.bfloat16, n_out, n_in, bias)
+    """Rows whose results are the rounding of their accumulation order (see probe_inputs), so
+    a kernel switch shows in most elements rather than one in ten thousand."""
+    x, _, weight, b = dense_probe(torch.bfloat16, n_out, n_in, bias)
     rows = x.repeat(-(-n_rows // LARGEST_BLOCK), 1)[:n_rows]
     return rows * torch.linspace(0.5, 2, n_rows)[:, None].to(torch.bfloat16), weight, b
 
@@ -32,7 +32,7 @@ def test_every_row_equals_the_row_computed_alone(n_out, n_in, bias, n_rows):
 @pytest.mark.parametrize(("n_out", "n_in", "bias"), SHAPES)
 def test_the_block_is_a_power_of_two_that_the_kernel_keeps(n_out, n_in, bias):
     weight = torch.zeros(n_out, n_in, dtype=torch.bfloat16)
-    block = row_block(weight, torch.zeros(n_out, dtype=torch.bfloat16) if bias else None)
+    block = dense_row_block(weight, torch.zeros(n_out, dtype=torch.bfloat16) if bias else None)
     assert block in (2, 4, 8, 16, 32, 64)
     x, w, b = cancelling_rows(block, n_out, n_in, bias)
     pairs = torch.cat(

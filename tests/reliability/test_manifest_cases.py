@@ -72,7 +72,7 @@ CASES = [
     (_tensor(1, 0, name="wq"), "extent layer.0: holds tensors"),
     (_tensor(3, 0, dtype="float32"), "'final_norm' of final_norm: dtype 'float32', the layout's"),
     (_tensor(2, 0, shape=[-16]), "'attn_norm' of layer.1: shape (-16,), args imply (16,)"),
-    (_tensor(4, 0, nbytes=4104), "'lm_head' of lm_head: nbytes = 4104, its shape and dtype make"),
+    (_tensor(4, 0, nbytes=4104), "'lm_head' of lm_head: nbytes = 4104, its shape, dtype and format make"),
     (_tensor(1, 2, offset=-64), "'wk' of layer.0: offset = -64 is negative"),
     (_tensor(1, 2, offset=10**9), "'wk' of layer.0 ends at byte 1000001024, past the end of its"),
     (_tensor(0, 0, chunk_checksums=[]), "'embed' of embed: 0 chunk checksums, its 4096 bytes"),

@@ -1,0 +1,137 @@
+"""Which format each tensor is stored in, and the quantization into it.
+
+`--weights` choices: "dense" keeps every tensor in the layout's dtype; "auto" keeps a GGUF
+file's own precision class (4- and 5-bit types -> int4, 6- and 8-bit -> int8, float types
+dense; an HF checkpoint stays dense); "q4" and "q8" quantize every matrix. Norms and biases
+always stay dense; the embedding table becomes int4rows where its class is 4-bit, else
+stays dense. A shape the int4 kernel cannot take falls back to int8.
+Q4_K blocks convert to int4 without requantizing (their 32-input sub-blocks are its groups;
+only the scales round to bf16); other types are dequantized and rounded to nearest.
+"""
+
+from __future__ import annotations
+
+import typing
+
+import msgspec
+import torch
+
+from lever_actors.checkpoints.checkpoint import Checkpoint
+from lever_actors.config import Weights
+from lever_actors.errors import ConfigError
+from lever_actors.model.args import ModelArgs
+from lever_actors.model.quantized import (
+    COMPUTE_DTYPE,
+    Format,
+    QuantizedRows,
+    check_quantizable,
+    from_groups,
+    quantize_int4,
+    quantize_int8,
+)
+from lever_actors.model.weights import ModelWeights, Weight, is_norm
+
+WeightsChoice = Weights
+WEIGHTS_CHOICES: tuple[str, ...] = typing.get_args(Weights)
+_FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS")
+_EIGHT_BIT = ("Q6_K", "Q8_0", "Q8_1", "Q8_K")
+
+
+def check_choice(weights: str, dtype: torch.dtype) -> WeightsChoice:
+    if weights not in WEIGHTS_CHOICES:
+        raise ConfigError(f"weights {weights!r}: expected one of {', '.join(WEIGHTS_CHOICES)}")
+    if weights != "dense" and dtype != COMPUTE_DTYPE:
+        raise ConfigError(f"quantized weights compute in bfloat16, not {dtype}")
+    return weights  # type: ignore[return-value]
+
+
+def tensor_format(
+    choice: WeightsChoice, ours: str, shape: tuple[int, ...], source_type: str | None = None
+) -> Format:
+    """The format tensor `ours` of this shape is kept in; `source_type` is the GGUF type name
+    it is stored as (None for float sources)."""
+    if choice == "dense" or len(shape) != 2 or is_norm(ours):
+        return "dense"
+    if choice == "auto":
+        if source_type in _FOUR_BIT:
+            choice = "q4"
+        elif source_type in _EIGHT_BIT:
+            choice = "q8"
+        else:
+            return "dense"
+    if ours == "embed":
+        return (
+            "int4rows"
+            if choice == "q4" and check_quantizable(shape, "int4rows") is None
+            else "dense"
+        )
+    if choice == "q4" and check_quantizable(shape, "int4") is None:
+        return "int4"
+    return "int8"
+
+
+def quantize_tensor(values: torch.Tensor, fmt: Format, dtype: torch.dtype) -> Weight:
+    """A float tensor in format `fmt` (dense: cast to `dtype`)."""
+    if fmt == "dense":
+        return values.to(dtype)
+    if fmt == "int8":
+        return quantize_int8(values)
+    return quantize_int4(values, fmt)  # type: ignore[arg-type]
+
+
+def quantize_checkpoint(checkpoint: Checkpoint, choice: WeightsChoice) -> Checkpoint:
+    """A checkpoint loaded in float (an HF one) with its matrices in `choice`'s formats."""
+    args, w = checkpoint.args, checkpoint.weights
+
+    def convert(ours: str, t: torch.Tensor) -> Weight:
+        return quantize_tensor(t, tensor_format(choice, ours, tuple(t.shape)), COMPUTE_DTYPE)
+
+    embed = convert("embed", w.embed)
+    lm_head = convert("lm_head", w.lm_head) if w.lm_head is not w.embed else embed
+    args, lm_head = untie_quantized(args, embed, lm_head, w.embed)
+    weights = ModelWeights(
+        embed=embed,
+        final_norm=w.final_norm.to(COMPUTE_DTYPE),
+        lm_head=lm_head,
+        layers=[{name: convert(name, t) for name, t in layer.items()} for layer in w.layers],
+    )
+    return Checkpoint(args, weights, checkpoint.tokenizer, checkpoint.source)
+
+
+def untie_quantized(
+    args: ModelArgs, embed: Weight, lm_head: Weight, embed_values: torch.Tensor
+) -> tuple[ModelArgs, Weight]:
+    """A 4-bit embedding table is read by rows and cannot be multiplied by: a tied model
+    then gets an LM head of its own, the same values packed for the kernel."""
+    if not isinstance(embed, QuantizedRows) or lm_head is not embed:
+        return args, lm_head
+    head = quantize_tensor(
+        embed_values, tensor_format("q4", "lm_head", tuple(embed.shape)), COMPUTE_DTYPE
+    )
+    return msgspec.structs.replace(args, tie_embeddings=False), head
+
+
+def q4k_to_int4(blocks: torch.Tensor, shape: tuple[int, int], fmt: Format) -> Weight:
+    """GGUF Q4_K blocks of a [out, in] matrix, blocks: [out * in / 256, 144] uint8, in a
+    4-bit format. A block is an f16 scale d and min dmin, twelve bytes of 6-bit sub-block
+    scales and mins, and 256 4-bit values; value = d * sc * q - dmin * m per sub-block of
+    32, which is (q - 8) * scale + zero with scale = d * sc, zero = 8 * scale - dmin * m."""
+    out, inputs = shape
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()  # [blocks, 1]
+    dmin = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    sc, m = _q4k_scales(blocks[:, 4:16].to(torch.int32))  # [blocks, 8] each
+    packed = blocks[:, 16:144].reshape(-1, 4, 1, 32)  # 4 pairs of sub-blocks, 32 bytes each
+    q = torch.cat((packed & 15, packed >> 4), dim=2).reshape(out, inputs)  # low nibbles first
+    scale = (d * sc).reshape(out, inputs // 32)
+    zero = (8 * d * sc - dmin * m).reshape(out, inputs // 32)
+    return from_groups(q.to(torch.int32), scale, zero, fmt)  # type: ignore[arg-type]
+
+
+def _q4k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eight 6-bit scales and mins of each block's 12 bytes: sub-blocks 0-3 take the low
+    six bits of bytes 0-3 (scales) and 4-7 (mins); 4-7 take a nibble of bytes 8-11 plus the
+    two high bits of bytes 0-3 (scales) and 4-7 (mins)."""
+    low_sc, low_m, high = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat((low_sc & 63, (high & 15) | ((low_sc >> 6) << 4)), dim=1)
+    m = torch.cat((low_m & 63, (high >> 4) | ((low_m >> 6) << 4)), dim=1)
+    return sc.float(), m.float()

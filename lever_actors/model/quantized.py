@@ -1,0 +1,209 @@
+"""Weights kept quantized: 4-bit and 8-bit matrices multiplied by torch's weight-only kernels,
+and a 4-bit embedding table read a row at a time.
+
+Formats (what a flash layout stores, and what DRAM holds):
+- "int4": groups of GROUP inputs share a bf16 scale and zero, w = (q - 8) * scale + zero,
+  q in 0..15. Stored as torch's CPU int4 packing of the [out, in] matrix ([out, in / 2]
+  bytes), then the scales and zeros ([in / GROUP, out, 2] bf16): what
+  `aten._weight_int4pack_mm_for_cpu` reads, so a layer is used where it was read.
+- "int8": w = q * scale, q in -127..127, one bf16 scale per output row: [out, in] int8,
+  then [out] bf16, for `aten._weight_int8pack_mm`.
+- "int4rows": the embedding table, row after row of [in / 2] bytes (the even input in the
+  low nibble) then [in / GROUP, 2] bf16 scales and zeros: one contiguous record per row,
+  so a token's row is one small read.
+Both kernels compute each row on its own (they are checked like the dense ones, by
+row_blocks), so a tree verified in one call equals one-token decoding bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from lever_actors.model import row_blocks
+
+Format = Literal["dense", "int4", "int8", "int4rows"]
+QUANTIZED_FORMATS: tuple[str, ...] = ("int4", "int8", "int4rows")
+GROUP = 32  # inputs per int4 scale: Q4_K's sub-block, so its values convert without requantizing
+PACK_TILES = 2  # torch's inner_k_tiles for the CPU int4 packing
+COMPUTE_DTYPE = torch.bfloat16  # the kernels' activations, scales and outputs
+
+
+def storage_bytes(shape: tuple[int, ...], fmt: str, itemsize: int) -> int:
+    """Bytes a tensor of logical `shape` takes in format `fmt` (dense: `itemsize` each)."""
+    count = math.prod(shape)
+    if fmt == "dense":
+        return count * itemsize
+    out, inputs = shape
+    if fmt == "int8":
+        return count + 2 * out
+    return count // 2 + 4 * out * (inputs // GROUP)  # int4, int4rows: nibbles + scale, zero
+
+
+def check_quantizable(shape: tuple[int, ...], fmt: str) -> str | None:
+    """Why a matrix of `shape` cannot take format `fmt`, or None if it can."""
+    if fmt == "dense":
+        return None
+    if len(shape) != 2:
+        return f"a {fmt} tensor is a matrix, not of shape {shape}"
+    out, inputs = shape
+    if fmt in ("int4", "int4rows") and inputs % GROUP:
+        return f"{fmt} needs inputs in groups of {GROUP}, not {inputs}"
+    if fmt == "int4" and (out % 16 or inputs % (16 * PACK_TILES)):
+        return f"int4 packing needs outputs in 16s and inputs in {16 * PACK_TILES}s, not {shape}"
+    return None
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    """A quantized [out, in] matrix: `data` and `scales` as in the module's formats."""
+
+    fmt: Literal["int4", "int8"]
+    shape: tuple[int, int]
+    data: torch.Tensor  # int4: [out, in / 2] uint8, torch's packing; int8: [out, in] int8
+    scales: torch.Tensor  # int4: [in / GROUP, out, 2] bf16 scale, zero; int8: [out] bf16
+
+    dtype = COMPUTE_DTYPE
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [n, in] bf16 -> [n, out] bf16; each row as if it were alone."""
+        key = ("quantized", self.fmt, *self.shape)
+        out = row_blocks.blocked(x, self._product, key, lambda: _probe(self.fmt, *self.shape))
+        return out if bias is None else out + bias
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "int4":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.data, GROUP, self.scales)
+        return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)
+
+    def products(self, ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the matrix times h: [n] ids, [in] -> [n] float32 (the rows of an int4
+        packing are not addressable: its product runs whole, then is picked from)."""
+        if self.fmt == "int8":
+            return (self.data[ids].float() @ h.float()) * self.scales[ids].float()
+        return self.linear(h[None].to(COMPUTE_DTYPE))[0, ids].float()
+
+    def dequantize(self) -> torch.Tensor:
+        """The matrix the kernel multiplies by, in float32: [out, in]."""
+        out, inputs = self.shape
+        if self.fmt == "int8":
+            return self.data.float() * self.scales.float()[:, None]
+        # the packed order is torch's own: multiplying the identity reads the matrix back
+        eye = torch.eye(inputs, dtype=COMPUTE_DTYPE)
+        return self.linear(eye).float().T.contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return storage_bytes(self.shape, self.fmt, 0)
+
+    def to_bytes(self) -> bytes:
+        return _bytes(self.data) + _bytes(self.scales)
+
+    @classmethod
+    def from_bytes(
+        cls, raw: torch.Tensor, fmt: Literal["int4", "int8"], shape: tuple[int, int]
+    ) -> QuantizedWeight:
+        """Views (no copy) of a stored tensor's bytes, raw: [storage_bytes] uint8."""
+        out, inputs = shape
+        if fmt == "int4":
+            split = out * inputs // 2
+            data = raw[:split].view(out, inputs // 2)
+            scales = raw[split:].view(COMPUTE_DTYPE).view(inputs // GROUP, out, 2)
+        else:
+            split = out * inputs
+            data = raw[:split].view(torch.int8).view(out, inputs)
+            scales = raw[split:].view(COMPUTE_DTYPE)
+        return cls(fmt, shape, data, scales)
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedRows:
+    """A 4-bit embedding table, one record per row: `records` [rows, storage / rows] uint8."""
+
+    shape: tuple[int, int]
+    records: torch.Tensor
+
+    dtype = COMPUTE_DTYPE
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of these token ids, [n] -> [n, in] bf16."""
+        return decode_rows(self.records[ids], self.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return self.records.numel()
+
+    def to_bytes(self) -> bytes:
+        return _bytes(self.records)
+
+    @classmethod
+    def from_bytes(cls, raw: torch.Tensor, shape: tuple[int, int]) -> QuantizedRows:
+        return cls(shape, raw.view(shape[0], -1))
+
+
+def dense_values(weight: torch.Tensor | QuantizedWeight | QuantizedRows) -> torch.Tensor:
+    """A weight as a plain tensor: itself if dense, else the values its format stores."""
+    if isinstance(weight, torch.Tensor):
+        return weight
+    if isinstance(weight, QuantizedRows):
+        return weight[torch.arange(weight.shape[0])]
+    return weight.dequantize()
+
+
+def decode_rows(records: torch.Tensor, inputs: int) -> torch.Tensor:
+    """int4rows records [n, bytes per row] uint8 -> their values [n, inputs] bf16."""
+    n = records.shape[0]
+    nibbles = records[:, : inputs // 2]
+    q = torch.stack((nibbles & 15, nibbles >> 4), dim=-1).view(n, inputs // GROUP, GROUP)
+    scales = records[:, inputs // 2 :].contiguous().view(COMPUTE_DTYPE).view(n, -1, 2)
+    values = (q.float() - 8) * scales[..., :1].float() + scales[..., 1:].float()
+    return values.view(n, inputs).to(COMPUTE_DTYPE)
+
+
+def from_groups(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: Literal["int4", "int4rows"]
+) -> QuantizedWeight | QuantizedRows:
+    """4-bit values q [out, in] in 0..15 with per-group scale and zero [out, in / GROUP]
+    (w = (q - 8) * scale + zero) in either 4-bit format."""
+    out, inputs = q.shape
+    pairs = torch.stack((scale, zero), dim=-1).to(COMPUTE_DTYPE)  # [out, groups, 2]
+    if fmt == "int4rows":
+        nibbles = (q[:, 0::2] | q[:, 1::2] << 4).to(torch.uint8)
+        records = torch.cat((nibbles, pairs.view(out, -1).view(torch.uint8)), dim=1)
+        return QuantizedRows((out, inputs), records.contiguous())
+    data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), PACK_TILES)
+    return QuantizedWeight("int4", (out, inputs), data, pairs.transpose(0, 1).contiguous())
+
+
+def quantize_int4(
+    w: torch.Tensor, fmt: Literal["int4", "int4rows"] = "int4"
+) -> QuantizedWeight | QuantizedRows:
+    """Round to nearest, asymmetric, per group of GROUP inputs: each group's range in 16 steps."""
+    out, inputs = w.shape
+    groups = w.float().view(out, inputs // GROUP, GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).view(out, inputs)
+    return from_groups(q.to(torch.int32), scale, low + 8 * scale, fmt)
+
+
+def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
+    """Round to nearest, symmetric, one scale per output row."""
+    w = w.float()
+    scale = (w.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return QuantizedWeight("int8", tuple(w.shape), q, scale.to(COMPUTE_DTYPE))  # type: ignore[arg-type]
+
+
+def _probe(fmt: str, n_out: int, n_in: int):
+    """row_blocks' cancelling probe, its weight quantized to `fmt`."""
+    x, weight = row_blocks.probe_inputs(COMPUTE_DTYPE, min(n_out, row_blocks.PROBE_FEATURES), n_in)
+    quantized = quantize_int4(weight) if fmt == "int4" else quantize_int8(weight)
+    return x, quantized._product
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
