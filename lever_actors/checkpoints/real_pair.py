@@ -10,6 +10,7 @@ import torch
 
 from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.fetch import REAL_MODELS, fetch_model
+from lever_actors.checkpoints.quantize import WeightsChoice
 from lever_actors.device.layout import MANIFEST_VERSION, manifest_version
 from lever_actors.progress import Progress
 
@@ -19,14 +20,22 @@ def real_model_path(cache_dir: Path, key: str, progress: Progress | None = None)
     return fetch_model(REAL_MODELS[key], cache_dir, progress=progress)
 
 
-def real_target_layout(cache_dir: Path, progress: Progress | None = None) -> Path:
-    """The real target's bf16 flash layout, converted from its GGUF once."""
+# the real target's layout when none is named: its matrices as the GGUF keeps them
+REAL_TARGET_WEIGHTS: WeightsChoice = "auto"
+
+
+def real_target_layout(
+    cache_dir: Path, progress: Progress | None = None, weights: WeightsChoice = REAL_TARGET_WEIGHTS
+) -> Path:
+    """The real target's flash layout, converted from its GGUF once: bf16 ("dense"), or
+    with its matrices in the file's own 4- and 8-bit classes ("auto"), or q4, q8."""
     gguf_path = real_model_path(cache_dir, "target", progress)
-    layout = cache_dir / "flash" / (gguf_path.stem + "-bf16")
+    suffix = {"dense": "bf16", "auto": "quantized"}.get(weights, weights)
+    layout = cache_dir / "flash" / f"{gguf_path.stem}-{suffix}"
     if layout.is_dir() and manifest_version(layout) != MANIFEST_VERSION:
         print(f"{layout.name} was written by another lever_actors version", file=sys.stderr)
         shutil.rmtree(layout)  # ours to replace: the cache is ours, the GGUF stays
     if not layout.is_dir():
-        print(f"converting {gguf_path.name} to a bf16 flash layout (once)", file=sys.stderr)
-        convert(gguf_path, layout, torch.bfloat16, progress)
+        print(f"converting {gguf_path.name} to a {suffix} flash layout (once)", file=sys.stderr)
+        convert(gguf_path, layout, torch.bfloat16, progress, weights)
     return layout

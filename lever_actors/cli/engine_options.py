@@ -5,13 +5,25 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lever_actors.checkpoints.real_pair import real_model_path, real_target_layout
+from lever_actors.checkpoints.quantize import WEIGHTS_CHOICES
+from lever_actors.checkpoints.real_pair import (
+    REAL_TARGET_WEIGHTS,
+    real_model_path,
+    real_target_layout,
+)
 from lever_actors.config import EngineConfig, choices_of, default_of
 from lever_actors.progress import ProgressLine
 
 
 def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--target", type=Path, help="flash layout of the target (from `convert`)")
+    gen.add_argument(
+        "--target-weights",
+        choices=WEIGHTS_CHOICES,
+        default=REAL_TARGET_WEIGHTS,
+        help="without --target: the real target's layout, its matrices dense (bf16) or "
+        f"quantized (see `convert --weights`) (default: {REAL_TARGET_WEIGHTS})",
+    )
     gen.add_argument("--draft", type=Path, help="draft model: HF dir, GGUF file or flash layout")
     gen.add_argument(
         "--tree",
@@ -70,7 +82,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     if real:
         # the flags are checked before the pair is fetched and converted (minutes, once)
         EngineConfig(target="the real target", draft="the real draft", **flags)
-        target = real_target_layout(args.cache_dir, ProgressLine())
+        target = real_target_layout(args.cache_dir, ProgressLine(), args.target_weights)
         draft = real_model_path(args.cache_dir, "draft", ProgressLine())
     else:
         target, draft = args.target, args.draft
