@@ -12,8 +12,10 @@ from pathlib import Path
 import msgspec
 import torch
 
+from lever_actors.bench import llamacpp_build
 from lever_actors.bench.exactness import POLICIES, audit_prompts, check_exact
 from lever_actors.bench.harness import PromptSet
+from lever_actors.bench.llamacpp import DEFAULT_DRAFT_MAX, DEFAULT_THREADS
 from lever_actors.bench.plan import MODES, NEEDS_DRAFT, BenchOptions
 from lever_actors.bench.plots import write_plots
 from lever_actors.bench.report import (
@@ -143,6 +145,38 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--memory-overhead", default="1GiB", help="runtime headroom in the default limit"
+    )
+    llamacpp = parser.add_argument_group(
+        "llama.cpp", "the llamacpp-ar and llamacpp-spec modes (built by `build-llamacpp`)"
+    )
+    llamacpp.add_argument(
+        "--llamacpp-draft-max",
+        type=int,
+        default=DEFAULT_DRAFT_MAX,
+        help=f"llamacpp-spec: most tokens drafted per step (default: {DEFAULT_DRAFT_MAX})",
+    )
+    llamacpp.add_argument(
+        "--llamacpp-threads",
+        type=int,
+        default=DEFAULT_THREADS,
+        help=f"threads of llama.cpp (default: {DEFAULT_THREADS})",
+    )
+    llamacpp.add_argument(
+        "--llamacpp-bin",
+        default=None,
+        help="a directory holding llama-completion and llama-speculative-simple (default: "
+        "the build in the cache)",
+    )
+    llamacpp.add_argument(
+        "--llamacpp-target",
+        default=None,
+        help="the target GGUF llama.cpp runs (default: --target if a GGUF, else the GGUF "
+        "its flash layout was converted from)",
+    )
+    llamacpp.add_argument(
+        "--llamacpp-draft",
+        default=None,
+        help="the draft GGUF of llamacpp-spec (default: --draft if a GGUF, else its source)",
     )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument(
@@ -314,6 +348,11 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         memory_limit=args.memory_limit,
         memory_overhead=args.memory_overhead,
         cache_dir=str(args.cache_dir),
+        llamacpp_draft_max=args.llamacpp_draft_max,
+        llamacpp_threads=args.llamacpp_threads,
+        llamacpp_bin=args.llamacpp_bin,
+        llamacpp_target=args.llamacpp_target,
+        llamacpp_draft=args.llamacpp_draft,
     )
 
 
@@ -367,6 +406,28 @@ def _tokenizer(target: Path) -> Tokenizer | None:
         path = target / "tokenizer.json"
         return Tokenizer.from_file(path) if path.is_file() else None
     return load_checkpoint(target, torch.float32).tokenizer
+
+
+def add_build_llamacpp_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs (default: 2)")
+    parser.add_argument(
+        "--force", action="store_true", help="rebuild even where a matching build is cached"
+    )
+    parser.set_defaults(command=run_build_llamacpp_command)
+
+
+def run_build_llamacpp_command(args: argparse.Namespace) -> int:
+    if args.jobs < 1:
+        raise ConfigError("--jobs must be at least 1")
+    cached = None if args.force else llamacpp_build.find_build(args.cache_dir)
+    build = cached or llamacpp_build.build_llamacpp(
+        args.cache_dir, jobs=args.jobs, force=args.force, progress=ProgressLine(unit="")
+    )
+    state = "already built" if cached else "built"
+    print(f"llama.cpp ({llamacpp_build.PACKAGE} {build.version}) {state}: {build.bin_dir}")
+    for name in llamacpp_build.PROGRAMS:
+        print(f"  {build.program(name)}")
+    return 0
 
 
 def run_report_command(args: argparse.Namespace) -> int:

@@ -167,4 +167,5 @@ def prompt_run(
         first_step_tokens=first_step,
         peak_rss_bytes=decoded.peak_rss_bytes,
         cgroup_peak_bytes=decoded.cgroup_peak_bytes,
+        reported=decoded.reported,
     )

@@ -35,6 +35,8 @@ class Decoded:
     first_step_tokens: int = 1  # how many tokens the first step (with the prefill) produced
     peak_rss_bytes: int | None = None  # of the process that decoded, so far
     cgroup_peak_bytes: int | None = None  # of the cgroup it ran in, so far
+    # figures the decoding program reported of itself (llama.cpp's timings, command line)
+    reported: dict[str, float | int | str] | None = None
 
     def add(self, token: int) -> None:
         self.tokens.append(token)

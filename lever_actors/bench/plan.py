@@ -12,9 +12,18 @@ from pathlib import Path
 import gguf
 import msgspec
 
+from lever_actors.bench import llamacpp_build
+from lever_actors.bench.llamacpp import (
+    DEFAULT_DRAFT_MAX,
+    DEFAULT_THREADS,
+    LlamaCppMode,
+    LlamaCppSpec,
+)
 from lever_actors.bench.modes import EngineMode, EngineSpec, MemoryAR, MemoryARSpec, Mode
 from lever_actors.bench.peer import PeerHF, PeerSpec, hf_export_for
 from lever_actors.bench.results import ModeInfo
+from lever_actors.bench.summary import LLAMACPP_FAMILIES
+from lever_actors.checkpoints.fetch import default_cache_dir
 from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, DramBudget, EngineConfig
 from lever_actors.device.layout import DTYPE_NAMES, MANIFEST_NAME, read_manifest
 from lever_actors.draft import DraftModel, load_draft
@@ -36,10 +45,12 @@ ENGINE_FAMILIES = (
     "lever-no-verify",
 )
 PEER_FAMILIES = ("peer-memory", "peer-offload", "peer-assisted")
-MODES = ("memory-ar", *ENGINE_FAMILIES, *PEER_FAMILIES)
+MODES = ("memory-ar", *ENGINE_FAMILIES, *PEER_FAMILIES, *LLAMACPP_FAMILIES)
 MEMORY_RESIDENT = ("memory-ar", "peer-memory")
 ISOLATE = ("none", "peers", "all")
-NEEDS_DRAFT = tuple(f for f in (*ENGINE_FAMILIES, "peer-assisted") if f != "flash-ar")
+NEEDS_DRAFT = tuple(
+    f for f in (*ENGINE_FAMILIES, "peer-assisted", "llamacpp-spec") if f != "flash-ar"
+)
 
 
 class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -67,6 +78,14 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     memory_limit: str | None = None  # one limit for every child; default: budget + draft + overhead
     memory_overhead: str = "1GiB"  # runtime headroom in the default limit
     cache_dir: str = ""  # where the peer's HF exports and offload folders go
+    # llama.cpp (bench/llamacpp.py): drafted tokens per step of llamacpp-spec, threads, a
+    # directory holding its programs (default: the cache's build), and the GGUFs it runs
+    # (default: the target's own GGUF, a layout's source, and the draft's)
+    llamacpp_draft_max: int = DEFAULT_DRAFT_MAX
+    llamacpp_threads: int = DEFAULT_THREADS
+    llamacpp_bin: str | None = None
+    llamacpp_target: str | None = None
+    llamacpp_draft: str | None = None
 
     def __post_init__(self) -> None:
         # budgets may come as text ("25%", "1.5GiB"): parsed here, once
@@ -89,10 +108,15 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError("--max-new-tokens must be at least 2 (decode rate needs two tokens)")
         if self.prompts < 1:
             raise ConfigError("--prompts must be at least 1")
+        if self.llamacpp_draft_max < 1 or self.llamacpp_threads < 1:
+            raise ConfigError("--llamacpp-draft-max and --llamacpp-threads must be at least 1")
 
     def isolates(self, family: str) -> bool:
-        """Whether modes of this family run in a child process of their own."""
-        return self.isolate == "all" or (self.isolate == "peers" and family in PEER_FAMILIES)
+        """Whether modes of this family run in a process of their own: a child, or for
+        llama.cpp its own program (whose reads, like the transformers peers', go through
+        the page cache)."""
+        peers = (*PEER_FAMILIES, *LLAMACPP_FAMILIES)
+        return self.isolate == "all" or (self.isolate == "peers" and family in peers)
 
     def as_config(self) -> dict[str, object]:
         """As the results file records it: JSON types, the budgets as text."""
@@ -100,7 +124,7 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
         return recorded | {"budgets": [str(b) for b in self.budgets]}
 
 
-ModeSpec = MemoryARSpec | EngineSpec | PeerSpec
+ModeSpec = MemoryARSpec | EngineSpec | PeerSpec | LlamaCppSpec
 
 
 class PlannedMode(msgspec.Struct, frozen=True):
@@ -144,28 +168,37 @@ def plan_modes(options: BenchOptions, target: Path, draft: Path | None) -> list[
     """One PlannedMode per mode and budget, in the order asked. The peer's HF exports of the
     target and draft are made here, once, into the cache."""
     manifest = read_manifest(target) if (target / MANIFEST_NAME).is_file() else None
-    flash_modes = [m for m in options.modes if m not in MEMORY_RESIDENT]
+    flash_modes = [m for m in options.modes if m not in (*MEMORY_RESIDENT, *LLAMACPP_FAMILIES)]
     if manifest is None and flash_modes:
         raise ConfigError(
             f"modes {', '.join(flash_modes)} need a flash layout; {target} is not one"
         )
-    if draft is None and set(options.modes) & set(NEEDS_DRAFT):
+    needs_draft = set(options.modes) & set(NEEDS_DRAFT)
+    if options.llamacpp_draft:
+        needs_draft.discard("llamacpp-spec")  # it has its own
+    if draft is None and needs_draft:
         raise ConfigError("speculative modes need a draft model")
     dtype = options.dtype or (manifest.dtype if manifest else None)
-    if dtype is None:
+    ours = [m for m in options.modes if m not in LLAMACPP_FAMILIES]
+    if dtype is None and ours:
         raise ConfigError("a compute dtype is needed when the target is not a flash layout")
     cache = Path(options.cache_dir) if options.cache_dir else target.parent
-    full_bytes = manifest.file_bytes if manifest else weight_bytes(target, dtype)
+    full_bytes = 0
+    if ours:
+        full_bytes = manifest.file_bytes if manifest else weight_bytes(target, dtype)
     draft_bytes = weight_bytes(draft, options.draft_dtype) if draft is not None else 0
     overhead = parse_bytes(options.memory_overhead)
     one_limit = None if options.memory_limit is None else parse_bytes(options.memory_limit)
 
-    def info(name: str, family: str, budget_bytes: int, **fields) -> ModeInfo:
+    def info(
+        name: str, family: str, budget_bytes: int, extra_bytes: int | None = None, **fields
+    ) -> ModeInfo:
         """A mode's facts; an isolated one gets a memory limit: the one asked for, else its
-        budget + the draft's weights + the overhead."""
+        budget + the draft's weights (or `extra_bytes`) + the overhead."""
         limit = None
         if options.isolates(family):
-            limit = budget_bytes + draft_bytes + overhead if one_limit is None else one_limit
+            extra = draft_bytes if extra_bytes is None else extra_bytes
+            limit = budget_bytes + extra + overhead if one_limit is None else one_limit
         return ModeInfo(
             name=name,
             family=family,
@@ -184,6 +217,13 @@ def plan_modes(options: BenchOptions, target: Path, draft: Path | None) -> list[
                 model = hf_export_for(target, manifest.dtype, cache) if manifest else target
                 spec = PeerSpec(str(model), dtype)
             planned.append(PlannedMode(info(family, family, full_bytes), spec))
+        elif family in LLAMACPP_FAMILIES:
+            spec = plan_llamacpp(options, family, target, draft)
+            model_bytes = _size(spec.model)
+            draft_file_bytes = _size(spec.draft) if spec.draft else 0
+            tree = f"draft-simple:{options.llamacpp_draft_max}" if spec.draft else None
+            mode = info(family, family, model_bytes, draft_file_bytes, tree=tree)
+            planned.append(PlannedMode(mode, spec))
         elif family in ("peer-offload", "peer-assisted"):
             assert manifest is not None
             export = hf_export_for(target, manifest.dtype, cache)
@@ -231,12 +271,73 @@ def plan_modes(options: BenchOptions, target: Path, draft: Path | None) -> list[
     return planned
 
 
+def plan_llamacpp(
+    options: BenchOptions, family: str, target: Path, draft: Path | None
+) -> LlamaCppSpec:
+    """What a llama.cpp mode runs: its program (from --llamacpp-bin, else the cache's
+    build) and the GGUFs. What is missing makes the spec `unavailable`, with the reason:
+    the mode's rows then say so and the rest of the run goes on."""
+    cache = Path(options.cache_dir) if options.cache_dir else default_cache_dir()
+    name = llamacpp_build.COMPLETION if family == "llamacpp-ar" else llamacpp_build.SPECULATIVE
+    unavailable = None
+    if options.llamacpp_bin:
+        program = Path(options.llamacpp_bin) / name
+        if not program.is_file():
+            unavailable = f"no {name} in {options.llamacpp_bin} (--llamacpp-bin)"
+    else:
+        build = llamacpp_build.find_build(cache)
+        program = build.program(name) if build else Path()
+        if build is None:
+            unavailable = llamacpp_build.why_unavailable(cache)
+    model = Path(options.llamacpp_target) if options.llamacpp_target else gguf_of(target)
+    if model is None and unavailable is None:
+        unavailable = f"no GGUF of the target {target} for llama.cpp; give --llamacpp-target"
+    draft_gguf = None
+    if family == "llamacpp-spec":
+        draft_gguf = Path(options.llamacpp_draft) if options.llamacpp_draft else gguf_of(draft)
+        if draft_gguf is None and unavailable is None:
+            unavailable = f"no GGUF of the draft {draft} for llama.cpp; give --llamacpp-draft"
+    return LlamaCppSpec(
+        program=str(program) if unavailable is None else "",
+        model=str(model or ""),
+        tokenizer=str(target),
+        prompt_dir=str(cache / "llama.cpp-prompts"),
+        draft=str(draft_gguf) if draft_gguf else None,
+        draft_max=options.llamacpp_draft_max,
+        threads=options.llamacpp_threads,
+        unavailable=unavailable,
+    )
+
+
+def gguf_of(path: Path | None) -> Path | None:
+    """`path` if it is a GGUF file, else the GGUF a flash layout was converted from if it is
+    still there; None otherwise."""
+    if path is None:
+        return None
+    if path.suffix == ".gguf" and path.is_file():
+        return path
+    if (path / MANIFEST_NAME).is_file():
+        source = Path(read_manifest(path).source)
+        if source.suffix == ".gguf" and source.is_file():
+            return source
+    return None
+
+
+def _size(path: str) -> int:
+    try:
+        return Path(path).stat().st_size
+    except OSError:
+        return 0
+
+
 def open_in_process(planned: PlannedMode, drafts: dict[tuple[str, str], DraftModel]) -> Mode:
     """The Mode of a planned mode, to run in this process; engine modes share the drafts in
     `drafts` ((path, dtype) -> loaded draft), loading each once."""
     spec, info = planned.spec, planned.info
     if isinstance(spec, MemoryARSpec):
         return MemoryAR(info, spec)
+    if isinstance(spec, LlamaCppSpec):
+        return LlamaCppMode(info, spec)
     if isinstance(spec, PeerSpec):
         return PeerHF(info, spec)
     config = spec.config

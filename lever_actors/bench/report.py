@@ -8,7 +8,12 @@ import os
 from pathlib import Path
 
 from lever_actors.bench.results import AnyResults, BenchResults, ModeSummary, SweepResults
-from lever_actors.bench.summary import OFFLOADED_PEERS, SWEEP_LINES, sweep_rates
+from lever_actors.bench.summary import (
+    LLAMACPP_FAMILIES,
+    OFFLOADED_PEERS,
+    SWEEP_LINES,
+    sweep_rates,
+)
 from lever_actors.errors import LeverError
 
 START_MARKER = "<!-- results:start -->"
@@ -23,6 +28,7 @@ RATIO_LABELS = {
     "best_sd": "best SD",
     "memory_ar": "memory-resident AR",
     "peer": "transformers peer",
+    "llamacpp": "llama.cpp",
 }
 
 
@@ -109,7 +115,7 @@ def markdown_table(results: BenchResults) -> str:
         limit = _gib(info.memory_limit_bytes)
         if info.memory_limit_bytes is not None:
             limit += " (enforced)" if info.limit_enforced else " (not enforced)"
-        status = "ok" if s.failed is None else "failed: " + _cell(s.failed)
+        status = "ok" if s.failed is None else _status(s.failed)
         lines.append(
             f"| {s.mode} | {s.prompt_set} | {_num(s.decode_tok_s)} | {_num(ratio)} "
             f"| {_num(s.mean_first_token_s)} | {_num(s.mean_accepted)} "
@@ -119,10 +125,30 @@ def markdown_table(results: BenchResults) -> str:
     return "\n".join(lines)
 
 
+def _status(failed: str) -> str:
+    """A failed row's status: "unavailable: why" as the mode said it, else "failed: why"."""
+    return _cell(failed) if failed.startswith("unavailable") else "failed: " + _cell(failed)
+
+
 def memory_note(results: BenchResults) -> str:
     notes = " ".join(filter(None, [_isolation_note(results), _peer_note(results)]))
     modes = [f"{m.name}: {_cell(m.note)}." for m in results.modes if m.note]
-    return "\n\n".join(filter(None, [notes, *modes]))
+    return "\n\n".join(filter(None, [notes, *modes, _llamacpp_note(results)]))
+
+
+def _llamacpp_note(results: BenchResults) -> str:
+    """How llama.cpp ran: one process per prompt, its GGUFs evicted first, the first
+    prompt's command line (each run's is in the JSON)."""
+    ran = [m for m in results.modes if m.family in LLAMACPP_FAMILIES and m.command]
+    if not ran:
+        return ""
+    lines = [
+        "llama.cpp ran one process per prompt, its GGUF files evicted from the page cache "
+        "before each, isolated ones in a memory cgroup of their own; decode tok/s and "
+        "prefill are its own timings. First prompt's command line:"
+    ]
+    lines += [f"- {m.name}: `{m.command}`" for m in ran]
+    return "\n".join(lines)
 
 
 def _peer_note(results: BenchResults) -> str:
@@ -147,10 +173,20 @@ def _peer_note(results: BenchResults) -> str:
 def _isolation_note(results: BenchResults) -> str:
     isolated = [m for m in results.modes if m.isolated]
     if not isolated:
-        return (
-            "Peak RSS is of the one harness process that ran every mode (not per mode); "
-            "no memory limit was enforced."
-        )
+        llamacpp = [m.name for m in results.modes if m.family in LLAMACPP_FAMILIES]
+        if not llamacpp:
+            return (
+                "Peak RSS is of the one harness process that ran every mode (not per mode); "
+                "no memory limit was enforced."
+            )
+        ours = [m.name for m in results.modes if m.name not in llamacpp]
+        own = f"of {', '.join(llamacpp)} is llama.cpp's own process's"
+        if ours:
+            own = (
+                f"of {', '.join(ours)} is of the one harness process that ran them (not per "
+                f"mode), {own}"
+            )
+        return f"Peak RSS {own}; no memory limit was enforced."
     enforced = [m for m in results.modes if m.limit_enforced]
     if len(enforced) == len(results.modes):
         return (

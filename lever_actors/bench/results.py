@@ -63,6 +63,7 @@ class ModeInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     memory_limit_bytes: int | None = None  # the cgroup limit it ran under, if any
     limit_enforced: bool = False  # True only when a kernel memory limit was in force
     note: str | None = None  # what the mode found when it opened (the peer's placement)
+    command: str | None = None  # the command line an external program ran (llama.cpp's)
 
 
 class PromptRun(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -83,6 +84,9 @@ class PromptRun(msgspec.Struct, frozen=True, omit_defaults=True):
     peak_rss_bytes: int | None = None  # of the process that ran the mode, so far
     cgroup_peak_bytes: int | None = None  # of its cgroup (page cache included), so far
     failed: str | None = None  # the error, when this prompt did not decode
+    # what an external program reported of itself: llama.cpp's own timings, its command
+    # line and generated text (bench/llamacpp.py)
+    reported: dict[str, float | int | str] | None = None
 
     @property
     def decode_tokens(self) -> int:
@@ -116,6 +120,7 @@ class Ratios(msgspec.Struct, frozen=True, omit_defaults=True):
     lever_vs_best_sd: float | None = None
     lever_vs_memory_ar: float | None = None
     lever_vs_peer: float | None = None
+    lever_vs_llamacpp: float | None = None
 
 
 class Summary(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -127,6 +132,7 @@ class Summary(msgspec.Struct, frozen=True, omit_defaults=True):
     lever_vs_best_sd: float | None = None
     lever_vs_memory_ar: float | None = None
     lever_vs_peer: float | None = None
+    lever_vs_llamacpp: float | None = None
     per_prompt_set: dict[str, Ratios] = {}
     compared: dict[str, dict[str, str]] = {}  # prompt set -> {"lever": mode, "best_sd": ...}
 

@@ -17,6 +17,7 @@ import trio
 from lever_actors.bench.child import ChildMode
 from lever_actors.bench.harness import PromptSet, run_bench
 from lever_actors.bench.isolation import CgroupSupport, probe_cgroup
+from lever_actors.bench.llamacpp import LlamaCppMode, LlamaCppSpec
 from lever_actors.bench.modes import Mode
 from lever_actors.bench.plan import BenchOptions, PlannedMode, open_in_process, plan_modes
 from lever_actors.bench.plots import write_plots
@@ -129,10 +130,18 @@ def make_modes(
     drafts: dict[tuple[str, str], DraftModel],
 ) -> list[Mode]:
     """An isolated mode runs in a child process of its own (under a memory cgroup where
-    `cgroups` is usable); the others run in this process and share loaded drafts."""
-    return [
-        ChildMode(p, cgroups) if p.info.isolated else open_in_process(p, drafts) for p in planned
-    ]
+    `cgroups` is usable); the others run in this process and share loaded drafts. A
+    llama.cpp mode is driven from this process: its program is the process of its own,
+    and only that goes under the limit (see bench/llamacpp.py)."""
+    modes: list[Mode] = []
+    for p in planned:
+        if isinstance(p.spec, LlamaCppSpec):
+            modes.append(LlamaCppMode(p.info, p.spec, cgroups))
+        elif p.info.isolated:
+            modes.append(ChildMode(p, cgroups))
+        else:
+            modes.append(open_in_process(p, drafts))
+    return modes
 
 
 def isolation_support(options: BenchOptions, log) -> CgroupSupport | None:

@@ -21,7 +21,8 @@ from lever_actors.channels.stats import decode_rate, per_step
 
 SD_FAMILIES = ("sd-chain", "sd-static")
 OFFLOADED_PEERS = ("peer-offload", "peer-assisted")  # the peers that read from flash
-BASELINES = ("flash_ar", "best_sd", "memory_ar", "peer")
+LLAMACPP_FAMILIES = ("llamacpp-ar", "llamacpp-spec")  # llama.cpp's programs (bench/llamacpp.py)
+BASELINES = ("flash_ar", "best_sd", "memory_ar", "peer", "llamacpp")
 SWEEP_LINES = ("flash-AR", "best SD", "Lever")
 _LINE_FAMILIES = {"flash-AR": ("flash-ar",), "best SD": SD_FAMILIES, "Lever": ("lever",)}
 
@@ -97,8 +98,9 @@ def compute_summary(
     modes: Sequence[ModeInfo], runs: Sequence[PromptRun], budget: str | None = None
 ) -> Summary:
     """Compare at `budget` (default: the first budget of any mode). Per prompt set: lever
-    vs flash-AR, vs the fastest SD mode on that set, vs memory-resident AR, and vs the faster
-    peer that worked. A ratio whose modes are absent or failed is left out."""
+    vs flash-AR, vs the fastest SD mode on that set, vs memory-resident AR, vs the faster
+    transformers peer that worked, and vs the faster llama.cpp mode. A ratio whose modes
+    are absent or failed is left out."""
     if budget is None:
         budget = next((m.budget for m in modes if m.budget is not None), None)
     prompt_sets = list(dict.fromkeys(r.prompt_set for r in runs))
@@ -125,6 +127,10 @@ def compute_summary(
                 [m.name for m in modes if m.family == "memory-ar"], prompt_set, rate
             ),
             "peer": _fastest(at_budget(OFFLOADED_PEERS), prompt_set, rate),
+            # llama.cpp holds no DRAM budget of ours: the faster of its modes, at any
+            "llamacpp": _fastest(
+                [m.name for m in modes if m.family in LLAMACPP_FAMILIES], prompt_set, rate
+            ),
         }
         ratios = {
             f"lever_vs_{key}": lever_rate / found[1]

@@ -1,6 +1,6 @@
 """The `lever-actors` command: generate (cli/generate.py); serve (cli/serve.py);
 fetch-models, convert, export-hf, profile-disk, train-exit (cli/tools.py); bench, report,
-check-exact (bench/cli.py).
+check-exact, build-llamacpp (bench/cli.py).
 
 Exit codes: 0 done, 1 a runtime failure, 2 a usage error, 130 interrupted; an expected
 failure prints one line (and its traceback under -v), a bug its traceback."""
@@ -15,6 +15,7 @@ from pathlib import Path
 from lever_actors import __version__
 from lever_actors.bench.cli import (
     add_bench_arguments,
+    add_build_llamacpp_arguments,
     add_check_exact_arguments,
     add_report_arguments,
     apply_config,
@@ -108,6 +109,12 @@ def _parser() -> argparse.ArgumentParser:
         "prompts; exits 1 on any divergence",
     )
     add_check_exact_arguments(check)
+
+    build = sub.add_parser(
+        "build-llamacpp",
+        help="build llama.cpp once into the cache, for the bench's llamacpp-* modes",
+    )
+    add_build_llamacpp_arguments(build)
 
     for command in sub.choices.values():  # -v after the command too; unset, the top's stands
         command.add_argument(
