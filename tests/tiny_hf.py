@@ -161,3 +161,17 @@ def full_precision_norms():
     finally:
         for (owner, name, _), original in zip(patches, saved, strict=True):
             setattr(owner, name, original)
+
+
+def their_greedy(theirs: transformers.PreTrainedModel, prompt: list[int], n: int) -> list[int]:
+    """transformers' own greedy `generate` of n tokens after `prompt`, in full precision."""
+    with full_precision_norms(), torch.no_grad():
+        out = theirs.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()

@@ -9,7 +9,7 @@ from lever_actors.checkpoints.gguf_file import load_gguf
 from lever_actors.model.sequential import sequential_cached
 from lever_actors.model.transformer import Transformer
 from tests.hf_to_gguf import write_gguf_of
-from tests.tiny_hf import full_precision_norms, tiny_model
+from tests.tiny_hf import full_precision_norms, their_greedy, tiny_model
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -40,19 +40,6 @@ def _load(theirs, tmp_path) -> Transformer:
     return Transformer(ours.args, ours.weights)
 
 
-def _their_greedy(theirs, prompt: list[int], n: int) -> list[int]:
-    with full_precision_norms(), torch.no_grad():
-        out = theirs.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 @pytest.mark.parametrize(("arch", "kwargs"), CASES)
 def test_gguf_equals_transformers(arch, kwargs, tmp_path):
     theirs = tiny_model(arch, **kwargs)
@@ -62,7 +49,7 @@ def test_gguf_equals_transformers(arch, kwargs, tmp_path):
         expected = theirs(tokens[None]).logits[0]
     assert (_logits(ours, tokens) - expected).abs().max().item() <= 1e-9
     prompt = [3, 14, 15, 92, 65, 35]
-    assert sequential_cached(ours, prompt, 24) == _their_greedy(theirs, prompt, 24)
+    assert sequential_cached(ours, prompt, 24) == their_greedy(theirs, prompt, 24)
 
 
 def test_rope_freqs_tensor_is_llama3_scaling(tmp_path):
@@ -80,4 +67,4 @@ def test_rope_freqs_tensor_is_llama3_scaling(tmp_path):
     assert error <= 1e-5
     assert (unscaled - expected).abs().max().item() > 1e3 * error  # the scaling matters
     prompt = [3, 14, 15, 92, 65, 35]
-    assert sequential_cached(ours, prompt, 24) == _their_greedy(theirs, prompt, 24)
+    assert sequential_cached(ours, prompt, 24) == their_greedy(theirs, prompt, 24)

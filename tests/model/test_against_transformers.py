@@ -8,7 +8,7 @@ import torch
 from lever_actors.checkpoints.hf import load_hf
 from lever_actors.model.sequential import sequential_cached, sequential_reference
 from lever_actors.model.transformer import Transformer
-from tests.tiny_hf import ARCHS, full_precision_norms, save_tiny, tiny_model
+from tests.tiny_hf import ARCHS, full_precision_norms, save_tiny, their_greedy, tiny_model
 
 CASES = [
     pytest.param(("llama", {}), id="llama"),
@@ -75,26 +75,13 @@ def test_cached_chunks_equal_one_pass(pair):
     assert (torch.cat(parts) - whole).abs().max().item() <= 1e-12
 
 
-def _their_greedy(theirs, prompt: list[int], n: int) -> list[int]:
-    with full_precision_norms(), torch.no_grad():
-        out = theirs.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 @pytest.mark.parametrize(
     "decode", [sequential_reference, sequential_cached], ids=["no-cache", "kv-cache"]
 )
 def test_greedy_equals_transformers_generate(pair, decode):
     theirs, ours = pair
     prompt = [3, 14, 15, 92, 65, 35]
-    assert decode(ours, prompt, 32) == _their_greedy(theirs, prompt, 32)
+    assert decode(ours, prompt, 32) == their_greedy(theirs, prompt, 32)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
