@@ -126,8 +126,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("none", "peers", "all"),
         help="all (the flag alone): run each mode in its own child process, under a cgroup "
         "memory limit where the machine allows (root + a cgroup memory controller), peak RSS "
-        "per mode either way; peers: only the transformers peers, whose offload reads go "
-        "through the page cache, so ours can run interleaved beside them in this process",
+        "per mode either way; peers: only the transformers and llama.cpp peers, whose reads "
+        "go through the page cache, so ours can run interleaved beside them in this process "
+        "(llama.cpp's own processes go under the limit, not a Python child)",
     )
     parser.add_argument(
         "--order",
