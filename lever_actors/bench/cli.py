@@ -71,8 +71,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         help="the target: a flash layout (needed by flash and peer-offload modes), or a GGUF "
-        "file / HF directory for memory modes (default: the real 1.5B target as a bf16 layout, "
-        "made once)",
+        "file / HF directory for memory modes (default: the real 1.5B target's layout with its "
+        "GGUF's quantized weights, made once)",
     )
     parser.add_argument(
         "--budgets",
