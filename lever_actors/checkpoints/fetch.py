@@ -76,10 +76,14 @@ def default_cache_dir() -> Path:
     return base / "lever_actors"
 
 
-def pip_download(name: str, version: str, dest: Path, *, pip_args: Sequence[str] = ()) -> Path:
-    """Download one wheel with this interpreter's pip; `pip_args` are appended (e.g. an index)."""
+def pip_download(
+    name: str, version: str, dest: Path, *, pip_args: Sequence[str] = (), source: bool = False
+) -> Path:
+    """Download one wheel (or with `source`, the sdist) with this interpreter's pip;
+    `pip_args` are appended (e.g. an index)."""
+    kind = ["--no-binary", name] if source else ["--only-binary=:all:"]
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        sys.executable, "-m", "pip", "download", "--no-deps", *kind,
         "--quiet", "--disable-pip-version-check", "-d", str(dest), *pip_args,
         f"{name}=={version}",
     ]  # fmt: skip
@@ -89,10 +93,10 @@ def pip_download(name: str, version: str, dest: Path, *, pip_args: Sequence[str]
             f"pip could not download {name}=={version} (exit {proc.returncode}): "
             f"{_last_error_line(proc.stderr)}"
         )
-    wheels = sorted(dest.glob("*.whl"))
-    if len(wheels) != 1:
-        raise FetchError(f"pip download of {name}=={version} left {len(wheels)} wheels in {dest}")
-    return wheels[0]
+    found = sorted(dest.glob("*.tar.gz" if source else "*.whl"))
+    if len(found) != 1:
+        raise FetchError(f"pip download of {name}=={version} left {len(found)} files in {dest}")
+    return found[0]
 
 
 def _last_error_line(stderr: str) -> str:

@@ -279,13 +279,7 @@ def test_both_modes_run_end_to_end(tmp_path, fake_llama, monkeypatch):
 
 
 async def test_an_end_token_is_counted_where_the_bench_stops_on_one(tmp_path, fake_llama):
-    spec = LlamaCppSpec(
-        program=str(fake_llama / lb.COMPLETION),
-        model=str(tmp_path / "target.gguf"),
-        tokenizer=str(tmp_path),
-        prompt_dir=str(tmp_path / "prompts"),
-    )
-    mode = LlamaCppMode(ModeInfo(name="llamacpp-ar", family="llamacpp-ar"), spec)
+    mode = _completion_mode(tmp_path, fake_llama)
     end = CHARS.index("\t")
     results = await run_bench(
         [mode], PROMPTS, max_new_tokens=40, stop_ids=frozenset({end}), config={}
@@ -333,12 +327,17 @@ def test_a_failing_program_fails_its_rows_with_its_error(tmp_path, fake_llama, m
 
 
 async def test_sampling_is_refused(tmp_path, fake_llama):
+    mode = _completion_mode(tmp_path, fake_llama)
+    with pytest.raises(ModeFailed, match="greedily only"):
+        await mode.decode([1, 2], 4, frozenset(), Sampling(temperature=0.7))
+
+
+def _completion_mode(tmp_path, fake_llama) -> LlamaCppMode:
+    """llamacpp-ar over the fake program, its prompts and tokenizer in `tmp_path`."""
     spec = LlamaCppSpec(
         program=str(fake_llama / lb.COMPLETION),
         model=str(tmp_path / "target.gguf"),
         tokenizer=str(tmp_path),
         prompt_dir=str(tmp_path / "prompts"),
     )
-    mode = LlamaCppMode(ModeInfo(name="llamacpp-ar", family="llamacpp-ar"), spec)
-    with pytest.raises(ModeFailed, match="greedily only"):
-        await mode.decode([1, 2], 4, frozenset(), Sampling(temperature=0.7))
+    return LlamaCppMode(ModeInfo(name="llamacpp-ar", family="llamacpp-ar"), spec)
