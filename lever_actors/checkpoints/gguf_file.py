@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +15,11 @@ from gguf import GGUFValueType
 
 from lever_actors.checkpoints.checkpoint import Checkpoint, check_layer_count
 from lever_actors.checkpoints.quantize import (
+    ROW_WISE_FORMATS,
     WeightsChoice,
     check_choice,
     q4k_to_int4,
+    quantize_by_rows,
     quantize_tensor,
     tensor_format,
 )
@@ -84,6 +86,7 @@ _UNSUPPORTED_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 _READER_ERRORS = (ValueError, TypeError, IndexError, KeyError, OverflowError, RecursionError)
 _MISSING: Any = object()
 _CHUNK_BLOCKS = 2048
+_CHUNK_VALUES = 1 << 22  # a row-wise quantized matrix is read in chunks of 16 MB of float32
 
 
 def load_gguf(path: Path, dtype: torch.dtype, weights: WeightsChoice = "dense") -> Checkpoint:
@@ -109,6 +112,8 @@ def load_gguf(path: Path, dtype: torch.dtype, weights: WeightsChoice = "dense") 
             rows = torch.from_numpy(np.array(t.data)).view(shape[0], -1)  # a row's blocks
             rows = rows if heads is None else unpermute_qk(rows, heads)
             return q4k_to_int4(rows.reshape(-1, gguf.GGML_QUANT_SIZES[QType.Q4_K][1]), shape, fmt)
+        if fmt in ROW_WISE_FORMATS and heads is None:
+            return quantize_by_rows(_row_chunks(t, path), fmt, shape)
         values = _tensor(t, path)
         values = values if heads is None else unpermute_qk(values, heads)
         return quantize_tensor(values, fmt, dtype)
@@ -373,8 +378,29 @@ def _tensor(t: gguf.ReaderTensor, path: Path) -> torch.Tensor:
     return torch.from_numpy(_dequantize(t, path)).reshape(shape)
 
 
+def _row_chunks(t: gguf.ReaderTensor, path: Path) -> Iterator[torch.Tensor]:
+    """A 2-D quantized tensor's values, [rows, in] float32 a few MB at a time."""
+    out, inputs = _torch_shape(t)
+    if t.tensor_type in (QType.F32, QType.F16, QType.F64, QType.BF16):
+        yield _tensor(t, path).float()
+        return
+    block_size, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+    per_row = inputs // block_size
+    blocks = t.data.reshape(-1, type_size)
+    rows = max(1, _CHUNK_VALUES // inputs)
+    for start in range(0, out, rows):
+        chunk = blocks[start * per_row : min(start + rows, out) * per_row]
+        yield torch.from_numpy(_dequantize_blocks(t, chunk, path)).reshape(-1, inputs)
+
+
 def _dequantize(t: gguf.ReaderTensor, path: Path) -> np.ndarray:
     """A quantized tensor's values: [n_blocks, block_size] float32, via gguf's numpy kernels."""
+    _, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+    return _dequantize_blocks(t, t.data.reshape(-1, type_size), path)
+
+
+def _dequantize_blocks(t: gguf.ReaderTensor, blocks: np.ndarray, path: Path) -> np.ndarray:
+    """Some of tensor t's blocks, [n, type_size] bytes -> their values [n, block_size]."""
     quant = getattr(gguf.quants, t.tensor_type.name, None)  # gguf names each class after its type
     if quant is None or not hasattr(quant, "dequantize_blocks"):
         raise CheckpointError(
@@ -382,8 +408,7 @@ def _dequantize(t: gguf.ReaderTensor, path: Path) -> np.ndarray:
             "F32, F16, BF16, F64 and the quantized types the gguf package dequantizes"
         )
     quant.init_grid()  # the IQ types decode through a lookup grid built on first use
-    block_size, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
-    blocks = t.data.reshape(-1, type_size)
+    block_size, _ = gguf.GGML_QUANT_SIZES[t.tensor_type]
     out = np.empty((blocks.shape[0], block_size), dtype=np.float32)
     # Cache-sized chunks: 2-4x faster than gguf.quants.dequantize's loop over 16-row groups.
     for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):

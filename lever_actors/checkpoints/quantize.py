@@ -12,6 +12,7 @@ only the scales round to bf16); other types are dequantized and rounded to neare
 from __future__ import annotations
 
 import typing
+from collections.abc import Iterable
 
 import msgspec
 import torch
@@ -24,6 +25,7 @@ from lever_actors.model.quantized import (
     COMPUTE_DTYPE,
     Format,
     QuantizedRows,
+    QuantizedWeight,
     check_quantizable,
     from_groups,
     quantize_int4,
@@ -77,6 +79,21 @@ def quantize_tensor(values: torch.Tensor, fmt: Format, dtype: torch.dtype) -> We
     if fmt == "int8":
         return quantize_int8(values)
     return quantize_int4(values, fmt)  # type: ignore[arg-type]
+
+
+# formats that quantize each row on its own, so a matrix may arrive a chunk of rows at a time
+ROW_WISE_FORMATS = ("int8", "int4rows")
+
+
+def quantize_by_rows(chunks: Iterable[torch.Tensor], fmt: Format, shape: tuple[int, int]) -> Weight:
+    """A matrix in a ROW_WISE_FORMATS format from its rows in chunks ([rows, in] float each):
+    only one chunk is ever held in float, not the whole (545 MB for the draft's head)."""
+    parts = [quantize_tensor(chunk, fmt, COMPUTE_DTYPE) for chunk in chunks]
+    if fmt == "int8":
+        data = torch.cat([p.data for p in parts])  # type: ignore[union-attr]
+        scales = torch.cat([p.scales for p in parts])  # type: ignore[union-attr]
+        return QuantizedWeight("int8", shape, data, scales)
+    return QuantizedRows(shape, torch.cat([p.records for p in parts]))  # type: ignore[union-attr]
 
 
 def quantize_checkpoint(checkpoint: Checkpoint, choice: WeightsChoice) -> Checkpoint:

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.gguf_file import load_gguf
-from lever_actors.checkpoints.quantize import tensor_format
+from lever_actors.checkpoints.quantize import quantize_by_rows, quantize_tensor, tensor_format
 from lever_actors.device.flash import FlashStore
 from lever_actors.errors import ConfigError
 from lever_actors.model.quantized import QuantizedRows, QuantizedWeight, dense_values
@@ -123,3 +123,11 @@ def test_quantized_layout_is_smaller_than_dense(tmp_path: Path) -> None:
     dense = convert(path, tmp_path / "dense", BF16, weights="dense").file_bytes
     quantized = convert(path, tmp_path / "q4", BF16, weights="q4").file_bytes
     assert quantized < 0.45 * dense
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4rows"])
+def test_row_wise_formats_quantize_the_same_in_chunks(fmt: str) -> None:
+    values = torch.randn(70, 64, generator=torch.Generator().manual_seed(0))
+    whole = quantize_tensor(values, fmt, BF16)
+    chunked = quantize_by_rows(values.split(16), fmt, (70, 64))
+    assert torch.equal(dense_values(chunked), dense_values(whole))
