@@ -17,13 +17,15 @@ from lever_actors.bench import llamacpp_build as lb
 from lever_actors.bench.harness import PromptSet, run_bench
 from lever_actors.bench.isolation import probe_cgroup
 from lever_actors.bench.llamacpp import (
-    END_OF_TEXT,
     LlamaCppMode,
     LlamaCppSpec,
     command_line,
     context_size,
-    generated_text,
     gguf_eos_id,
+)
+from lever_actors.bench.llamacpp_output import (
+    END_OF_TEXT,
+    generated_text,
     parse_completion_timings,
     parse_speculative_timings,
 )
