@@ -10,14 +10,13 @@ from lever_actors.checkpoints.checkpoint import Checkpoint
 from lever_actors.checkpoints.flash_layout import load_flash_layout
 from lever_actors.checkpoints.gguf_file import load_gguf
 from lever_actors.checkpoints.hf import load_hf
-from lever_actors.checkpoints.quantize import WeightsChoice, check_choice, quantize_checkpoint
+from lever_actors.checkpoints.quantize import check_choice, quantize_checkpoint
+from lever_actors.config import Weights
 from lever_actors.device.layout import MANIFEST_NAME
 from lever_actors.errors import CheckpointError
 
 
-def load_checkpoint(
-    path: str | Path, dtype: torch.dtype, weights: WeightsChoice = "dense"
-) -> Checkpoint:
+def load_checkpoint(path: str | Path, dtype: torch.dtype, weights: Weights = "dense") -> Checkpoint:
     """Load an HF directory, a .gguf file or a flash layout whole into DRAM, as `dtype`, its
     matrices quantized as `weights` says (checkpoints/quantize.py; a flash layout keeps the
     formats it was converted to)."""

@@ -12,7 +12,7 @@ import torch
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.checkpoint import Checkpoint
 from lever_actors.checkpoints.new_directory import new_directory
-from lever_actors.checkpoints.quantize import WeightsChoice
+from lever_actors.config import Weights
 from lever_actors.device.checksums import checksum, chunk_checksums
 from lever_actors.device.layout import (
     DTYPE_NAMES,
@@ -40,7 +40,7 @@ def convert(
     out: Path,
     dtype: torch.dtype,
     progress: Progress | None = None,
-    weights: WeightsChoice = "dense",
+    weights: Weights = "dense",
 ) -> Manifest:
     """Write the flash layout of `src` to directory `out`, which must not exist yet, its
     matrices in the formats `weights` chooses (checkpoints/quantize.py).

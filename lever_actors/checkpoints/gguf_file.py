@@ -16,7 +16,6 @@ from gguf import GGUFValueType
 from lever_actors.checkpoints.checkpoint import Checkpoint, check_layer_count
 from lever_actors.checkpoints.quantize import (
     ROW_WISE_FORMATS,
-    WeightsChoice,
     check_choice,
     q4k_to_int4,
     quantize_by_rows,
@@ -24,6 +23,7 @@ from lever_actors.checkpoints.quantize import (
     tensor_format,
 )
 from lever_actors.checkpoints.tokenizer import Tokenizer
+from lever_actors.config import Weights
 from lever_actors.errors import CheckpointError
 from lever_actors.model.args import ModelArgs, RopeScaling, check_args
 from lever_actors.model.weights import (
@@ -89,7 +89,7 @@ _CHUNK_BLOCKS = 2048
 _CHUNK_VALUES = 1 << 22  # a row-wise quantized matrix is read in chunks of 16 MB of float32
 
 
-def load_gguf(path: Path, dtype: torch.dtype, weights: WeightsChoice = "dense") -> Checkpoint:
+def load_gguf(path: Path, dtype: torch.dtype, weights: Weights = "dense") -> Checkpoint:
     """Read a GGUF file of one of GGUF_ARCHITECTURES into DRAM, after checking its metadata
     and every tensor's shape against what the metadata implies: every tensor dequantized to
     `dtype`, or with `weights` other than "dense", matrices kept quantized (checkpoints/

@@ -33,13 +33,12 @@ from lever_actors.model.quantized import (
 )
 from lever_actors.model.weights import ModelWeights, Weight, is_norm
 
-WeightsChoice = Weights
 WEIGHTS_CHOICES: tuple[str, ...] = typing.get_args(Weights)
 _FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS")
 _EIGHT_BIT = ("Q6_K", "Q8_0", "Q8_1", "Q8_K")
 
 
-def check_choice(weights: str, dtype: torch.dtype) -> WeightsChoice:
+def check_choice(weights: str, dtype: torch.dtype) -> Weights:
     if weights not in WEIGHTS_CHOICES:
         raise ConfigError(f"weights {weights!r}: expected one of {', '.join(WEIGHTS_CHOICES)}")
     if weights != "dense" and dtype != COMPUTE_DTYPE:
@@ -48,7 +47,7 @@ def check_choice(weights: str, dtype: torch.dtype) -> WeightsChoice:
 
 
 def tensor_format(
-    choice: WeightsChoice, ours: str, shape: tuple[int, ...], source_type: str | None = None
+    choice: Weights, ours: str, shape: tuple[int, ...], source_type: str | None = None
 ) -> Format:
     """The format tensor `ours` of this shape is kept in; `source_type` is the GGUF type name
     it is stored as (None for float sources)."""
@@ -96,7 +95,7 @@ def quantize_by_rows(chunks: Iterable[torch.Tensor], fmt: Format, shape: tuple[i
     return QuantizedRows(shape, torch.cat([p.records for p in parts]))  # type: ignore[union-attr]
 
 
-def quantize_checkpoint(checkpoint: Checkpoint, choice: WeightsChoice) -> Checkpoint:
+def quantize_checkpoint(checkpoint: Checkpoint, choice: Weights) -> Checkpoint:
     """A checkpoint loaded in float (an HF one) with its matrices in `choice`'s formats."""
     args, w = checkpoint.args, checkpoint.weights
 

@@ -10,7 +10,7 @@ import torch
 
 from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.fetch import REAL_MODELS, fetch_model
-from lever_actors.checkpoints.quantize import WeightsChoice
+from lever_actors.config import Weights
 from lever_actors.device.layout import MANIFEST_VERSION, manifest_version
 from lever_actors.progress import Progress
 
@@ -21,11 +21,11 @@ def real_model_path(cache_dir: Path, key: str, progress: Progress | None = None)
 
 
 # the real target's layout when none is named: its matrices as the GGUF keeps them
-REAL_TARGET_WEIGHTS: WeightsChoice = "auto"
+REAL_TARGET_WEIGHTS: Weights = "auto"
 
 
 def real_target_layout(
-    cache_dir: Path, progress: Progress | None = None, weights: WeightsChoice = REAL_TARGET_WEIGHTS
+    cache_dir: Path, progress: Progress | None = None, weights: Weights = REAL_TARGET_WEIGHTS
 ) -> Path:
     """The real target's flash layout, converted from its GGUF once: bf16 ("dense"), or
     with its matrices in the file's own 4- and 8-bit classes ("auto"), or q4, q8."""
