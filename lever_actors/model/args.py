@@ -278,6 +278,7 @@ def args_from_hf_config(config: Any, source: str) -> ModelArgs:
     def given(key: str) -> Any:
         value = getattr(c, key)
         return defaults.get(key) if value is msgspec.UNSET else value
+
     # a zero head count is reported by check_args, not divided by here
     default_head_dim = c.hidden_size // c.num_attention_heads if c.num_attention_heads > 0 else 0
     sliding_layers = _hf_sliding_layers(arch, c, given("sliding_window"), source)

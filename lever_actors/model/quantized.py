@@ -87,7 +87,8 @@ class QuantizedWeight:
         return self.linear(h[None].to(COMPUTE_DTYPE))[0, ids].float()
 
     def dequantize(self) -> torch.Tensor:
-        """The matrix the kernel multiplies by, in float32: [out, in]."""
+        """The matrix the kernel multiplies by, as float32 [out, in] (int4: read back through
+        the kernel, so rounded to bf16 as its outputs are)."""
         out, inputs = self.shape
         if self.fmt == "int8":
             return self.data.float() * self.scales.float()[:, None]
