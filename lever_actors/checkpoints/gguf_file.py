@@ -21,6 +21,7 @@ from lever_actors.checkpoints.quantize import (
     quantize_by_rows,
     quantize_tensor,
     tensor_format,
+    tied_head,
 )
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.config import Weights
@@ -119,12 +120,10 @@ def load_gguf(path: Path, dtype: torch.dtype, weights: Weights = "dense") -> Che
         return quantize_tensor(values, fmt, dtype)
 
     embed = load("embed")
-    tied = args.tie_embeddings
-    lm_head = embed if tied else load("lm_head")
-    if tied and not isinstance(embed, torch.Tensor):
-        # a table read by rows cannot be multiplied by: the head gets its own packing
-        lm_head = load("lm_head", stored_as="embed")
-        args = msgspec.structs.replace(args, tie_embeddings=False)
+    if args.tie_embeddings:
+        args, lm_head = tied_head(args, embed, lambda: load("lm_head", stored_as="embed"))
+    else:
+        lm_head = load("lm_head")
     return Checkpoint(
         args=args,
         weights=ModelWeights(

@@ -12,7 +12,7 @@ only the scales round to bf16); other types are dequantized and rounded to neare
 from __future__ import annotations
 
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import msgspec
 import torch
@@ -103,8 +103,10 @@ def quantize_checkpoint(checkpoint: Checkpoint, choice: Weights) -> Checkpoint:
         return quantize_tensor(t, tensor_format(choice, ours, tuple(t.shape)), COMPUTE_DTYPE)
 
     embed = convert("embed", w.embed)
-    lm_head = convert("lm_head", w.lm_head) if w.lm_head is not w.embed else embed
-    args, lm_head = untie_quantized(args, embed, lm_head, w.embed)
+    if args.tie_embeddings:
+        args, lm_head = tied_head(args, embed, lambda: convert("lm_head", w.embed))
+    else:
+        lm_head = convert("lm_head", w.lm_head)
     weights = ModelWeights(
         embed=embed,
         final_norm=w.final_norm.to(COMPUTE_DTYPE),
@@ -114,17 +116,15 @@ def quantize_checkpoint(checkpoint: Checkpoint, choice: Weights) -> Checkpoint:
     return Checkpoint(args, weights, checkpoint.tokenizer, checkpoint.source)
 
 
-def untie_quantized(
-    args: ModelArgs, embed: Weight, lm_head: Weight, embed_values: torch.Tensor
+def tied_head(
+    args: ModelArgs, embed: Weight, own_head: Callable[[], Weight]
 ) -> tuple[ModelArgs, Weight]:
-    """A 4-bit embedding table is read by rows and cannot be multiplied by: a tied model
-    then gets an LM head of its own, the same values packed for the kernel."""
-    if not isinstance(embed, QuantizedRows) or lm_head is not embed:
-        return args, lm_head
-    head = quantize_tensor(
-        embed_values, tensor_format("q4", "lm_head", tuple(embed.shape)), COMPUTE_DTYPE
-    )
-    return msgspec.structs.replace(args, tie_embeddings=False), head
+    """The LM head of a tied model: the embedding table itself, unless that is a 4-bit
+    table read by rows, which cannot be multiplied by; the model then gets a head of its
+    own, `own_head()` (the same values in the LM head's format), and is untied."""
+    if isinstance(embed, torch.Tensor):
+        return args, embed
+    return msgspec.structs.replace(args, tie_embeddings=False), own_head()
 
 
 def q4k_to_int4(blocks: torch.Tensor, shape: tuple[int, int], fmt: Format) -> Weight:
