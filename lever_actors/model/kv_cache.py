@@ -46,8 +46,8 @@ class KVCache:
         slots = slice(self.length, self.length + n) if offsets is None else self.length + offsets
         self.keys[layer, :, slots] = k
         self.values[layer, :, slots] = v
-        if positions is None:
-            positions = torch.arange(self.capacity)[slots]
+        if positions is None:  # a chain: each token's position is its slot
+            positions = torch.arange(self.length, self.length + n) if offsets is None else slots
         self.positions[slots] = positions
         return self.keys[layer, :, :end], self.values[layer, :, :end]
 
