@@ -40,7 +40,7 @@ from lever_actors.channels.messages import (
 from lever_actors.channels.stats import DecodePhase, decode_phase, decode_rate, per_step
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, EngineConfig, check_request_size
-from lever_actors.device.memory import peak_rss_bytes
+from lever_actors.device.memory import peak_rss_bytes, return_freed_heap
 from lever_actors.device.units import ComputeUnit
 from lever_actors.draft import DraftModel, load_draft
 from lever_actors.errors import ConfigError, EngineClosedError
@@ -134,18 +134,21 @@ class Engine:
         drafting = config.tree.kind != "none"
         if drafting and draft is None and config.draft is None:
             raise ConfigError(f"tree {str(config.tree)!r} needs a draft model; set draft")
+        # the draft first: its loading peak (several hundred MB of temporaries) then comes
+        # before the target's resident weights, not on top of them
+        if draft is None and drafting:
+            draft = await trio.to_thread.run_sync(
+                load_draft, config.draft, config.draft_dtype, config.draft_weights
+            )
         target = await trio.to_thread.run_sync(_open_target, config)
         try:
-            if draft is None and drafting:
-                draft = await trio.to_thread.run_sync(
-                    load_draft, config.draft, config.draft_dtype, config.draft_weights
-                )
             model = draft.model if draft is not None and drafting else None
             if model is not None:
                 _check_same_vocabulary(target, draft)
             policies = await trio.to_thread.run_sync(
                 build_policies, config, target, model, progress
             )
+            return_freed_heap()  # the start-up profiling's temporaries
             try:
                 async with trio.open_nursery() as nursery:
                     engine = cls(config, target, model, policies, nursery)
@@ -426,6 +429,9 @@ class Engine:
             commit = Commit(step=step, accepted=verdict.accepted, next_tokens=verdict.tokens[-1:])
             for channel in commits:
                 await channel.send(commit)
+            # the step's freed temporaries (~150 MB held at steady state) back to the kernel
+            # (about a millisecond): under a memory limit they would crowd out the page cache
+            return_freed_heap()
 
 
 CHANNEL_CLOSED = (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError)

@@ -147,6 +147,19 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--memory-overhead", default="1GiB", help="runtime headroom in the default limit"
     )
+    parser.add_argument(
+        "--limits",
+        default=None,
+        help="memory limits as the run's axis, e.g. 1GiB,1.25GiB,3GiB: every mode but the "
+        "memory-resident ones runs under each in a child (--isolate all), ours with the DRAM "
+        "budget that fits (--budgets is then unused); named mode@limit",
+    )
+    parser.add_argument(
+        "--limit-overhead",
+        default=BenchOptions().limit_overhead,
+        help="with --limits: memory our modes need beside the target's budget and the "
+        "draft's weights (the process, tokenizers, activations)",
+    )
     llamacpp = parser.add_argument_group(
         "llama.cpp", "the llamacpp-ar and llamacpp-spec modes (built by `build-llamacpp`)"
     )
@@ -330,6 +343,8 @@ def _split(text: str) -> tuple[str, ...]:
 
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     modes = args.modes or (",".join(SWEEP_FAMILIES) if args.sweep else DEFAULT_MODES)
+    limits = _split(args.limits) if args.limits else ()
+    isolate = "all" if limits and args.isolate == "none" else args.isolate  # limits need children
     return BenchOptions(
         modes=_split(modes),
         budgets=_split(args.budgets),
@@ -344,10 +359,12 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         sampling=sampling_of(args, args.seed),
-        isolate=args.isolate,
-        order=args.order or ("sequential" if args.isolate == "all" else "interleaved"),
+        isolate=isolate,
+        order=args.order or ("sequential" if isolate == "all" else "interleaved"),
         memory_limit=args.memory_limit,
         memory_overhead=args.memory_overhead,
+        limits=limits,
+        limit_overhead=args.limit_overhead,
         cache_dir=str(args.cache_dir),
         llamacpp_draft_max=args.llamacpp_draft_max,
         llamacpp_threads=args.llamacpp_threads,

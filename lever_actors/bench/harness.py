@@ -16,7 +16,12 @@ from dataclasses import dataclass
 
 from lever_actors.bench.modes import Decoded, Mode, describe
 from lever_actors.bench.results import BenchResults, Machine, PromptRun
-from lever_actors.bench.summary import compute_summary, summarise, with_agreement
+from lever_actors.bench.summary import (
+    compute_summary,
+    limit_summary,
+    summarise,
+    with_agreement,
+)
 from lever_actors.device.memory import peak_rss_bytes
 from lever_actors.model.sampling import GREEDY, Sampling
 
@@ -66,6 +71,9 @@ async def run_bench(
     runs = with_agreement(runner.runs, reference)
     infos = [mode.info for mode in modes]  # after open: isolation facts are known
     summaries = [summarise(m.name, s.name, runs) for s in prompt_sets for m in infos]
+    summary = compute_summary(infos, runs, budget)
+    if any(m.limit is not None for m in infos):
+        summary = limit_summary(summary, infos, runs, reference)
     return BenchResults(
         machine=Machine.here(),
         command=command,
@@ -74,7 +82,7 @@ async def run_bench(
         modes=infos,
         runs=runs,
         summaries=summaries,
-        summary=compute_summary(infos, runs, budget),
+        summary=summary,
     )
 
 

@@ -25,11 +25,12 @@ from lever_actors.bench.results import ModeInfo
 from lever_actors.bench.summary import LLAMACPP_FAMILIES
 from lever_actors.checkpoints.fetch import default_cache_dir
 from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, DramBudget, EngineConfig
-from lever_actors.device.layout import DTYPE_NAMES, MANIFEST_NAME, read_manifest
+from lever_actors.device.budget import minimum_budget
+from lever_actors.device.layout import DTYPE_NAMES, MANIFEST_NAME, Manifest, read_manifest
 from lever_actors.draft import DraftModel, load_draft
 from lever_actors.errors import ConfigError
 from lever_actors.model.sampling import GREEDY, Sampling
-from lever_actors.sizes import parse_bytes
+from lever_actors.sizes import compact_bytes, parse_bytes
 
 ENGINE_FAMILIES = (
     "flash-ar",
@@ -45,8 +46,10 @@ ENGINE_FAMILIES = (
     "lever-no-verify",
 )
 PEER_FAMILIES = ("peer-memory", "peer-offload", "peer-assisted")
-MODES = ("memory-ar", *ENGINE_FAMILIES, *PEER_FAMILIES, *LLAMACPP_FAMILIES)
-MEMORY_RESIDENT = ("memory-ar", "peer-memory")
+# memory-ar-dense: memory-resident AR on the target's GGUF dequantized to bf16, beside the
+# quantized layout's memory-ar
+MEMORY_RESIDENT = ("memory-ar", "memory-ar-dense", "peer-memory")
+MODES = (*MEMORY_RESIDENT, *ENGINE_FAMILIES, *PEER_FAMILIES, *LLAMACPP_FAMILIES)
 ISOLATE = ("none", "peers", "all")
 NEEDS_DRAFT = tuple(
     f for f in (*ENGINE_FAMILIES, "peer-assisted", "llamacpp-spec") if f != "flash-ar"
@@ -77,6 +80,11 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     order: str = "interleaved"  # or "sequential": one mode at a time, over all prompts
     memory_limit: str | None = None  # one limit for every child; default: budget + draft + overhead
     memory_overhead: str = "1GiB"  # runtime headroom in the default limit
+    # memory limits as the run's axis ("1GiB", ...): every mode but the memory-resident ones
+    # runs under each, in a child (isolate "all"), ours with the DRAM budget that fits
+    # beside the draft and --limit-overhead; the budgets above are then unused
+    limits: tuple[str, ...] = ()
+    limit_overhead: str = "600MiB"  # memory beside budget and draft, measured (docs/status.md)
     cache_dir: str = ""  # where the peer's HF exports and offload folders go
     # llama.cpp (bench/llamacpp.py): drafted tokens per step of llamacpp-spec, threads, a
     # directory holding its programs (default: the cache's build), and the GGUFs it runs
@@ -110,6 +118,13 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError("--prompts must be at least 1")
         if self.llamacpp_draft_max < 1 or self.llamacpp_threads < 1:
             raise ConfigError("--llamacpp-draft-max and --llamacpp-threads must be at least 1")
+        for limit in self.limits:
+            parse_bytes(limit)  # a limit that cannot be read fails here, not mid-run
+        if self.limits and (self.isolate != "all" or self.memory_limit is not None):
+            raise ConfigError(
+                "--limits runs every mode in a child under each limit: it needs --isolate all "
+                "and no --memory-limit"
+            )
 
     def isolates(self, family: str) -> bool:
         """Whether modes of this family run in a process of their own: a child, or for
@@ -186,7 +201,7 @@ def plan_modes(options: BenchOptions, target: Path, draft: Path | None) -> list[
     full_bytes = 0
     if ours:
         full_bytes = manifest.file_bytes if manifest else weight_bytes(target, dtype)
-    draft_bytes = weight_bytes(draft, options.draft_dtype) if draft is not None else 0
+    draft_bytes = draft_dram_bytes(draft, options.draft_dtype) if draft is not None else 0
     overhead = parse_bytes(options.memory_overhead)
     one_limit = None if options.memory_limit is None else parse_bytes(options.memory_limit)
 
@@ -208,20 +223,18 @@ def plan_modes(options: BenchOptions, target: Path, draft: Path | None) -> list[
             **fields,
         )
 
+    if options.limits:
+        return _plan_under_limits(options, target, draft, manifest, dtype, draft_bytes)
     planned = []
     for family in options.modes:
         if family in MEMORY_RESIDENT:
-            if family == "memory-ar":
-                spec: ModeSpec = MemoryARSpec(str(target), dtype)
-            else:
-                model = hf_export_for(target, manifest.dtype, cache) if manifest else target
-                spec = PeerSpec(str(model), dtype)
+            spec = _memory_resident(family, target, manifest, dtype, cache)
             planned.append(PlannedMode(info(family, family, full_bytes), spec))
         elif family in LLAMACPP_FAMILIES:
             spec = plan_llamacpp(options, family, target, draft)
             model_bytes = _size(spec.model)
             draft_file_bytes = _size(spec.draft) if spec.draft else 0
-            tree = f"draft-simple:{options.llamacpp_draft_max}" if spec.draft else None
+            tree = _llamacpp_tree(options, spec)
             mode = info(family, family, model_bytes, draft_file_bytes, tree=tree)
             planned.append(PlannedMode(mode, spec))
         elif family in ("peer-offload", "peer-assisted"):
@@ -251,14 +264,7 @@ def plan_modes(options: BenchOptions, target: Path, draft: Path | None) -> list[
             assert manifest is not None
             for name, tree, fields in engine_variants(options, family):
                 for budget in options.budgets:
-                    config = EngineConfig(
-                        target=str(target),
-                        draft=str(draft) if tree is not None and draft is not None else None,
-                        throttle=options.throttle,
-                        dram_budget=budget,
-                        draft_dtype=options.draft_dtype,
-                        **fields,
-                    )
+                    config = _engine_config(options, target, draft, tree, budget, fields)
                     mode = info(
                         f"{name}@{budget}",
                         family,
@@ -269,6 +275,112 @@ def plan_modes(options: BenchOptions, target: Path, draft: Path | None) -> list[
                     )
                     planned.append(PlannedMode(mode, EngineSpec(config)))
     return planned
+
+
+def _plan_under_limits(
+    options: BenchOptions,
+    target: Path,
+    draft: Path | None,
+    manifest: Manifest | None,
+    dtype: str | None,
+    draft_bytes: int,
+) -> list[PlannedMode]:
+    """--limits: the memory-resident modes once, without a limit; every other mode once per
+    limit, in a child under it, named `mode@limit`. Ours take the DRAM budget that fits
+    under the limit beside the draft's weights (where they draft) and the overhead."""
+    cache = Path(options.cache_dir) if options.cache_dir else target.parent
+    overhead = parse_bytes(options.limit_overhead)
+    planned = []
+    for family in options.modes:
+        if family not in MEMORY_RESIDENT:
+            continue
+        spec = _memory_resident(family, target, manifest, dtype, cache)
+        full = manifest.file_bytes if manifest and family == "memory-ar" else None
+        mode = ModeInfo(name=family, family=family, budget_bytes=full, isolated=True)
+        planned.append(PlannedMode(mode, spec))
+    for text in options.limits:
+        limit = parse_bytes(text)
+        label = compact_bytes(limit)
+        for family in options.modes:
+            under = {"memory_limit_bytes": limit, "limit": label, "isolated": True}
+            if family in MEMORY_RESIDENT:
+                continue
+            if family in LLAMACPP_FAMILIES:
+                spec = plan_llamacpp(options, family, target, draft)
+                tree = _llamacpp_tree(options, spec)
+                mode = ModeInfo(name=f"{family}@{label}", family=family, tree=tree, **under)
+                planned.append(PlannedMode(mode, spec))
+                continue
+            if family in PEER_FAMILIES:
+                raise ConfigError(f"--limits does not run the transformers peer {family}")
+            assert manifest is not None
+            for name, tree, fields in engine_variants(options, family):
+                beside = overhead + (draft_bytes if tree is not None else 0)
+                budget = fitted_budget(manifest, limit - beside)
+                config = _engine_config(options, target, draft, tree, budget, fields)
+                mode = ModeInfo(
+                    name=f"{name}@{label}",
+                    family=family,
+                    tree=tree,
+                    budget=str(budget),
+                    budget_bytes=budget.bytes_of(manifest.file_bytes),
+                    throttle=options.throttle,
+                    **under,
+                )
+                planned.append(PlannedMode(mode, EngineSpec(config)))
+    return planned
+
+
+def fitted_budget(manifest: Manifest, room: int) -> DramBudget:
+    """The target's DRAM budget for `room` bytes: the whole layout where it fits, else the
+    room, never below the planner's minimum (a run that then exceeds its limit shows it)."""
+    if room >= manifest.file_bytes:
+        return DramBudget.parse("all")
+    return DramBudget.parse(max(room, minimum_budget(manifest)))
+
+
+def _memory_resident(
+    family: str, target: Path, manifest: Manifest | None, dtype: str | None, cache: Path
+) -> ModeSpec:
+    if family == "memory-ar":
+        return MemoryARSpec(str(target), dtype)
+    if family == "memory-ar-dense":
+        source = gguf_of(target)
+        if source is None:
+            raise ConfigError(f"memory-ar-dense needs the GGUF the target {target} came from")
+        return MemoryARSpec(str(source), "bfloat16")  # a GGUF loads dense unless asked
+    model = hf_export_for(target, manifest.dtype, cache) if manifest else target
+    return PeerSpec(str(model), dtype)
+
+
+def _engine_config(
+    options: BenchOptions,
+    target: Path,
+    draft: Path | None,
+    tree: str | None,
+    budget: DramBudget,
+    fields: dict,
+) -> EngineConfig:
+    return EngineConfig(
+        target=str(target),
+        draft=str(draft) if tree is not None and draft is not None else None,
+        throttle=options.throttle,
+        dram_budget=budget,
+        draft_dtype=options.draft_dtype,
+        **fields,
+    )
+
+
+def _llamacpp_tree(options: BenchOptions, spec: LlamaCppSpec) -> str | None:
+    return f"draft-simple:{options.llamacpp_draft_max}" if spec.draft else None
+
+
+def draft_dram_bytes(path: Path, dtype: str) -> int:
+    """Bytes the engine's draft holds in DRAM: a GGUF in bf16 keeps its quantized classes
+    (draft_weights "auto"), within a few percent of the file; else every weight in `dtype`."""
+    if path.suffix == ".gguf" and path.is_file() and dtype == "bfloat16":
+        return path.stat().st_size
+    return weight_bytes(path, dtype)
 
 
 def plan_llamacpp(

@@ -188,11 +188,16 @@ def _isolation_note(results: BenchResults) -> str:
             )
         return f"Peak RSS {own}; no memory limit was enforced."
     enforced = [m for m in results.modes if m.limit_enforced]
-    if len(enforced) == len(results.modes):
+    # with --limits the memory-resident modes run in a child of their own without a limit
+    unlimited = [m.name for m in results.modes if m.memory_limit_bytes is None]
+    if enforced and len(enforced) + len(unlimited) == len(results.modes):
+        without = (
+            f" ({', '.join(unlimited)}: in a process of its own, no limit)" if unlimited else ""
+        )
         return (
             "Each mode ran in its own process under a kernel-enforced cgroup memory limit "
-            "(page cache included); peak RSS is that process's, the cgroup's peak is used "
-            "where it is higher."
+            f"(page cache included){without}; peak RSS is that process's, the cgroup's peak "
+            "is used where it is higher."
         )
     if len(isolated) < len(results.modes):
         shared = ", ".join(m.name for m in results.modes if not m.isolated)

@@ -61,6 +61,7 @@ class ModeInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     throttle: str = "none"  # flash profile
     isolated: bool = False  # ran in its own child process
     memory_limit_bytes: int | None = None  # the cgroup limit it ran under, if any
+    limit: str | None = None  # with --limits: the limit of the axis it ran at, e.g. "1GiB"
     limit_enforced: bool = False  # True only when a kernel memory limit was in force
     note: str | None = None  # what the mode found when it opened (the peer's placement)
     command: str | None = None  # the command line an external program ran (llama.cpp's)
@@ -123,11 +124,32 @@ class Ratios(msgspec.Struct, frozen=True, omit_defaults=True):
     lever_vs_llamacpp: float | None = None
 
 
+class LimitFigures(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Decode tok/s under one memory limit (all prompt sets pooled; the fastest mode of a
+    kind), and each mode's peak resident memory there, in GiB."""
+
+    lever: float | None = None
+    flash_ar: float | None = None
+    best_sd: float | None = None
+    llamacpp_best: float | None = None
+    peak_rss_gib: dict[str, float] = {}
+
+
 class Summary(msgspec.Struct, frozen=True, omit_defaults=True):
-    """The headline ratios at one budget: averaged (arithmetic mean) over the prompt sets
-    where both modes ran, and per prompt set. `compared` names the modes behind each ratio."""
+    """The headline ratios at one budget (or, with --limits, the first limit): averaged
+    (arithmetic mean) over the prompt sets where both modes ran, and per prompt set.
+    `compared` names the modes behind each ratio. With --limits also the figures of each
+    limit, the memory-resident rates, the sizes of the target's layout and of its GGUF,
+    and the lowest token agreement of our modes with the reference."""
 
     budget: str | None = None
+    limit: str | None = None
+    layout_bytes: int | None = None
+    gguf_bytes: int | None = None
+    min_agreement: float | None = None
+    limits: dict[str, LimitFigures] = {}
+    memory_ar_quantized: float | None = None
+    memory_ar_bf16: float | None = None
     lever_vs_flash_ar: float | None = None
     lever_vs_best_sd: float | None = None
     lever_vs_memory_ar: float | None = None

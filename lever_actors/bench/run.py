@@ -19,7 +19,13 @@ from lever_actors.bench.harness import PromptSet, run_bench
 from lever_actors.bench.isolation import CgroupSupport, probe_cgroup
 from lever_actors.bench.llamacpp import LlamaCppMode, LlamaCppSpec
 from lever_actors.bench.modes import Mode
-from lever_actors.bench.plan import BenchOptions, PlannedMode, open_in_process, plan_modes
+from lever_actors.bench.plan import (
+    BenchOptions,
+    PlannedMode,
+    gguf_of,
+    open_in_process,
+    plan_modes,
+)
 from lever_actors.bench.plots import write_plots
 from lever_actors.bench.report import ReportError, output_paths, render_markdown
 from lever_actors.bench.results import (
@@ -68,9 +74,23 @@ def bench(
     before = measure_disk(workload.target)
     results = run_modes(modes, workload, options, command, log)
     results = with_disk(results, [before, measure_disk(workload.target)])
+    if options.limits:
+        results = with_sizes(results, workload.target)
     if out is not None:
         write_outputs(results, out, plots=plots, log=log)
     return results
+
+
+def with_sizes(results: BenchResults, target: Path) -> BenchResults:
+    """The summary with the bytes of the target's layout and of the GGUF it came from."""
+    source = gguf_of(target)
+    sizes = {
+        "layout_bytes": read_manifest(target).file_bytes,
+        "gguf_bytes": source.stat().st_size if source else None,
+    }
+    return msgspec.structs.replace(
+        results, summary=msgspec.structs.replace(results.summary, **sizes)
+    )
 
 
 def sweep(

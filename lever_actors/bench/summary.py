@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import msgspec
 
 from lever_actors.bench.results import (
+    LimitFigures,
     ModeInfo,
     ModeSummary,
     PromptRun,
@@ -101,7 +102,10 @@ def compute_summary(
     vs flash-AR, vs the fastest SD mode on that set, vs memory-resident AR, vs the faster
     transformers peer that worked, and vs the faster llama.cpp mode. A ratio whose modes
     are absent or failed is left out."""
-    if budget is None:
+    limit = next((m.limit for m in modes if m.limit is not None), None)
+    if limit is not None:
+        budget = None  # under --limits each mode has the budget that fits
+    elif budget is None:
         budget = next((m.budget for m in modes if m.budget is not None), None)
     prompt_sets = list(dict.fromkeys(r.prompt_set for r in runs))
 
@@ -111,7 +115,9 @@ def compute_summary(
         )
 
     def at_budget(families: Sequence[str]) -> list[str]:
-        return [m.name for m in modes if m.family in families and m.budget == budget]
+        """Modes of these families at the point compared: the budget, or the limit."""
+        point = (lambda m: m.limit == limit) if limit else (lambda m: m.budget == budget)
+        return [m.name for m in modes if m.family in families and point(m)]
 
     lever = next(iter(at_budget(["lever"])), None)
     per_set: dict[str, Ratios] = {}
@@ -128,8 +134,15 @@ def compute_summary(
             ),
             "peer": _fastest(at_budget(OFFLOADED_PEERS), prompt_set, rate),
             # llama.cpp holds no DRAM budget of ours: the faster of its modes, at any
+            # budget (under the limit compared, with --limits)
             "llamacpp": _fastest(
-                [m.name for m in modes if m.family in LLAMACPP_FAMILIES], prompt_set, rate
+                [
+                    m.name
+                    for m in modes
+                    if m.family in LLAMACPP_FAMILIES and (limit is None or m.limit == limit)
+                ],
+                prompt_set,
+                rate,
             ),
         }
         ratios = {
@@ -147,7 +160,53 @@ def compute_summary(
         values = [v for v in values if v is not None]
         if values:
             means[f"lever_vs_{key}"] = sum(values) / len(values)
-    return Summary(budget=budget, per_prompt_set=per_set, compared=compared, **means)
+    return Summary(budget=budget, limit=limit, per_prompt_set=per_set, compared=compared, **means)
+
+
+def limit_summary(
+    summary: Summary, modes: Sequence[ModeInfo], runs: Sequence[PromptRun], reference: str
+) -> Summary:
+    """`summary` with the --limits figures: per limit, Lever, flash-AR, the best SD mode and
+    the faster llama.cpp mode (decode tok/s over all prompt sets) and every mode's peak RSS;
+    the memory-resident rates; the lowest agreement of our modes with `reference`."""
+
+    def rate(name: str) -> float | None:
+        return pooled_decode_rate([r for r in runs if r.mode == name])
+
+    def fastest(limit: str, families: Sequence[str]) -> float | None:
+        rates = [rate(m.name) for m in modes if m.limit == limit and m.family in families]
+        rates = [r for r in rates if r is not None]
+        return max(rates) if rates else None
+
+    figures = {}
+    for limit in dict.fromkeys(m.limit for m in modes if m.limit is not None):
+        peaks = {
+            m.name: max(r.peak_rss_bytes for r in found) / 2**30
+            for m in modes
+            if m.limit == limit
+            and (found := [r for r in runs if r.mode == m.name and r.peak_rss_bytes])
+        }
+        figures[limit] = LimitFigures(
+            lever=fastest(limit, ("lever",)),
+            flash_ar=fastest(limit, ("flash-ar",)),
+            best_sd=fastest(limit, SD_FAMILIES),
+            llamacpp_best=fastest(limit, LLAMACPP_FAMILIES),
+            peak_rss_gib=peaks,
+        )
+    ours = {m.name for m in modes if m.family not in (*LLAMACPP_FAMILIES, "memory-ar-dense")}
+    agreements = [
+        r.agreement for r in runs if r.mode in ours - {reference} and r.agreement is not None
+    ]
+    memory_ar = {m.family: m.name for m in modes if m.family in ("memory-ar", "memory-ar-dense")}
+    return msgspec.structs.replace(
+        summary,
+        limits=figures,
+        min_agreement=min(agreements) if agreements else None,
+        memory_ar_quantized=rate(memory_ar["memory-ar"]) if "memory-ar" in memory_ar else None,
+        memory_ar_bf16=(
+            rate(memory_ar["memory-ar-dense"]) if "memory-ar-dense" in memory_ar else None
+        ),
+    )
 
 
 def _fastest(names: Sequence[str], prompt_set: str, rate) -> tuple[str, float] | None:

@@ -13,6 +13,7 @@ from lever_actors.checkpoints.hf import load_hf
 from lever_actors.checkpoints.quantize import check_choice, quantize_checkpoint
 from lever_actors.config import Weights
 from lever_actors.device.layout import MANIFEST_NAME
+from lever_actors.device.memory import return_freed_heap
 from lever_actors.errors import CheckpointError
 
 
@@ -20,8 +21,12 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype, weights: Weights = "de
     """Load an HF directory, a .gguf file or a flash layout whole into DRAM, as `dtype`, its
     matrices quantized as `weights` says (checkpoints/quantize.py; a flash layout keeps the
     formats it was converted to)."""
-    path = Path(path)
-    weights = check_choice(weights, dtype)
+    checkpoint = _read(Path(path), dtype, check_choice(weights, dtype))
+    return_freed_heap()  # the readers' temporaries: hundreds of MB a memory limit would count
+    return checkpoint
+
+
+def _read(path: Path, dtype: torch.dtype, weights: Weights) -> Checkpoint:
     if (path / MANIFEST_NAME).is_file():
         return load_flash_layout(path, dtype)
     if path.is_dir():

@@ -25,6 +25,7 @@ from lever_actors.checkpoints.quantize import (
 )
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.config import Weights
+from lever_actors.device.memory import return_freed_heap
 from lever_actors.errors import CheckpointError
 from lever_actors.model.args import ModelArgs, RopeScaling, check_args
 from lever_actors.model.weights import (
@@ -103,8 +104,17 @@ def load_gguf(path: Path, dtype: torch.dtype, weights: Weights = "dense") -> Che
             raise CheckpointError(f"{path}: LongRoPE scaling ({name}) is unsupported")
     args = _read_args(reader, tensors, path)
     _check_tensors(args, tensors, path)
+    tokenizer = _tokenizer(reader, path)
+    # the metadata is read: drop it before the weights come, since gguf keeps several
+    # numpy views per vocabulary entry (about 220 MB for 151k tokens and their merges)
+    reader.fields.clear()
 
     def load(ours: str, layer: int | None = None, stored_as: str | None = None) -> Weight:
+        weight = _load(ours, layer, stored_as)
+        return_freed_heap()  # its temporaries, before they pile up behind the weights kept
+        return weight
+
+    def _load(ours: str, layer: int | None, stored_as: str | None) -> Weight:
         t = tensors[gguf_name(stored_as or ours, layer)]
         shape = _torch_shape(t)
         fmt = tensor_format(weights, ours, shape, t.tensor_type.name)
@@ -135,7 +145,7 @@ def load_gguf(path: Path, dtype: torch.dtype, weights: Weights = "dense") -> Che
                 for i in range(args.n_layers)
             ],
         ),
-        tokenizer=_tokenizer(reader, path),
+        tokenizer=tokenizer,
         source=path,
     )
 

@@ -86,13 +86,21 @@ ROW_WISE_FORMATS = ("int8", "int4rows")
 
 def quantize_by_rows(chunks: Iterable[torch.Tensor], fmt: Format, shape: tuple[int, int]) -> Weight:
     """A matrix in a ROW_WISE_FORMATS format from its rows in chunks ([rows, in] float each):
-    only one chunk is ever held in float, not the whole (545 MB for the draft's head)."""
-    parts = [quantize_tensor(chunk, fmt, COMPUTE_DTYPE) for chunk in chunks]
+    only one chunk is ever held in float (545 MB whole for the draft's head), and each is
+    written into the result as it comes (a list of parts to join would double the peak)."""
+    whole: list[torch.Tensor] = []  # int8: data, scales; int4rows: records
+    filled = 0
+    for chunk in chunks:
+        part = quantize_tensor(chunk, fmt, COMPUTE_DTYPE)
+        pieces = (part.data, part.scales) if fmt == "int8" else (part.records,)  # type: ignore[union-attr]
+        if not whole:
+            whole = [torch.empty((shape[0], *p.shape[1:]), dtype=p.dtype) for p in pieces]
+        for into, piece in zip(whole, pieces, strict=True):
+            into[filled : filled + len(piece)] = piece
+        filled += len(pieces[0])
     if fmt == "int8":
-        data = torch.cat([p.data for p in parts])  # type: ignore[union-attr]
-        scales = torch.cat([p.scales for p in parts])  # type: ignore[union-attr]
-        return QuantizedWeight("int8", shape, data, scales)
-    return QuantizedRows(shape, torch.cat([p.records for p in parts]))  # type: ignore[union-attr]
+        return QuantizedWeight("int8", shape, *whole)
+    return QuantizedRows(shape, *whole)
 
 
 def quantize_checkpoint(checkpoint: Checkpoint, choice: Weights) -> Checkpoint:

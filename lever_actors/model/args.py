@@ -321,9 +321,7 @@ def _check_hf_support(arch: str, c: _HfConfig, rope: _HfRope, source: str) -> No
         )
 
 
-def _hf_sliding_layers(
-    arch: str, c: _HfConfig, window: int | None, source: str
-) -> tuple[int, ...]:
+def _hf_sliding_layers(arch: str, c: _HfConfig, window: int | None, source: str) -> tuple[int, ...]:
     """The layers that attend within `window`: as layer_types lists them, else as each
     model_type's transformers class decides."""
     if window is None:

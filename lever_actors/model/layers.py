@@ -62,8 +62,10 @@ def project_qkv(
         kv = args.n_kv_heads * args.head_dim
         q, k, v = linear(x, w["wqkv"]).split([args.n_heads * args.head_dim, kv, kv], dim=-1)
         return q, k, v
-    return linear(x, w["wq"], w.get("bq")), linear(x, w["wk"], w.get("bk")), linear(
-        x, w["wv"], w.get("bv")
+    return (
+        linear(x, w["wq"], w.get("bq")),
+        linear(x, w["wk"], w.get("bk")),
+        linear(x, w["wv"], w.get("bv")),
     )
 
 

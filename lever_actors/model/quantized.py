@@ -187,7 +187,8 @@ def quantize_int4(
     groups = w.float().view(out, inputs // GROUP, GROUP)
     low, high = groups.amin(-1), groups.amax(-1)
     scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
-    q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).view(out, inputs)
+    q = groups - low[..., None]
+    q = q.div_(scale[..., None]).round_().clamp_(0, 15).view(out, inputs)  # in place: one copy
     return from_groups(q.to(torch.int32), scale, low + 8 * scale, fmt)
 
 
@@ -195,7 +196,7 @@ def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
     """Round to nearest, symmetric, one scale per output row."""
     w = w.float()
     scale = (w.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-    q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    q = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # in place: one copy
     return QuantizedWeight("int8", tuple(w.shape), q, scale.to(COMPUTE_DTYPE))  # type: ignore[arg-type]
 
 

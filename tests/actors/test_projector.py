@@ -182,9 +182,7 @@ def check_lm_head_work(spy: LMHeadSpy, final: FinalHidden, verdict: Verdict) -> 
 
 def projector(model: Transformer, eager: bool = False) -> Projector:
     w = model.weights
-    return Projector(
-        w.final_norm, w.lm_head, model.args, ComputeUnit("cpu"), Jitter(0, 0), eager
-    )
+    return Projector(w.final_norm, w.lm_head, model.args, ComputeUnit("cpu"), Jitter(0, 0), eager)
 
 
 async def project(proj: Projector, *finals: FinalHidden) -> list[Verdict]:

@@ -17,9 +17,12 @@ from lever_actors.bench.isolation import (
     evict_ranges,
     probe_cgroup,
 )
-from lever_actors.bench.plan import BenchOptions
+from lever_actors.bench.plan import BenchOptions, weight_bytes
 from lever_actors.bench.report import memory_note
 from lever_actors.bench.run import bench
+from lever_actors.device.budget import minimum_budget
+from lever_actors.device.layout import read_manifest
+from lever_actors.errors import ConfigError
 
 SUPPORT = probe_cgroup()
 
@@ -150,3 +153,54 @@ def test_eviction_drops_pages_even_where_this_process_maps_them(tmp_path):
         assert _resident_pages(mapped, size) == size // mmap.PAGESIZE // 2
     finally:
         mapped.close()
+
+
+def test_limits_axis_fits_our_budgets_under_each_limit(one_set, tmp_path):
+    layout = read_manifest(one_set.target).file_bytes
+    draft = weight_bytes(one_set.draft, "float32")  # as it runs
+    options = _options(
+        tmp_path,
+        modes=("memory-ar", "flash-ar", "lever"),
+        limits=("1GiB", "2GiB"),
+        limit_overhead=str(2**30 - layout // 2),  # leaves half the layout's bytes under 1 GiB
+        order="sequential",
+    )
+    results = bench(options, one_set)
+    infos = {m.name: m for m in results.modes}
+    assert list(infos) == [
+        "memory-ar",
+        "flash-ar@1GiB",
+        "lever@1GiB",
+        "flash-ar@2GiB",
+        "lever@2GiB",
+    ]
+    assert infos["memory-ar"].memory_limit_bytes is None and infos["memory-ar"].limit is None
+    manifest = read_manifest(one_set.target)
+    assert infos["flash-ar@1GiB"].budget_bytes == layout // 2
+    assert infos["lever@1GiB"].budget_bytes == max(layout // 2 - draft, minimum_budget(manifest))
+    assert infos["flash-ar@2GiB"].budget == infos["lever@2GiB"].budget == "all"
+    for name in ("flash-ar@1GiB", "lever@1GiB"):
+        assert infos[name].limit == "1GiB" and infos[name].isolated
+        assert infos[name].memory_limit_bytes == pytest.approx(2**30, abs=8192)
+    summary = results.summary
+    assert summary.limit == "1GiB" and summary.layout_bytes == layout
+    assert summary.gguf_bytes is None  # the tiny target came from an HF directory
+    assert summary.min_agreement == 1.0
+    for limit in ("1GiB", "2GiB"):
+        figures = summary.limits[limit]
+        for key, mode in (("lever", "lever"), ("flash_ar", "flash-ar")):
+            runs = [r for r in results.runs if r.mode == f"{mode}@{limit}"]
+            expected = sum(r.decode_tokens for r in runs) / sum(r.decode_s for r in runs)
+            assert getattr(figures, key) == pytest.approx(expected)
+        assert set(figures.peak_rss_gib) == {f"flash-ar@{limit}", f"lever@{limit}"}
+        assert figures.best_sd is None and figures.llamacpp_best is None
+    assert summary.memory_ar_quantized is not None and summary.memory_ar_bf16 is None
+
+
+def test_limits_need_every_mode_in_a_child(tmp_path):
+    with pytest.raises(ConfigError, match="--limits runs every mode in a child"):
+        _options(tmp_path, isolate="peers", limits=("1GiB",))
+    with pytest.raises(ConfigError, match="--limits runs every mode in a child"):
+        _options(tmp_path, limits=("1GiB",), memory_limit="2GiB")
+    with pytest.raises(ConfigError, match="cannot read '1 gigabyte' as a size"):
+        _options(tmp_path, limits=("1 gigabyte",))
