@@ -335,9 +335,7 @@ class Engine:
         )
         pruner = Pruner(p.prune, self.cpu, next(jitter))
         projector = Projector(
-            target.final_norm,
-            target.lm_head,
-            target.args,
+            target.logits,
             self.npu if p.eager_projection else self.cpu,
             next(jitter),
             p.eager_projection,

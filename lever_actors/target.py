@@ -9,11 +9,18 @@ import torch
 from lever_actors.checkpoints.flash_layout import layout_tokenizer
 from lever_actors.config import DramBudget
 from lever_actors.device.budget import ResidencyPlan, head_key, plan_residency
-from lever_actors.device.flash import FlashStore
+from lever_actors.device.flash import AlignedBuffer, FlashStore
 from lever_actors.device.layout import layer_key
 from lever_actors.model.kv_cache import KVCache
-from lever_actors.model.layers import embedding, output_logits
+from lever_actors.model.layers import (
+    capped_logits,
+    embedding,
+    head_products,
+    output_logits,
+    rms_norm,
+)
 from lever_actors.model.rope import Rope
+from lever_actors.model.weights import Weight
 
 
 class FlashTarget:
@@ -37,7 +44,10 @@ class FlashTarget:
         resident = {
             key: self.store.load_extent(self.manifest.extent(key)) for key in self.plan.resident
         }
-        self.lm_head = resident[head_key(self.manifest)][head_key(self.manifest)]
+        head = head_key(self.manifest)
+        # None where the budget streams the head (`logits` then reads it each pass)
+        self.lm_head: Weight | None = resident[head][head] if head in resident else None
+        self._head_buffer = AlignedBuffer(self.plan.head_buffer_bytes)
         self.final_norm = resident["final_norm"]["final_norm"]
         self.embed_table = resident["embed"]["embed"] if "embed" in resident else None
         self.resident_layers = {
@@ -58,8 +68,15 @@ class FlashTarget:
         return embedding(rows, self.args)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [n, d_model] -> [n, vocab]"""
-        return output_logits(hidden, self.final_norm, self.lm_head, self.args)
+        """Blocking; one caller at a time. hidden: [n, d_model] -> [n, vocab]; a streamed
+        head is read from flash once for all n rows, block by block as a resident one."""
+        if self.lm_head is not None:
+            return output_logits(hidden, self.final_norm, self.lm_head, self.args)
+        normed = rms_norm(hidden, self.final_norm, self.args.norm_eps)
+        extent = self.manifest.extent(head_key(self.manifest))
+        parts = self.store.stream_rows(extent, self.plan.head_rows_per_read, self._head_buffer)
+        products = [p for rows in parts for p in head_products(normed, rows)]
+        return capped_logits(torch.cat(products, dim=-1), self.args)
 
     def close(self) -> None:
         self.store.close()

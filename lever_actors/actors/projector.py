@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import trio
@@ -10,36 +11,31 @@ import trio
 from lever_actors.actors.jitter import Jitter
 from lever_actors.channels.messages import FinalHidden, StepStats, Verdict
 from lever_actors.device.units import ComputeUnit
-from lever_actors.model.args import ModelArgs
-from lever_actors.model.layers import output_logits
 from lever_actors.model.sampling import GREEDY, Chooser, Sampling, logprobs
 from lever_actors.model.tree import TokenTree
 
 
 class Projector:
     """Walks from the last committed node: project it, choose the target's token (the argmax,
-    or the seeded sample), and if a live child holds that token move to it and repeat;
-    otherwise the chosen token is the bonus token.
+        or the seeded sample), and if a live child holds that token move to it and repeat;
+        otherwise the chosen token is the bonus token.
 
-    On demand, a node is projected together with its predicted descendants (each time the
-    live child the drafter ranked first) in one batch, since one pass over the LM head
-    costs about the same for a few rows as for one. LM-head work thus follows the accepted
-    path plus at most the mispredicted rest of one predicted chain, whatever the tree's
-    size. Eager projection instead projects every live node in one batch first."""
+        On demand, a node is projected together with its predicted descendants (each time the
+        live child the drafter ranked first) in one batch, since one pass over the LM head
+        costs about the same for a few rows as for one. LM-head work thus follows the accepted
+        path plus at most the mispredicted rest of one predicted chain, whatever the tree's
+        size. Eager projection instead projects every live node in one batch first: what a head
+    streamed from flash needs, read once per step."""
 
     def __init__(
         self,
-        final_norm: torch.Tensor,
-        lm_head: torch.Tensor,
-        args: ModelArgs,
+        project: Callable[[torch.Tensor], torch.Tensor],
         unit: ComputeUnit,
         jitter: Jitter,
         eager: bool = False,
         sampling: Sampling = GREEDY,
     ) -> None:
-        self.final_norm = final_norm
-        self.lm_head = lm_head
-        self.args = args
+        self.project = project  # final norm + LM head: hidden [n, d_model] -> logits [n, vocab]
         self.unit = unit  # the "cpu" unit on demand, the batched "npu" unit when eager
         self.jitter = jitter
         self.eager = eager  # project every live node in one batch, then walk
@@ -121,14 +117,10 @@ class Projector:
         logits: dict[int, torch.Tensor],
     ) -> None:
         """Project `nodes` in one batch; record each one's logits and chosen next token."""
-        rows = self._project(final.hidden[[row[n] for n in nodes]])
+        rows = self.project(final.hidden[[row[n] for n in nodes]])
         positions = tree.positions(final.position)[nodes] + 1  # of the tokens they choose
         chosen.update(zip(nodes, self.chooser.choose(rows, positions), strict=True))
         logits.update(zip(nodes, rows, strict=True))
-
-    def _project(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [n, d_model] -> logits [n, vocab]"""
-        return output_logits(hidden, self.final_norm, self.lm_head, self.args)
 
 
 def _predicted_chain(

@@ -189,7 +189,7 @@ def _isolation_note(results: BenchResults) -> str:
         return f"Peak RSS {own}; no memory limit was enforced."
     enforced = [m for m in results.modes if m.limit_enforced]
     # with --limits the memory-resident modes run in a child of their own without a limit
-    unlimited = [m.name for m in results.modes if m.memory_limit_bytes is None]
+    unlimited = [m.name for m in isolated if m.memory_limit_bytes is None]
     if enforced and len(enforced) + len(unlimited) == len(results.modes):
         without = (
             f" ({', '.join(unlimited)}: in a process of its own, no limit)" if unlimited else ""

@@ -3,15 +3,24 @@
 Policy: the LM head (or the tied embedding) and the final norm are needed every step, so
 they are resident first; then as many leading layers as fit beside the ring of streaming
 slots; then the embedding table if room is left, otherwise its rows are read on demand
-(a few KiB per token).
+(a few KiB per token). A budget too small for the head beside the ring streams the head
+too (dense or int8 heads), about a slot's worth of rows per read, once per target pass.
 """
 
 from __future__ import annotations
 
+import sys
+
 import msgspec
 
-from lever_actors.device.layout import Manifest, layer_key
+from lever_actors.device.layout import (
+    ROW_STREAMED_FORMATS,
+    Manifest,
+    layer_key,
+    stream_buffer_bytes,
+)
 from lever_actors.errors import ConfigError
+from lever_actors.model.layers import HEAD_ROWS
 from lever_actors.sizes import format_bytes
 
 
@@ -22,10 +31,18 @@ class ResidencyPlan(msgspec.Struct, frozen=True):
     ring_slots: int
     slot_bytes: int
     embed_rows_on_demand: bool
+    # 0: the LM head is resident; else it is read from flash this many rows at a time, once
+    # per target pass, through a buffer of head_buffer_bytes
+    head_rows_per_read: int = 0
+    head_buffer_bytes: int = 0
+
+    @property
+    def head_streamed(self) -> bool:
+        return self.head_rows_per_read > 0
 
     def used(self, manifest: Manifest) -> int:
         resident = sum(manifest.extent(k).nbytes for k in self.resident)
-        return resident + self.ring_slots * self.slot_bytes
+        return resident + self.ring_slots * self.slot_bytes + self.head_buffer_bytes
 
 
 def head_key(manifest: Manifest) -> str:
@@ -33,10 +50,44 @@ def head_key(manifest: Manifest) -> str:
     return "embed" if manifest.args.tie_embeddings else "lm_head"
 
 
+def head_stream(manifest: Manifest) -> tuple[int, int] | None:
+    """(rows per read, buffer bytes) of the LM head streamed in reads of about one layer
+    slot, whole HEAD_ROWS blocks each; None where its format cannot be read by rows."""
+    (entry,) = manifest.extent(head_key(manifest)).tensors
+    if entry.format not in ROW_STREAMED_FORMATS:
+        return None
+    slot = _slot_bytes(manifest)
+    block = HEAD_ROWS * (entry.nbytes // entry.shape[0])
+    rows = min(max(1, slot // block) * HEAD_ROWS, entry.shape[0])
+    return rows, stream_buffer_bytes(entry, rows)
+
+
 def minimum_budget(manifest: Manifest, ring_slots: int = 2) -> int:
-    slot = max(manifest.layer(i).nbytes for i in range(manifest.args.n_layers))
+    """The least the planner accepts: the final norm, the ring's slots, and the LM head or,
+    where it can stream and that is smaller, its read buffer."""
+    return min(
+        head_resident_budget(manifest, ring_slots), _streamed_head_budget(manifest, ring_slots)
+    )
+
+
+def _streamed_head_budget(manifest: Manifest, ring_slots: int) -> int:
+    """The least budget with the head streamed; a head that cannot stream: unbounded."""
+    stream = head_stream(manifest)
+    if stream is None:
+        return sys.maxsize
+    return stream[1] + manifest.extent("final_norm").nbytes + ring_slots * _slot_bytes(manifest)
+
+
+def head_resident_budget(manifest: Manifest, ring_slots: int = 2) -> int:
+    """The least budget that keeps the LM head in DRAM beside the ring (below it, the head
+    streams where its format allows)."""
     head = manifest.extent(head_key(manifest)).nbytes
-    return head + manifest.extent("final_norm").nbytes + ring_slots * slot
+    return head + manifest.extent("final_norm").nbytes + ring_slots * _slot_bytes(manifest)
+
+
+def _slot_bytes(manifest: Manifest) -> int:
+    """A ring slot holds any one layer."""
+    return max(manifest.layer(i).nbytes for i in range(manifest.args.n_layers))
 
 
 def plan_residency(manifest: Manifest, budget: int, ring_slots: int = 2) -> ResidencyPlan:
@@ -45,20 +96,30 @@ def plan_residency(manifest: Manifest, budget: int, ring_slots: int = 2) -> Resi
         raise ConfigError(
             f"ring_slots must be at least 2 (one read while one computes), got {ring_slots}"
         )
-    resident = [head_key(manifest), "final_norm"]
-    left = budget - sum(manifest.extent(k).nbytes for k in resident)
     layers = [manifest.layer(i).nbytes for i in range(n_layers)]
+    slot = max(layers)
+    norm = manifest.extent("final_norm").nbytes
+    head = manifest.extent(head_key(manifest)).nbytes
+    everything = head + norm + sum(layers)
+    stream = head_stream(manifest)
+    streamed_minimum = _streamed_head_budget(manifest, ring_slots)
+    # the head streams only where the budget cannot hold it beside the ring
+    keeps_head = min(everything, head_resident_budget(manifest, ring_slots))
+    stream_head = stream is not None and streamed_minimum <= budget < keeps_head
     minimum = minimum_budget(manifest, ring_slots)
-    # a model smaller than the ring it would need simply stays resident
-    if budget < minimum and sum(layers) > left:
+    if budget < minimum and budget < everything:
+        held = "LM head's read buffer" if streamed_minimum == minimum else "LM head"
         raise ConfigError(
             f"dram_budget {format_bytes(budget)} is below the minimum {format_bytes(minimum)} "
-            f"({minimum} bytes): LM head + final norm + {ring_slots} layer slots"
+            f"({minimum} bytes): {held} + final norm + {ring_slots} layer slots"
         )
+    resident = ["final_norm"] if stream_head else [head_key(manifest), "final_norm"]
+    left = budget - sum(manifest.extent(k).nbytes for k in resident)
+    rows_per_read, buffer = stream if stream_head and stream else (0, 0)
+    left -= buffer
     if sum(layers) <= left:
         resident_layers, slots = n_layers, 0  # everything fits: the memory-resident case
     else:
-        slot = max(layers)
         left -= ring_slots * slot
         resident_layers = 0
         while resident_layers < n_layers and layers[resident_layers] <= left:
@@ -66,13 +127,16 @@ def plan_residency(manifest: Manifest, budget: int, ring_slots: int = 2) -> Resi
             resident_layers += 1
         slots = ring_slots
     resident += [layer_key(i) for i in range(resident_layers)]
-    if "embed" not in resident and manifest.extent("embed").nbytes <= left:
+    streamed_table = stream_head and head_key(manifest) == "embed"  # a tied head streams
+    if "embed" not in resident and manifest.extent("embed").nbytes <= left and not streamed_table:
         resident.append("embed")
     return ResidencyPlan(
         budget=budget,
         resident=tuple(resident),
         streamed_layers=tuple(range(resident_layers, n_layers)),
         ring_slots=slots,
-        slot_bytes=max(layers) if slots else 0,
+        slot_bytes=slot if slots else 0,
         embed_rows_on_demand="embed" not in resident,
+        head_rows_per_read=rows_per_read,
+        head_buffer_bytes=buffer,
     )

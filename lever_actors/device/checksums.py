@@ -18,6 +18,11 @@ def checksum(data) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def running_checksum() -> xxhash.xxh3_64:
+    """`checksum` of bytes fed in pieces: update(piece) each in order, then intdigest()."""
+    return xxhash.xxh3_64()
+
+
 def chunk_checksums(data) -> tuple[int, ...]:
     """One checksum per CHUNK_BYTES piece of `data`, the last piece possibly shorter."""
     view = memoryview(data).cast("B")

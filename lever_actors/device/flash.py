@@ -12,15 +12,17 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from lever_actors.device.checksums import CHUNK_BYTES, checksum
+from lever_actors.device.checksums import CHUNK_BYTES, checksum, running_checksum
 from lever_actors.device.layout import (
     ALIGNMENT,
     DTYPE_NAMES,
+    ROW_STREAMED_FORMATS,
     WEIGHTS_NAME,
     Extent,
     Manifest,
@@ -30,7 +32,7 @@ from lever_actors.device.layout import (
 )
 from lever_actors.errors import CheckpointError, ConfigError, CorruptLayoutError
 from lever_actors.logs import get_logger
-from lever_actors.model.quantized import decode_rows
+from lever_actors.model.quantized import COMPUTE_DTYPE, QuantizedWeight, decode_rows
 from lever_actors.model.weights import Weight
 
 log = get_logger(__name__)
@@ -141,29 +143,91 @@ class FlashStore:
         -> [len(rows), row_width] in the table's dtype (a quantized table's rows decoded)"""
         (entry,) = extent.tensors
         row_bytes = entry.nbytes // entry.shape[0]
-        tensor_start = extent.offset + entry.offset
-        unit = CHUNK_BYTES if self.verify else ALIGNMENT
-        # any row's span: its units, plus a block of slack on each side for alignment
-        buffer = AlignedBuffer(align_up(row_bytes) + 2 * unit + 2 * ALIGNMENT)
-        out = []
-        for row in rows:
-            lo = row * row_bytes  # within the tensor
-            first = lo - lo % unit
-            end = min(-(-(lo + row_bytes) // unit) * unit, entry.nbytes)
-            read_from = tensor_start + first
-            read_from -= read_from % ALIGNMENT
-            self._read_into(buffer, 0, read_from, align_up(tensor_start + end) - read_from)
-            skip = tensor_start - read_from  # tensor byte b sits at buffer index skip + b
-            if self.verify:
-                for at in range(first, end, CHUNK_BYTES):
-                    chunk = buffer.view[skip + at : skip + min(at + CHUNK_BYTES, entry.nbytes)]
-                    expected = entry.chunk_checksums[at // CHUNK_BYTES]
-                    self._check(chunk, expected, entry, tensor_start + at)
-            out.append(buffer.bytes[skip + lo : skip + lo + row_bytes].clone())
-        records = torch.stack(out)  # [len(rows), row_bytes] uint8
+        buffer = AlignedBuffer(self.span_buffer_bytes(row_bytes))
+        records = torch.stack(
+            [
+                self.read_span(
+                    extent, entry, row * row_bytes, (row + 1) * row_bytes, buffer
+                ).clone()
+                for row in rows
+            ]
+        )  # [len(rows), row_bytes] uint8
         if entry.format == "int4rows":
             return decode_rows(records, entry.shape[1])
         return records.view(DTYPE_NAMES[entry.dtype]).view(len(rows), entry.shape[1])
+
+    def stream_rows(
+        self, extent: Extent, rows_per_read: int, buffer: AlignedBuffer
+    ) -> Iterator[Weight]:
+        """Blocking: a 2-D single-tensor extent (the LM head), dense or int8, read
+        `rows_per_read` rows at a time into `buffer` (of layout.stream_buffer_bytes); each part is a
+        view, valid until the next is read. With verification the tensor is hashed as it
+        streams and checked after the last part, before the caller's loop ends, so nothing
+        made from a corrupt part is handed out. -> [rows, in] per part"""
+        (entry,) = extent.tensors
+        out, inputs = entry.shape
+        if entry.format not in ROW_STREAMED_FORMATS:
+            raise ValueError(f"a {entry.format} tensor cannot be read by rows")
+        row_bytes = inputs if entry.format == "int8" else entry.nbytes // out
+        values = out * row_bytes  # int8's scales follow the rows: one small read of them
+        scales = self._read_exact(extent, entry, values, entry.nbytes, buffer).clone()
+        hasher = running_checksum() if self.verify else None
+        for lo in range(0, out, rows_per_read):
+            hi = min(lo + rows_per_read, out)
+            part = self._read_exact(extent, entry, lo * row_bytes, hi * row_bytes, buffer)
+            if hasher is not None:
+                hasher.update(memoryview(part.numpy()))
+            if entry.format == "dense":
+                yield part.view(DTYPE_NAMES[entry.dtype]).view(hi - lo, inputs)
+            else:
+                rows = part.view(torch.int8).view(hi - lo, inputs)
+                yield QuantizedWeight(
+                    "int8", (hi - lo, inputs), rows, scales.view(COMPUTE_DTYPE)[lo:hi]
+                )
+        if hasher is not None:
+            hasher.update(memoryview(scales.numpy()))
+            if hasher.intdigest() != entry.checksum:
+                raise CorruptLayoutError(
+                    f"{self.path}: checksum mismatch in tensor {entry.name!r}, {entry.nbytes} "
+                    f"bytes at byte {extent.offset + entry.offset} (the file is corrupt; "
+                    "convert again)"
+                )
+
+    def span_buffer_bytes(self, nbytes: int) -> int:
+        """A buffer that holds any span of `nbytes` of a tensor as `read_span` reads it:
+        widened to whole checksum chunks when verifying, and to alignment either side."""
+        unit = CHUNK_BYTES if self.verify else ALIGNMENT
+        return align_up(nbytes) + 2 * unit + 2 * ALIGNMENT
+
+    def read_span(
+        self, extent: Extent, entry: TensorEntry, lo: int, hi: int, buffer: AlignedBuffer
+    ) -> torch.Tensor:
+        """Blocking: bytes lo:hi of a tensor stored with chunk checksums (a table read by
+        rows), by one read widened to whole checksum chunks when verifying, each checked.
+        -> [hi - lo] uint8, a view into `buffer`"""
+        if not self.verify:
+            return self._read_exact(extent, entry, lo, hi, buffer)
+        first = lo - lo % CHUNK_BYTES
+        end = min(-(-hi // CHUNK_BYTES) * CHUNK_BYTES, entry.nbytes)
+        chunks = self._read_exact(extent, entry, first, end, buffer)
+        tensor_start = extent.offset + entry.offset
+        for at in range(first, end, CHUNK_BYTES):
+            chunk = chunks[at - first : min(at + CHUNK_BYTES, entry.nbytes) - first]
+            expected = entry.chunk_checksums[at // CHUNK_BYTES]
+            self._check(memoryview(chunk.numpy()), expected, entry, tensor_start + at)
+        return chunks[lo - first : hi - first]
+
+    def _read_exact(
+        self, extent: Extent, entry: TensorEntry, lo: int, hi: int, buffer: AlignedBuffer
+    ) -> torch.Tensor:
+        """Bytes lo:hi of a tensor of `extent` by one read of the aligned span around them.
+        -> [hi - lo] uint8, a view into `buffer`"""
+        tensor_start = extent.offset + entry.offset
+        read_from = tensor_start + lo
+        read_from -= read_from % ALIGNMENT
+        self._read_into(buffer, 0, read_from, align_up(tensor_start + hi) - read_from)
+        skip = tensor_start - read_from  # tensor byte b sits at buffer index skip + b
+        return buffer.bytes[skip + lo : skip + hi]
 
     def _read_into(self, buffer: AlignedBuffer, at: int, offset: int, nbytes: int) -> None:
         started = time.perf_counter()

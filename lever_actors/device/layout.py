@@ -30,6 +30,9 @@ MANIFEST_NAME = "manifest.json"
 WEIGHTS_NAME = "weights.bin"
 GLOBAL_EXTENTS = ("embed", "final_norm", "lm_head")  # each holds the one tensor of its name
 ROW_READ_EXTENTS = ("embed",)  # read a row at a time, so checksummed per chunk as well
+# formats whose rows lie whole in one range of bytes (int8's scales in a range of their own),
+# so that a tensor can stream a range of rows at a time
+ROW_STREAMED_FORMATS = ("dense", "int8")
 TOKENIZER_NAME = "tokenizer.json"
 
 DTYPE_NAMES = {
@@ -223,3 +226,8 @@ class _VersionOnly(msgspec.Struct):
 def _declared_version(raw: bytes) -> int:
     """The version a manifest's bytes declare, whatever else they hold."""
     return msgspec.json.decode(raw, type=_VersionOnly).version
+
+
+def stream_buffer_bytes(entry: TensorEntry, rows: int) -> int:
+    """The aligned buffer that reads `rows` rows of a row-streamed tensor in one read."""
+    return align_up(rows * (entry.nbytes // entry.shape[0])) + 2 * ALIGNMENT

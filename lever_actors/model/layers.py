@@ -9,9 +9,10 @@ from lever_actors.model.args import ModelArgs
 from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.masks import within_window
 from lever_actors.model.placement import Placement
+from lever_actors.model.quantized import QuantizedWeight
 from lever_actors.model.rope import apply_rope
 from lever_actors.model.row_blocks import linear
-from lever_actors.model.weights import LayerTensors
+from lever_actors.model.weights import LayerTensors, Weight, row_range
 
 # Every reduction below gives a row the same result whatever rows and columns come with it
 # (matrix products through row_blocks.linear, attention and norm statistics in float64), so
@@ -133,9 +134,31 @@ def embedding(rows: torch.Tensor, args: ModelArgs) -> torch.Tensor:
     return rows
 
 
+# The LM head multiplies in blocks of this many vocabulary rows, resident or streamed from
+# flash a few blocks at a time alike, so both give the same logits bit for bit.
+HEAD_ROWS = 4096
+
+
 def output_logits(
-    hidden: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, args: ModelArgs
+    hidden: torch.Tensor, final_norm: torch.Tensor, lm_head: Weight, args: ModelArgs
 ) -> torch.Tensor:
     """Final norm + LM head (+ Gemma's soft cap). hidden: [n, d_model] -> [n, vocab]"""
-    logits = linear(rms_norm(hidden, final_norm, args.norm_eps), lm_head)
+    normed = rms_norm(hidden, final_norm, args.norm_eps)
+    return capped_logits(torch.cat(head_products(normed, lm_head), dim=-1), args)
+
+
+def head_products(normed: torch.Tensor, rows: Weight) -> list[torch.Tensor]:
+    """normed [n, d_model] times some whole HEAD_ROWS blocks of the LM head (all of it, or a
+    streamed part), block by block -> [n, rows in each block] each. A 4-bit packed head,
+    whose rows cannot be cut apart (it never streams), multiplies whole."""
+    if isinstance(rows, QuantizedWeight) and rows.fmt == "int4":
+        return [linear(normed, rows)]
+    n = rows.shape[0]
+    return [
+        linear(normed, row_range(rows, lo, min(lo + HEAD_ROWS, n))) for lo in range(0, n, HEAD_ROWS)
+    ]
+
+
+def capped_logits(logits: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """The LM head's products with Gemma's final soft cap where the model has one."""
     return logits if args.final_softcap is None else softcap(logits, args.final_softcap)

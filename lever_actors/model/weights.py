@@ -15,6 +15,17 @@ Weight = torch.Tensor | QuantizedWeight | QuantizedRows
 LayerTensors = dict[str, Weight]
 
 
+def row_range(weight: Weight, lo: int, hi: int) -> Weight:
+    """Rows lo:hi of a dense or int8 matrix, as views (a 4-bit packed matrix's rows cannot
+    be cut apart; a row-read table is not multiplied)."""
+    if isinstance(weight, torch.Tensor):
+        return weight[lo:hi]
+    if isinstance(weight, QuantizedWeight) and weight.fmt == "int8":
+        shape = (hi - lo, weight.shape[1])
+        return QuantizedWeight("int8", shape, weight.data[lo:hi], weight.scales[lo:hi])
+    raise ValueError(f"rows of a {type(weight).__name__} cannot be taken apart")
+
+
 def layer_tensor_names(args: ModelArgs) -> tuple[str, ...]:
     """Names (and so the flash-layout order) of one layer's tensors for this architecture."""
     if args.fused_projections:

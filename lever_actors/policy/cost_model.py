@@ -45,6 +45,7 @@ class CostModel(msgspec.Struct):
     verify: Curve  # target compute of one full pass, by tree nodes
     draft: Curve  # one draft-model forward, by nodes in the batch
     project_seconds: float  # final norm + LM head for one node
+    head_read_seconds: float = 0.0  # a head streamed from flash: its one read per step
     overhead_seconds: float = 0.0  # per step, beyond the parts above (learned online)
     # Verification overlaps its flash reads: a pass takes max(io, verify * (1 + contention)),
     # where io is learned from passes that waited on flash (reads slowed by the compute
@@ -65,10 +66,14 @@ class CostModel(msgspec.Struct):
 
     def step_seconds(self, nodes: int, draft_rounds: list[int], expected_tokens: float) -> float:
         """Predicted step time: drafting, then verification overlapped with its flash reads,
-        then projection along the expected accepted path."""
+        then projection along the expected accepted path (or, with a streamed head, of
+        every node in one pass over it)."""
         drafting = sum(self.draft(width) for width in draft_rounds)
         verifying = max(self.io_seconds, self.pass_compute_seconds(nodes))
-        return drafting + verifying + self.project_seconds * expected_tokens + self.overhead_seconds
+        projecting = self.head_read_seconds + self.project_seconds * (
+            nodes if self.head_read_seconds else expected_tokens
+        )
+        return drafting + verifying + projecting + self.overhead_seconds
 
     def observe(self, step: StepStats) -> None:
         """Correct the beliefs with one finished step: its drafting and compute times, how

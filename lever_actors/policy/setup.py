@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lever_actors.config import EngineConfig, TreeSpec, default_exit_layer
+from lever_actors.device.budget import head_resident_budget
 from lever_actors.errors import ConfigError
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.calibration import AcceptanceCalibrator
@@ -13,6 +14,7 @@ from lever_actors.policy.exit_predictor import LensPredictor, LowRankAdapter
 from lever_actors.policy.profiler import profile_costs
 from lever_actors.policy.pruning import PrunePolicy, WhenComputeBound, keep_everything
 from lever_actors.progress import Progress
+from lever_actors.sizes import format_bytes
 from lever_actors.target import FlashTarget
 
 
@@ -42,6 +44,16 @@ def build_policies(
         raise ConfigError(f"exit_layer must be in [0, {n_layers}), got {exit_layer}")
     adapter = LowRankAdapter.load(target.store.directory, target.dtype)
     predictor = config.early_exit
+    if target.lm_head is None and predictor != "off":
+        # the predictors score candidates with rows of the LM head, which then is not in DRAM
+        if predictor != "auto":
+            holds = format_bytes(head_resident_budget(target.manifest, config.ring_slots))
+            raise ConfigError(
+                f"early_exit {predictor!r} needs the LM head in DRAM, and the DRAM budget "
+                f"streams it (the least that holds it: {holds}); raise dram_budget or set "
+                "early_exit off"
+            )
+        predictor = "off"
     if predictor == "auto":
         predictor = "trained" if adapter is not None else "lens"
     if predictor == "trained":
@@ -69,5 +81,6 @@ def build_policies(
         exit_layer=None if predictor == "off" else exit_layer,
         prune=prune,
         predictor=predictor,
-        eager_projection=config.projection == "eager",
+        # a streamed head is read once per step: every live node projected in that pass
+        eager_projection=config.projection == "eager" or target.lm_head is None,
     )

@@ -11,7 +11,6 @@ import pytest
 import torch
 import trio
 
-import lever_actors.actors.projector as projector_module
 from lever_actors.actors.jitter import Jitter
 from lever_actors.actors.projector import Projector
 from lever_actors.channels.messages import DraftTree, FinalHidden, Verdict
@@ -150,13 +149,13 @@ class LMHeadSpy:
 @contextlib.contextmanager
 def spying_lm_head(monkeypatch):
     spy = LMHeadSpy()
-    real = projector_module.output_logits
+    real = Transformer.logits
 
-    def spying(hidden, *args):
+    def spying(self, hidden):
         spy.batches.append(hidden.clone())
-        return real(hidden, *args)
+        return real(self, hidden)
 
-    monkeypatch.setattr(projector_module, "output_logits", spying)
+    monkeypatch.setattr(Transformer, "logits", spying)
     yield spy
 
 
@@ -181,8 +180,8 @@ def check_lm_head_work(spy: LMHeadSpy, final: FinalHidden, verdict: Verdict) -> 
 
 
 def projector(model: Transformer, eager: bool = False) -> Projector:
-    w = model.weights
-    return Projector(w.final_norm, w.lm_head, model.args, ComputeUnit("cpu"), Jitter(0, 0), eager)
+    # looked up at each call, so that a spy set on the class sees it
+    return Projector(lambda h: model.logits(h), ComputeUnit("cpu"), Jitter(0, 0), eager)
 
 
 async def project(proj: Projector, *finals: FinalHidden) -> list[Verdict]:

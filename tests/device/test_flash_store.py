@@ -118,7 +118,9 @@ def test_budget_below_minimum_states_the_minimum(layout):
     manifest = read_manifest(layout)
     minimum = minimum_budget(manifest)
     plan_residency(manifest, minimum)  # exactly the minimum is fine
-    with pytest.raises(ConfigError, match=rf"below the minimum .*\({minimum} bytes\): LM head"):
+    with pytest.raises(
+        ConfigError, match=rf"below the minimum .*\({minimum} bytes\): LM head \+ final norm"
+    ):
         plan_residency(manifest, minimum - 1)
 
 
