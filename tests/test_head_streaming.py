@@ -86,9 +86,23 @@ def test_streamed_rows_are_the_stored_head(weights):
 @pytest.mark.parametrize("weights", ["dense", "q8"])
 @pytest.mark.parametrize("tree", ["gaincost", "static:8,8", "none"])
 async def test_a_streamed_head_decodes_exactly_as_one_token_decoding(weights, tree):
-    result = await assert_matches_sequential(config(weights, tree=tree), PROMPT, 20)
-    for step in result.steps:
-        assert step.projected_nodes == step.live_nodes  # one pass over the head per step
+    await assert_matches_sequential(config(weights, tree=tree), PROMPT, 20)
+
+
+async def test_each_step_reads_the_head_once(monkeypatch):
+    reads = []
+    stream_rows = FlashStore.stream_rows
+
+    def counted(self, *args):
+        reads.append(args)
+        return stream_rows(self, *args)
+
+    async with Engine.open(config(tree="gaincost")) as engine:
+        monkeypatch.setattr(FlashStore, "stream_rows", counted)
+        result = await engine.generate(PROMPT, max_new_tokens=12)
+    assert len(reads) == len(result.steps)
+    # the prompt's pass projects its last token only; later ones every node past it
+    assert result.steps[0].projected_nodes == 1 + result.steps[0].tree_nodes - len(PROMPT)
 
 
 def test_logits_from_a_streamed_head_equal_a_resident_one():

@@ -38,7 +38,7 @@ class Projector:
         self.project = project  # final norm + LM head: hidden [n, d_model] -> logits [n, vocab]
         self.unit = unit  # the "cpu" unit on demand, the batched "npu" unit when eager
         self.jitter = jitter
-        self.eager = eager  # project every live node in one batch, then walk
+        self.eager = eager  # project every live node the walk may reach in one batch, then walk
         self.chooser = Chooser(sampling)  # the request's: which token a node's logits choose
 
     async def run(
@@ -61,8 +61,9 @@ class Projector:
         row = {node: i for i, node in enumerate(final.nodes)}
         chosen: dict[int, int] = {}  # node -> the target's next token after it
         logits: dict[int, torch.Tensor] = {}  # node -> its logits [vocab]
-        if self.eager:
-            self._choose(final, tree, list(final.nodes), row, chosen, logits)
+        if self.eager:  # the walk starts at the last committed node: none before it matter
+            walkable = [n for n in final.nodes if n >= message.n_committed - 1]
+            self._choose(final, tree, walkable, row, chosen, logits)
         node = message.n_committed - 1
         path = [node]  # the nodes whose chosen tokens are emitted
         tokens: list[int] = []

@@ -189,7 +189,8 @@ def quantize_int4(
     scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
     q = groups - low[..., None]
     q = q.div_(scale[..., None]).round_().clamp_(0, 15).view(out, inputs)  # in place: one copy
-    return from_groups(q.to(torch.int32), scale, low + 8 * scale, fmt)
+    q = q.to(torch.uint8)  # the float copy goes before the packing makes its own
+    return from_groups(q, scale, low + 8 * scale, fmt)
 
 
 def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
@@ -202,7 +203,7 @@ def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
 
 def _probe(fmt: str, n_out: int, n_in: int):
     """row_blocks' cancelling probe, its weight quantized to `fmt`."""
-    x, weight = row_blocks.probe_inputs(COMPUTE_DTYPE, min(n_out, row_blocks.PROBE_FEATURES), n_in)
+    x, weight = row_blocks.probe_inputs(COMPUTE_DTYPE, row_blocks.probe_features(n_out, n_in), n_in)
     quantized = quantize_int4(weight) if fmt == "int4" else quantize_int8(weight)
     return x, quantized._product
 

@@ -20,8 +20,10 @@ import torch.nn.functional as F
 
 LARGEST_BLOCK = 64
 # output features a probe computes: a row's rounding depends on the reduction over the
-# input features, not on how many outputs the call has (checked in tests/model/test_tree.py)
-PROBE_FEATURES = 4096
+# input features, not on how many outputs the call has (checked in tests/model/test_tree.py);
+# at most PROBE_FEATURES, and about PROBE_VALUES weights (16 MB of float32) for wide inputs
+PROBE_FEATURES = 1024
+PROBE_VALUES = 1 << 22
 
 Product = Callable[[torch.Tensor], torch.Tensor]  # rows [n, in] -> [n, out]
 Probe = Callable[[], tuple[torch.Tensor, Product]]  # LARGEST_BLOCK probe rows and a product
@@ -50,8 +52,15 @@ def _dense_key(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[Hashabl
     n_out, n_in = weight.shape
     key = (weight.dtype, n_out, n_in, bias is not None)
     return key, lambda: dense_probe(
-        weight.dtype, min(n_out, PROBE_FEATURES), n_in, bias is not None
+        weight.dtype, probe_features(n_out, n_in), n_in, bias is not None
     )[:2]
+
+
+def probe_features(n_out: int, n_in: int) -> int:
+    """Output features of the probe for a weight [n_out, n_in]: all up to the caps above,
+    else a multiple of 16 (as 4-bit packing takes them)."""
+    cap = min(PROBE_FEATURES, PROBE_VALUES // n_in) // 16 * 16
+    return min(n_out, max(16, cap))
 
 
 def blocked(x: torch.Tensor, product: Product, key: Hashable, probe: Probe) -> torch.Tensor:
