@@ -16,14 +16,15 @@ import subprocess
 import sys
 import time
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import BinaryIO
 
 import msgspec
 import trio
 
-from lever_actors.bench.isolation import CgroupSupport, MemoryCgroup
-from lever_actors.bench.modes import Decoded, ModeFailed, describe
-from lever_actors.bench.plan import PlannedMode, open_in_process
+from lever_actors.bench.isolation import CgroupSupport, MemoryCgroup, evict_from_page_cache
+from lever_actors.bench.modes import Decoded, EngineSpec, MemoryARSpec, ModeFailed, describe
+from lever_actors.bench.plan import ModeSpec, PlannedMode, open_in_process
 from lever_actors.device.memory import peak_rss_bytes
 from lever_actors.model.sampling import Sampling
 from lever_actors.sizes import format_bytes
@@ -158,6 +159,8 @@ class ChildMode:
         stack.push_async_callback(self._close)
         if self.cgroup is not None:
             self.cgroup.add(self.process.pid)  # before the first request: nothing loaded yet
+            # files it loads whole: read by it, not found cached, so its limit counts them
+            evict_from_page_cache(_loaded_files(self.planned.spec))
         self.info = msgspec.structs.replace(
             self.info,
             memory_limit_bytes=self.cgroup.limit_bytes if self.cgroup else limit,
@@ -231,3 +234,11 @@ class ChildMode:
             await trio.to_thread.run_sync(process.wait)
         if process.stdout:
             process.stdout.close()
+
+
+def _loaded_files(spec: ModeSpec) -> list[Path]:
+    """The model files a mode reads whole into DRAM: the draft's, or a memory-resident
+    target's (a flash layout's reads bypass the page cache anyway)."""
+    path = spec.config.draft if isinstance(spec, EngineSpec) else None
+    path = spec.target if isinstance(spec, MemoryARSpec) else path
+    return [Path(path)] if path and Path(path).exists() else []

@@ -59,7 +59,55 @@ def render_markdown(results: AnyResults) -> str:
 
 def _figures(results: BenchResults) -> list[str]:
     """The ratios, the table and what decode tok/s means, as parts between blank lines."""
-    return [summary_lines(results), "", markdown_table(results), "", DECODE_NOTE]
+    limits = [limits_lines(results), ""] if results.summary.limits else []
+    return [*limits, summary_lines(results), "", markdown_table(results), "", DECODE_NOTE]
+
+
+def limits_lines(results: BenchResults) -> str:
+    """With --limits: decode tok/s of each kind of mode under each memory limit, Lever's
+    ratios to them, its peak RSS; then the memory-resident rates and the sizes."""
+    s = results.summary
+
+    def rate(value: float | None) -> str:
+        return f"{value:.2f}" if value is not None else "—"
+
+    def ratio(lever: float | None, other: float | None) -> str:
+        return f"{lever / other:.2f}x" if lever is not None and other else "—"
+
+    lines = [
+        "Decode tok/s under each memory limit (all prompt sets pooled; best SD and llama.cpp: "
+        "the faster of their modes; a process's RSS counts the files it maps, its cgroup's peak "
+        "what the limit counted):",
+        "",
+        "| limit | Lever | flash-AR | best SD | llama.cpp | Lever / llama.cpp | Lever / flash-AR "
+        "| Lever / best SD | Lever peak GiB: process RSS, cgroup |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for limit, f in s.limits.items():
+        peaks = [
+            rate(next((v for k, v in found.items() if k.startswith("lever@")), None))
+            for found in (f.peak_rss_gib, f.cgroup_peak_gib)
+        ]
+        lines.append(
+            f"| {limit} | {rate(f.lever)} | {rate(f.flash_ar)} | {rate(f.best_sd)} | "
+            f"{rate(f.llamacpp_best)} | {ratio(f.lever, f.llamacpp_best)} | "
+            f"{ratio(f.lever, f.flash_ar)} | {ratio(f.lever, f.best_sd)} | {', '.join(peaks)} |"
+        )
+    facts = [
+        f"memory-resident AR, no limit: {rate(s.memory_ar_quantized)} tok/s on the quantized "
+        f"layout, {rate(s.memory_ar_bf16)} dequantized to bf16",
+    ]
+    if s.layout_bytes and s.gguf_bytes:
+        facts.append(
+            f"layout {s.layout_bytes / 2**30:.2f} GiB, {s.layout_bytes / s.gguf_bytes:.2f}x its "
+            f"GGUF ({s.gguf_bytes / 2**30:.2f} GiB)"
+        )
+    if s.min_agreement is not None:
+        facts.append(
+            f"lowest token agreement of our modes with {results.reference_mode}: "
+            f"{s.min_agreement:.1%}"
+        )
+    return "\n".join([*lines, "", "; ".join(facts) + "."])
 
 
 def machine_line(results: AnyResults) -> str:
@@ -76,6 +124,7 @@ def machine_line(results: AnyResults) -> str:
 def summary_lines(results: BenchResults) -> str:
     s = results.summary
     at = f" at a {s.budget} DRAM budget" if s.budget else ""
+    at = f" under the {s.limit} memory limit" if s.limit else at
     if not s.per_prompt_set:
         return f"No Lever figures{at} to compare (Lever absent or failed)."
     lines = [

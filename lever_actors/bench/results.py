@@ -126,13 +126,15 @@ class Ratios(msgspec.Struct, frozen=True, omit_defaults=True):
 
 class LimitFigures(msgspec.Struct, frozen=True, omit_defaults=True):
     """Decode tok/s under one memory limit (all prompt sets pooled; the fastest mode of a
-    kind), and each mode's peak resident memory there, in GiB."""
+    kind), and each mode's peaks there, in GiB: its process's resident memory (mapped
+    files it read included), and its cgroup's (what the limit counted)."""
 
     lever: float | None = None
     flash_ar: float | None = None
     best_sd: float | None = None
     llamacpp_best: float | None = None
     peak_rss_gib: dict[str, float] = {}
+    cgroup_peak_gib: dict[str, float] = {}
 
 
 class Summary(msgspec.Struct, frozen=True, omit_defaults=True):

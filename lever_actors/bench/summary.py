@@ -180,18 +180,14 @@ def limit_summary(
 
     figures = {}
     for limit in dict.fromkeys(m.limit for m in modes if m.limit is not None):
-        peaks = {
-            m.name: max(r.peak_rss_bytes for r in found) / 2**30
-            for m in modes
-            if m.limit == limit
-            and (found := [r for r in runs if r.mode == m.name and r.peak_rss_bytes])
-        }
+        under = [m.name for m in modes if m.limit == limit]
         figures[limit] = LimitFigures(
             lever=fastest(limit, ("lever",)),
             flash_ar=fastest(limit, ("flash-ar",)),
             best_sd=fastest(limit, SD_FAMILIES),
             llamacpp_best=fastest(limit, LLAMACPP_FAMILIES),
-            peak_rss_gib=peaks,
+            peak_rss_gib=_peaks_gib(under, runs, "peak_rss_bytes"),
+            cgroup_peak_gib=_peaks_gib(under, runs, "cgroup_peak_bytes"),
         )
     ours = {m.name for m in modes if m.family not in (*LLAMACPP_FAMILIES, "memory-ar-dense")}
     agreements = [
@@ -207,6 +203,16 @@ def limit_summary(
             rate(memory_ar["memory-ar-dense"]) if "memory-ar-dense" in memory_ar else None
         ),
     )
+
+
+def _peaks_gib(names: Sequence[str], runs: Sequence[PromptRun], field: str) -> dict[str, float]:
+    """Mode -> the highest of its runs' `field` (bytes) in GiB, for modes that recorded it."""
+    out = {}
+    for name in names:
+        found = [getattr(r, field) for r in runs if r.mode == name and getattr(r, field)]
+        if found:
+            out[name] = max(found) / 2**30
+    return out
 
 
 def _fastest(names: Sequence[str], prompt_set: str, rate) -> tuple[str, float] | None:

@@ -18,7 +18,7 @@ from lever_actors.bench.isolation import (
     probe_cgroup,
 )
 from lever_actors.bench.plan import BenchOptions, weight_bytes
-from lever_actors.bench.report import memory_note
+from lever_actors.bench.report import limits_lines, memory_note
 from lever_actors.bench.run import bench
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import read_manifest
@@ -195,6 +195,17 @@ def test_limits_axis_fits_our_budgets_under_each_limit(one_set, tmp_path):
         assert set(figures.peak_rss_gib) == {f"flash-ar@{limit}", f"lever@{limit}"}
         assert figures.best_sd is None and figures.llamacpp_best is None
     assert summary.memory_ar_quantized is not None and summary.memory_ar_bf16 is None
+    table = limits_lines(results)
+    for limit in ("1GiB", "2GiB"):
+        figures = summary.limits[limit]
+        ratio = figures.lever / figures.flash_ar
+        assert (
+            f"| {limit} | {figures.lever:.2f} | {figures.flash_ar:.2f} | — | — | — | {ratio:.2f}x"
+            in table
+        )
+    assert (
+        "memory-ar: in a process of its own, no limit" in memory_note(results) or not SUPPORT.usable
+    )
 
 
 def test_limits_need_every_mode_in_a_child(tmp_path):
