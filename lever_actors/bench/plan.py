@@ -301,8 +301,8 @@ def _plan_under_limits(
     for text in options.limits:
         limit = parse_bytes(text)
         label = compact_bytes(limit)
+        under = {"memory_limit_bytes": limit, "limit": label, "isolated": True}
         for family in options.modes:
-            under = {"memory_limit_bytes": limit, "limit": label, "isolated": True}
             if family in MEMORY_RESIDENT:
                 continue
             if family in LLAMACPP_FAMILIES:

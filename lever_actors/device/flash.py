@@ -169,7 +169,8 @@ class FlashStore:
         if entry.format not in ROW_STREAMED_FORMATS:
             raise ValueError(f"a {entry.format} tensor cannot be read by rows")
         row_bytes = inputs if entry.format == "int8" else entry.nbytes // out
-        values = out * row_bytes  # int8's scales follow the rows: one small read of them
+        # int8's scales follow all the rows: one small read of them first
+        values = out * row_bytes
         scales = self._read_exact(extent, entry, values, entry.nbytes, buffer).clone()
         hasher = running_checksum() if self.verify else None
         for lo in range(0, out, rows_per_read):

@@ -229,5 +229,7 @@ def _declared_version(raw: bytes) -> int:
 
 
 def stream_buffer_bytes(entry: TensorEntry, rows: int) -> int:
-    """The aligned buffer that reads `rows` rows of a row-streamed tensor in one read."""
-    return align_up(rows * (entry.nbytes // entry.shape[0])) + 2 * ALIGNMENT
+    """The aligned buffer that reads `rows` rows of a row-streamed tensor in one read (and
+    an int8 tensor's scales, 2 bytes a row, in another)."""
+    largest = max(rows * (entry.nbytes // entry.shape[0]), 2 * entry.shape[0])
+    return align_up(largest) + 2 * ALIGNMENT
