@@ -73,7 +73,7 @@ async def run_bench(
     summaries = [summarise(m.name, s.name, runs) for s in prompt_sets for m in infos]
     summary = compute_summary(infos, runs, budget)
     if any(m.limit is not None for m in infos):
-        summary = limit_summary(summary, infos, runs, reference)
+        summary = limit_summary(summary, infos, runs, summaries, reference)
     return BenchResults(
         machine=Machine.here(),
         command=command,

@@ -164,55 +164,57 @@ def compute_summary(
 
 
 def limit_summary(
-    summary: Summary, modes: Sequence[ModeInfo], runs: Sequence[PromptRun], reference: str
+    summary: Summary,
+    modes: Sequence[ModeInfo],
+    runs: Sequence[PromptRun],
+    summaries: Sequence[ModeSummary],
+    reference: str,
 ) -> Summary:
     """`summary` with the --limits figures: per limit, Lever, flash-AR, the best SD mode and
-    the faster llama.cpp mode (decode tok/s over all prompt sets) and every mode's peak RSS;
-    the memory-resident rates; the lowest agreement of our modes with `reference`."""
+    the faster llama.cpp mode (decode tok/s over all prompt sets) and every mode's peaks
+    (from its `summaries`); the memory-resident rates; the lowest agreement of our modes
+    with `reference`."""
 
     def rate(name: str) -> float | None:
         return pooled_decode_rate([r for r in runs if r.mode == name])
 
-    def fastest(limit: str, families: Sequence[str]) -> float | None:
+    def fastest(limit: str | None, families: Sequence[str]) -> float | None:
         rates = [rate(m.name) for m in modes if m.limit == limit and m.family in families]
         rates = [r for r in rates if r is not None]
         return max(rates) if rates else None
 
-    figures = {}
-    for limit in dict.fromkeys(m.limit for m in modes if m.limit is not None):
-        under = [m.name for m in modes if m.limit == limit]
-        figures[limit] = LimitFigures(
+    def peaks_gib(limit: str, field: str) -> dict[str, float]:
+        """Mode -> its highest `field` (bytes) over the prompt sets, in GiB."""
+        out: dict[str, float] = {}
+        for s in summaries:
+            value = getattr(s, field)
+            if value and any(m.name == s.mode and m.limit == limit for m in modes):
+                out[s.mode] = max(out.get(s.mode, 0.0), value / 2**30)
+        return out
+
+    figures = {
+        limit: LimitFigures(
             lever=fastest(limit, ("lever",)),
             flash_ar=fastest(limit, ("flash-ar",)),
             best_sd=fastest(limit, SD_FAMILIES),
             llamacpp_best=fastest(limit, LLAMACPP_FAMILIES),
-            peak_rss_gib=_peaks_gib(under, runs, "peak_rss_bytes"),
-            cgroup_peak_gib=_peaks_gib(under, runs, "cgroup_peak_bytes"),
+            peak_rss_gib=peaks_gib(limit, "peak_rss_bytes"),
+            cgroup_peak_gib=peaks_gib(limit, "cgroup_peak_bytes"),
         )
+        for limit in dict.fromkeys(m.limit for m in modes if m.limit is not None)
+    }
     ours = {m.name for m in modes if m.family not in (*LLAMACPP_FAMILIES, "memory-ar-dense")}
     agreements = [
         r.agreement for r in runs if r.mode in ours - {reference} and r.agreement is not None
     ]
-    memory_ar = {m.family: m.name for m in modes if m.family in ("memory-ar", "memory-ar-dense")}
     return msgspec.structs.replace(
         summary,
         limits=figures,
         min_agreement=min(agreements) if agreements else None,
-        memory_ar_quantized=rate(memory_ar["memory-ar"]) if "memory-ar" in memory_ar else None,
-        memory_ar_bf16=(
-            rate(memory_ar["memory-ar-dense"]) if "memory-ar-dense" in memory_ar else None
-        ),
+        # the memory-resident modes run once, without a limit
+        memory_ar_quantized=fastest(None, ("memory-ar",)),
+        memory_ar_bf16=fastest(None, ("memory-ar-dense",)),
     )
-
-
-def _peaks_gib(names: Sequence[str], runs: Sequence[PromptRun], field: str) -> dict[str, float]:
-    """Mode -> the highest of its runs' `field` (bytes) in GiB, for modes that recorded it."""
-    out = {}
-    for name in names:
-        found = [getattr(r, field) for r in runs if r.mode == name and getattr(r, field)]
-        if found:
-            out[name] = max(found) / 2**30
-    return out
 
 
 def _fastest(names: Sequence[str], prompt_set: str, rate) -> tuple[str, float] | None:
