@@ -197,11 +197,13 @@ def plan_modes(options: BenchOptions, target: Path, draft: Path | None) -> list[
     ours = [m for m in options.modes if m not in LLAMACPP_FAMILIES]
     if dtype is None and ours:
         raise ConfigError("a compute dtype is needed when the target is not a flash layout")
+    draft_bytes = draft_dram_bytes(draft, options.draft_dtype) if draft is not None else 0
+    if options.limits:
+        return _plan_under_limits(options, target, draft, manifest, dtype, draft_bytes)
     cache = Path(options.cache_dir) if options.cache_dir else target.parent
     full_bytes = 0
     if ours:
         full_bytes = manifest.file_bytes if manifest else weight_bytes(target, dtype)
-    draft_bytes = draft_dram_bytes(draft, options.draft_dtype) if draft is not None else 0
     overhead = parse_bytes(options.memory_overhead)
     one_limit = None if options.memory_limit is None else parse_bytes(options.memory_limit)
 
@@ -223,8 +225,6 @@ def plan_modes(options: BenchOptions, target: Path, draft: Path | None) -> list[
             **fields,
         )
 
-    if options.limits:
-        return _plan_under_limits(options, target, draft, manifest, dtype, draft_bytes)
     planned = []
     for family in options.modes:
         if family in MEMORY_RESIDENT:
