@@ -107,6 +107,7 @@ def plan_residency(manifest: Manifest, budget: int, ring_slots: int = 2) -> Resi
     keeps_head = min(everything, head_resident_budget(manifest, ring_slots))
     stream_head = stream is not None and streamed_minimum <= budget < keeps_head
     minimum = minimum_budget(manifest, ring_slots)
+    # a model smaller than the ring it would need simply stays resident
     if budget < minimum and budget < everything:
         held = "LM head's read buffer" if streamed_minimum == minimum else "LM head"
         raise ConfigError(
