@@ -22,7 +22,7 @@ LAYERS = (
     ("checkpoints",),
     ("device",),
     ("model", "channels", "config"),
-    ("progress", "sizes"),
+    ("progress", "sizes", "paths"),
     ("errors", "logs"),
 )
 LAYER_OF = {unit: depth for depth, units in enumerate(LAYERS) for unit in units}

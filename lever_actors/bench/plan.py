@@ -23,13 +23,13 @@ from lever_actors.bench.modes import EngineMode, EngineSpec, MemoryAR, MemoryARS
 from lever_actors.bench.peer import PeerHF, PeerSpec, hf_export_for
 from lever_actors.bench.results import ModeInfo
 from lever_actors.bench.summary import LLAMACPP_FAMILIES
-from lever_actors.checkpoints.fetch import default_cache_dir
 from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, DramBudget, EngineConfig
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import DTYPE_NAMES, MANIFEST_NAME, Manifest, read_manifest
 from lever_actors.draft import DraftModel, load_draft
 from lever_actors.errors import ConfigError
 from lever_actors.model.sampling import GREEDY, Sampling
+from lever_actors.paths import default_cache_dir
 from lever_actors.sizes import compact_bytes, parse_bytes
 
 ENGINE_FAMILIES = (

@@ -68,14 +68,6 @@ REAL_MODELS: dict[str, RealModel] = {
 }
 
 
-def default_cache_dir() -> Path:
-    """`$XDG_CACHE_HOME/lever_actors`, else `~/.cache/lever_actors`."""
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    # the XDG spec says to ignore a relative value
-    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
-    return base / "lever_actors"
-
-
 def pip_download(
     name: str, version: str, dest: Path, *, pip_args: Sequence[str] = (), source: bool = False
 ) -> Path:

