@@ -11,8 +11,10 @@ Formats (what a flash layout stores, and what DRAM holds):
 - "int4rows": the embedding table, row after row of [in / 2] bytes (the even input in the
   low nibble) then [in / GROUP, 2] bf16 scales and zeros: one contiguous record per row,
   so a token's row is one small read.
-Both kernels compute each row on its own (they are checked like the dense ones, by
-row_blocks), so a tree verified in one call equals one-token decoding bit for bit.
+On a CPU with AMX both formats run on the tile kernels of model/amx.py, which read these same
+bytes and cost little per extra row; elsewhere on torch's. Either way each row is computed on
+its own (checked like the dense kernels, by row_blocks), so a tree verified in one call equals
+one-token decoding bit for bit. A process uses one kernel per matrix throughout.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Literal
 
 import torch
 
-from lever_actors.model import row_blocks
+from lever_actors.model import amx, row_blocks
 
 Format = Literal["dense", "int4", "int8", "int4rows"]
 QUANTIZED_FORMATS: tuple[str, ...] = ("int4", "int8", "int4rows")
@@ -65,16 +67,25 @@ class QuantizedWeight:
     shape: tuple[int, int]
     data: torch.Tensor  # int4: [out, in / 2] uint8, torch's packing; int8: [out, in] int8
     scales: torch.Tensor  # int4: [in / GROUP, out, 2] bf16 scale, zero; int8: [out] bf16
+    # False for a draft's matrices: each call takes the faster kernel for its rows, as a
+    # draft's rounding only steers which tokens the target checks
+    exact: bool = True
 
     dtype = COMPUTE_DTYPE
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [n, in] bf16 -> [n, out] bf16; each row as if it were alone."""
-        key = ("quantized", self.fmt, *self.shape)
-        out = row_blocks.blocked(x, self._product, key, lambda: _probe(self.fmt, *self.shape))
+        """x: [n, in] bf16 -> [n, out] bf16; each row as if it were alone (if `exact`)."""
+        if self.exact:
+            key = ("quantized", self.fmt, *self.shape)
+            out = row_blocks.blocked(x, self._product, key, lambda: _probe(self.fmt, *self.shape))
+        else:
+            out = self._product(x)
         return out if bias is None else out + bias
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
+        if amx.fits(self.fmt, self.shape) and (self.exact or len(x) >= amx.FEWEST_ROWS):
+            kernel = amx.int4_linear if self.fmt == "int4" else amx.int8_linear
+            return kernel(x, self.data, self.scales)
         if self.fmt == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.data, GROUP, self.scales)
         return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)

@@ -1,0 +1,282 @@
+// Weight-only quantized matrix products on AMX tiles, built by model/amx.py.
+//
+// Every output is a fixed sequence of tile products and fused multiply-adds over the inputs
+// in order; a row of x takes part in no other row's sums. So a row's result is the same
+// whether it is alone in the call or one of 64: verifying a tree equals one-token decoding
+// bit for bit, without measuring a row block.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+#include <new>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <vector>
+
+namespace {
+
+constexpr int64_t BLOCK_N = 64;  // outputs per block: four 16-column tiles
+constexpr int64_t TILE = 16;     // rows of a full tile, 64 bytes each
+constexpr int64_t DEPTH = 32;    // inputs per tile product: 16 rows of bf16 pairs
+constexpr int64_t GROUP = 32;    // int4: inputs per scale and zero (one tile depth)
+constexpr int64_t CHUNK = 32;    // int8: depths converted at a time (128 KB of bf16 per block)
+
+template <typename T>
+struct Aligned {  // 64-byte aligned storage: whole tile rows per cache line
+  using value_type = T;
+  T* allocate(size_t count) { return static_cast<T*>(::operator new(count * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  bool operator==(const Aligned&) const = default;
+};
+
+struct TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0-3: the sums, [sum_rows][sum_bytes]; 4: the left operand, [left_rows][32 bf16];
+// 5 and 6: right operands, [16 pairs of inputs][right_bytes]
+void configure(int64_t sum_rows, int64_t sum_bytes, int64_t left_rows, int64_t right_bytes) {
+  TileConfig config;
+  for (int t = 0; t < 4; ++t) {
+    config.rows[t] = uint8_t(sum_rows);
+    config.bytes_per_row[t] = uint16_t(sum_bytes);
+  }
+  config.rows[4] = uint8_t(left_rows);
+  config.bytes_per_row[4] = 64;
+  for (int t = 5; t < 7; ++t) {
+    config.rows[t] = TILE;
+    config.bytes_per_row[t] = uint16_t(right_bytes);
+  }
+  _tile_loadconfig(&config);
+}
+
+inline float from_bf16(uint16_t v) {
+  uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if (f != f) return 0x7fc0;
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return uint16_t(bits >> 16);
+}
+
+// ---- int4: y = sum over groups of scale * (x . (q - 8)) + zero * sum(x), per output ----
+
+// bf16 of q - 8 for q = 0..15, twice: vpermw's 32-entry table
+alignas(64) const uint16_t CENTRED[32] = {
+    0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80,
+    0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+    0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80,
+    0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0};
+
+// One group of torch's CPU int4 packing (byte j of an input's 32: output j low, j + 32 high)
+// as four right-hand tiles [16 pairs of inputs][16 outputs] of bf16 (q - 8).
+inline void unpack_group(const uint8_t* bytes, uint16_t* panel) {
+  const __m512i table = _mm512_load_si512(CENTRED);
+  const __m256i nibble = _mm256_set1_epi8(15);
+  for (int64_t r = 0; r < TILE; ++r) {
+    __m256i even = _mm256_loadu_si256((const __m256i*)(bytes + 2 * r * 32));
+    __m256i odd = _mm256_loadu_si256((const __m256i*)(bytes + (2 * r + 1) * 32));
+    __m256i halves[2][2] = {
+        {_mm256_and_si256(even, nibble), _mm256_and_si256(odd, nibble)},
+        {_mm256_and_si256(_mm256_srli_epi16(even, 4), nibble), _mm256_and_si256(_mm256_srli_epi16(odd, 4), nibble)}};
+    for (int h = 0; h < 2; ++h) {  // h = 0: outputs 0-31, h = 1: outputs 32-63
+      __m256i low = _mm256_unpacklo_epi8(halves[h][0], halves[h][1]);
+      __m256i high = _mm256_unpackhi_epi8(halves[h][0], halves[h][1]);
+      __m256i first = _mm256_permute2x128_si256(low, high, 0x20);   // outputs 0-15 of the half
+      __m256i second = _mm256_permute2x128_si256(low, high, 0x31);  // outputs 16-31
+      __m512i a = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(first), table);
+      __m512i b = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(second), table);
+      _mm512_storeu_si512(panel + ((2 * h) * TILE + r) * 32, a);
+      _mm512_storeu_si512(panel + ((2 * h + 1) * TILE + r) * 32, b);
+    }
+  }
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  // x [m, k] bf16; packed [n, k / 2] uint8; scales [k / 32, n, 2] bf16 (scale, zero)
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: [m, k] bf16");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed: uint8");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(), "scales: bf16");
+  int64_t rows = x.size(0), k = x.size(1), n = packed.size(0), groups = k / GROUP;
+  TORCH_CHECK(n % BLOCK_N == 0 && k % GROUP == 0 && packed.size(1) * 2 == k, "int4 shape");
+  auto out = at::empty({rows, n}, x.options());
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const uint32_t* sp = reinterpret_cast<const uint32_t*>(scales.data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  std::vector<float> sums(rows * groups);  // each row's inputs summed per group, in order
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.0f;
+      for (int64_t i = 0; i < GROUP; ++i) s += from_bf16(xp[m * k + g * GROUP + i]);
+      sums[m * groups + g] = s;
+    }
+  at::parallel_for(0, n / BLOCK_N, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) uint16_t panel[4 * TILE * 32];
+    alignas(64) float products[TILE * BLOCK_N];
+    std::vector<float> acc(rows * BLOCK_N);
+    int64_t configured = -1;
+    for (int64_t block = begin; block < end; ++block) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      const uint8_t* column = pp + block * k * 32;
+      for (int64_t g = 0; g < groups; ++g) {
+        unpack_group(column + g * GROUP * 32, panel);
+        __m512 scale[4], zero[4];
+        for (int t = 0; t < 4; ++t) {
+          __m512i sz = _mm512_loadu_si512(sp + g * n + block * BLOCK_N + t * TILE);
+          scale[t] = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
+          zero[t] = _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32(int(0xffff0000u))));
+        }
+        for (int64_t m = 0; m < rows; m += TILE) {
+          int64_t height = std::min(TILE, rows - m);
+          if (height != configured) {
+            configure(height, 64, height, 64);
+            configured = height;
+          }
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          _tile_loadd(4, xp + m * k + g * GROUP, k * 2);
+          _tile_loadd(5, panel, 64);
+          _tile_dpbf16ps(0, 4, 5);
+          _tile_loadd(6, panel + TILE * 32, 64);
+          _tile_dpbf16ps(1, 4, 6);
+          _tile_loadd(5, panel + 2 * TILE * 32, 64);
+          _tile_dpbf16ps(2, 4, 5);
+          _tile_loadd(6, panel + 3 * TILE * 32, 64);
+          _tile_dpbf16ps(3, 4, 6);
+          _tile_stored(0, products, BLOCK_N * 4);
+          _tile_stored(1, products + TILE, BLOCK_N * 4);
+          _tile_stored(2, products + 2 * TILE, BLOCK_N * 4);
+          _tile_stored(3, products + 3 * TILE, BLOCK_N * 4);
+          for (int64_t r = 0; r < height; ++r) {
+            __m512 total = _mm512_set1_ps(sums[(m + r) * groups + g]);
+            float* a = acc.data() + (m + r) * BLOCK_N;
+            for (int t = 0; t < 4; ++t) {
+              __m512 v = _mm512_fmadd_ps(scale[t], _mm512_load_ps(products + r * BLOCK_N + t * TILE), _mm512_loadu_ps(a + t * TILE));
+              _mm512_storeu_ps(a + t * TILE, _mm512_fmadd_ps(zero[t], total, v));
+            }
+          }
+        }
+      }
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t j = 0; j < BLOCK_N; ++j) op[m * n + block * BLOCK_N + j] = to_bf16(acc[m * BLOCK_N + j]);
+    }
+    _tile_release();
+  });
+  return out;
+}
+
+// ---- int8: y = scale * (x . q), per output; the weights are the left operand ----
+
+// A block's 64 rows of int8 weights, inputs [32 d0, 32 d1), as bf16 (exact: |q| <= 127):
+// per depth d, four left-hand tiles [64 rows][32 bf16]. Read row by row: one stream at a time.
+inline void int8_chunk(const int8_t* w, int64_t k, int64_t d0, int64_t d1, uint16_t* panel) {
+  for (int64_t j = 0; j < BLOCK_N; ++j)
+    for (int64_t d = d0; d < d1; ++d) {
+      __m256i q = _mm256_loadu_si256((const __m256i*)(w + j * k + d * DEPTH));
+      __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+      __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+      _mm512_store_si512(panel + ((d - d0) * BLOCK_N + j) * DEPTH, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    }
+}
+
+// sums 0-3 += the slab's four tiles times x's pairs at depth d, columns [m, m + height)
+inline void int8_depth(const uint32_t* x, int64_t width, int64_t m, int64_t d, const uint16_t* slab) {
+  _tile_loadd(5, x + d * TILE * width + m, width * 4);
+  _tile_loadd(4, slab, 64);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_loadd(4, slab + TILE * DEPTH, 64);
+  _tile_dpbf16ps(1, 4, 5);
+  _tile_loadd(4, slab + 2 * TILE * DEPTH, 64);
+  _tile_dpbf16ps(2, 4, 5);
+  _tile_loadd(4, slab + 3 * TILE * DEPTH, 64);
+  _tile_dpbf16ps(3, 4, 5);
+}
+
+at::Tensor int8_linear(const at::Tensor& pairs, int64_t rows, const at::Tensor& weight, const at::Tensor& scales) {
+  // pairs [k / 2, m] int32: x transposed by pairs of inputs; weight [n, k] int8; scales [n] bf16
+  TORCH_CHECK(pairs.dim() == 2 && pairs.scalar_type() == at::kInt && pairs.is_contiguous(), "pairs: [k/2, m] int32");
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(), "weight: int8");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(), "scales: bf16");
+  int64_t k = weight.size(1), n = weight.size(0), width = pairs.size(1), depths = k / DEPTH;
+  TORCH_CHECK(n % BLOCK_N == 0 && k % DEPTH == 0 && pairs.size(0) * 2 == k && rows <= width, "int8 shape");
+  auto out = at::empty({rows, n}, weight.options().dtype(at::kBFloat16));
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(pairs.data_ptr());
+  const int8_t* wp = weight.data_ptr<int8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  int64_t tiles = (rows + TILE - 1) / TILE;
+  at::parallel_for(0, n / BLOCK_N, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t, Aligned<uint16_t>> panel(CHUNK * BLOCK_N * DEPTH);
+    std::vector<float, Aligned<float>> sums(tiles * BLOCK_N * TILE);  // [tile][64 outputs][16 rows]
+    int64_t configured = -1;
+    for (int64_t block = begin; block < end; ++block) {
+      const int8_t* w = wp + block * BLOCK_N * k;
+      for (int64_t d0 = 0; d0 < depths; d0 += CHUNK) {
+        int64_t d1 = std::min(depths, d0 + CHUNK);
+        int8_chunk(w, k, d0, d1, panel.data());
+        for (int64_t m = 0; m < rows; m += TILE) {
+          int64_t height = std::min(TILE, rows - m);
+          if (height != configured) {  // left: 16 outputs; right and sums: `height` rows of x
+            configure(TILE, height * 4, TILE, height * 4);
+            configured = height;
+          }
+          float* s = sums.data() + m / TILE * BLOCK_N * TILE;
+          if (d0 == 0) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+          } else {  // float32 out and back: exact, so chunking never changes a sum
+            _tile_loadd(0, s, TILE * 4);
+            _tile_loadd(1, s + TILE * TILE, TILE * 4);
+            _tile_loadd(2, s + 2 * TILE * TILE, TILE * 4);
+            _tile_loadd(3, s + 3 * TILE * TILE, TILE * 4);
+          }
+          for (int64_t d = d0; d < d1; ++d) int8_depth(xp, width, m, d, panel.data() + (d - d0) * BLOCK_N * DEPTH);
+          _tile_stored(0, s, TILE * 4);
+          _tile_stored(1, s + TILE * TILE, TILE * 4);
+          _tile_stored(2, s + 2 * TILE * TILE, TILE * 4);
+          _tile_stored(3, s + 3 * TILE * TILE, TILE * 4);
+        }
+      }
+      for (int64_t j = 0; j < BLOCK_N; ++j) {
+        float scale = from_bf16(sp[block * BLOCK_N + j]);
+        for (int64_t r = 0; r < rows; ++r)
+          op[r * n + block * BLOCK_N + j] = to_bf16(scale * sums[(r / TILE * BLOCK_N + j) * TILE + r % TILE]);
+      }
+    }
+    _tile_release();
+  });
+  return out;
+}
+
+bool enable_tiles() {  // Linux grants a process AMX state only on request
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(lever_amx, m) {
+  m.def("int4_linear", &int4_linear);
+  m.def("int8_linear", &int8_linear);
+  m.def("enable_tiles", &enable_tiles);
+}

@@ -1,0 +1,89 @@
+"""The AMX kernels: they compute what the stored format means, each row on its own, and
+quantized matrices they do not fit stay on torch's kernels. On a CPU without AMX the kernel
+tests cannot run there; the fallback tests run everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lever_actors.model import amx
+from lever_actors.model.quantized import GROUP, quantize_int4, quantize_int8
+
+needs_amx = pytest.mark.skipif(not amx.available(), reason="this CPU runs torch's kernels")
+
+
+def weight(shape: tuple[int, int], seed: int = 0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def int4_meaning(x: torch.Tensor, q) -> torch.Tensor:
+    """What the int4 kernel computes, in float64: sum over groups of scale * (x . (q - 8))
+    plus zero * sum(x), from the stored scales and the packed values read back."""
+    out, inputs = q.shape
+    scales = q.scales.double()  # [groups, out, 2]
+    values = q.dequantize().double().view(out, inputs // GROUP, GROUP)
+    # the kernel reads back w = (q - 8) * scale + zero, so q - 8 = (w - zero) / scale
+    centred = ((values - scales[..., 1].T[..., None]) / scales[..., 0].T[..., None]).round()
+    per_group = torch.einsum("ngi,mgi->mng", centred, x.double().view(-1, inputs // GROUP, GROUP))
+    sums = x.double().view(-1, inputs // GROUP, GROUP).sum(-1)  # [m, groups]
+    return (per_group * scales[..., 0].T).sum(-1) + sums @ scales[..., 1]
+
+
+@needs_amx
+@pytest.mark.parametrize("shape", [(64, 32), (128, 96), (192, 320)])
+def test_int4_computes_the_grouped_sums(shape):
+    q = quantize_int4(weight(shape))
+    x = torch.randn(5, shape[1]).to(torch.bfloat16)
+    expected = int4_meaning(x, q)
+    got = amx.int4_linear(x, q.data, q.scales).double()
+    assert ((got - expected).abs() <= 0.01 * expected.abs() + 1e-3).all()
+
+
+@needs_amx
+@pytest.mark.parametrize("shape", [(64, 32), (128, 96), (192, 320)])
+def test_int8_computes_scale_times_the_integer_product(shape):
+    q = quantize_int8(weight(shape))
+    x = torch.randn(5, shape[1]).to(torch.bfloat16)
+    expected = (x.double() @ q.data.double().T) * q.scales.double()
+    got = amx.int8_linear(x, q.data, q.scales).double()
+    assert ((got - expected).abs() <= 0.01 * expected.abs() + 1e-3).all()
+
+
+@needs_amx
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_a_row_is_the_same_in_calls_of_every_size(fmt):
+    shape = (128, 320)
+    q = quantize_int4(weight(shape)) if fmt == "int4" else quantize_int8(weight(shape))
+    kernel = amx.int4_linear if fmt == "int4" else amx.int8_linear
+    x = (torch.randn(40, shape[1]) * torch.logspace(-2, 2, shape[1])).to(torch.bfloat16)
+    alone = torch.cat([kernel(x[i : i + 1], q.data, q.scales) for i in range(40)])
+    for n in (2, 15, 16, 17, 33, 40):  # partial and whole tiles of 16 rows
+        assert torch.equal(kernel(x[:n], q.data, q.scales), alone[:n]), n
+
+
+@needs_amx
+def test_matrices_that_fit_run_on_the_tiles():
+    q = quantize_int4(weight((128, 96)))
+    x = torch.randn(3, 96).to(torch.bfloat16)
+    assert amx.fits("int4", q.shape)
+    assert torch.equal(q.linear(x), amx.int4_linear(x, q.data, q.scales))
+
+
+def test_matrices_the_tiles_do_not_fit_stay_on_torch():
+    assert not amx.fits("int4", (48, 96))  # outputs not in blocks of 64
+    assert not amx.fits("int8", (64, 48))  # inputs not in tile depths of 32
+    assert not amx.fits("dense", (64, 64))
+    q = quantize_int4(weight((48, 96)))
+    x = torch.randn(3, 96).to(torch.bfloat16)
+    expected = torch.ops.aten._weight_int4pack_mm_for_cpu(x, q.data, GROUP, q.scales)
+    assert torch.equal(q.linear(x), expected)
+
+
+@pytest.mark.parametrize(
+    ("value", "kind"),
+    [("torch", amx.Kernels.TORCH), ("auto", amx.Kernels.AUTO), ("fast", amx.Kernels.AUTO)],
+)
+def test_the_kernels_a_user_asks_for(monkeypatch, value, kind):
+    monkeypatch.setenv("LEVER_ACTORS_KERNELS", value)
+    assert amx.requested() is kind
