@@ -29,4 +29,4 @@ def load_draft(path: str, dtype: str, weights: Weights = "auto") -> DraftModel:
     if weights == "auto" and torch_dtype != COMPUTE_DTYPE:
         weights = "dense"
     draft = load_checkpoint(path, torch_dtype, weights)
-    return DraftModel(Transformer(draft.args, draft.weights), draft.tokenizer, path)
+    return DraftModel(Transformer(draft.args, draft.weights.for_drafting()), draft.tokenizer, path)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,7 +22,7 @@ def row_range(weight: Weight, lo: int, hi: int) -> Weight:
         return weight[lo:hi]
     if isinstance(weight, QuantizedWeight) and weight.fmt == "int8":
         shape = (hi - lo, weight.shape[1])
-        return QuantizedWeight("int8", shape, weight.data[lo:hi], weight.scales[lo:hi])
+        return replace(weight, shape=shape, data=weight.data[lo:hi], scales=weight.scales[lo:hi])
     raise ValueError(f"rows of a {type(weight).__name__} cannot be taken apart")
 
 
@@ -108,6 +108,16 @@ class ModelWeights:
             layers=[{k: _cast(t, dtype) for k, t in layer.items()} for layer in self.layers],
         )
 
+    def for_drafting(self) -> ModelWeights:
+        """The same weights, each quantized matrix free to pick its kernel per call by rows
+        (a draft's rounding only steers which tokens the target checks)."""
+        return ModelWeights(
+            embed=self.embed,
+            final_norm=self.final_norm,
+            lm_head=self.lm_head if self.lm_head is self.embed else _drafting(self.lm_head),
+            layers=[{k: _drafting(t) for k, t in layer.items()} for layer in self.layers],
+        )
+
     @property
     def quantized(self) -> bool:
         tensors = [self.embed, self.lm_head, *(t for layer in self.layers for t in layer.values())]
@@ -116,3 +126,7 @@ class ModelWeights:
 
 def _cast(t: Weight, dtype: torch.dtype) -> Weight:
     return t.to(dtype) if isinstance(t, torch.Tensor) else t
+
+
+def _drafting(t: Weight) -> Weight:
+    return replace(t, exact=False) if isinstance(t, QuantizedWeight) else t
