@@ -75,8 +75,12 @@ class FlashTarget:
         normed = rms_norm(hidden, self.final_norm, self.args.norm_eps)
         extent = self.manifest.extent(head_key(self.manifest))
         parts = self.store.stream_rows(extent, self.plan.head_rows_per_read, self._head_buffer)
-        products = [p for rows in parts for p in head_products(normed, rows)]
-        return capped_logits(torch.cat(products, dim=-1), self.args)
+        logits = normed.new_empty(len(normed), self.args.vocab_size)
+        done = 0
+        for rows in parts:
+            head_products(normed, rows, logits[:, done : done + rows.shape[0]])
+            done += rows.shape[0]
+        return capped_logits(logits, self.args)
 
     def close(self) -> None:
         self.store.close()

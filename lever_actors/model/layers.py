@@ -144,19 +144,23 @@ def output_logits(
 ) -> torch.Tensor:
     """Final norm + LM head (+ Gemma's soft cap). hidden: [n, d_model] -> [n, vocab]"""
     normed = rms_norm(hidden, final_norm, args.norm_eps)
-    return capped_logits(torch.cat(head_products(normed, lm_head), dim=-1), args)
+    logits = normed.new_empty(len(normed), lm_head.shape[0])
+    head_products(normed, lm_head, logits)
+    return capped_logits(logits, args)
 
 
-def head_products(normed: torch.Tensor, rows: Weight) -> list[torch.Tensor]:
+def head_products(normed: torch.Tensor, rows: Weight, out: torch.Tensor) -> None:
     """normed [n, d_model] times some whole HEAD_ROWS blocks of the LM head (all of it, or a
-    streamed part), block by block -> [n, rows in each block] each. A 4-bit packed head,
-    whose rows cannot be cut apart (it never streams), multiplies whole."""
+    streamed part), block by block, into out [n, rows] (filled in place: a tree's logits are
+    tens of MB). A 4-bit packed head, whose rows cannot be cut apart (it never streams),
+    multiplies whole."""
     if isinstance(rows, QuantizedWeight) and rows.fmt == "int4":
-        return [linear(normed, rows)]
+        out.copy_(linear(normed, rows))
+        return
     n = rows.shape[0]
-    return [
-        linear(normed, row_range(rows, lo, min(lo + HEAD_ROWS, n))) for lo in range(0, n, HEAD_ROWS)
-    ]
+    for lo in range(0, n, HEAD_ROWS):
+        hi = min(lo + HEAD_ROWS, n)
+        out[:, lo:hi] = linear(normed, row_range(rows, lo, hi))
 
 
 def capped_logits(logits: torch.Tensor, args: ModelArgs) -> torch.Tensor:
