@@ -20,6 +20,7 @@ from lever_actors.sizes import compact_bytes, parse_bytes
 
 DEFAULT_GAINCOST_CAP = 64
 MAX_TREE_NODES = 1024  # draft nodes one tree may have: a pass verifies them all at once
+MAX_STATIC_WIDTH = 64  # children per node a static tree may ask for
 DEFAULT_MAX_NEW_TOKENS = 128
 
 EarlyExit = Literal["auto", "lens", "trained", "none", "off"]
@@ -116,7 +117,13 @@ class TreeSpec(msgspec.Struct, frozen=True):
                 raise ConfigError(f"tree {text!r}: chain takes one length, e.g. chain:4")
             _check_tree_nodes(text, numbers[0])  # before a tuple of that length is built
             return cls("chain", (1,) * numbers[0])
-        return cls("static", numbers).checked(text)
+        spec = cls("static", numbers).checked(text)
+        if max(numbers) > MAX_STATIC_WIDTH:
+            raise ConfigError(
+                f"tree {text!r}: a static width is at most {MAX_STATIC_WIDTH} (the draft "
+                "candidates a node keeps)"
+            )
+        return spec
 
     def checked(self, text: str) -> TreeSpec:
         _check_tree_nodes(text, self.max_nodes)

@@ -8,9 +8,11 @@ accepted, batch by batch, while expected tokens per second of predicted step tim
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from lever_actors.config import MAX_STATIC_WIDTH
 from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.placement import Placement
 from lever_actors.model.sampling import Chooser
@@ -22,6 +24,21 @@ from lever_actors.policy.cost_model import CostModel
 SHADOWS = 4  # untaken candidates kept per expanded node, standing for the mass outside the tree
 CANDIDATES = 8  # children considered per expanded node by the gain-cost policy
 ROUND_WIDTH = 4  # nodes a draft forward runs for about the price of one
+# a run node's best children kept, enough for any policy (a whole vocabulary's probabilities
+# per node held 39 MB for a 64-node tree of the real draft)
+KEPT = max(CANDIDATES, MAX_STATIC_WIDTH) + SHADOWS
+
+
+@dataclass(frozen=True)
+class Children:
+    """A run node's most probable next tokens under the draft, best first."""
+
+    probs: list[float]
+    tokens: list[int]
+
+    def best(self, k: int) -> list[tuple[float, int]]:
+        """The k most probable (probability, token), best first."""
+        return list(zip(self.probs[:k], self.tokens[:k], strict=True))
 
 RunBatch = Callable[[list[int]], Awaitable[None]]  # runs TreeBuilder.run on some unit
 
@@ -44,7 +61,7 @@ class TreeBuilder:
         self.probs = [1.0] * len(chain)
         self.ranks = [0] * len(chain)  # a node's place among its parent's draft candidates
         self.offsets: dict[int, int] = {}  # node -> slot in the draft cache's pending block
-        self.child_probs: dict[int, torch.Tensor] = {}  # node -> draft distribution [vocab]
+        self.children: dict[int, Children] = {}  # run node -> its best children
         self.rounds: list[int] = []  # nodes in each draft forward so far, the chain's first
 
     def add(self, parent: int, token: int, prob: float, rank: int) -> int:
@@ -78,7 +95,7 @@ class TreeBuilder:
             parent = renamed[self.parents[node]]
             builder.add(parent, self.tokens[node], self.probs[node], self.ranks[node])
         builder.offsets = {renamed[n]: slot for slot, n in enumerate(ran)}
-        builder.child_probs = {renamed[n]: p for n, p in self.child_probs.items() if n in inside}
+        builder.children = {renamed[n]: c for n, c in self.children.items() if n in inside}
         return builder
 
     def run(self, nodes: list[int], wanted: int | None = None) -> None:
@@ -103,8 +120,10 @@ class TreeBuilder:
         logits = self.model.logits(hidden[len(nodes) - wanted :])
         scores = self.chooser.draft_scores(logits, positions[len(nodes) - wanted :] + 1)
         probs = torch.softmax(scores.float(), dim=-1)
-        for row, node in enumerate(nodes[len(nodes) - wanted :]):
-            self.child_probs[node] = probs[row]
+        top = torch.topk(probs, min(KEPT, probs.shape[-1]))
+        ranked = zip(top.values.tolist(), top.indices.tolist(), strict=True)
+        for node, (values, tokens) in zip(nodes[len(nodes) - wanted :], ranked, strict=True):
+            self.children[node] = Children(values, tokens)
 
     def shadows(self) -> tuple[tuple[int, ...], ...]:
         """Per node: its best candidates that did not become children (empty if not run)."""
@@ -113,12 +132,11 @@ class TreeBuilder:
             children.setdefault(parent, set()).add(self.tokens[node])
         out = []
         for node in range(len(self.tokens)):
-            probs = self.child_probs.get(node)
-            if probs is None:
+            best = self.children.get(node)
+            if best is None:
                 out.append(())
                 continue
-            wanted = min(SHADOWS + len(children.get(node, ())), probs.numel())
-            top = torch.topk(probs, wanted).indices.tolist()
+            top = [token for _, token in best.best(SHADOWS + len(children.get(node, ())))]
             taken = children.get(node, set())
             out.append(tuple(t for t in top if t not in taken)[:SHADOWS])
         return tuple(out)
@@ -133,12 +151,10 @@ async def grow_static(
     for depth, width in enumerate(widths):
         children = []
         for node in level:
-            probs = builder.child_probs[node]
-            top = torch.topk(probs, min(width, budget, probs.numel()))
-            ranked = enumerate(zip(top.values.tolist(), top.indices.tolist(), strict=True))
-            for rank, (prob, token) in ranked:
+            best = builder.children[node].best(min(width, budget))
+            for rank, (prob, token) in enumerate(best):
                 children.append(builder.add(node, token, prob, rank))
-            budget -= len(top.values)
+            budget -= len(best)
         if budget <= 0 or not children:
             return
         if depth + 1 < len(widths):
@@ -172,15 +188,13 @@ class GainCostGrowth:
             self.path_prob[node] = self.path_prob[builder.parents[node]] * acceptance
         # (path prob, parent, token, draft prob, rank)
         self.candidates: list[tuple[float, int, int, float, int]] = []
-        for node in sorted(builder.child_probs):
+        for node in sorted(builder.children):
             self._offer(node)
         self.sent = len(builder.tokens)  # nodes beyond this were drafted ahead, not sent
 
     def _offer(self, node: int) -> None:
-        probs = self.builder.child_probs[node]
         taken = self.builder.child_tokens(node)
-        top = torch.topk(probs, min(CANDIDATES, probs.numel()))
-        ranked = enumerate(zip(top.values.tolist(), top.indices.tolist(), strict=True))
+        ranked = enumerate(self.builder.children[node].best(CANDIDATES))
         for rank, (prob, token) in ranked:
             if token not in taken:
                 gain = self.path_prob[node] * self.calibrator.acceptance(prob, rank)
@@ -247,7 +261,7 @@ class GainCostGrowth:
         leaves = [
             (self.path_prob[n], n)
             for n in range(self.root + 1, self.sent)
-            if n not in builder.child_probs
+            if n not in builder.children
         ]
         offers = [(c[0], c) for c in self.candidates]
         room = cap - (len(builder.tokens) - self.sent)

@@ -12,7 +12,7 @@ from lever_actors.model.sampling import GREEDY, Chooser
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.cost_model import CostModel, Curve
-from lever_actors.policy.trees import GainCostGrowth, TreeBuilder, grow_gain_cost
+from lever_actors.policy.trees import KEPT, GainCostGrowth, TreeBuilder, grow_gain_cost
 from tests.tiny_hf import save_tiny, tiny_model
 
 PROMPT = [3, 14, 15, 92, 65, 35]
@@ -101,7 +101,7 @@ def test_nodes_join_below_nodes_already_in_the_tree(draft):
     assert all(parent < node for node, parent in enumerate(builder.parents) if node)
     assert recorded.batches, "a tree this cheap to verify should take several draft rounds"
     for node in range(builder.n_chain, len(builder.tokens)):  # children of run nodes only
-        assert builder.parents[node] in builder.child_probs
+        assert builder.parents[node] in builder.children
 
 
 def test_drafting_ahead_grows_below_the_sent_tree_and_never_touches_it(draft):
@@ -147,14 +147,23 @@ def test_a_subtree_drafted_ahead_becomes_the_next_tree_with_its_cache_intact(dra
 
     assert builder.cache.length == length + len(accepted)
     assert nxt.tokens[0] == builder.tokens[root] and nxt.n_chain == 1
-    assert len(nxt.child_probs) >= 1
-    for node, probs in nxt.child_probs.items():
-        fresh = distribution(draft, text + path_tokens(nxt, node))
-        torch.testing.assert_close(probs, fresh.float(), rtol=1e-6, atol=1e-9)
+    assert len(nxt.children) >= 1
+    for node, children in nxt.children.items():
+        assert_best_of(children, distribution(draft, text + path_tokens(nxt, node)))
     # and a new round on the rebased builder sees the moved entries
-    leaf = max(nxt.child_probs, key=lambda n: len(path_tokens(nxt, n)))
-    token = int(torch.argmax(nxt.child_probs[leaf]))
+    leaf = max(nxt.children, key=lambda n: len(path_tokens(nxt, n)))
+    token = nxt.children[leaf].tokens[0]
     child = nxt.add(leaf, token, 0.5, 0)
     nxt.run([child])
-    fresh = distribution(draft, text + path_tokens(nxt, child))
-    torch.testing.assert_close(nxt.child_probs[child], fresh.float(), rtol=1e-6, atol=1e-9)
+    assert_best_of(nxt.children[child], distribution(draft, text + path_tokens(nxt, child)))
+
+
+def assert_best_of(children, fresh: torch.Tensor) -> None:
+    """A node's kept children are the best of a fresh draft distribution, best first, with
+    its probabilities (near-ties may take either order)."""
+    fresh = fresh.float()
+    assert len(children.tokens) == min(KEPT, fresh.numel())
+    assert children.probs == sorted(children.probs, reverse=True)
+    probs = torch.tensor(children.probs)
+    torch.testing.assert_close(probs, fresh[children.tokens], rtol=1e-6, atol=1e-9)
+    assert probs[-1] >= torch.topk(fresh, len(probs)).values[-1] - 1e-6
