@@ -19,7 +19,6 @@ from enum import Enum
 from pathlib import Path
 
 import torch
-from torch.utils import cpp_extension
 
 from lever_actors.logs import get_logger
 from lever_actors.paths import default_cache_dir
@@ -128,8 +127,8 @@ def _built() -> Path:
     partial = library.with_suffix(f".{os.getpid()}.partial")
     objects = partial.with_suffix(".o")
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    includes = [f"-I{path}" for path in cpp_extension.include_paths()]
-    libraries = [f"-L{path}" for path in cpp_extension.library_paths()]
+    home = Path(torch.__file__).parent  # torch's headers and libraries, as a wheel lays them out
+    includes, libraries = [f"-I{home / 'include'}"], [f"-L{home / 'lib'}"]
     try:
         # OpenMP at compile time only: the library then uses torch's own OpenMP runtime
         _run(["g++", *COMPILE, "-fopenmp", abi, *includes, "-c", str(SOURCE), "-o", str(objects)])
