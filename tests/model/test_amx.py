@@ -4,11 +4,14 @@ tests cannot run there; the fallback tests run everywhere."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from lever_actors.model import amx
 from lever_actors.model.quantized import GROUP, quantize_int4, quantize_int8
+from lever_actors.model.weights import ModelWeights
 
 needs_amx = pytest.mark.skipif(not amx.available(), reason="this CPU runs torch's kernels")
 
@@ -68,6 +71,25 @@ def test_matrices_that_fit_run_on_the_tiles():
     x = torch.randn(3, 96).to(torch.bfloat16)
     assert amx.fits("int4", q.shape)
     assert torch.equal(q.linear(x), amx.int4_linear(x, q.data, q.scales))
+
+
+@needs_amx
+def test_a_drafts_matrices_take_the_faster_kernel_for_their_rows():
+    q = replace(quantize_int4(weight((128, 96))), exact=False)
+    few = torch.randn(amx.FEWEST_ROWS - 1, 96).to(torch.bfloat16)
+    many = torch.randn(amx.FEWEST_ROWS, 96).to(torch.bfloat16)
+    on_torch = torch.ops.aten._weight_int4pack_mm_for_cpu(few, q.data, GROUP, q.scales)
+    assert torch.equal(q.linear(few), on_torch)
+    assert torch.equal(q.linear(many), amx.int4_linear(many, q.data, q.scales))
+
+
+def test_drafting_weights_free_only_the_quantized_matrices():
+    q, dense = quantize_int8(weight((64, 32))), weight((64, 32))
+    weights = ModelWeights(dense, torch.ones(32), dense, [{"wq": q, "wk": dense}])
+    drafting = weights.for_drafting()
+    assert drafting.layers[0]["wq"].exact is False and q.exact is True
+    assert drafting.layers[0]["wq"].data is q.data
+    assert drafting.layers[0]["wk"] is dense and drafting.lm_head is drafting.embed
 
 
 def test_matrices_the_tiles_do_not_fit_stay_on_torch():
