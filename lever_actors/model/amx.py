@@ -3,7 +3,8 @@ into the cache, loaded as torch ops, used for every int4 and int8 matrix they fi
 
 torch's weight-only kernels cost about as much per row as one-token decoding, so a tree of
 64 nodes costs nearly 64 passes. The tile kernels unpack each weight once per call and
-multiply every row on AMX: 64 rows cost about 2-4x one row (docs/design.md, "Kernels").
+multiply every row on AMX: 64 rows cost 4-6x one row per matrix, a target pass about 3x
+(docs/design.md, "Kernels").
 Where a CPU has no AMX, no compiler is found or the build fails, torch's kernels stay in use,
 and the reason is logged once. `LEVER_ACTORS_KERNELS=torch` asks for torch's kernels.
 """
