@@ -44,15 +44,15 @@ class Kernels(Enum):
 
 
 _lock = threading.Lock()
-_loaded: dict[str, object] = {}  # "ops": the torch.ops namespace, or None once refused
+_in_use: list[bool] = []  # decided once per process, on the first call of available()
 
 
 def available() -> bool:
     """Whether the AMX kernels are in use in this process (built and loaded on first call)."""
     with _lock:
-        if "ops" not in _loaded:
-            _loaded["ops"] = _load()
-    return _loaded["ops"] is not None
+        if not _in_use:
+            _in_use.append(_load())
+    return _in_use[0]
 
 
 def fits(fmt: str, shape: tuple[int, int]) -> bool:
@@ -82,9 +82,9 @@ def requested() -> Kernels:
         return Kernels.AUTO
 
 
-def _load():
+def _load() -> bool:
     if requested() is Kernels.TORCH:
-        return None
+        return False
     why = _unsupported()
     if why is None:
         try:
@@ -97,8 +97,7 @@ def _load():
             why = None if torch.ops.lever_amx.enable_tiles() else "Linux refused AMX state"
     if why is not None:
         log.warning("torch's kernels in use for quantized weights", reason=why)
-        return None
-    return torch.ops.lever_amx
+    return why is None
 
 
 def _unsupported() -> str | None:

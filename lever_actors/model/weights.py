@@ -114,7 +114,7 @@ class ModelWeights:
         return ModelWeights(
             embed=self.embed,
             final_norm=self.final_norm,
-            lm_head=self.lm_head if self.lm_head is self.embed else _drafting(self.lm_head),
+            lm_head=_drafting(self.lm_head),  # a tied head is the embedding, never changed
             layers=[{k: _drafting(t) for k, t in layer.items()} for layer in self.layers],
         )
 

@@ -127,17 +127,17 @@ class TreeBuilder:
 
     def shadows(self) -> tuple[tuple[int, ...], ...]:
         """Per node: its best candidates that did not become children (empty if not run)."""
-        children: dict[int, set[int]] = {}
+        taken_below: dict[int, set[int]] = {}  # node -> its children's tokens
         for node, parent in enumerate(self.parents):
-            children.setdefault(parent, set()).add(self.tokens[node])
+            taken_below.setdefault(parent, set()).add(self.tokens[node])
         out = []
         for node in range(len(self.tokens)):
             best = self.children.get(node)
             if best is None:
                 out.append(())
                 continue
-            top = [token for _, token in best.best(SHADOWS + len(children.get(node, ())))]
-            taken = children.get(node, set())
+            taken = taken_below.get(node, set())
+            top = [token for _, token in best.best(SHADOWS + len(taken))]
             out.append(tuple(t for t in top if t not in taken)[:SHADOWS])
         return tuple(out)
 
