@@ -5,12 +5,15 @@ torch's weight-only kernels cost about as much per row as one-token decoding, so
 64 nodes costs nearly 64 passes. The tile kernels unpack each weight once per call and
 multiply every row on AMX: 64 rows cost 4-6x one row per matrix, a target pass about 3x
 (docs/design.md, "Kernels").
+They are opt-in (`LEVER_ACTORS_KERNELS=amx`): with the LM head streamed from flash, check-exact
+found the engine parting from one-token decoding on the real pair (docs/status.md, Open).
 Where a CPU has no AMX, no compiler is found or the build fails, torch's kernels stay in use,
-and the reason is logged once. `LEVER_ACTORS_KERNELS=torch` asks for torch's kernels.
+and the reason is logged once.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -39,20 +42,24 @@ COMPILE = ("-O3", "-std=c++20", "-fPIC", *ISA, "-mamx-tile", "-mamx-bf16")
 
 
 class Kernels(Enum):
-    AUTO = "auto"  # AMX where this machine has it
-    TORCH = "torch"  # torch's weight-only kernels everywhere
+    TORCH = "torch"  # torch's weight-only kernels everywhere (the default)
+    AMX = "amx"  # the tile kernels where this machine has AMX
 
 
 _lock = threading.Lock()
-_in_use: list[bool] = []  # decided once per process, on the first call of available()
 
 
+@functools.cache
 def available() -> bool:
-    """Whether the AMX kernels are in use in this process (built and loaded on first call)."""
+    """Whether the AMX kernels are in use in this process: asked for and loaded."""
+    return requested() is Kernels.AMX and load()
+
+
+@functools.cache
+def load() -> bool:
+    """Build the kernels (once per machine) and load them; whether this process can use them."""
     with _lock:
-        if not _in_use:
-            _in_use.append(_load())
-    return _in_use[0]
+        return _load()
 
 
 def fits(fmt: str, shape: tuple[int, int]) -> bool:
@@ -73,18 +80,16 @@ def int8_linear(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> to
 
 
 def requested() -> Kernels:
-    value = os.environ.get("LEVER_ACTORS_KERNELS", "auto")
+    value = os.environ.get("LEVER_ACTORS_KERNELS", Kernels.TORCH.value)
     try:
         return Kernels(value)
     except ValueError:
         choices = ", ".join(k.value for k in Kernels)
-        log.warning("unknown LEVER_ACTORS_KERNELS; using auto", value=value, choices=choices)
-        return Kernels.AUTO
+        log.warning("unknown LEVER_ACTORS_KERNELS; using torch", value=value, choices=choices)
+        return Kernels.TORCH
 
 
 def _load() -> bool:
-    if requested() is Kernels.TORCH:
-        return False
     why = _unsupported()
     if why is None:
         try:

@@ -13,7 +13,7 @@ from lever_actors.model import amx
 from lever_actors.model.quantized import GROUP, quantize_int4, quantize_int8
 from lever_actors.model.weights import ModelWeights
 
-needs_amx = pytest.mark.skipif(not amx.available(), reason="this CPU runs torch's kernels")
+needs_amx = pytest.mark.skipif(not amx.load(), reason="this CPU cannot run the AMX kernels")
 
 
 def weight(shape: tuple[int, int], seed: int = 0) -> torch.Tensor:
@@ -66,7 +66,8 @@ def test_a_row_is_the_same_in_calls_of_every_size(fmt):
 
 
 @needs_amx
-def test_matrices_that_fit_run_on_the_tiles():
+def test_matrices_that_fit_run_on_the_tiles(monkeypatch):
+    monkeypatch.setattr(amx, "available", lambda: True)  # as LEVER_ACTORS_KERNELS=amx asks
     q = quantize_int4(weight((128, 96)))
     x = torch.randn(3, 96).to(torch.bfloat16)
     assert amx.fits("int4", q.shape)
@@ -74,7 +75,8 @@ def test_matrices_that_fit_run_on_the_tiles():
 
 
 @needs_amx
-def test_a_drafts_matrices_take_the_faster_kernel_for_their_rows():
+def test_a_drafts_matrices_take_the_faster_kernel_for_their_rows(monkeypatch):
+    monkeypatch.setattr(amx, "available", lambda: True)
     q = replace(quantize_int4(weight((128, 96))), exact=False)
     few = torch.randn(amx.FEWEST_ROWS - 1, 96).to(torch.bfloat16)
     many = torch.randn(amx.FEWEST_ROWS, 96).to(torch.bfloat16)
@@ -92,7 +94,8 @@ def test_drafting_weights_free_only_the_quantized_matrices():
     assert drafting.layers[0]["wk"] is dense and drafting.lm_head is drafting.embed
 
 
-def test_matrices_the_tiles_do_not_fit_stay_on_torch():
+def test_matrices_the_tiles_do_not_fit_stay_on_torch(monkeypatch):
+    monkeypatch.setattr(amx, "available", lambda: True)  # even where the tiles are in use
     assert not amx.fits("int4", (48, 96))  # outputs not in blocks of 64
     assert not amx.fits("int8", (64, 48))  # inputs not in tile depths of 32
     assert not amx.fits("dense", (64, 64))
@@ -104,8 +107,13 @@ def test_matrices_the_tiles_do_not_fit_stay_on_torch():
 
 @pytest.mark.parametrize(
     ("value", "kind"),
-    [("torch", amx.Kernels.TORCH), ("auto", amx.Kernels.AUTO), ("fast", amx.Kernels.AUTO)],
+    [("torch", amx.Kernels.TORCH), ("amx", amx.Kernels.AMX), ("fast", amx.Kernels.TORCH)],
 )
 def test_the_kernels_a_user_asks_for(monkeypatch, value, kind):
     monkeypatch.setenv("LEVER_ACTORS_KERNELS", value)
     assert amx.requested() is kind
+
+
+def test_torchs_kernels_unless_the_tiles_are_asked_for(monkeypatch):
+    monkeypatch.delenv("LEVER_ACTORS_KERNELS", raising=False)
+    assert amx.requested() is amx.Kernels.TORCH
