@@ -12,9 +12,9 @@ Formats (what a flash layout stores, and what DRAM holds):
   low nibble) then [in / GROUP, 2] bf16 scales and zeros: one contiguous record per row,
   so a token's row is one small read.
 On a CPU with AMX both formats run on the tile kernels of model/amx.py, which read these same
-bytes and cost little per extra row; elsewhere on torch's. Either way each row is computed on
-its own (checked like the dense kernels, by row_blocks), so a tree verified in one call equals
-one-token decoding bit for bit. A process uses one kernel per matrix throughout.
+bytes, cost little per extra row and compute each row on its own by construction; elsewhere on
+torch's, checked like the dense kernels by row_blocks. Either way a tree verified in one call
+equals one-token decoding bit for bit. A process uses one kernel per matrix throughout.
 """
 
 from __future__ import annotations
@@ -74,8 +74,9 @@ class QuantizedWeight:
     dtype = COMPUTE_DTYPE
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [n, in] bf16 -> [n, out] bf16; each row as if it were alone (if `exact`)."""
-        if self.exact:
+        """x: [n, in] bf16 -> [n, out] bf16; each row as if it were alone (if `exact`). The
+        tiles compute each row on its own by construction, so they need no row blocks."""
+        if self.exact and not amx.fits(self.fmt, self.shape):
             key = ("quantized", self.fmt, *self.shape)
             out = row_blocks.blocked(x, self._product, key, lambda: _probe(self.fmt, *self.shape))
         else:

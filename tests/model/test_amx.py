@@ -56,18 +56,19 @@ def test_int8_computes_scale_times_the_integer_product(shape):
 @needs_amx
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_a_row_is_the_same_in_calls_of_every_size(fmt):
-    shape = (128, 320)
+    shape = (128, 1088)  # int8: 34 tile depths, converted in two chunks
     q = quantize_int4(weight(shape)) if fmt == "int4" else quantize_int8(weight(shape))
     kernel = amx.int4_linear if fmt == "int4" else amx.int8_linear
-    x = (torch.randn(40, shape[1]) * torch.logspace(-2, 2, shape[1])).to(torch.bfloat16)
-    alone = torch.cat([kernel(x[i : i + 1], q.data, q.scales) for i in range(40)])
-    for n in (2, 15, 16, 17, 33, 40):  # partial and whole tiles of 16 rows
+    x = (torch.randn(100, shape[1]) * torch.logspace(-2, 2, shape[1])).to(torch.bfloat16)
+    alone = torch.cat([kernel(x[i : i + 1], q.data, q.scales) for i in range(100)])
+    # partial and whole tiles of 16 rows, past the 64 that row blocks would have allowed
+    for n in (2, 15, 16, 17, 33, 64, 65, 100):
         assert torch.equal(kernel(x[:n], q.data, q.scales), alone[:n]), n
 
 
 @needs_amx
 def test_matrices_that_fit_run_on_the_tiles(monkeypatch):
-    monkeypatch.setattr(amx, "available", lambda: True)  # as LEVER_ACTORS_KERNELS=amx asks
+    monkeypatch.setattr(amx, "available", lambda: True)  # whatever LEVER_ACTORS_KERNELS says
     q = quantize_int4(weight((128, 96)))
     x = torch.randn(3, 96).to(torch.bfloat16)
     assert amx.fits("int4", q.shape)
@@ -107,13 +108,13 @@ def test_matrices_the_tiles_do_not_fit_stay_on_torch(monkeypatch):
 
 @pytest.mark.parametrize(
     ("value", "kind"),
-    [("torch", amx.Kernels.TORCH), ("amx", amx.Kernels.AMX), ("fast", amx.Kernels.TORCH)],
+    [("torch", amx.Kernels.TORCH), ("amx", amx.Kernels.AMX), ("fast", amx.Kernels.AMX)],
 )
 def test_the_kernels_a_user_asks_for(monkeypatch, value, kind):
     monkeypatch.setenv("LEVER_ACTORS_KERNELS", value)
     assert amx.requested() is kind
 
 
-def test_torchs_kernels_unless_the_tiles_are_asked_for(monkeypatch):
+def test_the_tiles_unless_torchs_kernels_are_asked_for(monkeypatch):
     monkeypatch.delenv("LEVER_ACTORS_KERNELS", raising=False)
-    assert amx.requested() is amx.Kernels.TORCH
+    assert amx.requested() is amx.Kernels.AMX

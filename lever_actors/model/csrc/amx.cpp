@@ -24,6 +24,7 @@ constexpr int64_t BLOCK_N = 64;  // outputs per block: four 16-column tiles
 constexpr int64_t TILE = 16;     // rows of a full tile, 64 bytes each
 constexpr int64_t DEPTH = 32;    // inputs per tile product: 16 rows of bf16 pairs
 constexpr int64_t GROUP = 32;    // int4: inputs per scale and zero (one tile depth)
+constexpr int64_t AHEAD = 8;     // int4: groups prefetched ahead of the one unpacked
 constexpr int64_t CHUNK = 32;    // int8: depths converted at a time (128 KB of bf16 per block)
 
 template <typename T>
@@ -84,25 +85,21 @@ alignas(64) const uint16_t CENTRED[32] = {
     0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0};
 
 // One group of torch's CPU int4 packing (byte j of an input's 32: output j low, j + 32 high)
-// as four right-hand tiles [16 pairs of inputs][16 outputs] of bf16 (q - 8).
+// as four right-hand tiles [16 pairs of inputs][16 outputs] of bf16 (q - 8). vpermw reads a
+// word's low 5 bits and the table repeats after 16, so a byte's high nibble needs no mask.
 inline void unpack_group(const uint8_t* bytes, uint16_t* panel) {
   const __m512i table = _mm512_load_si512(CENTRED);
-  const __m256i nibble = _mm256_set1_epi8(15);
   for (int64_t r = 0; r < TILE; ++r) {
     __m256i even = _mm256_loadu_si256((const __m256i*)(bytes + 2 * r * 32));
     __m256i odd = _mm256_loadu_si256((const __m256i*)(bytes + (2 * r + 1) * 32));
-    __m256i halves[2][2] = {
-        {_mm256_and_si256(even, nibble), _mm256_and_si256(odd, nibble)},
-        {_mm256_and_si256(_mm256_srli_epi16(even, 4), nibble), _mm256_and_si256(_mm256_srli_epi16(odd, 4), nibble)}};
-    for (int h = 0; h < 2; ++h) {  // h = 0: outputs 0-31, h = 1: outputs 32-63
-      __m256i low = _mm256_unpacklo_epi8(halves[h][0], halves[h][1]);
-      __m256i high = _mm256_unpackhi_epi8(halves[h][0], halves[h][1]);
-      __m256i first = _mm256_permute2x128_si256(low, high, 0x20);   // outputs 0-15 of the half
-      __m256i second = _mm256_permute2x128_si256(low, high, 0x31);  // outputs 16-31
-      __m512i a = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(first), table);
-      __m512i b = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(second), table);
-      _mm512_storeu_si512(panel + ((2 * h) * TILE + r) * 32, a);
-      _mm512_storeu_si512(panel + ((2 * h + 1) * TILE + r) * 32, b);
+    __m256i low = _mm256_unpacklo_epi8(even, odd);   // pairs of outputs 0-7 | 16-23
+    __m256i high = _mm256_unpackhi_epi8(even, odd);  // pairs of outputs 8-15 | 24-31
+    __m256i halves[2] = {_mm256_permute2x128_si256(low, high, 0x20), _mm256_permute2x128_si256(low, high, 0x31)};
+    for (int h = 0; h < 2; ++h) {  // h = 0: outputs 0-15 (and 32-47), h = 1: 16-31 (48-63)
+      __m512i words = _mm512_cvtepu8_epi16(halves[h]);
+      _mm512_storeu_si512(panel + (h * TILE + r) * 32, _mm512_permutexvar_epi16(words, table));
+      __m512i upper = _mm512_srli_epi16(words, 4);
+      _mm512_storeu_si512(panel + ((2 + h) * TILE + r) * 32, _mm512_permutexvar_epi16(upper, table));
     }
   }
 }
@@ -135,6 +132,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       std::fill(acc.begin(), acc.end(), 0.0f);
       const uint8_t* column = pp + block * k * 32;
       for (int64_t g = 0; g < groups; ++g) {
+        // weights stream from DRAM: ask for the group AHEAD groups on (on into the next block)
+        const uint8_t* ahead = column + (g + AHEAD) * GROUP * 32;
+        for (int64_t line = 0; line < GROUP * 32; line += 64) _mm_prefetch((const char*)(ahead + line), _MM_HINT_T0);
+        if (g + AHEAD < groups) _mm_prefetch((const char*)(sp + (g + AHEAD) * n + block * BLOCK_N), _MM_HINT_T0);
         unpack_group(column + g * GROUP * 32, panel);
         __m512 scale[4], zero[4];
         for (int t = 0; t < 4; ++t) {
@@ -186,15 +187,19 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 // ---- int8: y = scale * (x . q), per output; the weights are the left operand ----
 
 // A block's 64 rows of int8 weights, inputs [32 d0, 32 d1), as bf16 (exact: |q| <= 127):
-// per depth d, four left-hand tiles [64 rows][32 bf16]. Read row by row: one stream at a time.
+// per depth d, four left-hand tiles [64 rows][32 bf16]. Read row by row, each row's next chunk
+// asked for into L2 meanwhile: 64 strided streams are more than the hardware prefetcher follows.
 inline void int8_chunk(const int8_t* w, int64_t k, int64_t d0, int64_t d1, uint16_t* panel) {
-  for (int64_t j = 0; j < BLOCK_N; ++j)
+  int64_t ahead = std::min(k, d1 * DEPTH + (d1 - d0) * DEPTH);  // end of the next chunk's bytes
+  for (int64_t j = 0; j < BLOCK_N; ++j) {
+    for (int64_t at = d1 * DEPTH; at < ahead; at += 64) _mm_prefetch((const char*)(w + j * k + at), _MM_HINT_T1);
     for (int64_t d = d0; d < d1; ++d) {
       __m256i q = _mm256_loadu_si256((const __m256i*)(w + j * k + d * DEPTH));
       __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
       __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
       _mm512_store_si512(panel + ((d - d0) * BLOCK_N + j) * DEPTH, (__m512i)_mm512_cvtne2ps_pbh(high, low));
     }
+  }
 }
 
 // sums 0-3 += the slab's four tiles times x's pairs at depth d, columns [m, m + height)
