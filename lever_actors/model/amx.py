@@ -5,8 +5,8 @@ torch's weight-only kernels cost about as much per row as one-token decoding, so
 64 nodes costs nearly 64 passes. The tile kernels unpack each weight once per call and
 multiply every row on AMX: 64 rows cost 4-6x one row per matrix, a target pass about 3x
 (docs/design.md, "Kernels").
-They are opt-in (`LEVER_ACTORS_KERNELS=amx`): with the LM head streamed from flash, check-exact
-found the engine parting from one-token decoding on the real pair (docs/status.md, Open).
+They are the default where they load; `LEVER_ACTORS_KERNELS=torch` keeps torch's kernels
+(one row costs them less: memory-resident AR decodes about 15% faster on torch's).
 Where a CPU has no AMX, no compiler is found or the build fails, torch's kernels stay in use,
 and the reason is logged once.
 """
@@ -42,8 +42,8 @@ COMPILE = ("-O3", "-std=c++20", "-fPIC", *ISA, "-mamx-tile", "-mamx-bf16")
 
 
 class Kernels(Enum):
-    TORCH = "torch"  # torch's weight-only kernels everywhere (the default)
-    AMX = "amx"  # the tile kernels where this machine has AMX
+    AMX = "amx"  # the tile kernels where this machine has AMX (the default)
+    TORCH = "torch"  # torch's weight-only kernels everywhere
 
 
 _lock = threading.Lock()
@@ -51,7 +51,7 @@ _lock = threading.Lock()
 
 @functools.cache
 def available() -> bool:
-    """Whether the AMX kernels are in use in this process: asked for and loaded."""
+    """Whether the AMX kernels are in use in this process: not declined, and loaded."""
     return requested() is Kernels.AMX and load()
 
 
@@ -80,13 +80,13 @@ def int8_linear(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> to
 
 
 def requested() -> Kernels:
-    value = os.environ.get("LEVER_ACTORS_KERNELS", Kernels.TORCH.value)
+    value = os.environ.get("LEVER_ACTORS_KERNELS", Kernels.AMX.value)
     try:
         return Kernels(value)
     except ValueError:
         choices = ", ".join(k.value for k in Kernels)
-        log.warning("unknown LEVER_ACTORS_KERNELS; using torch", value=value, choices=choices)
-        return Kernels.TORCH
+        log.warning("unknown LEVER_ACTORS_KERNELS; using amx", value=value, choices=choices)
+        return Kernels.AMX
 
 
 def _load() -> bool:
