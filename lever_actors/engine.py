@@ -331,7 +331,7 @@ class Engine:
             next(jitter),
         )
         verifier = Verifier(
-            target, capacity, p.exit_layer, self.npu, next(jitter), config.audit_every
+            target, capacity, p.exit_layer, self.npu, next(jitter), config.audit_every, p.probe_when
         )
         pruner = Pruner(p.prune, self.cpu, next(jitter))
         projector = Projector(

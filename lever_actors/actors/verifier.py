@@ -22,6 +22,7 @@ from lever_actors.device.units import ComputeUnit
 from lever_actors.model.layers import layer_forward
 from lever_actors.model.placement import tree_placement
 from lever_actors.model.tree import TokenTree
+from lever_actors.policy.pruning import ProbeWhen, always
 from lever_actors.target import FlashTarget
 
 
@@ -53,10 +54,12 @@ class Verifier:
         unit: ComputeUnit,
         jitter: Jitter,
         audit_every: int = 0,
+        probe_when: ProbeWhen = always,
     ) -> None:
         self.target = target
         self.capacity = capacity
         self.exit_layer = exit_layer  # None: no probes, the pruner is out of the loop
+        self.probe_when = probe_when  # tree nodes -> whether this pass probes at exit_layer
         self.unit = unit
         self.jitter = jitter
         self.audit_every = audit_every  # every n-th step the pruner's drops still run in full
@@ -117,7 +120,11 @@ class Verifier:
             compute += time.perf_counter() - started
             if weights.slot is not None:
                 await outbox.releases.send(SlotRelease(step=message.step, slot=weights.slot))
-            if layer == self.exit_layer and len(tree) > message.n_committed:
+            if (
+                layer == self.exit_layer
+                and len(tree) > message.n_committed
+                and self.probe_when(len(tree))
+            ):
                 kept = await self._prune(message, tree, live, x, layer, inbox, outbox)
                 audit = bool(self.audit_every) and message.step % self.audit_every == 0
                 if audit:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from lever_actors.channels.messages import ExitProbe
@@ -18,16 +19,17 @@ def keep_everything(probe: ExitProbe) -> tuple[int, ...]:
     return ()
 
 
-class WhenComputeBound:
-    """Prunes only when the cost model predicts that verification compute, not flash, sets
-    the pace of this pass: pruning saves compute after the exit layer, which under I/O
-    saves no time, while a false prune costs accepted tokens."""
+# tree nodes -> whether the verifier stops at the exit layer for the pruner's verdict
+ProbeWhen = Callable[[int], bool]
 
-    def __init__(self, policy: PrunePolicy, cost: CostModel) -> None:
-        self.policy = policy
-        self.cost = cost
 
-    def __call__(self, probe: ExitProbe) -> tuple[int, ...]:
-        if self.cost.io_bound(len(probe.tree.tokens)):
-            return ()
-        return self.policy(probe)
+def always(nodes: int) -> bool:
+    return True
+
+
+def when_compute_bound(cost: CostModel) -> ProbeWhen:
+    """Probe only where the cost model predicts that verification compute, not flash, sets
+    the pace of the pass: pruning saves compute after the exit layer, which under I/O saves
+    no time, while a false prune costs accepted tokens. The verifier asks before it probes,
+    so an I/O-bound pass never waits for the pruner's unit (busy drafting ahead)."""
+    return lambda nodes: not cost.io_bound(nodes)

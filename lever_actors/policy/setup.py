@@ -12,7 +12,13 @@ from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.cost_model import CostModel
 from lever_actors.policy.exit_predictor import LensPredictor, LowRankAdapter
 from lever_actors.policy.profiler import profile_costs
-from lever_actors.policy.pruning import PrunePolicy, WhenComputeBound, keep_everything
+from lever_actors.policy.pruning import (
+    ProbeWhen,
+    PrunePolicy,
+    always,
+    keep_everything,
+    when_compute_bound,
+)
 from lever_actors.progress import Progress
 from lever_actors.sizes import format_bytes
 from lever_actors.target import FlashTarget
@@ -25,6 +31,7 @@ class Policies:
     calibrator: AcceptanceCalibrator
     exit_layer: int | None  # None: the verifier sends no probes
     prune: PrunePolicy
+    probe_when: ProbeWhen  # for a tree of n nodes, whether to consult the pruner
     predictor: str  # which exit predictor prunes: off, none, lens or trained
     eager_projection: bool
 
@@ -64,6 +71,7 @@ def build_policies(
             )
         exit_layer = adapter.exit_layer  # the layer it was trained on
     prune: PrunePolicy = keep_everything
+    probe_when: ProbeWhen = always
     if predictor in ("lens", "trained"):
         prune = LensPredictor(
             target.final_norm,
@@ -73,13 +81,14 @@ def build_policies(
             adapter if predictor == "trained" else None,
         )
         if cost is not None and config.prune_when == "compute_bound":
-            prune = WhenComputeBound(prune, cost)
+            probe_when = when_compute_bound(cost)
     return Policies(
         spec=spec,
         cost=cost,
         calibrator=AcceptanceCalibrator(),
         exit_layer=None if predictor == "off" else exit_layer,
         prune=prune,
+        probe_when=probe_when,
         predictor=predictor,
         # a streamed head is read once per step: every live node projected in that pass
         eager_projection=config.projection == "eager" or target.lm_head is None,

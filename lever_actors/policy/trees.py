@@ -40,6 +40,7 @@ class Children:
         """The k most probable (probability, token), best first."""
         return list(zip(self.probs[:k], self.tokens[:k], strict=True))
 
+
 RunBatch = Callable[[list[int]], Awaitable[None]]  # runs TreeBuilder.run on some unit
 
 

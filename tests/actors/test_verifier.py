@@ -30,6 +30,7 @@ from lever_actors.model.placement import tree_placement
 from lever_actors.model.transformer import Transformer
 from lever_actors.model.tree import TokenTree
 from lever_actors.model.weights import ModelWeights
+from lever_actors.policy.pruning import always
 from lever_actors.target import FlashTarget
 from tests.tiny_hf import save_tiny, tiny_model
 
@@ -108,10 +109,12 @@ class Wired:
     """A verifier with channels we hold the other ends of. Layers are fed by hand from the
     target's resident weights, each tagged with a made-up ring slot to be released."""
 
-    def __init__(self, target: FlashTarget, exit_layer: int | None = EXIT, audit_every=0):
+    def __init__(
+        self, target: FlashTarget, exit_layer: int | None = EXIT, audit_every=0, probe_when=always
+    ):
         self.target = target
         self.verifier = Verifier(
-            target, 64, exit_layer, ComputeUnit("npu"), Jitter(0, 0), audit_every
+            target, 64, exit_layer, ComputeUnit("npu"), Jitter(0, 0), audit_every, probe_when
         )
         self.trees, trees = trio.open_memory_channel[DraftTree](1)
         self.layers, layers = trio.open_memory_channel[LayerWeights](N_LAYERS)
@@ -261,10 +264,20 @@ async def test_an_audit_step_runs_the_dropped_nodes_anyway(target, reference):
     torch.testing.assert_close(final.hidden, direct(reference, [], tree), rtol=1e-10, atol=1e-10)
 
 
-async def test_no_probe_without_draft_nodes_or_without_an_exit_layer(target, reference):
-    chain_only = draft_tree(0, PROMPT, parents=(), tokens=())
-    for exit_layer, tree in [(EXIT, chain_only), (None, draft_tree(0, PROMPT))]:
-        wired = Wired(target, exit_layer=exit_layer)
+async def test_no_probe_without_draft_nodes_an_exit_layer_or_the_policys_leave(target, reference):
+    chain_only, drafted = draft_tree(0, PROMPT, parents=(), tokens=()), draft_tree(0, PROMPT)
+    asked = []
+
+    def io_bound(nodes: int) -> bool:  # as when_compute_bound answers for an I/O-bound pass
+        asked.append(nodes)
+        return False
+
+    for exit_layer, tree, probe_when in [
+        (EXIT, chain_only, always),
+        (None, drafted, always),
+        (EXIT, drafted, io_bound),
+    ]:
+        wired = Wired(target, exit_layer=exit_layer, probe_when=probe_when)
         with trio.fail_after(TIMEOUT):
             async with wired.running():
                 await wired.trees.send(tree)
@@ -278,6 +291,7 @@ async def test_no_probe_without_draft_nodes_or_without_an_exit_layer(target, ref
         torch.testing.assert_close(
             final.hidden, direct(reference, [], tree), rtol=1e-10, atol=1e-10
         )
+    assert asked == [len(drafted.tokens)]  # asked once, at the exit layer
 
 
 @pytest.mark.parametrize(("step", "layer"), [(1, 0), (0, 1)])
