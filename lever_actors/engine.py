@@ -333,7 +333,8 @@ class Engine:
         verifier = Verifier(
             target, capacity, p.exit_layer, self.npu, next(jitter), config.audit_every, p.probe_when
         )
-        pruner = Pruner(p.prune, self.cpu, next(jitter))
+        # the verifier's unit, idle while it awaits the verdict (the other may be drafting ahead)
+        pruner = Pruner(p.prune, self.npu, next(jitter))
         projector = Projector(
             target.logits,
             self.npu if p.eager_projection else self.cpu,

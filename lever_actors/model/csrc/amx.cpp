@@ -132,7 +132,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       std::fill(acc.begin(), acc.end(), 0.0f);
       const uint8_t* column = pp + block * k * 32;
       for (int64_t g = 0; g < groups; ++g) {
-        // weights stream from DRAM: ask for the group AHEAD groups on (on into the next block)
+        // weights stream from DRAM: ask for the group AHEAD groups on, on into the next block
+        // (a prefetch past the last never faults)
         const uint8_t* ahead = column + (g + AHEAD) * GROUP * 32;
         for (int64_t line = 0; line < GROUP * 32; line += 64) _mm_prefetch((const char*)(ahead + line), _MM_HINT_T0);
         if (g + AHEAD < groups) _mm_prefetch((const char*)(sp + (g + AHEAD) * n + block * BLOCK_N), _MM_HINT_T0);
