@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 
 settings.register_profile(
     "ci",
-    max_examples=150,  # per property test; tests/test_exactness.py scales it per test
+    max_examples=120,  # per property test; tests/test_exactness.py scales it per test
     deadline=None,  # one example opens an engine: tens of ms, with outliers on a busy machine
     derandomize=True,
     database=None,
