@@ -6,7 +6,8 @@ torch's weight-only kernels cost about as much per row as one-token decoding, so
 multiply every row on AMX: 64 rows cost 4-6x one row per matrix, a target pass about 3x
 (docs/design.md, "Kernels").
 They are the default where they load; `LEVER_ACTORS_KERNELS=torch` keeps torch's kernels
-(one row costs them less: memory-resident AR decodes about 15% faster on torch's).
+(one row costs them less, int8's most: memory-resident AR decoded about 15% faster on
+torch's, measured before the prefetch).
 Where a CPU has no AMX, no compiler is found or the build fails, torch's kernels stay in use,
 and the reason is logged once.
 """

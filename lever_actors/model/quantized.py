@@ -76,17 +76,18 @@ class QuantizedWeight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x: [n, in] bf16 -> [n, out] bf16; each row as if it were alone (if `exact`). The
         tiles compute each row on its own by construction, so they need no row blocks."""
-        if self.exact and not amx.fits(self.fmt, self.shape):
-            key = ("quantized", self.fmt, *self.shape)
-            out = row_blocks.blocked(x, self._product, key, lambda: _probe(self.fmt, *self.shape))
-        else:
-            out = self._product(x)
-        return out if bias is None else out + bias
-
-    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if amx.fits(self.fmt, self.shape) and (self.exact or len(x) >= amx.FEWEST_ROWS):
             kernel = amx.int4_linear if self.fmt == "int4" else amx.int8_linear
-            return kernel(x, self.data, self.scales)
+            out = kernel(x, self.data, self.scales)
+        elif self.exact:
+            key = ("quantized", self.fmt, *self.shape)
+            out = row_blocks.blocked(x, self._on_torch, key, lambda: _probe(self.fmt, *self.shape))
+        else:
+            out = self._on_torch(x)
+        return out if bias is None else out + bias
+
+    def _on_torch(self, x: torch.Tensor) -> torch.Tensor:
+        """torch's weight-only kernel, x: [n, in] bf16 -> [n, out] bf16"""
         if self.fmt == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.data, GROUP, self.scales)
         return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)
@@ -214,10 +215,12 @@ def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
 
 
 def _probe(fmt: str, n_out: int, n_in: int):
-    """row_blocks' cancelling probe, its weight quantized to `fmt`."""
+    """row_blocks' cancelling probe, its weight quantized to `fmt`, on torch's kernel: the
+    only one row blocks guard (the probe's narrower weight may fit the tiles where the
+    weight it stands for does not)."""
     x, weight = row_blocks.probe_inputs(COMPUTE_DTYPE, row_blocks.probe_features(n_out, n_in), n_in)
     quantized = quantize_int4(weight) if fmt == "int4" else quantize_int8(weight)
-    return x, quantized._product
+    return x, quantized._on_torch
 
 
 def _bytes(t: torch.Tensor) -> bytes:

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lever_actors.model import amx
+from lever_actors.model import amx, row_blocks
 from lever_actors.model.quantized import GROUP, quantize_int4, quantize_int8
 from lever_actors.model.weights import ModelWeights
 
@@ -104,6 +104,25 @@ def test_matrices_the_tiles_do_not_fit_stay_on_torch(monkeypatch):
     x = torch.randn(3, 96).to(torch.bfloat16)
     expected = torch.ops.aten._weight_int4pack_mm_for_cpu(x, q.data, GROUP, q.scales)
     assert torch.equal(q.linear(x), expected)
+
+
+def test_row_blocks_probe_torchs_kernel_where_only_the_probe_fits_the_tiles(monkeypatch):
+    monkeypatch.setattr(amx, "available", lambda: True)  # even where the tiles are in use
+
+    def tiles(*args):
+        raise AssertionError("the probe ran on the tiles")
+
+    monkeypatch.setattr(amx, "int4_linear", tiles)
+    shape = (1040, 96)  # 1040 outputs: not in blocks of 64; the probe takes 1024 of them
+    assert not amx.fits("int4", shape)
+    assert amx.fits("int4", (row_blocks.probe_features(*shape), shape[1]))
+    q = quantize_int4(weight(shape))
+    x = torch.randn(3, 96).to(torch.bfloat16)
+    padded = torch.stack((x, torch.zeros_like(x)), dim=1)  # each row alone, padded to two
+    on_torch = [
+        torch.ops.aten._weight_int4pack_mm_for_cpu(p, q.data, GROUP, q.scales) for p in padded
+    ]
+    assert torch.equal(q.linear(x), torch.cat([rows[:1] for rows in on_torch]))
 
 
 @pytest.mark.parametrize(
