@@ -229,7 +229,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     prune_when: PruneWhen = "compute_bound"
     # every n-th step runs pruned nodes anyway, to count false prunes (0: never)
     audit_every: Annotated[int, msgspec.Meta(ge=0)] = 10
-    draft_ahead: bool = True  # gain-cost: draft the next tree while this one is verified
+    draft_ahead: bool = True  # gain-cost: draft the next tree while flash paces this pass
     projection: Projection = "on_demand"  # on_demand (cpu unit, accepted path) or eager (npu)
     units: Units = "split"  # split: small work on the "cpu" unit beside the "npu"; single
     draft_dtype: DraftDtype = "bfloat16"

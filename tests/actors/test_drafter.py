@@ -18,6 +18,9 @@ from lever_actors.device.units import ComputeUnit
 from lever_actors.model.sequential import sequential_reference
 from lever_actors.model.transformer import Transformer
 from lever_actors.model.tree import TokenTree
+from lever_actors.policy.calibration import AcceptanceCalibrator
+from lever_actors.policy.cost_model import CostModel, Curve
+from lever_actors.policy.trees import TreeBuilder
 from tests.tiny_hf import save_tiny, tiny_model
 
 PROMPT = [3, 14, 15, 92, 65]
@@ -257,3 +260,37 @@ async def test_an_error_in_the_draft_model_propagates_from_run(draft, monkeypatc
                 # the actor closes its outbox on the way out: our receive may end first
                 with contextlib.suppress(trio.EndOfChannel):
                     await wired.draft(0, 2)
+
+
+@pytest.mark.parametrize("flash_seconds, drafts_ahead", [(0.5, True), (0.0, False)])
+async def test_drafting_ahead_only_beside_a_pass_that_flash_paces(
+    draft, monkeypatch, flash_seconds, drafts_ahead
+):
+    """While the commit is awaited, draft rounds run below the sent tree only where the cost
+    model says the pass waits on flash (cores idle); beside a compute-bound pass, none."""
+    cost = CostModel(
+        flash_bandwidth=1e9,
+        streamed_bytes=int(flash_seconds * 1e9),
+        verify=Curve([1, 128], [0.002, 0.256]),
+        draft=Curve([1, 64], [0.01, 0.02]),
+        project_seconds=1e-4,
+        contention=0.0,
+    )
+    policy = DraftPolicy(TreeSpec.parse("gaincost"), cost, AcceptanceCalibrator(), ahead=True)
+    units = (ComputeUnit("cpu"), ComputeUnit("npu"))
+    wired = Wired(Drafter(draft, policy, list(PROMPT), len(PROMPT) + 128, units, Jitter(0, 0)))
+    rounds: list[int] = []
+    run = TreeBuilder.run
+    monkeypatch.setattr(
+        TreeBuilder,
+        "run",
+        lambda self, nodes, wanted=None: rounds.append(1) or run(self, nodes, wanted),
+    )
+    with trio.fail_after(TIMEOUT):
+        async with wired.running():
+            await wired.draft(0, 16)
+            sent = len(rounds)
+            with trio.move_on_after(1.0):  # the pass under verification
+                while len(rounds) == sent:
+                    await trio.sleep(0.01)
+    assert (len(rounds) > sent) == drafts_ahead
