@@ -333,7 +333,8 @@ class Engine:
         verifier = Verifier(
             target, capacity, p.exit_layer, self.npu, next(jitter), config.audit_every, p.probe_when
         )
-        # the verifier's unit, idle while it awaits the verdict (the other may be drafting ahead)
+        # the verifier's unit, idle while it awaits the verdict (the other may be drafting
+        # ahead, on a pass flash paces)
         pruner = Pruner(p.prune, self.npu, next(jitter))
         projector = Projector(
             target.logits,
