@@ -379,8 +379,10 @@ class Engine:
         text = ""
         generated = 0
         phase = DecodePhase()
+        reads = self.target.store.stats
         for step in range(request.max_new_tokens):
             step_started = time.perf_counter()
+            read_before = reads.bytes_read, reads.read_seconds
             await requests.send(DraftRequest(step=step, max_nodes=self.spec.max_nodes))
             verdict: Verdict = await verdicts.receive()
             finish: FinishReason | None = None
@@ -419,7 +421,11 @@ class Engine:
                 if finish is not None:
                     break
             stats = msgspec.structs.replace(
-                verdict.stats, new_tokens=emitted, step_seconds=time.perf_counter() - step_started
+                verdict.stats,
+                new_tokens=emitted,
+                step_seconds=time.perf_counter() - step_started,
+                bytes_read=reads.bytes_read - read_before[0],
+                read_seconds=reads.read_seconds - read_before[1],
             )
             request.steps.append(stats)
             if self.policies.cost is not None:

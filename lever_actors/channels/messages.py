@@ -101,6 +101,8 @@ class StepStats(msgspec.Struct, frozen=True):
     project_seconds: float
     new_tokens: int = 0  # emitted to the user: accepted draft tokens + the bonus token
     step_seconds: float = 0.0  # request for the tree to the last token emitted
+    bytes_read: int = 0  # from flash during the step, by every reader
+    read_seconds: float = 0.0  # those reads' own time (summed over the threads reading)
 
 
 class Verdict(Message, frozen=True):

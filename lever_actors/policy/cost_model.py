@@ -45,16 +45,21 @@ class CostModel(msgspec.Struct):
     verify: Curve  # target compute of one full pass, by tree nodes
     draft: Curve  # one draft-model forward, by nodes in the batch
     project_seconds: float  # final norm + LM head for one node
-    head_read_seconds: float = 0.0  # a head streamed from flash: its one read per step
+    head_bytes: int = 0  # a head streamed from flash: read once per step
     overhead_seconds: float = 0.0  # per step, beyond the parts above (learned online)
     # Verification overlaps its flash reads: a pass takes max(io, verify * (1 + contention)),
-    # where io is learned from passes that waited on flash (reads slowed by the compute
-    # beside them) and contention from those that did not (waits for the first layers).
+    # where io is the streamed bytes over the bandwidth the reads themselves achieve, and
+    # contention is learned from passes that hardly waited (waits for the first layers,
+    # and compute slowed by the reads beside it).
     contention: float = 0.2
 
     @property
     def io_seconds(self) -> float:
         return self.streamed_bytes / self.flash_bandwidth if self.streamed_bytes else 0.0
+
+    @property
+    def head_read_seconds(self) -> float:
+        return self.head_bytes / self.flash_bandwidth if self.head_bytes else 0.0
 
     def pass_compute_seconds(self, nodes: int) -> float:
         """Verification compute of a pass over `nodes`, slowed by the reads beside it."""
@@ -76,19 +81,20 @@ class CostModel(msgspec.Struct):
         return drafting + verifying + projecting + self.overhead_seconds
 
     def observe(self, step: StepStats) -> None:
-        """Correct the beliefs with one finished step: its drafting and compute times, how
-        long the pass waited for layers, and its whole time. A pass that waited on flash
-        took as long as its reads (slowed by the compute beside them, as they will be
-        again): it teaches the flash bandwidth. One that hardly waited was compute-bound:
-        its waits, per second of compute, teach `contention`."""
+        """Correct the beliefs with one finished step: its drafting and compute times, its
+        flash reads, how long the pass waited for layers, and its whole time. The reads
+        teach the bandwidth: their own time, not the pass's, which a big tree's compute
+        stretches (taught as bandwidth, that stretch let trees grow, stretching it further).
+        A pass that hardly waited was compute-bound: its waits, per second of compute,
+        teach `contention`."""
         rounds = list(step.draft_rounds)
         _correct(self.verify, self.verify(step.tree_nodes), step.verify_seconds)
         _correct(self.draft, sum(self.draft(w) for w in rounds), step.draft_seconds)
-        passed = step.io_wait_seconds + step.verify_seconds
-        if self.streamed_bytes and step.io_wait_seconds > IO_BOUND_WAIT * passed:
-            seen = self.streamed_bytes / passed
+        if step.read_seconds > 0 and (self.streamed_bytes or self.head_bytes):
+            seen = step.bytes_read / step.read_seconds
             self.flash_bandwidth += ONLINE_WEIGHT * (seen - self.flash_bandwidth)
-        elif step.verify_seconds > 0:
+        passed = step.io_wait_seconds + step.verify_seconds
+        if step.verify_seconds > 0 and step.io_wait_seconds <= IO_BOUND_WAIT * passed:
             seen = step.io_wait_seconds / step.verify_seconds
             self.contention += ONLINE_WEIGHT * (seen - self.contention)
         predicted = self.step_seconds(step.tree_nodes, rounds, step.new_tokens)

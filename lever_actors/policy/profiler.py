@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from lever_actors.device.budget import head_key
 from lever_actors.device.flash import AlignedBuffer
 from lever_actors.device.layout import layer_key
 from lever_actors.model.layers import layer_forward
@@ -51,13 +52,13 @@ def profile_costs(
         tick("profile draft")
     hidden = torch.zeros(1, target.args.d_model, dtype=target.dtype)
     project = _best_time(lambda: target.logits(hidden))
-    head_read = 0.0
+    head_bytes = 0
     if target.lm_head is None:
         # a streamed head: each pass reads it once, whatever its rows; 8 rows against 1
         # tell the products per node apart from the read
         eight = _best_time(lambda: target.logits(hidden.expand(8, -1)))
-        per_node = max((eight - project) / 7, 0.0)
-        head_read, project = max(project - per_node, 0.0), per_node
+        project = max((eight - project) / 7, 0.0)
+        head_bytes = target.manifest.extent(head_key(target.manifest)).nbytes
     tick("profile projection")
     streamed = sum(target.manifest.layer(i).nbytes for i in target.plan.streamed_layers)
     return CostModel(
@@ -66,7 +67,7 @@ def profile_costs(
         verify=Curve(list(VERIFY_SIZES), verify),
         draft=Curve(list(DRAFT_SIZES), drafting) if draft else Curve([1], [0.0]),
         project_seconds=project,
-        head_read_seconds=head_read,
+        head_bytes=head_bytes,
     )
 
 

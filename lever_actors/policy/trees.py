@@ -185,20 +185,27 @@ class GainCostGrowth:
         self.root = builder.n_chain - 1
         self.path_prob = {self.root: 1.0}
         for node in range(builder.n_chain, len(builder.tokens)):
-            acceptance = calibrator.acceptance(builder.probs[node], builder.ranks[node])
-            self.path_prob[node] = self.path_prob[builder.parents[node]] * acceptance
+            parent, rank = builder.parents[node], builder.ranks[node]
+            acceptance = self._acceptances(parent, rank + 1)[rank]
+            self.path_prob[node] = self.path_prob[parent] * acceptance
         # (path prob, parent, token, draft prob, rank)
         self.candidates: list[tuple[float, int, int, float, int]] = []
         for node in sorted(builder.children):
             self._offer(node)
         self.sent = len(builder.tokens)  # nodes beyond this were drafted ahead, not sent
 
+    def _acceptances(self, node: int, count: int = CANDIDATES) -> list[float]:
+        """Estimated acceptance of a run node's `count` best children, given the node was."""
+        return self.calibrator.ranked(self.builder.children[node].probs[:count])
+
     def _offer(self, node: int) -> None:
         taken = self.builder.child_tokens(node)
-        ranked = enumerate(self.builder.children[node].best(CANDIDATES))
-        for rank, (prob, token) in ranked:
+        best = self.builder.children[node].best(CANDIDATES)
+        for rank, ((prob, token), acceptance) in enumerate(
+            zip(best, self._acceptances(node), strict=True)
+        ):
             if token not in taken:
-                gain = self.path_prob[node] * self.calibrator.acceptance(prob, rank)
+                gain = self.path_prob[node] * acceptance
                 self.candidates.append((gain, node, token, prob, rank))
 
     def _take(self, candidate: tuple[float, int, int, float, int]) -> int:

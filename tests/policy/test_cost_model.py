@@ -1,0 +1,78 @@
+import pytest
+
+from lever_actors.channels.messages import StepStats
+from lever_actors.policy.cost_model import CostModel, Curve
+
+GB = 10**9
+
+
+def model() -> CostModel:
+    return CostModel(
+        flash_bandwidth=1.0 * GB,
+        streamed_bytes=1 * GB,
+        verify=Curve([1, 64], [0.1, 0.6]),
+        draft=Curve([1, 8], [0.05, 0.1]),
+        project_seconds=0.001,
+        head_bytes=GB // 4,
+    )
+
+
+def step(nodes: int, *, io_wait: float, verify: float, read: tuple[int, float]) -> StepStats:
+    return StepStats(
+        step=1,
+        tree_nodes=nodes,
+        live_nodes=nodes,
+        pruned=0,
+        saved_node_layers=0,
+        audited=False,
+        false_prunes=0,
+        projected_nodes=nodes,
+        drafted_ahead=0,
+        draft_rounds=(1,),
+        draft_seconds=0.05,
+        io_wait_seconds=io_wait,
+        verify_seconds=verify,
+        project_seconds=0.3,
+        new_tokens=2,
+        step_seconds=0.35 + io_wait + verify,
+        bytes_read=read[0],
+        read_seconds=read[1],
+    )
+
+
+def test_a_pass_stretched_by_its_compute_does_not_teach_a_slower_flash():
+    """A big tree's pass took 1.6 s, a third of it waiting for layers, while the reads ran
+    at the profiled 1 GB/s: the flash is as fast as before, the tree was dear."""
+    cost = model()
+    for _ in range(20):
+        cost.observe(step(48, io_wait=0.55, verify=1.05, read=(GB + GB // 4, 1.25)))
+    assert cost.flash_bandwidth == pytest.approx(1.0 * GB)
+    assert not cost.io_bound(48)  # the verify curve learned the compute instead
+
+
+def test_the_bandwidth_follows_the_reads():
+    cost = model()
+    for _ in range(40):
+        cost.observe(step(4, io_wait=1.9, verify=0.1, read=(GB, 2.0)))
+    assert cost.flash_bandwidth == pytest.approx(0.5 * GB, rel=1e-3)
+    assert cost.io_seconds == pytest.approx(2.0, rel=1e-3)
+    assert cost.head_read_seconds == pytest.approx(0.5, rel=1e-3)  # the same bytes/s
+
+
+def test_a_step_without_reads_leaves_the_bandwidth_alone():
+    cost = model()
+    cost.observe(step(4, io_wait=0.0, verify=0.1, read=(0, 0.0)))
+    assert cost.flash_bandwidth == 1.0 * GB
+
+
+def test_a_resident_model_learns_no_bandwidth_from_stray_reads():
+    cost = CostModel(
+        flash_bandwidth=float("inf"),
+        streamed_bytes=0,
+        verify=Curve([1, 64], [0.1, 0.6]),
+        draft=Curve([1, 8], [0.05, 0.1]),
+        project_seconds=0.001,
+    )
+    cost.observe(step(4, io_wait=0.0, verify=0.1, read=(4096, 0.001)))
+    assert cost.flash_bandwidth == float("inf")
+    assert cost.io_seconds == 0.0 and cost.head_read_seconds == 0.0
