@@ -96,6 +96,22 @@ async def check_reads(engine, target):
     assert 0 < rows <= (len(PROMPT) + NEW_TOKENS) * (2 * CHUNK_BYTES + 4096)
 
 
+async def test_each_step_reports_the_flash_reads_made_during_it(source):
+    """What the cost model learns the bandwidth from: every decoding step streams its
+    layers, and the steps' reads add up to the store's (the prefill's come before them)."""
+    layout, _ = source
+    async with Engine.open(flash_ar(layout, budgets(layout)["mixed"])) as engine:
+        stats = engine.target.store.stats
+        before = stats.bytes_read, stats.read_seconds
+        result = await engine.generate(PROMPT, max_new_tokens=NEW_TOKENS)
+        streamed = sum(engine.target.manifest.layer(i).nbytes for i in (1, 2, 3))
+        for step in result.steps[1:]:
+            assert step.bytes_read >= streamed - 2 * engine.target.plan.slot_bytes
+            assert step.read_seconds > 0
+        assert sum(s.bytes_read for s in result.steps) <= stats.bytes_read - before[0]
+        assert sum(s.read_seconds for s in result.steps) <= stats.read_seconds - before[1]
+
+
 async def test_everything_resident_reads_nothing_while_decoding(source):
     layout, _ = source
     async with Engine.open(flash_ar(layout, budgets(layout)["everything"])) as engine:
