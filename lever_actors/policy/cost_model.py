@@ -7,6 +7,7 @@ over the number of nodes; flash time is the streamed bytes over the measured ban
 from __future__ import annotations
 
 import bisect
+import math
 
 import msgspec
 
@@ -92,7 +93,10 @@ class CostModel(msgspec.Struct):
         _correct(self.draft, sum(self.draft(w) for w in rounds), step.draft_seconds)
         if step.read_seconds > 0 and (self.streamed_bytes or self.head_bytes):
             seen = step.bytes_read / step.read_seconds
-            self.flash_bandwidth += ONLINE_WEIGHT * (seen - self.flash_bandwidth)
+            if math.isinf(self.flash_bandwidth):  # no layer streamed at start-up to measure
+                self.flash_bandwidth = seen
+            else:
+                self.flash_bandwidth += ONLINE_WEIGHT * (seen - self.flash_bandwidth)
         passed = step.io_wait_seconds + step.verify_seconds
         if step.verify_seconds > 0 and step.io_wait_seconds <= IO_BOUND_WAIT * passed:
             seen = step.io_wait_seconds / step.verify_seconds

@@ -76,3 +76,18 @@ def test_a_resident_model_learns_no_bandwidth_from_stray_reads():
     cost.observe(step(4, io_wait=0.0, verify=0.1, read=(4096, 0.001)))
     assert cost.flash_bandwidth == float("inf")
     assert cost.io_seconds == 0.0 and cost.head_read_seconds == 0.0
+
+
+def test_a_streamed_head_beside_resident_layers_learns_the_bandwidth_from_its_reads():
+    """No layer streams, so start-up measured no bandwidth; the head's reads give one."""
+    cost = CostModel(
+        flash_bandwidth=float("inf"),
+        streamed_bytes=0,
+        verify=Curve([1, 64], [0.1, 0.6]),
+        draft=Curve([1, 8], [0.05, 0.1]),
+        project_seconds=0.001,
+        head_bytes=GB // 4,
+    )
+    cost.observe(step(4, io_wait=0.0, verify=0.1, read=(GB // 4, 0.5)))
+    assert cost.flash_bandwidth == pytest.approx(0.5 * GB)
+    assert cost.head_read_seconds == pytest.approx(0.5)
