@@ -6,14 +6,16 @@ from lever_actors.policy.cost_model import CostModel, Curve
 GB = 10**9
 
 
-def model() -> CostModel:
+def model(
+    bandwidth: float = 1.0 * GB, streamed: int = 1 * GB, head: int = GB // 4
+) -> CostModel:
     return CostModel(
-        flash_bandwidth=1.0 * GB,
-        streamed_bytes=1 * GB,
+        flash_bandwidth=bandwidth,
+        streamed_bytes=streamed,
         verify=Curve([1, 64], [0.1, 0.6]),
         draft=Curve([1, 8], [0.05, 0.1]),
         project_seconds=0.001,
-        head_bytes=GB // 4,
+        head_bytes=head,
     )
 
 
@@ -66,13 +68,7 @@ def test_a_step_without_reads_leaves_the_bandwidth_alone():
 
 
 def test_a_resident_model_learns_no_bandwidth_from_stray_reads():
-    cost = CostModel(
-        flash_bandwidth=float("inf"),
-        streamed_bytes=0,
-        verify=Curve([1, 64], [0.1, 0.6]),
-        draft=Curve([1, 8], [0.05, 0.1]),
-        project_seconds=0.001,
-    )
+    cost = model(float("inf"), streamed=0, head=0)
     cost.observe(step(4, io_wait=0.0, verify=0.1, read=(4096, 0.001)))
     assert cost.flash_bandwidth == float("inf")
     assert cost.io_seconds == 0.0 and cost.head_read_seconds == 0.0
@@ -80,14 +76,7 @@ def test_a_resident_model_learns_no_bandwidth_from_stray_reads():
 
 def test_a_streamed_head_beside_resident_layers_learns_the_bandwidth_from_its_reads():
     """No layer streams, so start-up measured no bandwidth; the head's reads give one."""
-    cost = CostModel(
-        flash_bandwidth=float("inf"),
-        streamed_bytes=0,
-        verify=Curve([1, 64], [0.1, 0.6]),
-        draft=Curve([1, 8], [0.05, 0.1]),
-        project_seconds=0.001,
-        head_bytes=GB // 4,
-    )
+    cost = model(float("inf"), streamed=0)
     cost.observe(step(4, io_wait=0.0, verify=0.1, read=(GB // 4, 0.5)))
     assert cost.flash_bandwidth == pytest.approx(0.5 * GB)
     assert cost.head_read_seconds == pytest.approx(0.5)
