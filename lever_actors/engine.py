@@ -382,7 +382,7 @@ class Engine:
         reads = self.target.store.stats
         for step in range(request.max_new_tokens):
             step_started = time.perf_counter()
-            read_before = reads.bytes_read, reads.read_seconds
+            bytes_before, read_seconds_before = reads.bytes_read, reads.read_seconds
             await requests.send(DraftRequest(step=step, max_nodes=self.spec.max_nodes))
             verdict: Verdict = await verdicts.receive()
             finish: FinishReason | None = None
@@ -424,8 +424,8 @@ class Engine:
                 verdict.stats,
                 new_tokens=emitted,
                 step_seconds=time.perf_counter() - step_started,
-                bytes_read=reads.bytes_read - read_before[0],
-                read_seconds=reads.read_seconds - read_before[1],
+                bytes_read=reads.bytes_read - bytes_before,
+                read_seconds=reads.read_seconds - read_seconds_before,
             )
             request.steps.append(stats)
             if self.policies.cost is not None:

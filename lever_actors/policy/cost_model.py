@@ -77,7 +77,7 @@ class CostModel(msgspec.Struct):
         drafting = sum(self.draft(width) for width in draft_rounds)
         verifying = max(self.io_seconds, self.pass_compute_seconds(nodes))
         projecting = self.head_read_seconds + self.project_seconds * (
-            nodes if self.head_read_seconds else expected_tokens
+            nodes if self.head_bytes else expected_tokens
         )
         return drafting + verifying + projecting + self.overhead_seconds
 

@@ -77,6 +77,10 @@ def test_a_resident_model_learns_no_bandwidth_from_stray_reads():
 def test_a_streamed_head_beside_resident_layers_learns_the_bandwidth_from_its_reads():
     """No layer streams, so start-up measured no bandwidth; the head's reads give one."""
     cost = model(float("inf"), streamed=0)
+    resident_head = model(float("inf"), streamed=0, head=0)
+    # before any read, a streamed head still projects every node, not the expected path
+    extra = cost.step_seconds(9, [1], 1.0) - resident_head.step_seconds(9, [1], 1.0)
+    assert extra == pytest.approx(8 * cost.project_seconds)
     cost.observe(step(4, io_wait=0.0, verify=0.1, read=(GB // 4, 0.5)))
     assert cost.flash_bandwidth == pytest.approx(0.5 * GB)
     assert cost.head_read_seconds == pytest.approx(0.5)
