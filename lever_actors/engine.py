@@ -40,7 +40,8 @@ from lever_actors.channels.messages import (
 from lever_actors.channels.stats import DecodePhase, decode_phase, decode_rate, per_step
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, EngineConfig, check_request_size
-from lever_actors.device.memory import peak_rss_bytes, return_freed_heap
+from lever_actors.device.layout import read_manifest
+from lever_actors.device.memory import map_large_blocks, peak_rss_bytes, return_freed_heap
 from lever_actors.device.units import ComputeUnit
 from lever_actors.draft import DraftModel, load_draft
 from lever_actors.errors import ConfigError, EngineClosedError
@@ -49,7 +50,7 @@ from lever_actors.model.sampling import Sampling, seed_or_drawn
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.setup import Policies, build_policies
 from lever_actors.progress import Progress
-from lever_actors.target import FlashTarget
+from lever_actors.target import FlashTarget, residency
 
 log = get_logger(__name__)
 
@@ -134,6 +135,9 @@ class Engine:
         drafting = config.tree.kind != "none"
         if drafting and draft is None and config.draft is None:
             raise ConfigError(f"tree {str(config.tree)!r} needs a draft model; set draft")
+        manifest = read_manifest(Path(config.target))
+        if residency(manifest, config.dram_budget, config.ring_slots).streams:
+            map_large_blocks()  # short of memory: a step's temporaries go back as they are freed
         # the draft first: its loading peak (several hundred MB of temporaries) then comes
         # before the target's resident weights, not on top of them
         if draft is None and drafting:

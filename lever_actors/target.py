@@ -10,7 +10,7 @@ from lever_actors.checkpoints.flash_layout import layout_tokenizer
 from lever_actors.config import DramBudget
 from lever_actors.device.budget import ResidencyPlan, head_key, plan_residency
 from lever_actors.device.flash import AlignedBuffer, FlashStore
-from lever_actors.device.layout import layer_key
+from lever_actors.device.layout import Manifest, layer_key
 from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.layers import (
     capped_logits,
@@ -21,6 +21,11 @@ from lever_actors.model.layers import (
 )
 from lever_actors.model.rope import Rope
 from lever_actors.model.weights import Weight
+
+
+def residency(manifest: Manifest, dram_budget: DramBudget, ring_slots: int = 2) -> ResidencyPlan:
+    """What a target of this manifest holds and streams under these settings."""
+    return plan_residency(manifest, dram_budget.bytes_of(manifest.file_bytes), ring_slots)
 
 
 class FlashTarget:
@@ -39,8 +44,7 @@ class FlashTarget:
         self.manifest = self.store.manifest
         self.args = self.manifest.args
         self.dtype = self.manifest.torch_dtype
-        budget = dram_budget.bytes_of(self.manifest.file_bytes)
-        self.plan: ResidencyPlan = plan_residency(self.manifest, budget, ring_slots)
+        self.plan = residency(self.manifest, dram_budget, ring_slots)
         resident = {
             key: self.store.load_extent(self.manifest.extent(key)) for key in self.plan.resident
         }

@@ -40,6 +40,11 @@ class ResidencyPlan(msgspec.Struct, frozen=True):
     def head_streamed(self) -> bool:
         return self.head_rows_per_read > 0
 
+    @property
+    def streams(self) -> bool:
+        """Whether weights are read from flash as the model decodes."""
+        return bool(self.streamed_layers) or self.head_streamed
+
     def used(self, manifest: Manifest) -> int:
         resident = sum(manifest.extent(k).nbytes for k in self.resident)
         return resident + self.ring_slots * self.slot_bytes + self.head_buffer_bytes
