@@ -17,6 +17,7 @@ from lever_actors.checkpoints.checkpoint import Checkpoint, check_layer_count
 from lever_actors.checkpoints.quantize import (
     ROW_WISE_FORMATS,
     check_choice,
+    copies_embedding,
     q4k_to_int4,
     quantize_by_rows,
     quantize_tensor,
@@ -130,7 +131,8 @@ def load_gguf(path: Path, dtype: torch.dtype, weights: Weights = "dense") -> Che
         return quantize_tensor(values, fmt, dtype)
 
     embed = load("embed")
-    if args.tie_embeddings:
+    tied = args.tie_embeddings
+    if tied:
         args, lm_head = tied_head(args, embed, lambda: load("lm_head", stored_as="embed"))
     else:
         lm_head = load("lm_head")
@@ -144,6 +146,7 @@ def load_gguf(path: Path, dtype: torch.dtype, weights: Weights = "dense") -> Che
                 {name: load(name, i) for name in layer_tensor_names(args)}
                 for i in range(args.n_layers)
             ],
+            head_copies_embed=lm_head is not embed and (tied or copies_embedding(embed, lm_head)),
         ),
         tokenizer=tokenizer,
         source=path,

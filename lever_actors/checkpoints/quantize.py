@@ -33,6 +33,8 @@ from lever_actors.model.quantized import (
 )
 from lever_actors.model.weights import ModelWeights, Weight, is_norm
 
+SAMPLED_ROWS = 64  # of an embedding table, compared with an LM head's
+
 WEIGHTS_CHOICES: tuple[str, ...] = typing.get_args(Weights)
 _FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS")
 _EIGHT_BIT = ("Q6_K", "Q8_0", "Q8_1", "Q8_K")
@@ -111,7 +113,8 @@ def quantize_checkpoint(checkpoint: Checkpoint, choice: Weights) -> Checkpoint:
         return quantize_tensor(t, tensor_format(choice, ours, tuple(t.shape)), COMPUTE_DTYPE)
 
     embed = convert("embed", w.embed)
-    if args.tie_embeddings:
+    tied = args.tie_embeddings
+    if tied:
         args, lm_head = tied_head(args, embed, lambda: convert("lm_head", w.embed))
     else:
         lm_head = convert("lm_head", w.lm_head)
@@ -120,6 +123,7 @@ def quantize_checkpoint(checkpoint: Checkpoint, choice: Weights) -> Checkpoint:
         final_norm=w.final_norm.to(COMPUTE_DTYPE),
         lm_head=lm_head,
         layers=[{name: convert(name, t) for name, t in layer.items()} for layer in w.layers],
+        head_copies_embed=tied and lm_head is not embed,
     )
     return Checkpoint(args, weights, checkpoint.tokenizer, checkpoint.source)
 
@@ -133,6 +137,19 @@ def tied_head(
     if isinstance(embed, torch.Tensor):
         return args, embed
     return msgspec.structs.replace(args, tie_embeddings=False), own_head()
+
+
+def copies_embedding(embed: Weight, head: Weight) -> bool:
+    """Whether an LM head holds the embedding's values at another precision, as where a GGUF
+    stores a tied model's table twice (the real draft: a Q5_0 table, held in 4 bits, and a
+    Q8_0 head; they differ by 9% in norm). Judged on evenly spaced rows: within 25%, where
+    two unrelated matrices of one scale differ by 141%. A 4-bit packed head's rows cannot be
+    read, so it never counts."""
+    if embed.shape != head.shape or (isinstance(head, QuantizedWeight) and head.fmt == "int4"):
+        return False
+    ids = torch.linspace(0, embed.shape[0] - 1, SAMPLED_ROWS).long()
+    table, rows = embed[ids].float(), head[ids].float()
+    return bool(torch.linalg.norm(table - rows) <= 0.25 * torch.linalg.norm(table))
 
 
 def q4k_to_int4(blocks: torch.Tensor, shape: tuple[int, int], fmt: Format) -> Weight:

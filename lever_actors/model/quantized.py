@@ -92,6 +92,13 @@ class QuantizedWeight:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.data, GROUP, self.scales)
         return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)
 
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        """The int8 matrix's rows `ids` as values, [n] -> [n, in] bf16: an embedding table
+        (the rows of an int4 packing are not addressable)."""
+        if self.fmt != "int8":
+            raise TypeError("the rows of an int4 packing cannot be read one by one")
+        return (self.data[ids].float() * self.scales[ids].float()[:, None]).to(COMPUTE_DTYPE)
+
     def products(self, ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the matrix times h: [n] ids, [in] -> [n] float32 (the rows of an int4
         packing are not addressable: its product runs whole, then is picked from)."""

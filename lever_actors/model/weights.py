@@ -96,6 +96,9 @@ class ModelWeights:
     final_norm: torch.Tensor
     lm_head: Weight  # the same object as `embed` when the model ties them
     layers: list[LayerTensors]
+    # the LM head holds the embedding's values in a format that can be multiplied by (a
+    # tied model whose 4-bit row table cannot be): the table is then a second copy
+    head_copies_embed: bool = False
 
     def to(self, dtype: torch.dtype) -> ModelWeights:
         """Dense tensors cast to `dtype`; quantized ones stay as they are (they compute in
@@ -106,15 +109,20 @@ class ModelWeights:
             final_norm=self.final_norm.to(dtype),
             lm_head=embed if self.lm_head is self.embed else _cast(self.lm_head, dtype),
             layers=[{k: _cast(t, dtype) for k, t in layer.items()} for layer in self.layers],
+            head_copies_embed=self.head_copies_embed,
         )
 
     def for_drafting(self) -> ModelWeights:
         """The same weights, each quantized matrix free to pick its kernel per call by rows
-        (a draft's rounding only steers which tokens the target checks)."""
+        (a draft's rounding only steers which tokens the target checks), and the embedding
+        read from the head where the head copies it and rows can be read from it: one table
+        in DRAM, not two (81 MB for the real draft)."""
+        lm_head = _drafting(self.lm_head)  # a tied head is the embedding, never changed
+        reads_rows = isinstance(lm_head, QuantizedWeight) and lm_head.fmt == "int8"
         return ModelWeights(
-            embed=self.embed,
+            embed=lm_head if self.head_copies_embed and reads_rows else self.embed,
             final_norm=self.final_norm,
-            lm_head=_drafting(self.lm_head),  # a tied head is the embedding, never changed
+            lm_head=lm_head,
             layers=[{k: _drafting(t) for k, t in layer.items()} for layer in self.layers],
         )
 

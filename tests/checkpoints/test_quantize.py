@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -17,7 +18,7 @@ from lever_actors.device.flash import FlashStore
 from lever_actors.errors import ConfigError
 from lever_actors.model.quantized import QuantizedRows, QuantizedWeight, dense_values
 from lever_actors.model.transformer import Transformer
-from tests.checkpoints.test_gguf import write_gguf
+from tests.checkpoints.test_gguf import D_MODEL, VOCAB, write_gguf
 
 BF16 = torch.bfloat16
 
@@ -81,6 +82,30 @@ def test_q4_quantizes_every_matrix_and_unties_a_row_read_table(tmp_path: Path) -
     table = dense_values(checkpoint.weights.embed).float()
     head = dense_values(checkpoint.weights.lm_head).float()
     assert (table - head).abs().max() <= 0.1 * table.abs().max()  # the same values, re-rounded
+    assert checkpoint.weights.head_copies_embed
+
+
+def test_a_draft_reads_its_embedding_from_the_head_that_copies_it(tmp_path: Path) -> None:
+    path = tmp_path / "tied.gguf"
+    write_gguf(path, "qwen3", tied=True)
+    weights = load_gguf(path, BF16, "q4").weights
+    drafting = weights.for_drafting()
+    assert drafting.embed is drafting.lm_head  # one table in DRAM, not two
+    ids = torch.tensor([3, 0, 39, 3])
+    assert torch.equal(drafting.embed[ids], dense_values(weights.lm_head)[ids].to(BF16))
+
+
+def test_a_head_stored_beside_the_table_it_copies_is_found_by_its_values(tmp_path: Path) -> None:
+    table = np.random.default_rng(1).standard_normal((VOCAB, D_MODEL))
+    write_gguf(
+        tmp_path / "twice.gguf", "qwen2", exact={"token_embd.weight": table, "output.weight": table}
+    )
+    twice = load_gguf(tmp_path / "twice.gguf", BF16, "q4").weights
+    drafting = twice.for_drafting()
+    assert twice.head_copies_embed and drafting.embed is drafting.lm_head
+    write_gguf(tmp_path / "untied.gguf", "qwen2")  # a head of other values
+    untied = load_gguf(tmp_path / "untied.gguf", BF16, "q4").weights
+    assert not untied.head_copies_embed and untied.for_drafting().embed is untied.embed
 
 
 def test_choices_are_checked() -> None:
