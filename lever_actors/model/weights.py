@@ -96,8 +96,8 @@ class ModelWeights:
     final_norm: torch.Tensor
     lm_head: Weight  # the same object as `embed` when the model ties them
     layers: list[LayerTensors]
-    # the LM head holds the embedding's values in a format that can be multiplied by (a
-    # tied model whose 4-bit row table cannot be): the table is then a second copy
+    # the LM head holds the embedding's values at another precision: a tied model's own head
+    # (its 4-bit row table cannot be multiplied by), or a GGUF's second copy of the table
     head_copies_embed: bool = False
 
     def to(self, dtype: torch.dtype) -> ModelWeights:
