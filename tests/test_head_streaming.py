@@ -6,6 +6,7 @@ streamed."""
 from __future__ import annotations
 
 import shutil
+import time
 
 import msgspec
 import pytest
@@ -81,6 +82,29 @@ def test_streamed_rows_are_the_stored_head(weights):
             assert torch.equal(part.data, whole.data[lo : lo + part.shape[0]])
             assert torch.equal(part.scales, whole.scales[lo : lo + part.shape[0]])
     assert sum(starts) == VOCAB and len(starts) == 3
+
+
+def test_the_next_part_is_read_while_one_is_used_and_an_early_stop_waits_for_it(monkeypatch):
+    store = FlashStore(streamed_pair("q8").target)
+    manifest = store.manifest
+    plan = plan_residency(manifest, minimum_budget(manifest))
+    read_into = FlashStore._read_into
+
+    def slow(self, *args):
+        time.sleep(0.2)
+        read_into(self, *args)
+
+    monkeypatch.setattr(FlashStore, "_read_into", slow)
+    buffer = AlignedBuffer(plan.head_buffer_bytes)
+    parts = store.stream_rows(manifest.extent("lm_head"), plan.head_rows_per_read, buffer)
+    next(parts)
+    deadline = time.monotonic() + 10
+    while store.stats.reads < 3 and time.monotonic() < deadline:  # the caller's work on part 0
+        time.sleep(0.01)
+    assert store.stats.reads == 3  # the scales, part 0, and part 1 while part 0 was in use
+    next(parts)
+    parts.close()  # part 2 is being read into part 0's half: close waits for it
+    assert store.stats.reads == 4
 
 
 @pytest.mark.parametrize("weights", ["dense", "q8"])

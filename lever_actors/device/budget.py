@@ -4,7 +4,8 @@ Policy: the LM head (or the tied embedding) and the final norm are needed every 
 they are resident first; then as many leading layers as fit beside the ring of streaming
 slots; then the embedding table if room is left, otherwise its rows are read on demand
 (a few KiB per token). A budget too small for the head beside the ring streams the head
-too (dense or int8 heads), about a slot's worth of rows per read, once per target pass.
+too (dense or int8 heads), once per target pass, through a buffer of about a slot holding
+two parts: one is read while the other is multiplied.
 """
 
 from __future__ import annotations
@@ -56,14 +57,14 @@ def head_key(manifest: Manifest) -> str:
 
 
 def head_stream(manifest: Manifest) -> tuple[int, int] | None:
-    """(rows per read, buffer bytes) of the LM head streamed in reads of about one layer
+    """(rows per read, buffer bytes) of the LM head streamed in reads of about half a layer
     slot, whole HEAD_ROWS blocks each; None where its format cannot be read by rows."""
     (entry,) = manifest.extent(head_key(manifest)).tensors
     if entry.format not in ROW_STREAMED_FORMATS:
         return None
     slot = _slot_bytes(manifest)
     block = HEAD_ROWS * (entry.nbytes // entry.shape[0])
-    rows = min(max(1, slot // block) * HEAD_ROWS, entry.shape[0])
+    rows = min(max(1, slot // (2 * block)) * HEAD_ROWS, entry.shape[0])
     return rows, stream_buffer_bytes(entry, rows)
 
 

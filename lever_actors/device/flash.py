@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,6 +97,8 @@ class FlashStore:
         self.stats = ReadStats()
         self._check_bounds()
         self.fd, self.direct = open_for_reads(self.path, direct)
+        # reads the next part of a streamed tensor while the caller uses this one
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flash-stream")
         if not self.direct:
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)  # start from a cold cache
             log.warning(
@@ -109,6 +112,7 @@ class FlashStore:
         return read_mode(self.direct)
 
     def close(self) -> None:
+        self._reader.shutdown()
         os.close(self.fd)
 
     def read_extent(
@@ -160,31 +164,48 @@ class FlashStore:
         self, extent: Extent, rows_per_read: int, buffer: AlignedBuffer
     ) -> Iterator[Weight]:
         """Blocking: a 2-D single-tensor extent (the LM head), dense or int8, read
-        `rows_per_read` rows at a time into `buffer` (of layout.stream_buffer_bytes); each part is a
-        view, valid until the next is read. With verification the tensor is hashed as it
-        streams and checked after the last part, before the caller's loop ends, so nothing
-        made from a corrupt part is handed out. -> [rows, in] per part"""
+        `rows_per_read` rows at a time into the halves of `buffer` (of
+        layout.stream_buffer_bytes) in turn: while the caller uses one part, the next is read
+        and hashed on the store's reader thread. Each part is a view, valid until the caller
+        asks for the next. With verification the tensor is checked after the last part,
+        before the caller's loop ends, so nothing made from a corrupt part is handed out.
+        -> [rows, in] per part"""
         (entry,) = extent.tensors
         out, inputs = entry.shape
         if entry.format not in ROW_STREAMED_FORMATS:
             raise ValueError(f"a {entry.format} tensor cannot be read by rows")
         row_bytes = inputs if entry.format == "int8" else entry.nbytes // out
+        half = buffer.nbytes // 2
         # int8's scales follow all the rows: one small read of them first
-        values = out * row_bytes
-        scales = self._read_exact(extent, entry, values, entry.nbytes, buffer).clone()
+        scales = self._read_exact(extent, entry, out * row_bytes, entry.nbytes, buffer).clone()
         hasher = running_checksum() if self.verify else None
-        for lo in range(0, out, rows_per_read):
+
+        def read(lo: int, at: int) -> torch.Tensor:  # on the reader thread, parts in order
             hi = min(lo + rows_per_read, out)
-            part = self._read_exact(extent, entry, lo * row_bytes, hi * row_bytes, buffer)
+            part = self._read_exact(extent, entry, lo * row_bytes, hi * row_bytes, buffer, at)
             if hasher is not None:
                 hasher.update(memoryview(part.numpy()))
-            if entry.format == "dense":
-                yield part.view(DTYPE_NAMES[entry.dtype]).view(hi - lo, inputs)
-            else:
-                rows = part.view(torch.int8).view(hi - lo, inputs)
-                yield QuantizedWeight(
-                    "int8", (hi - lo, inputs), rows, scales.view(COMPUTE_DTYPE)[lo:hi]
-                )
+            return part
+
+        starts = range(0, out, rows_per_read)
+        pending: Future[torch.Tensor] = self._reader.submit(read, 0, 0)
+        try:
+            for i, lo in enumerate(starts):
+                part = pending.result()
+                if i + 1 < len(starts):  # into the half the caller has finished with
+                    pending = self._reader.submit(read, starts[i + 1], (i + 1) % 2 * half)
+                rows = part.shape[0] // row_bytes
+                if entry.format == "dense":
+                    yield part.view(DTYPE_NAMES[entry.dtype]).view(rows, inputs)
+                else:
+                    yield QuantizedWeight(
+                        "int8",
+                        (rows, inputs),
+                        part.view(torch.int8).view(rows, inputs),
+                        scales.view(COMPUTE_DTYPE)[lo : lo + rows],
+                    )
+        finally:  # a caller that stops early must not find a read still filling its buffer
+            pending.exception()
         if hasher is not None:
             hasher.update(memoryview(scales.numpy()))
             if hasher.intdigest() != entry.checksum:
@@ -219,15 +240,21 @@ class FlashStore:
         return chunks[lo - first : hi - first]
 
     def _read_exact(
-        self, extent: Extent, entry: TensorEntry, lo: int, hi: int, buffer: AlignedBuffer
+        self,
+        extent: Extent,
+        entry: TensorEntry,
+        lo: int,
+        hi: int,
+        buffer: AlignedBuffer,
+        at: int = 0,
     ) -> torch.Tensor:
-        """Bytes lo:hi of a tensor of `extent` by one read of the aligned span around them.
-        -> [hi - lo] uint8, a view into `buffer`"""
+        """Bytes lo:hi of a tensor of `extent` by one read of the aligned span around them,
+        into `buffer` from its aligned byte `at`. -> [hi - lo] uint8, a view into `buffer`"""
         tensor_start = extent.offset + entry.offset
         read_from = tensor_start + lo
         read_from -= read_from % ALIGNMENT
-        self._read_into(buffer, 0, read_from, align_up(tensor_start + hi) - read_from)
-        skip = tensor_start - read_from  # tensor byte b sits at buffer index skip + b
+        self._read_into(buffer, at, read_from, align_up(tensor_start + hi) - read_from)
+        skip = at + tensor_start - read_from  # tensor byte b sits at buffer index skip + b
         return buffer.bytes[skip + lo : skip + hi]
 
     def _read_into(self, buffer: AlignedBuffer, at: int, offset: int, nbytes: int) -> None:

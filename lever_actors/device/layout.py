@@ -229,7 +229,8 @@ def _declared_version(raw: bytes) -> int:
 
 
 def stream_buffer_bytes(entry: TensorEntry, rows: int) -> int:
-    """The aligned buffer that reads `rows` rows of a row-streamed tensor in one read (and
-    an int8 tensor's scales, 2 bytes a row, in another)."""
+    """The aligned buffer that streams a row-streamed tensor `rows` rows per read, two parts
+    at a time (one read while the other is used), each half also able to take an int8
+    tensor's scales, 2 bytes a row, in one read."""
     largest = max(rows * (entry.nbytes // entry.shape[0]), 2 * entry.shape[0])
-    return align_up(largest) + 2 * ALIGNMENT
+    return 2 * (align_up(largest) + 2 * ALIGNMENT)
