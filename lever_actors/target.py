@@ -87,4 +87,9 @@ class FlashTarget:
         return capped_logits(logits, self.args)
 
     def close(self) -> None:
+        """Close the layout and let go of the weights read from it, so that a closed target
+        still referenced (by a closed engine, say) holds no DRAM. Closing twice is harmless."""
         self.store.close()
+        self.lm_head = self.embed_table = None
+        self.resident_layers = {}
+        self._head_buffer = AlignedBuffer(0)

@@ -4,9 +4,11 @@ message traces and channel statistics."""
 
 from __future__ import annotations
 
+import gc
 import math
 import re
 import threading
+import weakref
 from collections import Counter
 from contextlib import aclosing
 from pathlib import Path
@@ -247,6 +249,17 @@ async def test_a_request_waiting_behind_another_gets_its_own_tokens(tiny):
                 nursery.start_soon(run, "a", PROMPT)
                 nursery.start_soon(run, "b", other_prompt)
     assert results == {"a": tiny.expected[:NEW], "b": other_expected}
+
+
+async def test_a_closed_engine_holds_no_weights_while_its_object_lives_on(tiny):
+    async with Engine.open(tiny.config()) as engine:
+        await generate(engine)
+        draft = weakref.ref(engine.draft)
+        resident_layer = weakref.ref(engine.target.resident_layers[0]["wq"])
+    gc.collect()
+    assert draft() is None and resident_layer() is None
+    assert engine.tokenizer is not None  # what a caller may still read: text, statistics
+    assert engine.policies.spec.kind == "chain"
 
 
 # ------------------------------------------------------------------- failure injection

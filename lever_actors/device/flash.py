@@ -112,8 +112,11 @@ class FlashStore:
         return read_mode(self.direct)
 
     def close(self) -> None:
+        """Idempotent."""
         self._reader.shutdown()
-        os.close(self.fd)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     def read_extent(
         self, extent: Extent, buffer: AlignedBuffer, *, check: bool = True
