@@ -448,9 +448,7 @@ async def test_a_request_filling_the_context_exactly_works(tiny):
         pytest.param(
             {"tree": "chain:100000"}, "has 100000 draft nodes; at most 1024", id="huge-chain"
         ),
-        pytest.param(
-            {"tree": "static:65"}, "a static width is at most 64", id="wide-static"
-        ),
+        pytest.param({"tree": "static:65"}, "a static width is at most 64", id="wide-static"),
         pytest.param(
             {"tree": "static:1000,1000,1000"},
             "has 1001001000 draft nodes; at most 1024",

@@ -6,9 +6,7 @@ from lever_actors.policy.cost_model import CostModel, Curve
 GB = 10**9
 
 
-def model(
-    bandwidth: float = 1.0 * GB, streamed: int = 1 * GB, head: int = GB // 4
-) -> CostModel:
+def model(bandwidth: float = 1.0 * GB, streamed: int = 1 * GB, head: int = GB // 4) -> CostModel:
     return CostModel(
         flash_bandwidth=bandwidth,
         streamed_bytes=streamed,
