@@ -34,6 +34,12 @@ class AcceptanceCalibrator(msgspec.Struct):
         prior = (EDGES[b % PER_RANK] + EDGES[b % PER_RANK + 1]) / 2
         return (self.accepted[b] + PRIOR_WEIGHT * prior) / (self.offered[b] + PRIOR_WEIGHT)
 
+    def first_choice_rate(self) -> float:
+        """How often the target took a node's first-ranked draft, over all offered so far
+        (SURE before any): what a round may expect of the best child it will draft."""
+        offered, accepted = sum(self.offered[:PER_RANK]), sum(self.accepted[:PER_RANK])
+        return (accepted + PRIOR_WEIGHT * SURE) / (offered + PRIOR_WEIGHT)
+
     def ranked(self, probs: list[float]) -> list[float]:
         """A node's children's estimates, given their draft probabilities best first: each
         at most what its better siblings leave of 1."""

@@ -225,6 +225,7 @@ class GainCostGrowth:
         nodes, expected = len(draft_nodes), sum(self.path_prob[n] for n in draft_nodes)
         best = self._objective(nodes, expected, builder.rounds)
         confident = self.calibrator.acceptance(0.99, 0)
+        first_choice = self.calibrator.first_choice_rate()
         final = False  # the last round: fill with whatever still pays, no deeper look follows
         while True:
             # best gain first; ties go to the likelier, then the higher-ranked draft token
@@ -246,8 +247,8 @@ class GainCostGrowth:
             if final or nodes >= cap:
                 break
             # Another round costs a draft forward; it can only pay if a child of the best
-            # new node would be worth adding at the acceptance of a confident draft.
-            hope = max((self.path_prob[n] for n in added), default=0.0) * confident
+            # new node would be worth adding at the rate first choices have been taken.
+            hope = max((self.path_prob[n] for n in added), default=0.0) * first_choice
             rounds = [*builder.rounds, len(added)]
             if not added or self._objective(nodes + 1, expected + hope, rounds) <= best:
                 final = True

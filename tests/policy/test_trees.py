@@ -55,9 +55,15 @@ class Recorded:
         return len(self.builder.tokens) - self.builder.n_chain
 
 
-def grown(model: Transformer, cost: CostModel, cap: int = 64) -> Recorded:
+def grown(
+    model: Transformer,
+    cost: CostModel,
+    cap: int = 64,
+    calibrator: AcceptanceCalibrator | None = None,
+) -> Recorded:
     recorded = Recorded(model)
-    trio.run(grow_gain_cost, recorded.builder, cost, AcceptanceCalibrator(), cap, recorded.run)
+    calibrator = calibrator or AcceptanceCalibrator()
+    trio.run(grow_gain_cost, recorded.builder, cost, calibrator, cap, recorded.run)
     return recorded
 
 
@@ -93,6 +99,20 @@ def test_the_tree_shrinks_as_verification_gets_dearer(draft):
         grown(draft, costs(io=0.3, verify_per_node=v)).draft_nodes for v in (1e-4, 0.008, 0.05)
     ]
     assert sizes[0] > sizes[1] > sizes[2], sizes
+
+
+def test_fewer_rounds_where_the_target_often_refuses_first_choices(draft):
+    """Another round is run on the hope that a child of the best new node is accepted as
+    often as first choices have been: where the target refuses them, the rounds stop
+    sooner (the refusals are of drafts at 0.55, which this tree's candidates do not share,
+    so only that hope differs)."""
+    refused = AcceptanceCalibrator()
+    for _ in range(100):  # a first choice drafted at 0.55 below an accepted root, refused
+        refused.observe((-1, 0), (1.0, 0.55), (0, 0), 1, (0,))
+    assert refused.first_choice_rate() < 0.05 < 0.9 < AcceptanceCalibrator().first_choice_rate()
+    cost = costs(io=0.3, verify_per_node=0.002, draft=0.02)
+    hopeful, doubtful = grown(draft, cost), grown(draft, cost, calibrator=refused)
+    assert len(doubtful.batches) < len(hopeful.batches)
 
 
 def test_nodes_join_below_nodes_already_in_the_tree(draft):
