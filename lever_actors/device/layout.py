@@ -24,7 +24,8 @@ from lever_actors.model.quantized import (
 )
 from lever_actors.model.weights import Weight, expected_shapes, layer_tensor_names
 
-MANIFEST_VERSION = 2  # 2: per-chunk checksums of tensors read by rows
+# 2: per-chunk checksums of tensors read by rows; 3: int4 packed alike on every CPU
+MANIFEST_VERSION = 3
 ALIGNMENT = 4096  # O_DIRECT needs block-aligned offsets, lengths and buffers
 MANIFEST_NAME = "manifest.json"
 WEIGHTS_NAME = "weights.bin"

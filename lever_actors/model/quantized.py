@@ -3,34 +3,39 @@ and a 4-bit embedding table read a row at a time.
 
 Formats (what a flash layout stores, and what DRAM holds):
 - "int4": groups of GROUP inputs share a bf16 scale and zero, w = (q - 8) * scale + zero,
-  q in 0..15. Stored as torch's CPU int4 packing of the [out, in] matrix ([out, in / 2]
-  bytes), then the scales and zeros ([in / GROUP, out, 2] bf16): what
-  `aten._weight_int4pack_mm_for_cpu` reads, so a layer is used where it was read.
+  q in 0..15. Stored as the packed [out, in] matrix ([out, in / 2] bytes, see `pack_int4`),
+  then the scales and zeros ([in / GROUP, out, 2] bf16). The packing is one on every CPU (the
+  one torch's CPU kernel reads where it has AVX-512), so a layout converted on one machine
+  reads right on another, and our kernels use a layer where it was read.
 - "int8": w = q * scale, q in -127..127, one bf16 scale per output row: [out, in] int8,
-  then [out] bf16, for `aten._weight_int8pack_mm`.
+  then [out] bf16, as `aten._weight_int8pack_mm` reads them.
 - "int4rows": the embedding table, row after row of [in / 2] bytes (the even input in the
   low nibble) then [in / GROUP, 2] bf16 scales and zeros: one contiguous record per row,
   so a token's row is one small read.
-On a CPU with AMX both formats run on the tile kernels of model/amx.py, which read these same
-bytes, cost little per extra row and compute each row on its own by construction; elsewhere on
-torch's, checked like the dense kernels by row_blocks. Either way a tree verified in one call
-equals one-token decoding bit for bit. A process uses one kernel per matrix throughout.
+Both matrix formats run on our kernels (model/native.py) where this CPU has them: they read
+these same bytes, cost little per extra row and compute each row on its own by construction.
+Elsewhere torch's run, checked like the dense kernels by row_blocks (int4 repacked per call
+where torch packs otherwise). Either way a tree verified in one call equals one-token decoding
+bit for bit. A process uses one kernel per matrix throughout.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from lever_actors.model import amx, row_blocks
+from lever_actors.model import native, row_blocks
 
 Format = Literal["dense", "int4", "int8", "int4rows"]
 QUANTIZED_FORMATS: tuple[str, ...] = ("int4", "int8", "int4rows")
 GROUP = 32  # inputs per int4 scale: Q4_K's sub-block, so its values convert without requantizing
-PACK_TILES = 2  # torch's inner_k_tiles for the CPU int4 packing
+PACK_BLOCK = 64  # outputs per block of the int4 packing
+PACK_TILES = 2  # torch's inner_k_tiles for its CPU int4 packing
 COMPUTE_DTYPE = torch.bfloat16  # the kernels' activations, scales and outputs
 
 
@@ -74,10 +79,13 @@ class QuantizedWeight:
     dtype = COMPUTE_DTYPE
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [n, in] bf16 -> [n, out] bf16; each row as if it were alone (if `exact`). The
-        tiles compute each row on its own by construction, so they need no row blocks."""
-        if amx.fits(self.fmt, self.shape) and (self.exact or len(x) >= amx.FEWEST_ROWS):
-            kernel = amx.int4_linear if self.fmt == "int4" else amx.int8_linear
+        """x: [n, in] -> [n, out] in x's dtype, computed in bf16; each row as if it were alone
+        (if `exact`). Our kernels compute each row on its own by construction, so they need no
+        row blocks."""
+        if x.dtype != COMPUTE_DTYPE:  # a float32 model (generate --model's default)
+            return self.linear(x.to(COMPUTE_DTYPE), bias).to(x.dtype)
+        if native.fits(self.fmt, self.shape) and (self.exact or len(x) >= native.fewest_rows()):
+            kernel = native.int4_linear if self.fmt == "int4" else native.int8_linear
             out = kernel(x, self.data, self.scales)
         elif self.exact:
             key = ("quantized", self.fmt, *self.shape)
@@ -89,7 +97,8 @@ class QuantizedWeight:
     def _on_torch(self, x: torch.Tensor) -> torch.Tensor:
         """torch's weight-only kernel, x: [n, in] bf16 -> [n, out] bf16"""
         if self.fmt == "int4":
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.data, GROUP, self.scales)
+            packed = self.data if torch_packs_as_we_do(self.shape[0]) else torch_packing(self)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, self.scales)
         return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
@@ -107,14 +116,13 @@ class QuantizedWeight:
         return self.linear(h[None].to(COMPUTE_DTYPE))[0, ids].float()
 
     def dequantize(self) -> torch.Tensor:
-        """The matrix the kernel multiplies by, as float32 [out, in] (int4: read back through
-        the kernel, so rounded to bf16 as its outputs are)."""
+        """The matrix the kernels multiply by, as float32 [out, in]."""
         out, inputs = self.shape
         if self.fmt == "int8":
             return self.data.float() * self.scales.float()[:, None]
-        # the packed order is torch's own: multiplying the identity reads the matrix back
-        eye = torch.eye(inputs, dtype=COMPUTE_DTYPE)
-        return self.linear(eye).float().T.contiguous()
+        q = unpack_int4(self.data).float().view(out, inputs // GROUP, GROUP)
+        scale, zero = self.scales.float().transpose(0, 1).unbind(-1)  # [out, groups] each
+        return ((q - 8) * scale[..., None] + zero[..., None]).view(out, inputs)
 
     @property
     def nbytes(self) -> int:
@@ -195,8 +203,58 @@ def from_groups(
         nibbles = (q[:, 0::2] | q[:, 1::2] << 4).to(torch.uint8)
         records = torch.cat((nibbles, pairs.view(out, -1).view(torch.uint8)), dim=1)
         return QuantizedRows((out, inputs), records.contiguous())
-    data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), PACK_TILES)
+    data = pack_int4(q)
     return QuantizedWeight("int4", (out, inputs), data, pairs.transpose(0, 1).contiguous())
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values q [out, in] in 0..15 -> [out, in / 2] uint8, packed in blocks of PACK_BLOCK
+    outputs (the last may be shorter), input after input; in a block of b outputs, byte j of
+    an input holds output j in its low nibble and output j + b / 2 in its high one."""
+    out, inputs = q.shape
+    q = q.to(torch.uint8)
+    parts = []
+    for start in range(0, out, PACK_BLOCK):
+        block = q[start : start + PACK_BLOCK]
+        half = len(block) // 2
+        parts.append((block[:half] | block[half:] << 4).T.reshape(-1))  # [in, half]
+    return torch.cat(parts).view(out, inputs // 2)
+
+
+def unpack_int4(data: torch.Tensor) -> torch.Tensor:
+    """`pack_int4`'s inverse: [out, in / 2] uint8 -> q [out, in] uint8."""
+    out, inputs = data.shape[0], data.shape[1] * 2
+    flat, parts = data.reshape(-1), []
+    for start in range(0, out, PACK_BLOCK):
+        half = min(PACK_BLOCK, out - start) // 2
+        pairs = flat[start * inputs // 2 : (start + 2 * half) * inputs // 2].view(inputs, half)
+        parts.append(torch.cat((pairs & 15, pairs >> 4), dim=1).T)  # [2 * half, in]
+    return torch.cat(parts)
+
+
+@functools.cache
+def torch_packs_as_we_do(out: int) -> bool:
+    """Whether torch's CPU int4 packing of `out` outputs on this CPU is `pack_int4`'s (it is
+    where torch has AVX-512; with AVX2 it packs 32 outputs at a time)."""
+    q = torch.randint(0, 16, (out, 2 * 16 * PACK_TILES), generator=torch.Generator().manual_seed(0))
+    theirs = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), PACK_TILES)
+    return torch.equal(theirs.view(torch.uint8).reshape(-1), pack_int4(q).reshape(-1))
+
+
+_torch_packings: weakref.WeakKeyDictionary[QuantizedWeight, torch.Tensor] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def torch_packing(weight: QuantizedWeight) -> torch.Tensor:
+    """An int4 weight's values in torch's CPU packing on this CPU: a copy, made once per weight
+    (a streamed layer's, once per pass)."""
+    packed = _torch_packings.get(weight)
+    if packed is None:
+        q = unpack_int4(weight.data).to(torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, PACK_TILES)
+        _torch_packings[weight] = packed
+    return packed
 
 
 def quantize_int4(
@@ -223,8 +281,8 @@ def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
 
 def _probe(fmt: str, n_out: int, n_in: int):
     """row_blocks' cancelling probe, its weight quantized to `fmt`, on torch's kernel: the
-    only one row blocks guard (the probe's narrower weight may fit the tiles where the
-    weight it stands for does not)."""
+    only one row blocks guard (the probe's narrower weight may fit ours where the weight it
+    stands for does not)."""
     x, weight = row_blocks.probe_inputs(COMPUTE_DTYPE, row_blocks.probe_features(n_out, n_in), n_in)
     quantized = quantize_int4(weight) if fmt == "int4" else quantize_int8(weight)
     return x, quantized._on_torch

@@ -16,7 +16,7 @@ from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.hf import load_hf
 from lever_actors.device.budget import minimum_budget, plan_residency
 from lever_actors.device.flash import AlignedBuffer, FlashStore
-from lever_actors.device.layout import MANIFEST_NAME, WEIGHTS_NAME, read_manifest
+from lever_actors.device.layout import MANIFEST_NAME, MANIFEST_VERSION, WEIGHTS_NAME, read_manifest
 from lever_actors.errors import CheckpointError, ConfigError
 from lever_actors.sizes import parse_bytes
 from tests.tiny_hf import save_tiny, tiny_model
@@ -96,7 +96,8 @@ def test_manifest_of_another_version(layout):
     manifest["version"] = 99
     path.write_text(json.dumps(manifest))
     with pytest.raises(
-        CheckpointError, match=r"manifest version 99, this lever_actors reads version 2"
+        CheckpointError,
+        match=rf"manifest version 99, this lever_actors reads version {MANIFEST_VERSION}",
     ):
         read_manifest(layout)
 

@@ -11,9 +11,11 @@ from lever_actors.model.quantized import (
     QuantizedRows,
     QuantizedWeight,
     check_quantizable,
+    pack_int4,
     quantize_int4,
     quantize_int8,
     storage_bytes,
+    unpack_int4,
 )
 from lever_actors.model.row_blocks import dense_probe
 
@@ -62,6 +64,21 @@ def test_every_row_equals_the_row_computed_alone(fmt, n_rows):
     together = q.linear(rows, bias)
     alone = torch.cat([q.linear(rows[i : i + 1], bias) for i in range(n_rows)])
     assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("out", [64, 96, 208])  # whole blocks of 64, and a shorter last one
+def test_the_int4_packing_round_trips(out):
+    q = torch.randint(0, 16, (out, 64), generator=torch.Generator().manual_seed(out))
+    packed = pack_int4(q)
+    assert packed.shape == (out, 32) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_int4(packed), q.to(torch.uint8))
+    flat = packed.reshape(-1)
+    assert flat[5] == q[5, 0] | q[37, 0] << 4  # input 0, byte 5: outputs 5 and 5 + 32
+    assert flat[32 + 5] == q[5, 1] | q[37, 1] << 4  # input 1 follows input 0
+    last = (out // 64) * 64 * 32  # the last block of out % 64 outputs packs in its halves
+    if out % 64:
+        half = out % 64 // 2
+        assert flat[last] == q[out - 2 * half, 0] | q[out - half, 0] << 4
 
 
 def test_embedding_rows_equal_the_packed_matrix():

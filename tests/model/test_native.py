@@ -1,6 +1,6 @@
-"""The AMX kernels: they compute what the stored format means, each row on its own, and
-quantized matrices they do not fit stay on torch's kernels. On a CPU without AMX the kernel
-tests cannot run there; the fallback tests run everywhere."""
+"""Our kernels (AMX or AVX2, whichever this CPU has): they compute what the stored format
+means, each row on its own, and quantized matrices they do not fit stay on torch's kernels.
+On a CPU with neither the kernel tests cannot run; the fallback tests run everywhere."""
 
 from __future__ import annotations
 
@@ -9,11 +9,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lever_actors.model import amx, row_blocks
-from lever_actors.model.quantized import GROUP, quantize_int4, quantize_int8
+from lever_actors.model import native, row_blocks
+from lever_actors.model.quantized import (
+    GROUP,
+    quantize_int4,
+    quantize_int8,
+    torch_packing,
+    unpack_int4,
+)
 from lever_actors.model.weights import ModelWeights
 
-needs_amx = pytest.mark.skipif(not amx.load(), reason="this CPU cannot run the AMX kernels")
+needs_native = pytest.mark.skipif(native.loaded() is None, reason="this CPU cannot run our kernels")
 
 
 def weight(shape: tuple[int, int], seed: int = 0) -> torch.Tensor:
@@ -25,40 +31,38 @@ def int4_meaning(x: torch.Tensor, q) -> torch.Tensor:
     plus zero * sum(x), from the stored scales and the packed values read back."""
     out, inputs = q.shape
     scales = q.scales.double()  # [groups, out, 2]
-    values = q.dequantize().double().view(out, inputs // GROUP, GROUP)
-    # the kernel reads back w = (q - 8) * scale + zero, so q - 8 = (w - zero) / scale
-    centred = ((values - scales[..., 1].T[..., None]) / scales[..., 0].T[..., None]).round()
+    centred = unpack_int4(q.data).double().view(out, inputs // GROUP, GROUP) - 8
     per_group = torch.einsum("ngi,mgi->mng", centred, x.double().view(-1, inputs // GROUP, GROUP))
     sums = x.double().view(-1, inputs // GROUP, GROUP).sum(-1)  # [m, groups]
     return (per_group * scales[..., 0].T).sum(-1) + sums @ scales[..., 1]
 
 
-@needs_amx
+@needs_native
 @pytest.mark.parametrize("shape", [(64, 32), (128, 96), (192, 320)])
 def test_int4_computes_the_grouped_sums(shape):
     q = quantize_int4(weight(shape))
     x = torch.randn(5, shape[1]).to(torch.bfloat16)
     expected = int4_meaning(x, q)
-    got = amx.int4_linear(x, q.data, q.scales).double()
+    got = native.int4_linear(x, q.data, q.scales).double()
     assert ((got - expected).abs() <= 0.01 * expected.abs() + 1e-3).all()
 
 
-@needs_amx
+@needs_native
 @pytest.mark.parametrize("shape", [(64, 32), (128, 96), (192, 320)])
 def test_int8_computes_scale_times_the_integer_product(shape):
     q = quantize_int8(weight(shape))
     x = torch.randn(5, shape[1]).to(torch.bfloat16)
     expected = (x.double() @ q.data.double().T) * q.scales.double()
-    got = amx.int8_linear(x, q.data, q.scales).double()
+    got = native.int8_linear(x, q.data, q.scales).double()
     assert ((got - expected).abs() <= 0.01 * expected.abs() + 1e-3).all()
 
 
-@needs_amx
+@needs_native
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_a_row_is_the_same_in_calls_of_every_size(fmt):
     shape = (128, 1088)  # int8: 34 tile depths, converted in two chunks
     q = quantize_int4(weight(shape)) if fmt == "int4" else quantize_int8(weight(shape))
-    kernel = amx.int4_linear if fmt == "int4" else amx.int8_linear
+    kernel = native.int4_linear if fmt == "int4" else native.int8_linear
     x = (torch.randn(100, shape[1]) * torch.logspace(-2, 2, shape[1])).to(torch.bfloat16)
     alone = torch.cat([kernel(x[i : i + 1], q.data, q.scales) for i in range(100)])
     # partial and whole tiles of 16 rows, past the 64 that row blocks would have allowed
@@ -66,24 +70,25 @@ def test_a_row_is_the_same_in_calls_of_every_size(fmt):
         assert torch.equal(kernel(x[:n], q.data, q.scales), alone[:n]), n
 
 
-@needs_amx
-def test_matrices_that_fit_run_on_the_tiles(monkeypatch):
-    monkeypatch.setattr(amx, "available", lambda: True)  # whatever LEVER_ACTORS_KERNELS says
+@needs_native
+def test_matrices_that_fit_run_on_ours(monkeypatch):
+    monkeypatch.setattr(native, "in_use", native.loaded)  # whatever LEVER_ACTORS_KERNELS says
     q = quantize_int4(weight((128, 96)))
     x = torch.randn(3, 96).to(torch.bfloat16)
-    assert amx.fits("int4", q.shape)
-    assert torch.equal(q.linear(x), amx.int4_linear(x, q.data, q.scales))
+    assert native.fits("int4", q.shape)
+    assert torch.equal(q.linear(x), native.int4_linear(x, q.data, q.scales))
 
 
-@needs_amx
+@needs_native
 def test_a_drafts_matrices_take_the_faster_kernel_for_their_rows(monkeypatch):
-    monkeypatch.setattr(amx, "available", lambda: True)
+    monkeypatch.setattr(native, "in_use", native.loaded)
+    monkeypatch.setattr(native, "fewest_rows", lambda: 8)  # as on AMX
     q = replace(quantize_int4(weight((128, 96))), exact=False)
-    few = torch.randn(amx.FEWEST_ROWS - 1, 96).to(torch.bfloat16)
-    many = torch.randn(amx.FEWEST_ROWS, 96).to(torch.bfloat16)
-    on_torch = torch.ops.aten._weight_int4pack_mm_for_cpu(few, q.data, GROUP, q.scales)
+    few = torch.randn(7, 96).to(torch.bfloat16)
+    many = torch.randn(8, 96).to(torch.bfloat16)
+    on_torch = torch.ops.aten._weight_int4pack_mm_for_cpu(few, torch_packing(q), GROUP, q.scales)
     assert torch.equal(q.linear(few), on_torch)
-    assert torch.equal(q.linear(many), amx.int4_linear(many, q.data, q.scales))
+    assert torch.equal(q.linear(many), native.int4_linear(many, q.data, q.scales))
 
 
 def test_drafting_weights_free_only_the_quantized_matrices():
@@ -95,45 +100,50 @@ def test_drafting_weights_free_only_the_quantized_matrices():
     assert drafting.layers[0]["wk"] is dense and drafting.lm_head is drafting.embed
 
 
-def test_matrices_the_tiles_do_not_fit_stay_on_torch(monkeypatch):
-    monkeypatch.setattr(amx, "available", lambda: True)  # even where the tiles are in use
-    assert not amx.fits("int4", (48, 96))  # outputs not in blocks of 64
-    assert not amx.fits("int8", (64, 48))  # inputs not in tile depths of 32
-    assert not amx.fits("dense", (64, 64))
+def test_matrices_ours_do_not_fit_stay_on_torch(monkeypatch):
+    monkeypatch.setattr(native, "in_use", lambda: native.AVX2)  # even where ours are in use
+    assert not native.fits("int4", (48, 96))  # outputs not in blocks of 64
+    assert not native.fits("int8", (64, 48))  # inputs not in steps of 32
+    assert not native.fits("dense", (64, 64))
     q = quantize_int4(weight((48, 96)))
     x = torch.randn(3, 96).to(torch.bfloat16)
-    expected = torch.ops.aten._weight_int4pack_mm_for_cpu(x, q.data, GROUP, q.scales)
+    expected = torch.ops.aten._weight_int4pack_mm_for_cpu(x, torch_packing(q), GROUP, q.scales)
     assert torch.equal(q.linear(x), expected)
 
 
-def test_row_blocks_probe_torchs_kernel_where_only_the_probe_fits_the_tiles(monkeypatch):
-    monkeypatch.setattr(amx, "available", lambda: True)  # even where the tiles are in use
+def test_row_blocks_probe_torchs_kernel_where_only_the_probe_fits_ours(monkeypatch):
+    monkeypatch.setattr(native, "in_use", lambda: native.AVX2)  # even where ours are in use
 
-    def tiles(*args):
-        raise AssertionError("the probe ran on the tiles")
+    def ours(*args):
+        raise AssertionError("the probe ran on our kernels")
 
-    monkeypatch.setattr(amx, "int4_linear", tiles)
+    monkeypatch.setattr(native, "int4_linear", ours)
     shape = (1040, 96)  # 1040 outputs: not in blocks of 64; the probe takes 1024 of them
-    assert not amx.fits("int4", shape)
-    assert amx.fits("int4", (row_blocks.probe_features(*shape), shape[1]))
+    assert not native.fits("int4", shape)
+    assert native.fits("int4", (row_blocks.probe_features(*shape), shape[1]))
     q = quantize_int4(weight(shape))
     x = torch.randn(3, 96).to(torch.bfloat16)
     padded = torch.stack((x, torch.zeros_like(x)), dim=1)  # each row alone, padded to two
     on_torch = [
-        torch.ops.aten._weight_int4pack_mm_for_cpu(p, q.data, GROUP, q.scales) for p in padded
+        torch.ops.aten._weight_int4pack_mm_for_cpu(p, torch_packing(q), GROUP, q.scales)
+        for p in padded
     ]
     assert torch.equal(q.linear(x), torch.cat([rows[:1] for rows in on_torch]))
 
 
 @pytest.mark.parametrize(
     ("value", "kind"),
-    [("torch", amx.Kernels.TORCH), ("amx", amx.Kernels.AMX), ("fast", amx.Kernels.AMX)],
+    [
+        ("torch", native.Kernels.TORCH),
+        ("native", native.Kernels.NATIVE),
+        ("fast", native.Kernels.NATIVE),
+    ],
 )
 def test_the_kernels_a_user_asks_for(monkeypatch, value, kind):
     monkeypatch.setenv("LEVER_ACTORS_KERNELS", value)
-    assert amx.requested() is kind
+    assert native.requested() is kind
 
 
-def test_the_tiles_unless_torchs_kernels_are_asked_for(monkeypatch):
+def test_ours_unless_torchs_kernels_are_asked_for(monkeypatch):
     monkeypatch.delenv("LEVER_ACTORS_KERNELS", raising=False)
-    assert amx.requested() is amx.Kernels.AMX
+    assert native.requested() is native.Kernels.NATIVE

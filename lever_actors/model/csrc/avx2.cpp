@@ -1,0 +1,250 @@
+// Weight-only quantized matrix products with AVX2 and FMA, built by model/native.py for CPUs
+// without AMX.
+//
+// Each output is one fixed sequence of float32 fused multiply-adds over the inputs in order
+// (int8: eight lanes of inputs, summed in a fixed order at the end); a row of x takes part in
+// no other row's sums. So a row's result is the same alone or as one of 64, and the weights
+// are unpacked once per call, however many rows share it.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+#include <vector>
+
+namespace {
+
+constexpr int64_t BLOCK_N = 64;  // int4: outputs per block of torch's packing
+constexpr int64_t GROUP = 32;    // int4: inputs per scale and zero
+constexpr int64_t LANES = 8;     // floats per vector
+constexpr int64_t ROWS8 = 8;     // int8: outputs per task
+
+inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if (f != f) return 0x7fc0;
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return uint16_t(bits >> 16);
+}
+
+// x [m, k] bf16 -> float32, exactly
+std::vector<float> widened(const at::Tensor& x) {
+  int64_t count = x.numel();
+  std::vector<float> out(count);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  int64_t i = 0;
+  for (; i + LANES <= count; i += LANES) {
+    __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(xp + i)));
+    _mm256_storeu_ps(out.data() + i, _mm256_castsi256_ps(_mm256_slli_epi32(words, 16)));
+  }
+  for (; i < count; ++i) {
+    uint32_t bits = uint32_t(xp[i]) << 16;
+    std::memcpy(&out[i], &bits, 4);
+  }
+  return out;
+}
+
+// ---- int4: y = sum over groups of scale * (x . (q - 8)) + zero * sum(x), per output ----
+
+// One group of torch's CPU int4 packing (input i's 32 bytes: byte j holds output j in its low
+// nibble, output j + 32 in its high one) as float32 q - 8, panel [32 inputs][64 outputs].
+inline void unpack_group(const uint8_t* bytes, float* panel) {
+  const __m256i nibble = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+  for (int64_t i = 0; i < GROUP; ++i)
+    for (int64_t c = 0; c < 4; ++c) {
+      __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(bytes + i * 32 + c * LANES)));
+      __m256i low = _mm256_sub_epi32(_mm256_and_si256(b, nibble), eight);
+      __m256i high = _mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight);
+      _mm256_store_ps(panel + i * BLOCK_N + c * LANES, _mm256_cvtepi32_ps(low));
+      _mm256_store_ps(panel + i * BLOCK_N + 32 + c * LANES, _mm256_cvtepi32_ps(high));
+    }
+}
+
+// A group's scales and zeros for the block's 64 outputs, as float32 vectors
+inline void group_scales(const uint32_t* sz, __m256* scale, __m256* zero) {
+  for (int t = 0; t < 8; ++t) {
+    __m256i v = _mm256_loadu_si256((const __m256i*)(sz + t * LANES));
+    scale[t] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    zero[t] = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xffff0000u))));
+  }
+}
+
+// acc [64] += scale * p + zero * sum, per output: a group's products folded in
+inline void fold_group(float* acc, const __m256* p, const __m256* scale, const __m256* zero, float sum) {
+  __m256 total = _mm256_set1_ps(sum);
+  for (int t = 0; t < 8; ++t) {
+    __m256 v = _mm256_fmadd_ps(scale[t], p[t], _mm256_loadu_ps(acc + t * LANES));
+    _mm256_storeu_ps(acc + t * LANES, _mm256_fmadd_ps(zero[t], total, v));
+  }
+}
+
+// One row, one group: the panel's products with the weights unpacked in registers instead (the
+// same fused multiply-adds in the same order, without the panel's stores and loads).
+inline void int4_group_one_row(const float* x, const uint8_t* bytes, __m256* p) {
+  const __m256i nibble = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+  for (int64_t i = 0; i < GROUP; ++i) {
+    __m256 xi = _mm256_broadcast_ss(x + i);
+    for (int64_t c = 0; c < 4; ++c) {
+      __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(bytes + i * 32 + c * LANES)));
+      __m256 low = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, nibble), eight));
+      __m256 high = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight));
+      p[c] = _mm256_fmadd_ps(xi, low, p[c]);
+      p[4 + c] = _mm256_fmadd_ps(xi, high, p[4 + c]);
+    }
+  }
+}
+
+// Two rows, one group, from the unpacked panel, a half's 32 outputs at a time: p0, p1 [8] each
+inline void int4_group_two_rows(const float* x0, const float* x1, const float* panel, __m256* p0, __m256* p1) {
+  for (int h = 0; h < 8; h += 4) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (int64_t i = 0; i < GROUP; ++i) {
+      __m256 a = _mm256_broadcast_ss(x0 + i), b = _mm256_broadcast_ss(x1 + i);
+      const float* w = panel + i * BLOCK_N + h * LANES;
+      __m256 w0 = _mm256_load_ps(w), w1 = _mm256_load_ps(w + 8), w2 = _mm256_load_ps(w + 16), w3 = _mm256_load_ps(w + 24);
+      a0 = _mm256_fmadd_ps(a, w0, a0);
+      a1 = _mm256_fmadd_ps(a, w1, a1);
+      a2 = _mm256_fmadd_ps(a, w2, a2);
+      a3 = _mm256_fmadd_ps(a, w3, a3);
+      b0 = _mm256_fmadd_ps(b, w0, b0);
+      b1 = _mm256_fmadd_ps(b, w1, b1);
+      b2 = _mm256_fmadd_ps(b, w2, b2);
+      b3 = _mm256_fmadd_ps(b, w3, b3);
+    }
+    p0[h] = a0, p0[h + 1] = a1, p0[h + 2] = a2, p0[h + 3] = a3;
+    p1[h] = b0, p1[h + 1] = b1, p1[h + 2] = b2, p1[h + 3] = b3;
+  }
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  // x [m, k] bf16; packed [n, k / 2] uint8; scales [k / 32, n, 2] bf16 (scale, zero)
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: [m, k] bf16");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed: uint8");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(), "scales: bf16");
+  int64_t rows = x.size(0), k = x.size(1), n = packed.size(0), groups = k / GROUP;
+  TORCH_CHECK(n % BLOCK_N == 0 && k % GROUP == 0 && packed.size(1) * 2 == k, "int4 shape");
+  auto out = at::empty({rows, n}, x.options());
+  if (rows == 0) return out;
+  std::vector<float> xf = widened(x);
+  std::vector<float> sums(rows * groups);  // each row's inputs summed per group, in order
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.0f;
+      for (int64_t i = 0; i < GROUP; ++i) s += xf[m * k + g * GROUP + i];
+      sums[m * groups + g] = s;
+    }
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const uint32_t* sp = reinterpret_cast<const uint32_t*>(scales.data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, n / BLOCK_N, 1, [&](int64_t begin, int64_t end) {
+    alignas(32) float panel[GROUP * BLOCK_N];
+    std::vector<float> acc(rows * BLOCK_N);
+    for (int64_t block = begin; block < end; ++block) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      const uint8_t* column = pp + block * k * 32;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* bytes = column + g * GROUP * 32;
+        __m256 scale[8], zero[8], p[2][8];
+        group_scales(sp + g * n + block * BLOCK_N, scale, zero);
+        if (rows == 1) {
+          for (int t = 0; t < 8; ++t) p[0][t] = _mm256_setzero_ps();
+          int4_group_one_row(xf.data() + g * GROUP, bytes, p[0]);
+          fold_group(acc.data(), p[0], scale, zero, sums[g]);
+          continue;
+        }
+        unpack_group(bytes, panel);
+        for (int64_t m = 0; m < rows; m += 2) {
+          int64_t other = std::min(m + 1, rows - 1);  // an odd last row pairs with itself
+          int4_group_two_rows(xf.data() + m * k + g * GROUP, xf.data() + other * k + g * GROUP, panel, p[0], p[1]);
+          fold_group(acc.data() + m * BLOCK_N, p[0], scale, zero, sums[m * groups + g]);
+          if (other != m) fold_group(acc.data() + other * BLOCK_N, p[1], scale, zero, sums[other * groups + g]);
+        }
+      }
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t j = 0; j < BLOCK_N; ++j) op[m * n + block * BLOCK_N + j] = to_bf16(acc[m * BLOCK_N + j]);
+    }
+  });
+  return out;
+}
+
+// ---- int8: y = scale * (x . q), per output; lane l sums the inputs l, l + 8, ... ----
+
+inline float lanes_summed(__m256 v) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))
+  __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+
+// R rows of x [R][k] times J rows of w [J][k]: sums [R][J]. Each weight is converted once and
+// used by all R rows; the registers hold R * J sums (at most 8).
+template <int R, int J>
+inline void int8_tile(const float* x, const int8_t* w, int64_t k, float* sums, int64_t stride) {
+  __m256 s[R][J];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) s[r][j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; i += LANES) {
+    __m256 q[J];
+    for (int j = 0; j < J; ++j)
+      q[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + j * k + i))));
+    for (int r = 0; r < R; ++r) {
+      __m256 xr = _mm256_loadu_ps(x + r * k + i);
+      for (int j = 0; j < J; ++j) s[r][j] = _mm256_fmadd_ps(xr, q[j], s[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) sums[r * stride + j] = lanes_summed(s[r][j]);
+}
+
+// rows [m, m + R) of x times the 8 outputs at w: sums [rows][n] at column 0
+inline void int8_rows(int64_t rows_left, const float* x, const int8_t* w, int64_t k, float* sums, int64_t n) {
+  switch (std::min<int64_t>(rows_left, 4)) {
+    case 1: int8_tile<1, 8>(x, w, k, sums, n); break;
+    case 2:
+      for (int j = 0; j < ROWS8; j += 4) int8_tile<2, 4>(x, w + j * k, k, sums + j, n);
+      break;
+    case 3:
+      for (int j = 0; j < ROWS8; j += 2) int8_tile<3, 2>(x, w + j * k, k, sums + j, n);
+      break;
+    default:
+      for (int j = 0; j < ROWS8; j += 2) int8_tile<4, 2>(x, w + j * k, k, sums + j, n);
+  }
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  // x [m, k] bf16; weight [n, k] int8; scales [n] bf16
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: [m, k] bf16");
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(), "weight: int8");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(), "scales: bf16");
+  int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(n % ROWS8 == 0 && k % LANES == 0 && weight.size(1) == k, "int8 shape");
+  auto out = at::empty({rows, n}, x.options());
+  if (rows == 0) return out;
+  std::vector<float> xf = widened(x), sums(rows * n);
+  const int8_t* wp = weight.data_ptr<int8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, n / ROWS8, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      for (int64_t m = 0; m < rows; m += 4)  // the block's 8 weight rows stay in L1 meanwhile
+        int8_rows(rows - m, xf.data() + m * k, wp + block * ROWS8 * k, k, sums.data() + m * n + block * ROWS8, n);
+      for (int64_t j = block * ROWS8; j < (block + 1) * ROWS8; ++j) {
+        float scale;
+        uint32_t bits = uint32_t(sp[j]) << 16;
+        std::memcpy(&scale, &bits, 4);
+        for (int64_t m = 0; m < rows; ++m) op[m * n + j] = to_bf16(scale * sums[m * n + j]);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(lever_avx2, m) {
+  m.def("int4_linear", &int4_linear);
+  m.def("int8_linear", &int8_linear);
+}

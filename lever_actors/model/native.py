@@ -1,0 +1,209 @@
+"""Our kernels for the 4- and 8-bit matrices: csrc/amx.cpp on a CPU with AMX, csrc/avx2.cpp on
+one with AVX2 and FMA. Built once per machine with the system's C++ compiler into the cache,
+loaded as torch ops, used for every int4 and int8 matrix they fit.
+
+torch's weight-only kernels cost about as much per row as one-token decoding, so a tree of
+64 nodes costs nearly 64 passes, and they round a row differently by how many rows share the
+call. Ours unpack each weight once per call, multiply every row by it, and compute each row on
+its own by construction: a tree costs a fraction of its rows' passes and equals one-token
+decoding bit for bit (docs/design.md, "Kernels").
+They are the default where they load; `LEVER_ACTORS_KERNELS=torch` keeps torch's kernels.
+Where a CPU has neither instruction set, no compiler is found or the build fails, torch's
+kernels stay in use, and the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import threading
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import torch
+
+from lever_actors.logs import get_logger
+from lever_actors.paths import default_cache_dir
+
+log = get_logger(__name__)
+
+BLOCK_N = 64  # outputs per block of the kernels (the int4 packing's blocks)
+DEPTH = 32  # inputs per step of the kernels (AMX: one tile product)
+
+
+@dataclass(frozen=True)
+class Isa:
+    """One instruction set's kernels: their source, what the CPU must list, how to build them."""
+
+    name: str  # the source's stem and the ops' namespace, lever_<name>
+    cpu_flags: tuple[str, ...]
+    compile_flags: tuple[str, ...]
+    # below this many rows torch's kernels are faster; only a matrix whose rows need not round
+    # as alone (a draft's) may switch kernel by rows
+    fewest_rows: int
+
+    @property
+    def source(self) -> Path:
+        return Path(__file__).parent / "csrc" / f"{self.name}.cpp"
+
+    @property
+    def ops(self):
+        return getattr(torch.ops, f"lever_{self.name}")
+
+
+# in order of preference; AMX: int8 1 row 0.6 against 1.0-2.1 ms on torch's kernels for the
+# real target's largest matrices, so a draft's few rows stay on torch's
+AMX = Isa(
+    "amx",
+    ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+    (
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mavx512bf16",
+        "-mfma",
+        "-mamx-tile",
+        "-mamx-bf16",
+    ),
+    fewest_rows=8,
+)
+AVX2 = Isa("avx2", ("avx2", "fma"), ("-mavx2", "-mfma"), fewest_rows=1)
+ISAS = (AMX, AVX2)
+
+
+class Kernels(Enum):
+    NATIVE = "native"  # ours, where this machine can build and run them (the default)
+    TORCH = "torch"  # torch's weight-only kernels everywhere
+
+
+_lock = threading.Lock()
+
+
+@functools.cache
+def in_use() -> Isa | None:
+    """The kernels this process uses: None where torch's are asked for or ours cannot load."""
+    return loaded() if requested() is Kernels.NATIVE else None
+
+
+@functools.cache
+def loaded() -> Isa | None:
+    """Build this CPU's kernels (once per machine) and load them; None if it cannot."""
+    with _lock:
+        return _load()
+
+
+def fits(fmt: str, shape: tuple[int, int]) -> bool:
+    """Whether a matrix of this format and [out, in] shape runs on our kernels."""
+    out, inputs = shape
+    return (
+        fmt in ("int4", "int8")
+        and out % BLOCK_N == 0
+        and inputs % DEPTH == 0
+        and in_use() is not None
+    )
+
+
+def fewest_rows() -> int:
+    """The fewest rows a draft's matrix sends to our kernels (see Isa.fewest_rows)."""
+    isa = in_use()
+    return 1 if isa is None else isa.fewest_rows
+
+
+def int4_linear(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [n, in] bf16 times an int4 matrix in the layout's packing -> [n, out] bf16."""
+    return _isa().ops.int4_linear(x.contiguous(), data, scales)
+
+
+def int8_linear(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [n, in] bf16 times an int8 matrix [out, in] with row scales -> [n, out] bf16."""
+    isa = _isa()
+    if isa is AMX:
+        pairs = x.contiguous().view(torch.int32).T.contiguous()  # [in / 2, n]: the tiles' layout
+        return isa.ops.int8_linear(pairs, x.shape[0], data, scales)
+    return isa.ops.int8_linear(x.contiguous(), data, scales)
+
+
+def requested() -> Kernels:
+    value = os.environ.get("LEVER_ACTORS_KERNELS", Kernels.NATIVE.value)
+    try:
+        return Kernels(value)
+    except ValueError:
+        choices = ", ".join(k.value for k in Kernels)
+        log.warning("unknown LEVER_ACTORS_KERNELS; using ours", value=value, choices=choices)
+        return Kernels.NATIVE
+
+
+def _isa() -> Isa:
+    isa = loaded()
+    if isa is None:
+        raise RuntimeError("our kernels did not load on this machine")
+    return isa
+
+
+def _load() -> Isa | None:
+    isa, why = _supported()
+    if isa is not None:
+        try:
+            torch.ops.load_library(str(_built(isa)))
+        except subprocess.CalledProcessError as error:
+            why = f"the {isa.name} build failed: {error.stderr.strip().splitlines()[-1:]}"
+        except (OSError, RuntimeError) as error:
+            why = f"loading the {isa.name} kernels failed: {error}"
+        else:
+            why = None if isa is not AMX or isa.ops.enable_tiles() else "Linux refused AMX state"
+    if why is not None:
+        log.warning("torch's kernels in use for quantized weights", reason=why)
+        return None
+    return isa
+
+
+def _supported() -> tuple[Isa | None, str]:
+    """This CPU's preferred kernels, or None and why there are none."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return None, "no /proc/cpuinfo (not Linux)"
+    isa = next((isa for isa in ISAS if set(isa.cpu_flags) <= flags), None)
+    if isa is None:
+        return None, f"this CPU lacks {', '.join(f for f in AVX2.cpu_flags if f not in flags)}"
+    if shutil.which("g++") is None:
+        return None, "no C++ compiler (g++)"
+    return isa, ""
+
+
+def _built(isa: Isa) -> Path:
+    """The kernels' shared library for this source, torch and compiler (built if missing)."""
+    compiler = subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout
+    flags = ("-O3", "-std=c++20", "-fPIC", *isa.compile_flags)
+    key = hashlib.sha256(
+        "\n".join((isa.source.read_text(), torch.__version__, compiler, *flags)).encode()
+    ).hexdigest()[:16]
+    library = default_cache_dir() / "kernels" / f"{isa.name}-{key}.so"
+    if library.exists():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    log.info(f"building the {isa.name} kernels (once per machine)", library=str(library))
+    partial = library.with_suffix(f".{os.getpid()}.partial")
+    objects = partial.with_suffix(".o")
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    home = Path(torch.__file__).parent  # torch's headers and libraries, as a wheel lays them out
+    includes, libraries = [f"-I{home / 'include'}"], [f"-L{home / 'lib'}"]
+    try:
+        # OpenMP at compile time only: the library then uses torch's own OpenMP runtime
+        _run(["g++", *flags, "-fopenmp", abi, *includes, "-c", str(isa.source), "-o", str(objects)])
+        link = [*libraries, "-lc10", "-ltorch_cpu"]
+        _run(["g++", "-shared", str(objects), "-o", str(partial), *link])
+        partial.replace(library)  # whole or absent, whoever builds beside us
+    finally:
+        objects.unlink(missing_ok=True)
+        partial.unlink(missing_ok=True)
+    return library
+
+
+def _run(command: list[str]) -> None:
+    subprocess.run(command, check=True, capture_output=True, text=True)
