@@ -103,3 +103,11 @@ def test_shapes_the_kernels_cannot_take():
     assert "outputs in 16s" in check_quantizable((24, 512), "int4")
     assert check_quantizable((24, 40), "int8") is None
     assert check_quantizable((8,), "dense") is None
+
+
+def test_a_float32_model_multiplies_in_bf16():
+    q = quantize_int4(weight((128, 96)))
+    x = torch.randn(3, 96)
+    got = q.linear(x)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, q.linear(x.to(torch.bfloat16)).float())
