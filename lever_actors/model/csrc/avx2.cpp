@@ -18,7 +18,7 @@
 
 namespace {
 
-constexpr int64_t BLOCK_N = 64;  // int4: outputs per block of torch's packing
+constexpr int64_t BLOCK_N = 64;  // int4: outputs per block of the packing
 constexpr int64_t GROUP = 32;    // int4: inputs per scale and zero
 constexpr int64_t LANES = 8;     // floats per vector
 constexpr int64_t ROWS8 = 8;     // int8: outputs per task
@@ -48,28 +48,35 @@ std::vector<float> widened(const at::Tensor& x) {
   return out;
 }
 
-// ---- int4: y = sum over groups of scale * (x . (q - 8)) + zero * sum(x), per output ----
+// ---- int4: y = sum over groups of scale * (x . q) + (zero - 8 * scale) * sum(x), per output ----
 
-// One group of torch's CPU int4 packing (input i's 32 bytes: byte j holds output j in its low
-// nibble, output j + 32 in its high one) as float32 q - 8, panel [32 inputs][64 outputs].
+// Eight bytes of an input's 32 in the int4 packing (byte j holds output j in its low nibble,
+// output j + 32 in its high one) as float32 q: the low and the high nibbles
+inline void unpack8(const uint8_t* bytes, __m256& low, __m256& high) {
+  __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)bytes));
+  low = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+  high = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+
+// One group of the packing as float32 q, panel [32 inputs][64 outputs]
 inline void unpack_group(const uint8_t* bytes, float* panel) {
-  const __m256i nibble = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
   for (int64_t i = 0; i < GROUP; ++i)
     for (int64_t c = 0; c < 4; ++c) {
-      __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(bytes + i * 32 + c * LANES)));
-      __m256i low = _mm256_sub_epi32(_mm256_and_si256(b, nibble), eight);
-      __m256i high = _mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight);
-      _mm256_store_ps(panel + i * BLOCK_N + c * LANES, _mm256_cvtepi32_ps(low));
-      _mm256_store_ps(panel + i * BLOCK_N + 32 + c * LANES, _mm256_cvtepi32_ps(high));
+      __m256 low, high;
+      unpack8(bytes + i * 32 + c * LANES, low, high);
+      _mm256_store_ps(panel + i * BLOCK_N + c * LANES, low);
+      _mm256_store_ps(panel + i * BLOCK_N + 32 + c * LANES, high);
     }
 }
 
-// A group's scales and zeros for the block's 64 outputs, as float32 vectors
+// A group's scales and zeros for the block's 64 outputs, as float32 vectors; the zero takes
+// in the -8 of q - 8 (zero - 8 * scale), so the products multiply q as it is unpacked
 inline void group_scales(const uint32_t* sz, __m256* scale, __m256* zero) {
   for (int t = 0; t < 8; ++t) {
     __m256i v = _mm256_loadu_si256((const __m256i*)(sz + t * LANES));
     scale[t] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-    zero[t] = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xffff0000u))));
+    __m256 z = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xffff0000u))));
+    zero[t] = _mm256_fmadd_ps(_mm256_set1_ps(-8.0f), scale[t], z);
   }
 }
 
@@ -85,13 +92,11 @@ inline void fold_group(float* acc, const __m256* p, const __m256* scale, const _
 // One row, one group: the panel's products with the weights unpacked in registers instead (the
 // same fused multiply-adds in the same order, without the panel's stores and loads).
 inline void int4_group_one_row(const float* x, const uint8_t* bytes, __m256* p) {
-  const __m256i nibble = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
   for (int64_t i = 0; i < GROUP; ++i) {
     __m256 xi = _mm256_broadcast_ss(x + i);
     for (int64_t c = 0; c < 4; ++c) {
-      __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(bytes + i * 32 + c * LANES)));
-      __m256 low = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, nibble), eight));
-      __m256 high = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight));
+      __m256 low, high;
+      unpack8(bytes + i * 32 + c * LANES, low, high);
       p[c] = _mm256_fmadd_ps(xi, low, p[c]);
       p[4 + c] = _mm256_fmadd_ps(xi, high, p[4 + c]);
     }
@@ -129,13 +134,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(n % BLOCK_N == 0 && k % GROUP == 0 && packed.size(1) * 2 == k, "int4 shape");
   auto out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
-  std::vector<float> xf = widened(x);
-  std::vector<float> sums(rows * groups);  // each row's inputs summed per group, in order
+  std::vector<float> xf = widened(x), xg(rows * k);  // xg [groups][rows][32]: a group's rows together
+  std::vector<float> sums(rows * groups);               // each row's inputs summed per group, in order
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t g = 0; g < groups; ++g) {
       float s = 0.0f;
       for (int64_t i = 0; i < GROUP; ++i) s += xf[m * k + g * GROUP + i];
       sums[m * groups + g] = s;
+      std::memcpy(&xg[(g * rows + m) * GROUP], &xf[m * k + g * GROUP], GROUP * sizeof(float));
     }
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const uint32_t* sp = reinterpret_cast<const uint32_t*>(scales.data_ptr());
@@ -159,7 +165,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
         unpack_group(bytes, panel);
         for (int64_t m = 0; m < rows; m += 2) {
           int64_t other = std::min(m + 1, rows - 1);  // an odd last row pairs with itself
-          int4_group_two_rows(xf.data() + m * k + g * GROUP, xf.data() + other * k + g * GROUP, panel, p[0], p[1]);
+          const float* group_rows = xg.data() + g * rows * GROUP;
+          int4_group_two_rows(group_rows + m * GROUP, group_rows + other * GROUP, panel, p[0], p[1]);
           fold_group(acc.data() + m * BLOCK_N, p[0], scale, zero, sums[m * groups + g]);
           if (other != m) fold_group(acc.data() + other * BLOCK_N, p[1], scale, zero, sums[other * groups + g]);
         }
