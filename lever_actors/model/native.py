@@ -51,6 +51,10 @@ class Isa:
         return Path(__file__).parent / "csrc" / f"{self.name}.cpp"
 
     @property
+    def headers(self) -> tuple[Path, ...]:
+        return (self.source.with_name("common.h"),)
+
+    @property
     def ops(self):
         return getattr(torch.ops, f"lever_{self.name}")
 
@@ -180,9 +184,9 @@ def _built(isa: Isa) -> Path:
     """The kernels' shared library for this source, torch and compiler (built if missing)."""
     compiler = subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout
     flags = ("-O3", "-std=c++20", "-fPIC", *isa.compile_flags)
-    key = hashlib.sha256(
-        "\n".join((isa.source.read_text(), torch.__version__, compiler, *flags)).encode()
-    ).hexdigest()[:16]
+    texts = [path.read_text() for path in (isa.source, *isa.headers)]
+    stamp = "\n".join((*texts, torch.__version__, compiler, *flags))
+    key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
     library = default_cache_dir() / "kernels" / f"{isa.name}-{key}.so"
     if library.exists():
         return library

@@ -14,7 +14,7 @@ Formats (what a flash layout stores, and what DRAM holds):
   so a token's row is one small read.
 Both matrix formats run on our kernels (model/native.py) where this CPU has them: they read
 these same bytes, cost little per extra row and compute each row on its own by construction.
-Elsewhere torch's run, checked like the dense kernels by row_blocks (int4 repacked per call
+Elsewhere torch's run, checked like the dense kernels by row_blocks (int4 repacked once per weight
 where torch packs otherwise). Either way a tree verified in one call equals one-token decoding
 bit for bit. A process uses one kernel per matrix throughout.
 """

@@ -18,12 +18,14 @@
 #include <unistd.h>
 #include <vector>
 
+#include "common.h"
+
 namespace {
 
-constexpr int64_t BLOCK_N = 64;  // outputs per block: four 16-column tiles
+using namespace lever;
+
 constexpr int64_t TILE = 16;     // rows of a full tile, 64 bytes each
 constexpr int64_t DEPTH = 32;    // inputs per tile product: 16 rows of bf16 pairs
-constexpr int64_t GROUP = 32;    // int4: inputs per scale and zero (one tile depth)
 constexpr int64_t AHEAD = 8;     // int4: groups prefetched ahead of the one unpacked
 constexpr int64_t CHUNK = 32;    // int8: depths converted at a time (128 KB of bf16 per block)
 
@@ -60,21 +62,6 @@ void configure(int64_t sum_rows, int64_t sum_bytes, int64_t left_rows, int64_t r
   _tile_loadconfig(&config);
 }
 
-inline float from_bf16(uint16_t v) {
-  uint32_t bits = uint32_t(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if (f != f) return 0x7fc0;
-  bits += 0x7fff + ((bits >> 16) & 1);
-  return uint16_t(bits >> 16);
-}
-
 // ---- int4: y = sum over groups of scale * (x . (q - 8)) + zero * sum(x), per output ----
 
 // bf16 of q - 8 for q = 0..15, twice: vpermw's 32-entry table
@@ -106,11 +93,8 @@ inline void unpack_group(const uint8_t* bytes, uint16_t* panel) {
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
   // x [m, k] bf16; packed [n, k / 2] uint8; scales [k / 32, n, 2] bf16 (scale, zero)
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: [m, k] bf16");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed: uint8");
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(), "scales: bf16");
+  check_int4(x, packed, scales);
   int64_t rows = x.size(0), k = x.size(1), n = packed.size(0), groups = k / GROUP;
-  TORCH_CHECK(n % BLOCK_N == 0 && k % GROUP == 0 && packed.size(1) * 2 == k, "int4 shape");
   auto out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
   // Past one tile, rows go in whole tiles, the last padded with zero rows: a short last tile
@@ -225,8 +209,7 @@ inline void int8_depth(const uint32_t* x, int64_t width, int64_t m, int64_t d, c
 at::Tensor int8_linear(const at::Tensor& pairs, int64_t rows, const at::Tensor& weight, const at::Tensor& scales) {
   // pairs [k / 2, m] int32: x transposed by pairs of inputs; weight [n, k] int8; scales [n] bf16
   TORCH_CHECK(pairs.dim() == 2 && pairs.scalar_type() == at::kInt && pairs.is_contiguous(), "pairs: [k/2, m] int32");
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(), "weight: int8");
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(), "scales: bf16");
+  check_int8(weight, scales);
   int64_t k = weight.size(1), n = weight.size(0), width = pairs.size(1), depths = k / DEPTH;
   TORCH_CHECK(n % BLOCK_N == 0 && k % DEPTH == 0 && pairs.size(0) * 2 == k && rows <= width, "int8 shape");
   auto out = at::empty({rows, n}, weight.options().dtype(at::kBFloat16));

@@ -16,20 +16,14 @@
 #include <immintrin.h>
 #include <vector>
 
+#include "common.h"
+
 namespace {
 
-constexpr int64_t BLOCK_N = 64;  // int4: outputs per block of the packing
-constexpr int64_t GROUP = 32;    // int4: inputs per scale and zero
+using namespace lever;
+
 constexpr int64_t LANES = 8;     // floats per vector
 constexpr int64_t ROWS8 = 8;     // int8: outputs per task
-
-inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if (f != f) return 0x7fc0;
-  bits += 0x7fff + ((bits >> 16) & 1);
-  return uint16_t(bits >> 16);
-}
 
 // x [m, k] bf16 -> float32, exactly
 std::vector<float> widened(const at::Tensor& x) {
@@ -41,10 +35,7 @@ std::vector<float> widened(const at::Tensor& x) {
     __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(xp + i)));
     _mm256_storeu_ps(out.data() + i, _mm256_castsi256_ps(_mm256_slli_epi32(words, 16)));
   }
-  for (; i < count; ++i) {
-    uint32_t bits = uint32_t(xp[i]) << 16;
-    std::memcpy(&out[i], &bits, 4);
-  }
+  for (; i < count; ++i) out[i] = from_bf16(xp[i]);
   return out;
 }
 
@@ -127,11 +118,8 @@ inline void int4_group_two_rows(const float* x0, const float* x1, const float* p
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
   // x [m, k] bf16; packed [n, k / 2] uint8; scales [k / 32, n, 2] bf16 (scale, zero)
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: [m, k] bf16");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed: uint8");
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(), "scales: bf16");
+  check_int4(x, packed, scales);
   int64_t rows = x.size(0), k = x.size(1), n = packed.size(0), groups = k / GROUP;
-  TORCH_CHECK(n % BLOCK_N == 0 && k % GROUP == 0 && packed.size(1) * 2 == k, "int4 shape");
   auto out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
   std::vector<float> xf = widened(x), xg(rows * k);  // xg [groups][rows][32]: a group's rows together
@@ -224,8 +212,7 @@ inline void int8_rows(int64_t rows_left, const float* x, const int8_t* w, int64_
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   // x [m, k] bf16; weight [n, k] int8; scales [n] bf16
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: [m, k] bf16");
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(), "weight: int8");
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(), "scales: bf16");
+  check_int8(weight, scales);
   int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
   TORCH_CHECK(n % ROWS8 == 0 && k % LANES == 0 && weight.size(1) == k, "int8 shape");
   auto out = at::empty({rows, n}, x.options());
@@ -239,9 +226,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
       for (int64_t m = 0; m < rows; m += 4)  // the block's 8 weight rows stay in L1 meanwhile
         int8_rows(rows - m, xf.data() + m * k, wp + block * ROWS8 * k, k, sums.data() + m * n + block * ROWS8, n);
       for (int64_t j = block * ROWS8; j < (block + 1) * ROWS8; ++j) {
-        float scale;
-        uint32_t bits = uint32_t(sp[j]) << 16;
-        std::memcpy(&scale, &bits, 4);
+        float scale = from_bf16(sp[j]);
         for (int64_t m = 0; m < rows; ++m) op[m * n + j] = to_bf16(scale * sums[m * n + j]);
       }
     }

@@ -1,0 +1,44 @@
+// What both kernels' sources share: bf16 conversions and the checks of an int4 call's tensors.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace lever {
+
+constexpr int64_t BLOCK_N = 64;  // outputs per block: the int4 packing's, and the kernels'
+constexpr int64_t GROUP = 32;    // int4: inputs per scale and zero
+
+inline float from_bf16(uint16_t v) {
+  uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if (f != f) return 0x7fc0;
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return uint16_t(bits >> 16);
+}
+
+// x [m, k] bf16; packed [n, k / 2] uint8 in the packing; scales [k / 32, n, 2] bf16 (scale, zero)
+inline void check_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: [m, k] bf16");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed: uint8");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(), "scales: bf16");
+  int64_t k = x.size(1), n = packed.size(0);
+  TORCH_CHECK(n % BLOCK_N == 0 && k % GROUP == 0 && packed.size(1) * 2 == k, "int4 shape");
+}
+
+// weight [n, k] int8; scales [n] bf16
+inline void check_int8(const at::Tensor& weight, const at::Tensor& scales) {
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(), "weight: int8");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(), "scales: bf16");
+}
+
+}  // namespace lever
