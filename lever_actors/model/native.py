@@ -59,21 +59,23 @@ class Isa:
         return getattr(torch.ops, f"lever_{self.name}")
 
 
-# in order of preference; AMX: int8 1 row 0.6 against 1.0-2.1 ms on torch's kernels for the
-# real target's largest matrices, so a draft's few rows stay on torch's
+# in order of preference. AMX: torch's kernels are faster below 8 rows (one int8 row of the
+# real target's largest matrices 0.6 ms on torch's, 1.0-2.1 on the tiles); AVX2: ours are the
+# faster at every row count (docs/design.md, "Kernels")
+AMX_ISA = (
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512dq",
+    "avx512bf16",
+    "fma",
+    "amx-tile",
+    "amx-bf16",
+)
 AMX = Isa(
     "amx",
     ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
-    (
-        "-mavx512f",
-        "-mavx512bw",
-        "-mavx512vl",
-        "-mavx512dq",
-        "-mavx512bf16",
-        "-mfma",
-        "-mamx-tile",
-        "-mamx-bf16",
-    ),
+    tuple(f"-m{isa}" for isa in AMX_ISA),
     fewest_rows=8,
 )
 AVX2 = Isa("avx2", ("avx2", "fma"), ("-mavx2", "-mfma"), fewest_rows=1)
