@@ -60,12 +60,13 @@ def test_int8_computes_scale_times_the_integer_product(shape):
 @needs_native
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_a_row_is_the_same_in_calls_of_every_size(fmt):
-    shape = (128, 1088)  # int8: 34 tile depths, converted in two chunks
+    shape = (128, 1088)  # AMX int8: 34 tile depths, converted in two chunks
     q = quantize_int4(weight(shape)) if fmt == "int4" else quantize_int8(weight(shape))
     kernel = native.int4_linear if fmt == "int4" else native.int8_linear
     x = (torch.randn(100, shape[1]) * torch.logspace(-2, 2, shape[1])).to(torch.bfloat16)
     alone = torch.cat([kernel(x[i : i + 1], q.data, q.scales) for i in range(100)])
-    # partial and whole tiles of 16 rows, past the 64 that row blocks would have allowed
+    # AMX: partial and whole tiles of 16 rows; AVX2: int4 rows in pairs and a lone last one,
+    # int8 in fours and what is left; past the 64 that row blocks would have allowed
     for n in (2, 15, 16, 17, 33, 64, 65, 100):
         assert torch.equal(kernel(x[:n], q.data, q.scales), alone[:n]), n
 
