@@ -34,7 +34,6 @@ from lever_actors.model import native, row_blocks
 Format = Literal["dense", "int4", "int8", "int4rows"]
 QUANTIZED_FORMATS: tuple[str, ...] = ("int4", "int8", "int4rows")
 GROUP = 32  # inputs per int4 scale: Q4_K's sub-block, so its values convert without requantizing
-PACK_BLOCK = 64  # outputs per block of the int4 packing
 PACK_TILES = 2  # torch's inner_k_tiles for its CPU int4 packing
 COMPUTE_DTYPE = torch.bfloat16  # the kernels' activations, scales and outputs
 
@@ -208,14 +207,14 @@ def from_groups(
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """4-bit values q [out, in] in 0..15 -> [out, in / 2] uint8, packed in blocks of PACK_BLOCK
+    """4-bit values q [out, in] in 0..15 -> [out, in / 2] uint8, packed in blocks of native.BLOCK_N
     outputs (the last may be shorter), input after input; in a block of b outputs, byte j of
     an input holds output j in its low nibble and output j + b / 2 in its high one."""
     out, inputs = q.shape
     q = q.to(torch.uint8)
     parts = []
-    for start in range(0, out, PACK_BLOCK):
-        block = q[start : start + PACK_BLOCK]
+    for start in range(0, out, native.BLOCK_N):
+        block = q[start : start + native.BLOCK_N]
         half = len(block) // 2
         parts.append((block[:half] | block[half:] << 4).T.reshape(-1))  # [in, half]
     return torch.cat(parts).view(out, inputs // 2)
@@ -225,8 +224,8 @@ def unpack_int4(data: torch.Tensor) -> torch.Tensor:
     """`pack_int4`'s inverse: [out, in / 2] uint8 -> q [out, in] uint8."""
     out, inputs = data.shape[0], data.shape[1] * 2
     flat, parts = data.reshape(-1), []
-    for start in range(0, out, PACK_BLOCK):
-        half = min(PACK_BLOCK, out - start) // 2
+    for start in range(0, out, native.BLOCK_N):
+        half = min(native.BLOCK_N, out - start) // 2
         pairs = flat[start * inputs // 2 : (start + 2 * half) * inputs // 2].view(inputs, half)
         parts.append(torch.cat((pairs & 15, pairs >> 4), dim=1).T)  # [2 * half, in]
     return torch.cat(parts)

@@ -174,10 +174,10 @@ inline float lanes_summed(__m256 v) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 
   return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
 }
 
-// R rows of x [R][k] times J rows of w [J][k]: sums [R][J]. Each weight is converted once and
-// used by all R rows; the registers hold R * J sums (at most 8).
+// R rows of x [R][k] times J rows of w [J][k]: sums [R][J] within rows of 8. Each weight is
+// converted once and used by all R rows; the registers hold R * J sums (at most 8).
 template <int R, int J>
-inline void int8_tile(const float* x, const int8_t* w, int64_t k, float* sums, int64_t stride) {
+inline void int8_tile(const float* x, const int8_t* w, int64_t k, float* sums) {
   __m256 s[R][J];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j) s[r][j] = _mm256_setzero_ps();
@@ -191,43 +191,44 @@ inline void int8_tile(const float* x, const int8_t* w, int64_t k, float* sums, i
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) sums[r * stride + j] = lanes_summed(s[r][j]);
+    for (int j = 0; j < J; ++j) sums[r * ROWS8 + j] = lanes_summed(s[r][j]);
 }
 
-// rows [m, m + R) of x times the 8 outputs at w: sums [rows][n] at column 0
-inline void int8_rows(int64_t rows_left, const float* x, const int8_t* w, int64_t k, float* sums, int64_t n) {
+// rows [m, m + 4) of x (fewer where fewer are left) times the 8 outputs at w: sums [rows][8]
+inline void int8_rows(int64_t rows_left, const float* x, const int8_t* w, int64_t k, float* sums) {
   switch (std::min<int64_t>(rows_left, 4)) {
-    case 1: int8_tile<1, 8>(x, w, k, sums, n); break;
+    case 1: int8_tile<1, 8>(x, w, k, sums); break;
     case 2:
-      for (int j = 0; j < ROWS8; j += 4) int8_tile<2, 4>(x, w + j * k, k, sums + j, n);
+      for (int j = 0; j < ROWS8; j += 4) int8_tile<2, 4>(x, w + j * k, k, sums + j);
       break;
     case 3:
-      for (int j = 0; j < ROWS8; j += 2) int8_tile<3, 2>(x, w + j * k, k, sums + j, n);
+      for (int j = 0; j < ROWS8; j += 2) int8_tile<3, 2>(x, w + j * k, k, sums + j);
       break;
     default:
-      for (int j = 0; j < ROWS8; j += 2) int8_tile<4, 2>(x, w + j * k, k, sums + j, n);
+      for (int j = 0; j < ROWS8; j += 2) int8_tile<4, 2>(x, w + j * k, k, sums + j);
   }
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   // x [m, k] bf16; weight [n, k] int8; scales [n] bf16
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: [m, k] bf16");
+  check_rows(x);
   check_int8(weight, scales);
   int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
   TORCH_CHECK(n % ROWS8 == 0 && k % LANES == 0 && weight.size(1) == k, "int8 shape");
   auto out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
-  std::vector<float> xf = widened(x), sums(rows * n);
+  std::vector<float> xf = widened(x);
   const int8_t* wp = weight.data_ptr<int8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, n / ROWS8, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sums(rows * ROWS8);  // the block's: [rows][8 outputs]
     for (int64_t block = begin; block < end; ++block) {
       for (int64_t m = 0; m < rows; m += 4)  // the block's 8 weight rows stay in L1 meanwhile
-        int8_rows(rows - m, xf.data() + m * k, wp + block * ROWS8 * k, k, sums.data() + m * n + block * ROWS8, n);
-      for (int64_t j = block * ROWS8; j < (block + 1) * ROWS8; ++j) {
-        float scale = from_bf16(sp[j]);
-        for (int64_t m = 0; m < rows; ++m) op[m * n + j] = to_bf16(scale * sums[m * n + j]);
+        int8_rows(rows - m, xf.data() + m * k, wp + block * ROWS8 * k, k, sums.data() + m * ROWS8);
+      for (int64_t j = 0; j < ROWS8; ++j) {
+        float scale = from_bf16(sp[block * ROWS8 + j]);
+        for (int64_t m = 0; m < rows; ++m) op[m * n + block * ROWS8 + j] = to_bf16(scale * sums[m * ROWS8 + j]);
       }
     }
   });

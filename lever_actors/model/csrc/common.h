@@ -1,4 +1,4 @@
-// What both kernels' sources share: bf16 conversions and the checks of an int4 call's tensors.
+// What both kernels' sources share: bf16 conversions and the checks of a call's tensors.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -26,9 +26,14 @@ inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
   return uint16_t(bits >> 16);
 }
 
-// x [m, k] bf16; packed [n, k / 2] uint8 in the packing; scales [k / 32, n, 2] bf16 (scale, zero)
-inline void check_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+// x [m, k] bf16, the rows a kernel multiplies
+inline void check_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: [m, k] bf16");
+}
+
+// x as above; packed [n, k / 2] uint8 in the packing; scales [k / 32, n, 2] bf16 (scale, zero)
+inline void check_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  check_rows(x);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed: uint8");
   TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(), "scales: bf16");
   int64_t k = x.size(1), n = packed.size(0);
