@@ -26,15 +26,27 @@ def weight(shape: tuple[int, int], seed: int = 0) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.05
 
 
+def as_int4_kernel_sees(x: torch.Tensor) -> torch.Tensor:
+    """x [m, k] as our int4 kernel multiplies it, in float64: on AVX2 each group of 32 inputs
+    rounded to int8 at 127 / max |x| (half to even) with a float32 scale; on AMX x itself."""
+    if native.loaded() is not native.AVX2:
+        return x.double()
+    groups = x.float().view(x.shape[0], -1, GROUP)
+    top = groups.abs().amax(-1, keepdim=True)
+    inverse = torch.where(top > 0, torch.full_like(top, 127.0) / top, 0.0)  # float32, as in C++
+    rounded = (groups * inverse).round()
+    return (rounded.double() * (top / 127.0).double()).view_as(x)
+
+
 def int4_meaning(x: torch.Tensor, q) -> torch.Tensor:
     """What the int4 kernel computes, in float64: sum over groups of scale * (x . (q - 8))
     plus zero * sum(x), from the stored scales and the packed values read back."""
     out, inputs = q.shape
     scales = q.scales.double()  # [groups, out, 2]
     centred = unpack_int4(q.data).double().view(out, inputs // GROUP, GROUP) - 8
-    per_group = torch.einsum("ngi,mgi->mng", centred, x.double().view(-1, inputs // GROUP, GROUP))
-    sums = x.double().view(-1, inputs // GROUP, GROUP).sum(-1)  # [m, groups]
-    return (per_group * scales[..., 0].T).sum(-1) + sums @ scales[..., 1]
+    seen = as_int4_kernel_sees(x).view(-1, inputs // GROUP, GROUP)
+    per_group = torch.einsum("ngi,mgi->mng", centred, seen)
+    return (per_group * scales[..., 0].T).sum(-1) + seen.sum(-1) @ scales[..., 1]
 
 
 @needs_native
@@ -42,6 +54,20 @@ def int4_meaning(x: torch.Tensor, q) -> torch.Tensor:
 def test_int4_computes_the_grouped_sums(shape):
     q = quantize_int4(weight(shape))
     x = torch.randn(5, shape[1]).to(torch.bfloat16)
+    expected = int4_meaning(x, q)
+    got = native.int4_linear(x, q.data, q.scales).double()
+    assert ((got - expected).abs() <= 0.01 * expected.abs() + 1e-3).all()
+
+
+@needs_native
+def test_int4_rows_round_as_their_own_groups_say():
+    # a group of zeros, one of a single large input, one at a rounding tie: each group's
+    # scale is its own, so the large input costs its neighbours' groups nothing
+    x = torch.zeros(1, 96)
+    x[0, 32], x[0, 33] = 1000.0, 0.5
+    x[0, 64:] = torch.linspace(-1, 1, 32)
+    q = quantize_int4(weight((64, 96)))
+    x = x.to(torch.bfloat16)
     expected = int4_meaning(x, q)
     got = native.int4_linear(x, q.data, q.scales).double()
     assert ((got - expected).abs() <= 0.01 * expected.abs() + 1e-3).all()
