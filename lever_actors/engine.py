@@ -322,7 +322,10 @@ class Engine:
         ch = self.channels = ChannelSet(config.trace)
         requests = ch.open("requests", DraftRequest, sizes.requests)
         trees = ch.open("trees", DraftTree, sizes.trees)
-        layers = ch.open("layers", LayerWeights, max(target.plan.ring_slots, 1))
+        # room for the resident layers too: queued, they cost no memory, and the verifier
+        # applies the layers that have arrived in one job
+        room = max(target.plan.ring_slots, 1) + len(target.resident_layers)
+        layers = ch.open("layers", LayerWeights, room)
         releases = ch.open("releases", SlotRelease, max(target.plan.ring_slots, 1))
         probes = ch.open("probes", ExitProbe, sizes.probes)
         prune_verdicts = ch.open("prune_verdicts", PruneVerdict, sizes.prune_verdicts)

@@ -191,6 +191,30 @@ async def test_final_hidden_equals_direct_computation(target, reference):
     assert wired.released == [SlotRelease(step=0, slot=10 + layer) for layer in range(N_LAYERS)]
 
 
+async def test_layers_that_have_arrived_go_in_one_job_up_to_the_exit_layer(target, reference):
+    wired = Wired(target)
+    tree = draft_tree(0, PROMPT)
+    with trio.fail_after(TIMEOUT):
+        async with wired.running():
+            await wired.send_layers(0, slots=False)  # resident, all queued before the tree
+            await wired.trees.send(tree)
+            probe = await wired.probes.receive()
+            await wired.prune_verdicts.send(PruneVerdict(step=0, dropped=()))
+            final = await wired.finals.receive()
+
+    assert probe.layer == EXIT
+    assert wired.verifier.unit.jobs == 3  # the embedding, layers 0..EXIT, the rest
+    torch.testing.assert_close(final.hidden, direct(reference, [], tree), rtol=1e-10, atol=1e-10)
+
+
+async def test_a_layer_in_a_ring_slot_goes_alone_so_the_other_slot_can_fill(target):
+    wired = Wired(target)
+    with trio.fail_after(TIMEOUT):
+        async with wired.running():
+            await wired.verify(draft_tree(0, PROMPT))  # every layer queued, each in a slot
+    assert wired.verifier.unit.jobs == 1 + N_LAYERS
+
+
 async def test_the_next_step_after_a_commit_sees_exactly_the_accepted_path(target, reference):
     wired = Wired(target)
     first = draft_tree(0, PROMPT)
