@@ -42,9 +42,10 @@ class VerifierOutbox:
 
 
 class Verifier:
-    """One tree per step: each layer is applied to the live nodes as soon as it arrives and
-    its slot released at once. At the exit layer the pruner may drop nodes; they and their
-    descendants skip the remaining layers. The target's KV cache keeps the accepted path."""
+    """One tree per step: the layers are applied to the live nodes as they arrive (those
+    already queued in one job) and a layer's slot released as soon as it is applied. At
+    the exit layer the pruner may drop nodes; they and their descendants skip the
+    remaining layers. The target's KV cache keeps the accepted path."""
 
     def __init__(
         self,
