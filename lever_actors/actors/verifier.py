@@ -165,7 +165,6 @@ class Verifier:
                 arrived.append(layers.receive_nowait())
             except trio.WouldBlock:
                 break
-
         for expected, weights in enumerate(arrived, start=first):
             if (weights.step, weights.layer) != (step, expected):
                 raise RuntimeError(

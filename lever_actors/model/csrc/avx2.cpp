@@ -48,15 +48,15 @@ std::vector<float> widened(const at::Tensor& x) {
 // Rows of x as int8 with one float32 scale per group of 32 inputs: x ~ scale * q, q in
 // [-127, 127], q = round-to-even(x * (127 / max |x|)); and each group's q summed. A row's
 // rounding reads that row only, so it is the same alone or among any others.
-struct Int8Rows {
+struct RoundedRows {
   std::vector<int8_t> q;        // [m, k]
   std::vector<float> scale;     // [m, k / 32]
   std::vector<float> sum;       // [m, k / 32]: sum of the group's q, exact
 };
 
-Int8Rows int8_rows(const at::Tensor& x) {
+RoundedRows rounded_rows(const at::Tensor& x) {
   int64_t rows = x.size(0), k = x.size(1), groups = k / GROUP;
-  Int8Rows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * groups), std::vector<float>(rows * groups)};
+  RoundedRows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * groups), std::vector<float>(rows * groups)};
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
@@ -161,7 +161,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   int64_t rows = x.size(0), k = x.size(1), n = packed.size(0), groups = k / GROUP;
   auto out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
-  Int8Rows xq = int8_rows(x);
+  RoundedRows xq = rounded_rows(x);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const uint32_t* sp = reinterpret_cast<const uint32_t*>(scales.data_ptr());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
