@@ -26,8 +26,8 @@ def weight(shape: tuple[int, int], seed: int = 0) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.05
 
 
-def as_int4_kernel_sees(x: torch.Tensor) -> torch.Tensor:
-    """x [m, k] as our int4 kernel multiplies it, in float64: on AVX2 each group of 32 inputs
+def as_kernels_see(x: torch.Tensor) -> torch.Tensor:
+    """x [m, k] as our kernels multiply it, in float64: on AVX2 each group of 32 inputs
     rounded to int8 at 127 / max |x| (half to even) with a float32 scale; on AMX x itself."""
     if native.loaded() is not native.AVX2:
         return x.double()
@@ -44,7 +44,7 @@ def int4_meaning(x: torch.Tensor, q) -> torch.Tensor:
     out, inputs = q.shape
     scales = q.scales.double()  # [groups, out, 2]
     centred = unpack_int4(q.data).double().view(out, inputs // GROUP, GROUP) - 8
-    seen = as_int4_kernel_sees(x).view(-1, inputs // GROUP, GROUP)
+    seen = as_kernels_see(x).view(-1, inputs // GROUP, GROUP)
     per_group = torch.einsum("ngi,mgi->mng", centred, seen)
     return (per_group * scales[..., 0].T).sum(-1) + seen.sum(-1) @ scales[..., 1]
 
@@ -60,16 +60,33 @@ def test_int4_computes_the_grouped_sums(shape):
 
 
 @needs_native
-def test_int4_rows_round_as_their_own_groups_say():
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_rows_round_as_their_own_groups_say(fmt):
     # a group of zeros, one of a single large input, one at a rounding tie: each group's
     # scale is its own, so the large input costs its neighbours' groups nothing
     x = torch.zeros(1, 96)
     x[0, 32], x[0, 33] = 1000.0, 0.5
     x[0, 64:] = torch.linspace(-1, 1, 32)
-    q = quantize_int4(weight((64, 96)))
     x = x.to(torch.bfloat16)
-    expected = int4_meaning(x, q)
-    got = native.int4_linear(x, q.data, q.scales).double()
+    if fmt == "int4":
+        q = quantize_int4(weight((64, 96)))
+        expected, got = int4_meaning(x, q), native.int4_linear(x, q.data, q.scales)
+    else:
+        q = quantize_int8(weight((64, 96)))
+        expected = (as_kernels_see(x) @ q.data.double().T) * q.scales.double()
+        got = native.int8_linear(x, q.data, q.scales)
+    assert ((got.double() - expected).abs() <= 0.01 * expected.abs() + 1e-3).all()
+
+
+@needs_native
+def test_int8_weights_of_minus_128_multiply_right():
+    # GGUF's Q8_0 may hold -128; its magnitude only fits a byte unsigned
+    q = quantize_int8(weight((64, 64)))
+    data = q.data.clone()
+    data[:, ::3] = -128
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    expected = (as_kernels_see(x) @ data.double().T) * q.scales.double()
+    got = native.int8_linear(x, data, q.scales).double()
     assert ((got - expected).abs() <= 0.01 * expected.abs() + 1e-3).all()
 
 
@@ -78,7 +95,7 @@ def test_int4_rows_round_as_their_own_groups_say():
 def test_int8_computes_scale_times_the_integer_product(shape):
     q = quantize_int8(weight(shape))
     x = torch.randn(5, shape[1]).to(torch.bfloat16)
-    expected = (x.double() @ q.data.double().T) * q.scales.double()
+    expected = (as_kernels_see(x) @ q.data.double().T) * q.scales.double()
     got = native.int8_linear(x, q.data, q.scales).double()
     assert ((got - expected).abs() <= 0.01 * expected.abs() + 1e-3).all()
 

@@ -1,13 +1,12 @@
 // Weight-only quantized matrix products with AVX2 and FMA, built by model/native.py for CPUs
 // without AMX.
 //
-// int4: each row of x is first rounded to int8 in groups of 32 inputs (one float32 scale per
-// group, as llama.cpp's Q8_0), and a group's products with the 4-bit weights are summed in
+// Each row of x is first rounded to int8 in groups of 32 inputs (one float32 scale per group,
+// as llama.cpp's Q8_0), and a group's products with the 4- or 8-bit weights are summed in
 // integers, 32 pairs of bytes per instruction (vpmaddubsw), exactly; the group's sum is then
-// scaled in one fixed sequence of float32 operations. int8: one fixed sequence of float32
-// fused multiply-adds over the inputs (eight lanes, summed in a fixed order at the end).
-// Either way a row of x takes part in no other row's sums, so a row's result is the same
-// alone or as one of 64, and the weights are unpacked once per call, however many rows share it.
+// scaled in one fixed sequence of float32 operations per output. A row of x takes part in no
+// other row's sums, so a row's result is the same alone or as one of 64, and the weights are
+// unpacked once per call, however many rows share it.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -28,20 +27,6 @@ using namespace lever;
 constexpr int64_t LANES = 8;     // floats per vector
 constexpr int64_t ROWS8 = 8;     // int8: outputs per task
 constexpr int64_t AHEAD = 2;     // int8: tasks ahead whose weights are fetched into the cache
-
-// x [m, k] bf16 -> float32, exactly
-std::vector<float> widened(const at::Tensor& x) {
-  int64_t count = x.numel();
-  std::vector<float> out(count);
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  int64_t i = 0;
-  for (; i + LANES <= count; i += LANES) {
-    __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(xp + i)));
-    _mm256_storeu_ps(out.data() + i, _mm256_castsi256_ps(_mm256_slli_epi32(words, 16)));
-  }
-  for (; i < count; ++i) out[i] = from_bf16(xp[i]);
-  return out;
-}
 
 // ---- activations: each row rounded to int8 in groups of 32 inputs, as llama.cpp's Q8_0 ----
 
@@ -216,7 +201,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return out;
 }
 
-// ---- int8: y = scale * (x . q), per output; lane l sums the inputs l, l + 8, ... ----
+// ---- int8: y = scale * sum over groups of x's scale * (q_x . q), per output ----
+//
+// q_x . q in integers: vpmaddubsw takes one unsigned operand, so it multiplies |q| by q_x
+// with q's sign moved onto it (a pair at most 2 * 128 * 127, within int16), and vpmaddwd
+// sums the pairs into int32 lanes of four. Lane l holds the inputs 4l..4l+3 of each group;
+// the lanes are summed in a fixed order at the end.
 
 inline float lanes_summed(__m256 v) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))
   __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -224,20 +214,29 @@ inline float lanes_summed(__m256 v) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 
   return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
 }
 
-// R rows of x [R][k] times J rows of w [J][k]: sums [R][J] within rows of 8. Each weight is
-// converted once and used by all R rows; the registers hold R * J sums (at most 8).
+// R rows of x from row m0 times J rows of w [J][k]: sums [R][J] within rows of 8. Each
+// weight is loaded once and used by all R rows; the registers hold R * J sums (at most 8).
 template <int R, int J>
-inline void int8_tile(const float* x, const int8_t* w, int64_t k, float* sums) {
+inline void int8_tile(const RoundedRows& xq, int64_t m0, const int8_t* w, int64_t k, float* sums) {
+  int64_t groups = k / GROUP;
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256 s[R][J];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j) s[r][j] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < k; i += LANES) {
-    __m256 q[J];
-    for (int j = 0; j < J; ++j)
-      q[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + j * k + i))));
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i q[J], magnitude[J];
+    for (int j = 0; j < J; ++j) {
+      q[j] = _mm256_loadu_si256((const __m256i*)(w + j * k + g * GROUP));
+      magnitude[j] = _mm256_abs_epi8(q[j]);  // -128 becomes 128, right as unsigned
+    }
     for (int r = 0; r < R; ++r) {
-      __m256 xr = _mm256_loadu_ps(x + r * k + i);
-      for (int j = 0; j < J; ++j) s[r][j] = _mm256_fmadd_ps(xr, q[j], s[r][j]);
+      __m256i xr = _mm256_loadu_si256((const __m256i*)(xq.q.data() + (m0 + r) * k + g * GROUP));
+      __m256 x_scale = _mm256_set1_ps(xq.scale[(m0 + r) * groups + g]);
+      for (int j = 0; j < J; ++j) {
+        __m256i pairs = _mm256_maddubs_epi16(magnitude[j], _mm256_sign_epi8(xr, q[j]));
+        __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+        s[r][j] = _mm256_fmadd_ps(dot, x_scale, s[r][j]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -245,17 +244,19 @@ inline void int8_tile(const float* x, const int8_t* w, int64_t k, float* sums) {
 }
 
 // rows [m, m + 4) of x (fewer where fewer are left) times the 8 outputs at w: sums [rows][8]
-inline void int8_rows(int64_t rows_left, const float* x, const int8_t* w, int64_t k, float* sums) {
+inline void int8_rows(const RoundedRows& xq, int64_t m, int64_t rows_left, const int8_t* w, int64_t k, float* sums) {
   switch (std::min<int64_t>(rows_left, 4)) {
-    case 1: int8_tile<1, 8>(x, w, k, sums); break;
+    case 1:
+      for (int j = 0; j < ROWS8; j += 4) int8_tile<1, 4>(xq, m, w + j * k, k, sums + j);
+      break;
     case 2:
-      for (int j = 0; j < ROWS8; j += 4) int8_tile<2, 4>(x, w + j * k, k, sums + j);
+      for (int j = 0; j < ROWS8; j += 2) int8_tile<2, 2>(xq, m, w + j * k, k, sums + j);
       break;
     case 3:
-      for (int j = 0; j < ROWS8; j += 2) int8_tile<3, 2>(x, w + j * k, k, sums + j);
+      for (int j = 0; j < ROWS8; j += 2) int8_tile<3, 2>(xq, m, w + j * k, k, sums + j);
       break;
     default:
-      for (int j = 0; j < ROWS8; j += 2) int8_tile<4, 2>(x, w + j * k, k, sums + j);
+      for (int j = 0; j < ROWS8; j += 2) int8_tile<4, 2>(xq, m, w + j * k, k, sums + j);
   }
 }
 
@@ -264,10 +265,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   check_rows(x);
   check_int8(weight, scales);
   int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
-  TORCH_CHECK(n % ROWS8 == 0 && k % LANES == 0 && weight.size(1) == k, "int8 shape");
+  TORCH_CHECK(n % ROWS8 == 0 && k % GROUP == 0 && weight.size(1) == k, "int8 shape");
   auto out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
-  std::vector<float> xf = widened(x);
+  RoundedRows xq = rounded_rows(x);
   const int8_t* wp = weight.data_ptr<int8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
@@ -279,7 +280,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
         for (int64_t line = 0; line < ROWS8 * k; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
       }
       for (int64_t m = 0; m < rows; m += 4)  // the block's 8 weight rows stay in L1 meanwhile
-        int8_rows(rows - m, xf.data() + m * k, wp + block * ROWS8 * k, k, sums.data() + m * ROWS8);
+        int8_rows(xq, m, rows - m, wp + block * ROWS8 * k, k, sums.data() + m * ROWS8);
       for (int64_t j = 0; j < ROWS8; ++j) {
         float scale = from_bf16(sp[block * ROWS8 + j]);
         for (int64_t m = 0; m < rows; ++m) op[m * n + block * ROWS8 + j] = to_bf16(scale * sums[m * ROWS8 + j]);
@@ -290,6 +291,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 }
 
 }  // namespace
+
 
 TORCH_LIBRARY(lever_avx2, m) {
   m.def("int4_linear", &int4_linear);
