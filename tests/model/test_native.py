@@ -49,6 +49,11 @@ def int4_meaning(x: torch.Tensor, q) -> torch.Tensor:
     return (per_group * scales[..., 0].T).sum(-1) + seen.sum(-1) @ scales[..., 1]
 
 
+def int8_meaning(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What the int8 kernel computes, in float64: the row's scale times x . q."""
+    return (as_kernels_see(x) @ data.double().T) * scales.double()
+
+
 @needs_native
 @pytest.mark.parametrize("shape", [(64, 32), (128, 96), (192, 320)])
 def test_int4_computes_the_grouped_sums(shape):
@@ -62,7 +67,7 @@ def test_int4_computes_the_grouped_sums(shape):
 @needs_native
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_rows_round_as_their_own_groups_say(fmt):
-    # a group of zeros, one of a single large input, one at a rounding tie: each group's
+    # a group of zeros, one with a single large input, one spread evenly: each group's
     # scale is its own, so the large input costs its neighbours' groups nothing
     x = torch.zeros(1, 96)
     x[0, 32], x[0, 33] = 1000.0, 0.5
@@ -73,7 +78,7 @@ def test_rows_round_as_their_own_groups_say(fmt):
         expected, got = int4_meaning(x, q), native.int4_linear(x, q.data, q.scales)
     else:
         q = quantize_int8(weight((64, 96)))
-        expected = (as_kernels_see(x) @ q.data.double().T) * q.scales.double()
+        expected = int8_meaning(x, q.data, q.scales)
         got = native.int8_linear(x, q.data, q.scales)
     assert ((got.double() - expected).abs() <= 0.01 * expected.abs() + 1e-3).all()
 
@@ -85,7 +90,7 @@ def test_int8_weights_of_minus_128_multiply_right():
     data = q.data.clone()
     data[:, ::3] = -128
     x = torch.randn(2, 64).to(torch.bfloat16)
-    expected = (as_kernels_see(x) @ data.double().T) * q.scales.double()
+    expected = int8_meaning(x, data, q.scales)
     got = native.int8_linear(x, data, q.scales).double()
     assert ((got - expected).abs() <= 0.01 * expected.abs() + 1e-3).all()
 
@@ -95,7 +100,7 @@ def test_int8_weights_of_minus_128_multiply_right():
 def test_int8_computes_scale_times_the_integer_product(shape):
     q = quantize_int8(weight(shape))
     x = torch.randn(5, shape[1]).to(torch.bfloat16)
-    expected = (as_kernels_see(x) @ q.data.double().T) * q.scales.double()
+    expected = int8_meaning(x, q.data, q.scales)
     got = native.int8_linear(x, q.data, q.scales).double()
     assert ((got - expected).abs() <= 0.01 * expected.abs() + 1e-3).all()
 
