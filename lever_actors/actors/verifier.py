@@ -198,13 +198,12 @@ class Verifier:
 def _apply_layers(x, index, layers, args, cache, first, place) -> torch.Tensor:
     """x: [n, d_model] for the whole tree; only rows `index` advance through `layers`,
     the target's layers first, first + 1, ..."""
-    if len(index) == x.shape[0]:
-        for offset, weights in enumerate(layers):
-            x = layer_forward(x, weights, args, cache, first + offset, place)
-        return x
-    out = x.clone()
-    rows = x[index]
+    everyone = len(index) == x.shape[0]
+    rows = x if everyone else x[index]
     for offset, weights in enumerate(layers):
         rows = layer_forward(rows, weights, args, cache, first + offset, place)
+    if everyone:
+        return rows
+    out = x.clone()
     out[index] = rows
     return out
