@@ -9,7 +9,7 @@
 namespace lever {
 
 constexpr int64_t BLOCK_N = 64;  // outputs per block: the int4 packing's, and the kernels'
-constexpr int64_t GROUP = 32;    // int4: inputs per scale and zero
+constexpr int64_t GROUP = 32;    // inputs per int4 scale and zero, and per activation scale (AVX2)
 
 inline float from_bf16(uint16_t v) {
   uint32_t bits = uint32_t(v) << 16;
