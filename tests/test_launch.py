@@ -1,4 +1,5 @@
-"""The console entry point's thread policy: set before torch loads, never over the user's."""
+"""The console entry point's thread policy: set before torch loads, never over the user's;
+undone for a child that computes one stream alone where it was set for the pipeline only."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from lever_actors.launch import idle_cores, thread_policy
+from lever_actors.threads import PIPELINE_ONLY, idle_cores, one_stream_environ, thread_policy
 
 SHOW = (
     "import os, sys; sys.argv = ['lever-actors', *sys.argv[1:]]; import lever_actors.launch; "
@@ -36,7 +37,10 @@ def test_the_users_settings_are_kept():
 
 def test_the_pipeline_sleeps_its_idle_threads():
     assert launched({"OMP_NUM_THREADS": "2"}, PIPELINE) == ["PASSIVE", "2"]
-    assert thread_policy({}, free=2, cores=2, argv=PIPELINE) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert thread_policy({}, free=2, cores=2, argv=PIPELINE) == {
+        "OMP_WAIT_POLICY": "PASSIVE",
+        PIPELINE_ONLY: "OMP_WAIT_POLICY",
+    }
 
 
 def test_one_stream_on_an_idle_machine_keeps_torchs_default():
@@ -58,3 +62,17 @@ def test_a_busy_neighbour_takes_a_core_from_the_count():
     finally:
         neighbour.kill()
         neighbour.wait()
+
+
+def test_a_one_stream_child_goes_without_what_was_set_for_the_pipeline_only():
+    base = {"PATH": "/bin", "OMP_NUM_THREADS": "2"}
+    ours = base | thread_policy(base, free=2, cores=2, argv=PIPELINE)
+    assert ours["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert one_stream_environ(ours) == base
+
+
+def test_a_one_stream_child_keeps_the_users_policy_and_a_busy_machines():
+    users = {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert one_stream_environ(users | thread_policy(users, 2, 2, PIPELINE)) == users
+    busy = thread_policy({}, free=1, cores=2, argv=PIPELINE)
+    assert one_stream_environ(busy) == {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}

@@ -22,7 +22,7 @@ LAYERS = (
     ("checkpoints",),
     ("device",),
     ("model", "channels", "config"),
-    ("progress", "sizes", "paths"),
+    ("progress", "sizes", "paths", "threads"),
     ("errors", "logs"),
 )
 LAYER_OF = {unit: depth for depth, units in enumerate(LAYERS) for unit in units}

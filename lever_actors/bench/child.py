@@ -28,6 +28,7 @@ from lever_actors.bench.plan import ModeSpec, PlannedMode, open_in_process
 from lever_actors.device.memory import peak_rss_bytes
 from lever_actors.model.sampling import Sampling
 from lever_actors.sizes import format_bytes
+from lever_actors.threads import one_stream_environ
 
 # The child's program. It waits for Open before it imports this module (and torch with it):
 # by then the harness has moved it into its cgroup, which is then charged for every import.
@@ -153,8 +154,13 @@ class ChildMode:
         if limit is not None and self.cgroups is not None and self.cgroups.usable:
             self.cgroup = MemoryCgroup(self.cgroups, f"lever-bench-{os.getpid()}-{id(self)}", limit)
             stack.callback(self.cgroup.remove)
+        # our pipeline's children keep its thread policy, one stream alone spins (threads.py)
+        pipeline = isinstance(self.planned.spec, EngineSpec)
         self.process = subprocess.Popen(
-            [self.python, "-c", CHILD_PROGRAM], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+            [self.python, "-c", CHILD_PROGRAM],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=None if pipeline else one_stream_environ(os.environ),
         )
         stack.push_async_callback(self._close)
         if self.cgroup is not None:

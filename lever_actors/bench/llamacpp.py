@@ -61,6 +61,7 @@ from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.device.layout import MANIFEST_NAME, read_manifest
 from lever_actors.model.sampling import Sampling
 from lever_actors.sizes import format_bytes
+from lever_actors.threads import one_stream_environ
 
 DEFAULT_DRAFT_MAX = 8
 DEFAULT_THREADS = 2
@@ -331,7 +332,13 @@ class LlamaCppMode:
             _Capture() as stdout,
             _Capture() as stderr,
         ):
-            process = subprocess.Popen(command, stdin=stdin, stdout=stdout.file, stderr=stderr.file)
+            process = subprocess.Popen(
+                command,
+                stdin=stdin,
+                stdout=stdout.file,
+                stderr=stderr.file,
+                env=one_stream_environ(os.environ),  # its OpenMP as its own default has it
+            )
             status, usage, peak = _wait_polling_peak(process)
             wall = time.perf_counter() - started
             return _Ran(

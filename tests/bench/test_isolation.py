@@ -7,22 +7,25 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import pytest
 
+from lever_actors.bench.child import ChildMode
 from lever_actors.bench.isolation import (
     MemoryCgroup,
     evict_from_page_cache,
     evict_ranges,
     probe_cgroup,
 )
-from lever_actors.bench.plan import BenchOptions, weight_bytes
+from lever_actors.bench.plan import BenchOptions, plan_modes, weight_bytes
 from lever_actors.bench.report import limits_lines, memory_note
 from lever_actors.bench.run import bench
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import read_manifest
 from lever_actors.errors import ConfigError
+from lever_actors.threads import PIPELINE_ONLY
 
 SUPPORT = probe_cgroup()
 
@@ -215,3 +218,21 @@ def test_limits_need_every_mode_in_a_child(tmp_path):
         _options(tmp_path, limits=("1GiB",), memory_limit="2GiB")
     with pytest.raises(ConfigError, match="cannot read '1 gigabyte' as a size"):
         _options(tmp_path, limits=("1 gigabyte",))
+
+
+async def test_a_memory_resident_child_spins_its_threads_and_ours_keep_the_pipelines(
+    one_set, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # as the launcher sets it for the bench
+    monkeypatch.setenv(PIPELINE_ONLY, "OMP_WAIT_POLICY")
+    options = _options(tmp_path, modes=("memory-ar", "flash-ar"), isolate="all")
+    planned = plan_modes(options, one_set.target, one_set.draft)
+    policies = []
+    for mode in planned:
+        async with AsyncExitStack() as stack:
+            child = ChildMode(mode)
+            await child.open(stack)
+            environ = Path(f"/proc/{child.process.pid}/environ").read_bytes().split(b"\0")
+            policies.append(b"OMP_WAIT_POLICY=PASSIVE" in environ)
+    assert [m.info.family for m in planned] == ["memory-ar", "flash-ar"]
+    assert policies == [False, True]

@@ -35,6 +35,7 @@ from lever_actors.bench.report import render_markdown
 from lever_actors.bench.results import ModeInfo
 from lever_actors.bench.run import Workload, bench
 from lever_actors.model.sampling import Sampling
+from lever_actors.threads import PIPELINE_ONLY
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llamacpp"
 SUPPORT = probe_cgroup()
@@ -171,7 +172,7 @@ log = os.environ.get("FAKE_LLAMA_LOG")
 if log:
     with open(log, "a") as f:
         cgroup = open("/proc/self/cgroup").read().strip().replace("\n", ";")
-        f.write(repr((sys.argv, cgroup)) + "\n")
+        f.write(repr((sys.argv, cgroup, os.environ.get("OMP_WAIT_POLICY"))) + "\n")
 if "-md" in args:
     sys.stdout.write("\n\n" + prompt + text + "\n\n\n\n")
     sys.stderr.write(
@@ -240,6 +241,8 @@ def _options(tmp_path: Path, fake_llama: Path, **fields) -> BenchOptions:
 def test_both_modes_run_end_to_end(tmp_path, fake_llama, monkeypatch):
     log = tmp_path / "runs.log"
     monkeypatch.setenv("FAKE_LLAMA_LOG", str(log))
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # as the launcher sets it for the bench
+    monkeypatch.setenv(PIPELINE_ONLY, "OMP_WAIT_POLICY")
     workload = Workload(tmp_path, None, PROMPTS, frozenset())  # tmp_path: the tokenizer
     results = bench(_options(tmp_path, fake_llama, isolate="all"), workload, plots=False)
     assert [m.name for m in results.modes] == ["llamacpp-ar", "llamacpp-spec"]
@@ -274,8 +277,9 @@ def test_both_modes_run_end_to_end(tmp_path, fake_llama, monkeypatch):
     assert "--spec-draft-n-max 8" in spec.command
     runs = [eval(line) for line in log.read_text().splitlines()]
     assert len(runs) == 4  # one process per prompt and mode
+    assert all(policy is None for _, _, policy in runs)  # its OpenMP's own default
     if SUPPORT.usable:  # each process ran inside its own limited cgroup
-        assert all("lever-bench-" in cgroup for _, cgroup in runs)
+        assert all("lever-bench-" in cgroup for _, cgroup, _ in runs)
     text = render_markdown(results)
     assert "llama.cpp ran one process per prompt" in text and ar.command in text
 
