@@ -61,14 +61,15 @@ def thread_policy(
     environ: Mapping[str, str], free: int | None, cores: int, argv: list[str]
 ) -> dict[str, str]:
     """The variables to add to `environ` for the command `argv`, given `free` idle cores of
-    `cores` (None: not known); never one the user set."""
+    `cores` (None: not known); never one the user set. What is set for the pipeline only
+    (on an idle machine) is named in PIPELINE_ONLY too."""
     policy = {"OMP_WAIT_POLICY": "PASSIVE"}
     if free is not None and free < cores:
         policy["OMP_NUM_THREADS"] = str(free)
     elif runs_one_stream(argv):
         policy = {}
     added = {k: v for k, v in policy.items() if k not in environ}
-    if added and "OMP_NUM_THREADS" not in policy:  # sleeping threads for the pipeline only
+    if added and "OMP_NUM_THREADS" not in policy:
         added[PIPELINE_ONLY] = ",".join(added)
     return added
 
