@@ -292,7 +292,6 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 
 }  // namespace
 
-
 TORCH_LIBRARY(lever_avx2, m) {
   m.def("int4_linear", &int4_linear);
   m.def("int8_linear", &int8_linear);
