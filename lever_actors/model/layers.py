@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lever_actors.model import native
 from lever_actors.model.args import ModelArgs
 from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.masks import within_window
@@ -35,13 +36,17 @@ def attend(
     mask: torch.Tensor | None,
     args: ModelArgs,
 ) -> torch.Tensor:
-    """Scaled dot-product attention with grouped KV heads, in float64 so that a row's
-    result does not depend on how many keys are masked beside it.
+    """Scaled dot-product attention with grouped KV heads, so that a row's result does not
+    depend on how many rows or masked keys come with it: bf16 on our kernel (each row alone,
+    in one fixed order), else in float64.
     q: [n_heads, n, hd]; keys/values: [n_kv_heads, T, hd]; mask: [n, T] (True: attend)."""
     n_heads, n, hd = q.shape
+    scale = (args.query_scale or hd) ** -0.5
+    if native.attends(q, keys):
+        return native.attend(q, keys, values, mask, scale, args.attn_softcap).transpose(0, 1)
     n_kv = keys.shape[0]
     group = q.to(torch.float64).reshape(n_kv, n_heads // n_kv * n, hd)  # heads sharing a kv head
-    scores = group @ keys.to(torch.float64).transpose(1, 2) * (args.query_scale or hd) ** -0.5
+    scores = group @ keys.to(torch.float64).transpose(1, 2) * scale
     if args.attn_softcap is not None:
         scores = softcap(scores, args.attn_softcap)
     if mask is not None:

@@ -52,7 +52,7 @@ class Isa:
 
     @property
     def headers(self) -> tuple[Path, ...]:
-        return (self.source.with_name("common.h"),)
+        return tuple(self.source.with_name(name) for name in ("common.h", "attention.h"))
 
     @property
     def ops(self):
@@ -132,6 +132,31 @@ def int8_linear(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> to
         pairs = x.contiguous().view(torch.int32).T.contiguous()  # [in / 2, n]: the tiles' layout
         return isa.ops.int8_linear(pairs, x.shape[0], data, scales)
     return isa.ops.int8_linear(x.contiguous(), data, scales)
+
+
+ATTEND_GROUP = 8  # the most query heads per kv head our attention takes
+
+
+def attends(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether our attention takes these queries [H, n, hd] and keys [KV, T, hd]: bf16, hd a
+    multiple of 8, at most ATTEND_GROUP query heads per kv head."""
+    heads, kv, hd = q.shape[0], keys.shape[0], q.shape[-1]
+    fits = hd % 8 == 0 and heads % kv == 0 and heads // kv <= ATTEND_GROUP
+    return q.dtype == torch.bfloat16 and fits and in_use() is not None
+
+
+def attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """q [H, n, hd] bf16, keys/values [KV, T, hd] bf16, mask [n, T] (True: attend) or None
+    -> [n, H, hd] bf16, each row from its own query and visible keys alone, in float32."""
+    mask = mask.contiguous() if mask is not None else None
+    return _isa().ops.attend(q.contiguous(), keys, values, mask, scale, softcap or 0.0)
 
 
 def requested() -> Kernels:

@@ -18,6 +18,7 @@
 #include <unistd.h>
 #include <vector>
 
+#include "attention.h"
 #include "common.h"
 
 namespace {
@@ -271,6 +272,7 @@ bool enable_tiles() {  // Linux grants a process AMX state only on request
 }  // namespace
 
 TORCH_LIBRARY(lever_amx, m) {
+  m.def("attend", &lever::attend);
   m.def("int4_linear", &int4_linear);
   m.def("int8_linear", &int8_linear);
   m.def("enable_tiles", &enable_tiles);

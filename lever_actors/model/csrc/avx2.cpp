@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #include <vector>
 
+#include "attention.h"
 #include "common.h"
 
 namespace {
@@ -293,6 +294,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 }  // namespace
 
 TORCH_LIBRARY(lever_avx2, m) {
+  m.def("attend", &lever::attend);
   m.def("int4_linear", &int4_linear);
   m.def("int8_linear", &int8_linear);
 }

@@ -1,0 +1,156 @@
+// Attention for bf16 rows, each query row computed on its own in one fixed order: included by
+// both kernels' sources (AVX2 and FMA, which every CPU with our kernels has).
+//
+// A row's scores, softmax and weighted sum read only that row's query and the keys its mask
+// shows, in position order, in float32: masked keys are skipped, not added as zeros, so a
+// token verified in a tree of any size gets the bits one-token decoding gets. torch's float64
+// attention gives the same guarantee for about ten times the time (docs/design.md, "Kernels").
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <cmath>
+#include <cstdint>
+#include <immintrin.h>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#include "common.h"
+
+namespace lever {
+
+// below this many multiply-adds a call runs on the calling thread: waking the team costs more
+constexpr int64_t ATTEND_ALONE = int64_t(1) << 21;
+
+inline __m256 bf16x8(const uint16_t* p) {  // 8 bf16 as float32, exactly
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+inline float summed_lanes(__m256 v) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))
+  __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+
+// e^x for x <= 0 to about 1 ulp, lane by lane (so a value's result never depends on its
+// neighbours); x below -87 counts as -87, whose e^x no softmax sum can notice
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // x - n ln 2, in two parts
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);  // Taylor's series to r^7: |r| <= ln 2 / 2
+  for (float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+}
+
+// One query row of the `group` heads that share a kv head, against that head's visible keys:
+// each key and value is widened once for all of them. out: the heads' [group, hd] bf16.
+// q32: scratch [group, hd]; weights: [group, T rounded up to 8]; visible: the row's mask or null.
+template <int64_t group>  // known when compiled, so each head's sums stay in registers
+void attend_group(const uint16_t* q, int64_t q_stride, const uint16_t* keys,
+                         const uint16_t* values, const bool* visible, int64_t T, int64_t hd, float scale,
+                         float softcap, float* q32, float* weights, uint16_t* out) {
+  const int64_t lanes = hd / 8, width = (T + 7) / 8 * 8;
+  for (int64_t h = 0; h < group; ++h)
+    for (int64_t l = 0; l < lanes; ++l) _mm256_storeu_ps(q32 + h * hd + l * 8, bf16x8(q + h * q_stride + l * 8));
+  float top[group];
+  for (int64_t h = 0; h < group; ++h) top[h] = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < T; ++j) {
+    if (visible && !visible[j]) continue;  // its weight is computed from garbage, never used
+    const uint16_t* key = keys + j * hd;
+    __m256 dot[group];
+    for (int64_t h = 0; h < group; ++h) dot[h] = _mm256_setzero_ps();
+    for (int64_t l = 0; l < lanes; ++l) {
+      __m256 k = bf16x8(key + l * 8);
+      for (int64_t h = 0; h < group; ++h) dot[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q32 + h * hd + l * 8), k, dot[h]);
+    }
+    for (int64_t h = 0; h < group; ++h) {
+      float s = summed_lanes(dot[h]) * scale;
+      if (softcap > 0.0f) s = std::tanh(s / softcap) * softcap;
+      weights[h * width + j] = s;
+      top[h] = s > top[h] ? s : top[h];
+    }
+  }
+  float total[group];
+  for (int64_t h = 0; h < group; ++h) {
+    float* w = weights + h * width;
+    for (int64_t j = 0; j < width; j += 8)
+      _mm256_storeu_ps(w + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(w + j), _mm256_set1_ps(top[h]))));
+    total[h] = 0.0f;
+    for (int64_t j = 0; j < T; ++j)
+      if (!visible || visible[j]) total[h] += w[j];
+  }
+  alignas(32) float row[8];
+  for (int64_t l = 0; l < lanes; ++l) {
+    __m256 acc[group];
+    for (int64_t h = 0; h < group; ++h) acc[h] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < T; ++j) {
+      if (visible && !visible[j]) continue;
+      __m256 v = bf16x8(values + j * hd + l * 8);
+      for (int64_t h = 0; h < group; ++h) acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(weights[h * width + j]), v, acc[h]);
+    }
+    for (int64_t h = 0; h < group; ++h) {
+      _mm256_store_ps(row, _mm256_div_ps(acc[h], _mm256_set1_ps(total[h])));
+      for (int e = 0; e < 8; ++e) out[h * hd + l * 8 + e] = to_bf16(row[e]);
+    }
+  }
+}
+
+template <typename... Args>
+void attend_heads(int64_t group, Args... args) {
+  switch (group) {
+    case 1: return attend_group<1>(args...);
+    case 2: return attend_group<2>(args...);
+    case 3: return attend_group<3>(args...);
+    case 4: return attend_group<4>(args...);
+    case 5: return attend_group<5>(args...);
+    case 6: return attend_group<6>(args...);
+    case 7: return attend_group<7>(args...);
+    default: return attend_group<8>(args...);
+  }
+}
+
+// q [H, n, hd] bf16 contiguous; keys, values [KV, T, hd] bf16, each head's [T, hd] contiguous;
+// mask [n, T] bool (True: attend) or none. -> [n, H, hd] bf16
+inline at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                         const std::optional<at::Tensor>& mask, double scale, double softcap) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(), "q: [H, n, hd] bf16");
+  int64_t H = q.size(0), n = q.size(1), hd = q.size(2), KV = keys.size(0), T = keys.size(1);
+  for (const at::Tensor* t : {&keys, &values}) {
+    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kBFloat16 && t->size(0) == KV && t->size(1) == T &&
+                    t->size(2) == hd && t->stride(2) == 1 && t->stride(1) == hd,
+                "keys, values: [KV, T, hd] bf16, each head's rows contiguous");
+  }
+  TORCH_CHECK(T > 0 && hd % 8 == 0 && KV > 0 && H % KV == 0, "attend: shapes");
+  TORCH_CHECK(keys.stride(0) == values.stride(0), "keys and values: one head stride");
+  const bool* mp = nullptr;
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->is_contiguous() && mask->size(0) == n && mask->size(1) == T,
+                "mask: [n, T] bool");
+    mp = mask->data_ptr<bool>();
+  }
+  auto out = at::empty({n, H, hd}, q.options());
+  const uint16_t* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  const uint16_t* kp = reinterpret_cast<const uint16_t*>(keys.data_ptr());
+  const uint16_t* vp = reinterpret_cast<const uint16_t*>(values.data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  int64_t stride = keys.stride(0), group = H / KV, width = (T + 7) / 8 * 8;
+  TORCH_CHECK(group <= 8, "attend: at most 8 query heads per kv head");
+  int64_t tasks = n * KV, grain = H * n * T * hd < ATTEND_ALONE ? tasks + 1 : 1;
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> q32(group * hd), weights(group * width, 0.0f);
+    for (int64_t task = begin; task < end; ++task) {
+      int64_t i = task / KV, kv = task % KV, h = kv * group;
+      attend_heads(group, qp + (h * n + i) * hd, n * hd, kp + kv * stride, vp + kv * stride, mp ? mp + i * T : nullptr,
+                   T, hd, float(scale), float(softcap), q32.data(), weights.data(), op + (i * H + h) * hd);
+    }
+  });
+  return out;
+}
+
+}  // namespace lever
