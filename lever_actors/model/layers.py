@@ -23,7 +23,10 @@ from lever_actors.model.weights import LayerTensors, Weight, row_range
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., dim], normalised in float64 (a sum rounded at 1e-16 cannot move a bf16 or
-    float32 rounding, however the kernel splits the row)."""
+    float32 rounding, however the kernel splits the row); bf16 on our kernel, which sums
+    each row in order."""
+    if native.normalizes(x, weight):
+        return native.rms_norm(x, weight, eps)
     h = x.to(torch.float64)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)

@@ -52,7 +52,7 @@ class Isa:
 
     @property
     def headers(self) -> tuple[Path, ...]:
-        return tuple(self.source.with_name(name) for name in ("common.h", "attention.h"))
+        return tuple(self.source.with_name(name) for name in ("common.h", "attention.h", "norm.h"))
 
     @property
     def ops(self):
@@ -157,6 +157,16 @@ def attend(
     -> [n, H, hd] bf16, each row from its own query and visible keys alone, in float32."""
     mask = mask.contiguous() if mask is not None else None
     return _isa().ops.attend(q.contiguous(), keys, values, mask, scale, softcap or 0.0)
+
+
+def normalizes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether our RMS norm takes these rows [..., d] and weight [d]: both bf16."""
+    return x.dtype == weight.dtype == torch.bfloat16 and in_use() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., d] bf16 -> weight * x / sqrt(mean(x^2) + eps), each row alone (csrc/norm.h)."""
+    return _isa().ops.rms_norm(x.contiguous(), weight.contiguous(), eps)
 
 
 def requested() -> Kernels:

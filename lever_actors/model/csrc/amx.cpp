@@ -20,6 +20,7 @@
 
 #include "attention.h"
 #include "common.h"
+#include "norm.h"
 
 namespace {
 
@@ -273,6 +274,7 @@ bool enable_tiles() {  // Linux grants a process AMX state only on request
 
 TORCH_LIBRARY(lever_amx, m) {
   m.def("attend", &lever::attend);
+  m.def("rms_norm", &lever::rms_norm);
   m.def("int4_linear", &int4_linear);
   m.def("int8_linear", &int8_linear);
   m.def("enable_tiles", &enable_tiles);

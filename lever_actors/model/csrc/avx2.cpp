@@ -20,6 +20,7 @@
 
 #include "attention.h"
 #include "common.h"
+#include "norm.h"
 
 namespace {
 
@@ -295,6 +296,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 
 TORCH_LIBRARY(lever_avx2, m) {
   m.def("attend", &lever::attend);
+  m.def("rms_norm", &lever::rms_norm);
   m.def("int4_linear", &int4_linear);
   m.def("int8_linear", &int8_linear);
 }

@@ -1,5 +1,5 @@
-"""Our attention kernel (csrc/attention.h): softmax attention in float32, each query row from
-its own visible keys alone, so a token gets the same bits in a tree of any size."""
+"""Our attention and RMS norm kernels (csrc/attention.h, csrc/norm.h): each row computed from
+its own inputs alone, in one fixed order, so a token gets the same bits in a tree of any size."""
 
 from __future__ import annotations
 
@@ -91,3 +91,26 @@ def test_more_query_heads_per_kv_head_than_ours_takes_stay_on_torch():
     q = torch.zeros(18, 1, 8, dtype=torch.bfloat16)
     assert not native.attends(q, torch.zeros(2, 4, 8, dtype=torch.bfloat16))
     assert not native.attends(q[:, :, :6], torch.zeros(18, 4, 6, dtype=torch.bfloat16))
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(1, 1536), (48, 96), (12, 5, 128), (3, 8)])
+def test_rms_norm_rounds_as_the_float64_norm(shape):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(shape, generator=g) * 3).bfloat16()
+    weight = (torch.rand(shape[-1], generator=g) + 0.5).bfloat16()
+    h = x.double()
+    expected = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+    got = native.rms_norm(x, weight, 1e-6)
+    assert got.shape == x.shape and got.dtype == torch.bfloat16
+    assert (got == expected).float().mean() > 0.99  # a float32 step may round a tie apart
+    assert torch.allclose(got.float(), expected.float(), rtol=1e-2)
+
+
+@needs_native
+def test_rms_norm_gives_a_row_the_same_bits_alone_or_among_others():
+    x = (torch.randn(100, 1536) * torch.logspace(-2, 2, 1536)).bfloat16()
+    weight = torch.rand(1536).bfloat16()
+    together = native.rms_norm(x, weight, 1e-5)
+    alone = torch.cat([native.rms_norm(x[i : i + 1], weight, 1e-5) for i in range(100)])
+    assert torch.equal(together, alone)
