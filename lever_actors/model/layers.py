@@ -16,7 +16,8 @@ from lever_actors.model.row_blocks import linear
 from lever_actors.model.weights import LayerTensors, Weight, row_range
 
 # Every reduction below gives a row the same result whatever rows and columns come with it
-# (matrix products through row_blocks.linear, attention and norm statistics in float64), so
+# (matrix products through row_blocks.linear; attention and norms on our row kernels in bf16,
+# else in float64), so
 # verifying a tree of n tokens computes each token exactly as one-token decoding does, in
 # bf16 as in float64: that is what makes the output equal sequential greedy decoding.
 
