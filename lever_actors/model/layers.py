@@ -17,9 +17,9 @@ from lever_actors.model.weights import LayerTensors, Weight, row_range
 
 # Every reduction below gives a row the same result whatever rows and columns come with it
 # (matrix products through row_blocks.linear; attention and norms on our row kernels in bf16,
-# else in float64), so
-# verifying a tree of n tokens computes each token exactly as one-token decoding does, in
-# bf16 as in float64: that is what makes the output equal sequential greedy decoding.
+# else in float64), so verifying a tree of n tokens computes each token exactly as one-token
+# decoding does, in bf16 as in float64: that is what makes the output equal sequential greedy
+# decoding.
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -87,10 +87,15 @@ def test_layers_attend_in_bf16_on_ours_and_in_float64_on_torch(monkeypatch):
     assert torch.allclose(out, expected)
 
 
-def test_more_query_heads_per_kv_head_than_ours_takes_stay_on_torch():
-    q = torch.zeros(18, 1, 8, dtype=torch.bfloat16)
-    assert not native.attends(q, torch.zeros(2, 4, 8, dtype=torch.bfloat16))
-    assert not native.attends(q[:, :, :6], torch.zeros(18, 4, 6, dtype=torch.bfloat16))
+@needs_native
+def test_attention_ours_does_not_take_stays_on_torch(monkeypatch):
+    monkeypatch.setattr(native, "in_use", native.loaded)
+    bf16 = torch.bfloat16
+    assert native.attends(torch.zeros(12, 1, 128, dtype=bf16), torch.zeros(2, 4, 128, dtype=bf16))
+    # 9 query heads per kv head; a head dimension not a multiple of 8; float32
+    assert not native.attends(torch.zeros(18, 1, 8, dtype=bf16), torch.zeros(2, 4, 8, dtype=bf16))
+    assert not native.attends(torch.zeros(2, 1, 6, dtype=bf16), torch.zeros(2, 4, 6, dtype=bf16))
+    assert not native.attends(torch.zeros(2, 1, 8), torch.zeros(2, 4, 8))
 
 
 @needs_native

@@ -4,7 +4,7 @@
 // A row's scores, softmax and weighted sum read only that row's query and the keys its mask
 // shows, in position order, in float32: masked keys are skipped, not added as zeros, so a
 // token verified in a tree of any size gets the bits one-token decoding gets. torch's float64
-// attention gives the same guarantee for about ten times the time (docs/design.md, "Kernels").
+// attention gives the same guarantee for three to seven times the time (docs/design.md, "Kernels").
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -52,16 +52,16 @@ inline __m256 exp8(__m256 x) {
 // each key and value is widened once for all of them. out: the heads' [group, hd] bf16.
 // q32: scratch [group, hd]; weights: [group, T rounded up to 8]; visible: the row's mask or null.
 template <int64_t group>  // known when compiled, so each head's sums stay in registers
-void attend_group(const uint16_t* q, int64_t q_stride, const uint16_t* keys,
-                         const uint16_t* values, const bool* visible, int64_t T, int64_t hd, float scale,
-                         float softcap, float* q32, float* weights, uint16_t* out) {
+void attend_group(const uint16_t* q, int64_t q_stride, const uint16_t* keys, const uint16_t* values,
+                  const bool* visible, int64_t T, int64_t hd, float scale, float softcap, float* q32,
+                  float* weights, uint16_t* out) {
   const int64_t lanes = hd / 8, width = (T + 7) / 8 * 8;
   for (int64_t h = 0; h < group; ++h)
     for (int64_t l = 0; l < lanes; ++l) _mm256_storeu_ps(q32 + h * hd + l * 8, bf16x8(q + h * q_stride + l * 8));
   float top[group];
   for (int64_t h = 0; h < group; ++h) top[h] = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < T; ++j) {
-    if (visible && !visible[j]) continue;  // its weight is computed from garbage, never used
+    if (visible && !visible[j]) continue;  // its weight's slot keeps a stale value, never read
     const uint16_t* key = keys + j * hd;
     __m256 dot[group];
     for (int64_t h = 0; h < group; ++h) dot[h] = _mm256_setzero_ps();
