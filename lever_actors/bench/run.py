@@ -40,6 +40,7 @@ from lever_actors.config import DramBudget
 from lever_actors.device.disk_profile import DiskProfile, profile_disk
 from lever_actors.device.layout import MANIFEST_NAME, WEIGHTS_NAME, read_manifest
 from lever_actors.draft import DraftModel
+from lever_actors.model import native
 
 DISK_PROFILE_BYTES = 2**30  # read at most this much of the layout to measure the raw disk
 SWEEP_FAMILIES = ("flash-ar", "sd-chain", "sd-static", "lever")
@@ -153,6 +154,10 @@ def make_modes(
     `cgroups` is usable); the others run in this process and share loaded drafts. A
     llama.cpp mode is driven from this process: its program is the process of its own,
     and only that goes under the limit (see bench/llamacpp.py)."""
+    if any(p.info.isolated and not isinstance(p.spec, LlamaCppSpec) for p in planned):
+        # build our kernels here, once: a child would build them under its memory limit,
+        # where the compiler's 300 MB beside the model thrash for minutes
+        native.loaded()
     modes: list[Mode] = []
     for p in planned:
         if isinstance(p.spec, LlamaCppSpec):

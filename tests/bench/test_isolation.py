@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from lever_actors.bench import run as bench_run
 from lever_actors.bench.child import ChildMode
 from lever_actors.bench.isolation import (
     MemoryCgroup,
@@ -25,6 +26,7 @@ from lever_actors.bench.run import bench
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import read_manifest
 from lever_actors.errors import ConfigError
+from lever_actors.model import native
 from lever_actors.threads import PIPELINE_ONLY
 
 SUPPORT = probe_cgroup()
@@ -75,6 +77,16 @@ def test_each_mode_in_its_own_limited_child(one_set, tmp_path):
     assert "accelerate placed" in results.info("peer-offload@50%").note  # sent by the child
     note = "kernel-enforced" if SUPPORT.usable else "No memory limit was enforced"
     assert note in memory_note(results)
+
+
+def test_our_kernels_are_built_before_any_child_goes_under_a_limit(one_set, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(native, "loaded", lambda: calls.append("built"))
+    monkeypatch.setattr(bench_run, "ChildMode", lambda p, cgroups: calls.append(p.info.name))
+    options = _options(tmp_path, modes=("flash-ar", "lever"), order="sequential")
+    planned = plan_modes(options, one_set.target, one_set.draft)
+    bench_run.make_modes(planned, None, {})
+    assert calls == ["built", "flash-ar@50%", "lever@50%"]
 
 
 def test_isolating_the_peers_only_runs_ours_interleaved_beside_them(one_set, tmp_path):
