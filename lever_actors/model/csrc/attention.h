@@ -25,16 +25,6 @@ namespace lever {
 // below this many multiply-adds a call runs on the calling thread: waking the team costs more
 constexpr int64_t ATTEND_ALONE = int64_t(1) << 21;
 
-inline __m256 bf16x8(const uint16_t* p) {  // 8 bf16 as float32, exactly
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-
-inline float summed_lanes(__m256 v) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))
-  __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
-  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
-}
-
 // e^x for x <= 0 to about 1 ulp, lane by lane (so a value's result never depends on its
 // neighbours); x below -87 counts as -87, whose e^x no softmax sum can notice
 inline __m256 exp8(__m256 x) {

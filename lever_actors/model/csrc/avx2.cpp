@@ -53,8 +53,7 @@ RoundedRows rounded_rows(const at::Tensor& x) {
   for (int64_t g = 0; g < rows * groups; ++g) {
     __m256 v[4], top = _mm256_setzero_ps();
     for (int c = 0; c < 4; ++c) {
-      __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(xp + g * GROUP + c * LANES)));
-      v[c] = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+      v[c] = bf16x8(xp + g * GROUP + c * LANES);
       top = _mm256_max_ps(top, _mm256_and_ps(v[c], magnitude));
     }
     __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
@@ -213,12 +212,6 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 // sums the pairs into int32 lanes of four. Lane l holds the inputs 4l..4l+3 of each group;
 // the lanes are summed in a fixed order at the end.
 
-inline float lanes_summed(__m256 v) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))
-  __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
-  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
-}
-
 // R rows of x from row m0 times J rows of w [J][k]: sums [R][J] within rows of 8. Each
 // weight is loaded once and used by all R rows; the registers hold R * J sums (at most 8).
 template <int R, int J>
@@ -246,7 +239,7 @@ inline void int8_tile(const RoundedRows& xq, int64_t m0, const int8_t* w, int64_
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) sums[r * ROWS8 + j] = lanes_summed(s[r][j]);
+    for (int j = 0; j < J; ++j) sums[r * ROWS8 + j] = summed_lanes(s[r][j]);
 }
 
 // rows [m, m + 4) of x (fewer where fewer are left) times the 8 outputs at w: sums [rows][8]

@@ -1,10 +1,12 @@
-// What both kernels' sources share: bf16 conversions and the checks of a call's tensors.
+// What both kernels' sources share: bf16 conversions, a vector's sum in one fixed order, and
+// the checks of a call's tensors (AVX2 and FMA, which every CPU with our kernels has).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <cstring>
+#include <immintrin.h>
 
 namespace lever {
 
@@ -24,6 +26,16 @@ inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
   if (f != f) return 0x7fc0;
   bits += 0x7fff + ((bits >> 16) & 1);
   return uint16_t(bits >> 16);
+}
+
+inline __m256 bf16x8(const uint16_t* p) {  // 8 bf16 as float32, exactly
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+inline float summed_lanes(__m256 v) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))
+  __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
 }
 
 // x [m, k] bf16, the rows a kernel multiplies
