@@ -155,9 +155,9 @@ def make_modes(
     llama.cpp mode is driven from this process: its program is the process of its own,
     and only that goes under the limit (see bench/llamacpp.py)."""
     if any(p.info.isolated and not isinstance(p.spec, LlamaCppSpec) for p in planned):
-        # build our kernels here, once: a child would build them under its memory limit,
-        # where the compiler's 300 MB beside the model thrash for minutes
-        native.loaded()
+        # build our kernels here, once (where in use): a child would build them under its
+        # memory limit, where the compiler's 300 MB beside the model thrash for minutes
+        native.in_use()
     modes: list[Mode] = []
     for p in planned:
         if isinstance(p.spec, LlamaCppSpec):

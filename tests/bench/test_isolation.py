@@ -81,7 +81,7 @@ def test_each_mode_in_its_own_limited_child(one_set, tmp_path):
 
 def test_our_kernels_are_built_before_any_child_goes_under_a_limit(one_set, tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(native, "loaded", lambda: calls.append("built"))
+    monkeypatch.setattr(native, "in_use", lambda: calls.append("built"))
     monkeypatch.setattr(bench_run, "ChildMode", lambda p, cgroups: calls.append(p.info.name))
     options = _options(tmp_path, modes=("flash-ar", "lever"), order="sequential")
     planned = plan_modes(options, one_set.target, one_set.draft)
