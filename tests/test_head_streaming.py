@@ -48,7 +48,7 @@ def config(weights: str = "dense", **fields) -> EngineConfig:
     )
 
 
-@pytest.mark.parametrize("weights", ["dense", "q8"])
+@pytest.mark.parametrize("weights", ["dense", "q6", "q8"])
 def test_the_planner_streams_the_head_only_below_what_holds_it(weights):
     manifest = read_manifest(streamed_pair(weights).target)
     least = plan_residency(manifest, minimum_budget(manifest))
@@ -63,7 +63,7 @@ def test_the_planner_streams_the_head_only_below_what_holds_it(weights):
         plan_residency(manifest, minimum - 1)
 
 
-@pytest.mark.parametrize("weights", ["dense", "q8"])
+@pytest.mark.parametrize("weights", ["dense", "q6", "q8"])
 def test_streamed_rows_are_the_stored_head(weights):
     layout = streamed_pair(weights).target
     store = FlashStore(layout)
@@ -107,7 +107,7 @@ def test_the_next_part_is_read_while_one_is_used_and_an_early_stop_waits_for_it(
     assert store.stats.reads == 4
 
 
-@pytest.mark.parametrize("weights", ["dense", "q8"])
+@pytest.mark.parametrize("weights", ["dense", "q6", "q8"])
 @pytest.mark.parametrize("tree", ["gaincost", "static:8,8", "none"])
 async def test_a_streamed_head_decodes_exactly_as_one_token_decoding(weights, tree):
     await assert_matches_sequential(config(weights, tree=tree), PROMPT, 20)

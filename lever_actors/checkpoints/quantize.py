@@ -1,10 +1,11 @@
 """Which format each tensor is stored in, and the quantization into it.
 
 `--weights` choices: "dense" keeps every tensor in the layout's dtype; "auto" keeps a GGUF
-file's own precision class (4- and 5-bit types -> int4, 6- and 8-bit -> int8, float types
-dense; an HF checkpoint stays dense); "q4" and "q8" quantize every matrix. Norms and biases
+file's own precision class (4- and 5-bit types -> int4, Q6_K -> q6k, its own blocks, 8-bit
+types -> int8, float types dense; an HF checkpoint stays dense); "q4", "q6" and "q8" quantize
+every matrix. Norms and biases
 always stay dense; the embedding table becomes int4rows where its class is 4-bit, else
-stays dense. A shape the int4 kernel cannot take falls back to int8.
+stays dense. A shape the int4 or q6k format cannot take falls back to int8.
 Q4_K blocks convert to int4 without requantizing (their 32-input sub-blocks are its groups;
 only the scales round to bf16); other types are dequantized and rounded to nearest.
 """
@@ -30,6 +31,7 @@ from lever_actors.model.quantized import (
     from_groups,
     quantize_int4,
     quantize_int8,
+    quantize_q6k,
 )
 from lever_actors.model.weights import ModelWeights, Weight, is_norm
 
@@ -37,7 +39,7 @@ SAMPLED_ROWS = 64  # of an embedding table, compared with an LM head's
 
 WEIGHTS_CHOICES: tuple[str, ...] = typing.get_args(Weights)
 _FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS")
-_EIGHT_BIT = ("Q6_K", "Q8_0", "Q8_1", "Q8_K")
+_EIGHT_BIT = ("Q8_0", "Q8_1", "Q8_K")
 
 
 def check_choice(weights: str, dtype: torch.dtype) -> Weights:
@@ -58,6 +60,8 @@ def tensor_format(
     if choice == "auto":
         if source_type in _FOUR_BIT:
             choice = "q4"
+        elif source_type == "Q6_K":
+            choice = "q6"
         elif source_type in _EIGHT_BIT:
             choice = "q8"
         else:
@@ -70,6 +74,8 @@ def tensor_format(
         )
     if choice == "q4" and check_quantizable(shape, "int4") is None:
         return "int4"
+    if choice == "q6" and check_quantizable(shape, "q6k") is None:
+        return "q6k"
     return "int8"
 
 
@@ -79,30 +85,32 @@ def quantize_tensor(values: torch.Tensor, fmt: Format, dtype: torch.dtype) -> We
         return values.to(dtype)
     if fmt == "int8":
         return quantize_int8(values)
+    if fmt == "q6k":
+        return quantize_q6k(values)
     return quantize_int4(values, fmt)  # type: ignore[arg-type]
 
 
 # formats that quantize each row on its own, so a matrix may arrive a chunk of rows at a time
-ROW_WISE_FORMATS = ("int8", "int4rows")
+ROW_WISE_FORMATS = ("int8", "q6k", "int4rows")
 
 
 def quantize_by_rows(chunks: Iterable[torch.Tensor], fmt: Format, shape: tuple[int, int]) -> Weight:
     """A matrix in a ROW_WISE_FORMATS format from its rows in chunks ([rows, in] float each):
     only one chunk is ever held in float (545 MB whole for the draft's head), and each is
     written into the result as it comes (a list of parts to join would double the peak)."""
-    whole: list[torch.Tensor] = []  # int8: data, scales; int4rows: records
+    whole: list[torch.Tensor] = []  # int8, q6k: data, scales; int4rows: records
     filled = 0
     for chunk in chunks:
         part = quantize_tensor(chunk, fmt, COMPUTE_DTYPE)
-        pieces = (part.data, part.scales) if fmt == "int8" else (part.records,)  # type: ignore[union-attr]
+        pieces = (part.records,) if isinstance(part, QuantizedRows) else (part.data, part.scales)  # type: ignore[union-attr]
         if not whole:
             whole = [torch.empty((shape[0], *p.shape[1:]), dtype=p.dtype) for p in pieces]
         for into, piece in zip(whole, pieces, strict=True):
             into[filled : filled + len(piece)] = piece
         filled += len(pieces[0])
-    if fmt == "int8":
-        return QuantizedWeight("int8", shape, *whole)
-    return QuantizedRows(shape, *whole)
+    if fmt == "int4rows":
+        return QuantizedRows(shape, *whole)
+    return QuantizedWeight(fmt, shape, *whole)  # type: ignore[arg-type]
 
 
 def quantize_checkpoint(checkpoint: Checkpoint, choice: Weights) -> Checkpoint:

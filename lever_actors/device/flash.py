@@ -30,10 +30,11 @@ from lever_actors.device.layout import (
     TensorEntry,
     align_up,
     read_manifest,
+    stored_row_bytes,
 )
 from lever_actors.errors import CheckpointError, ConfigError, CorruptLayoutError
 from lever_actors.logs import get_logger
-from lever_actors.model.quantized import COMPUTE_DTYPE, QuantizedWeight, decode_rows
+from lever_actors.model.quantized import QuantizedWeight, decode_rows
 from lever_actors.model.weights import Weight
 
 log = get_logger(__name__)
@@ -166,7 +167,7 @@ class FlashStore:
     def stream_rows(
         self, extent: Extent, rows_per_read: int, buffer: AlignedBuffer
     ) -> Iterator[Weight]:
-        """Blocking: a 2-D single-tensor extent (the LM head), dense or int8, read
+        """Blocking: a 2-D single-tensor extent (the LM head), dense, int8 or q6k, read
         `rows_per_read` rows at a time into the halves of `buffer` (of
         layout.stream_buffer_bytes) in turn: while the caller uses one part, the next is read
         and hashed on the store's reader thread. Each part is a view, valid until the caller
@@ -177,10 +178,11 @@ class FlashStore:
         out, inputs = entry.shape
         if entry.format not in ROW_STREAMED_FORMATS:
             raise ValueError(f"a {entry.format} tensor cannot be read by rows")
-        row_bytes = inputs if entry.format == "int8" else entry.nbytes // out
+        row_bytes, scale_bytes = stored_row_bytes(entry)
         half = buffer.nbytes // 2
-        # int8's scales follow all the rows: one small read of them first
+        # a quantized tensor's scales follow all the rows: one small read of them first
         scales = self._read_exact(extent, entry, out * row_bytes, entry.nbytes, buffer).clone()
+        scales = scales.view(out, scale_bytes)
         hasher = running_checksum() if self.verify else None
 
         def read(lo: int, at: int) -> torch.Tensor:  # on the reader thread, parts in order
@@ -201,11 +203,10 @@ class FlashStore:
                 if entry.format == "dense":
                     yield part.view(DTYPE_NAMES[entry.dtype]).view(rows, inputs)
                 else:
-                    yield QuantizedWeight(
-                        "int8",
-                        (rows, inputs),
-                        part.view(torch.int8).view(rows, inputs),
-                        scales.view(COMPUTE_DTYPE)[lo : lo + rows],
+                    yield QuantizedWeight.from_rows(
+                        entry.format,  # type: ignore[arg-type]
+                        part.view(rows, row_bytes),
+                        scales[lo : lo + rows],
                     )
         finally:  # a caller that stops early must not find a read still filling its buffer
             pending.exception()

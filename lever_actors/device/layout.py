@@ -16,16 +16,19 @@ from lever_actors.device.checksums import CHUNK_BYTES
 from lever_actors.errors import CheckpointError
 from lever_actors.model.args import ModelArgs, check_args
 from lever_actors.model.quantized import (
+    ROW_MATRIX_FORMATS,
     Format,
     QuantizedRows,
     QuantizedWeight,
     check_quantizable,
+    row_bytes,
     storage_bytes,
 )
 from lever_actors.model.weights import Weight, expected_shapes, layer_tensor_names
 
-# 2: per-chunk checksums of tensors read by rows; 3: int4 packed alike on every CPU
-MANIFEST_VERSION = 3
+# 2: per-chunk checksums of tensors read by rows; 3: int4 packed alike on every CPU; 4: Q6_K
+# kept as its blocks (q6k)
+MANIFEST_VERSION = 4
 ALIGNMENT = 4096  # O_DIRECT needs block-aligned offsets, lengths and buffers
 MANIFEST_NAME = "manifest.json"
 WEIGHTS_NAME = "weights.bin"
@@ -33,7 +36,7 @@ GLOBAL_EXTENTS = ("embed", "final_norm", "lm_head")  # each holds the one tensor
 ROW_READ_EXTENTS = ("embed",)  # read a row at a time, so checksummed per chunk as well
 # formats whose rows lie whole in one range of bytes (int8's scales in a range of their own),
 # so that a tensor can stream a range of rows at a time
-ROW_STREAMED_FORMATS = ("dense", "int8")
+ROW_STREAMED_FORMATS = ("dense", *ROW_MATRIX_FORMATS)
 TOKENIZER_NAME = "tokenizer.json"
 
 DTYPE_NAMES = {
@@ -229,9 +232,17 @@ def _declared_version(raw: bytes) -> int:
     return msgspec.json.decode(raw, type=_VersionOnly).version
 
 
+def stored_row_bytes(entry: TensorEntry) -> tuple[int, int]:
+    """(values, scales) bytes of one row of a row-streamed tensor (dense: no scales)."""
+    if entry.format == "dense":
+        return entry.nbytes // entry.shape[0], 0
+    return row_bytes(entry.format, entry.shape[1])
+
+
 def stream_buffer_bytes(entry: TensorEntry, rows: int) -> int:
     """The aligned buffer that streams a row-streamed tensor `rows` rows per read, two parts
-    at a time (one read while the other is used), each half also able to take an int8
-    tensor's scales, 2 bytes a row, in one read."""
-    largest = max(rows * (entry.nbytes // entry.shape[0]), 2 * entry.shape[0])
+    at a time (one read while the other is used), each half also able to take a quantized
+    tensor's scales in one read."""
+    values, scales = stored_row_bytes(entry)
+    largest = max(rows * values, scales * entry.shape[0])
     return 2 * (align_up(largest) + 2 * ALIGNMENT)

@@ -33,6 +33,7 @@ log = get_logger(__name__)
 
 BLOCK_N = 64  # outputs per block of the kernels (the int4 packing's blocks)
 DEPTH = 32  # inputs per step of the kernels (AMX: one tile product)
+Q6K_INPUTS = 256  # inputs per block of GGUF's Q6_K
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,10 @@ class Isa:
 
     @property
     def headers(self) -> tuple[Path, ...]:
-        return tuple(self.source.with_name(name) for name in ("common.h", "attention.h", "norm.h"))
+        return tuple(
+            self.source.with_name(name)
+            for name in ("common.h", "attention.h", "integer_rows.h", "norm.h")
+        )
 
     @property
     def ops(self):
@@ -69,16 +73,17 @@ AMX_ISA = (
     "avx512dq",
     "avx512bf16",
     "fma",
+    "f16c",
     "amx-tile",
     "amx-bf16",
 )
 AMX = Isa(
     "amx",
-    ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+    ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c"),
     tuple(f"-m{isa}" for isa in AMX_ISA),
     fewest_rows=8,
 )
-AVX2 = Isa("avx2", ("avx2", "fma"), ("-mavx2", "-mfma"), fewest_rows=1)
+AVX2 = Isa("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), fewest_rows=1)
 ISAS = (AMX, AVX2)
 
 
@@ -107,17 +112,18 @@ def fits(fmt: str, shape: tuple[int, int]) -> bool:
     """Whether a matrix of this format and [out, in] shape runs on our kernels."""
     out, inputs = shape
     return (
-        fmt in ("int4", "int8")
+        fmt in ("int4", "int8", "q6k")
         and out % BLOCK_N == 0
-        and inputs % DEPTH == 0
+        and inputs % (Q6K_INPUTS if fmt == "q6k" else DEPTH) == 0
         and in_use() is not None
     )
 
 
-def fewest_rows() -> int:
-    """The fewest rows a draft's matrix sends to our kernels (see Isa.fewest_rows)."""
+def fewest_rows(fmt: str) -> int:
+    """The fewest rows a draft's matrix of `fmt` sends to our kernels (see Isa.fewest_rows;
+    torch has no kernel for q6k, so it always takes ours)."""
     isa = in_use()
-    return 1 if isa is None else isa.fewest_rows
+    return 1 if isa is None or fmt == "q6k" else isa.fewest_rows
 
 
 def int4_linear(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -132,6 +138,11 @@ def int8_linear(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> to
         pairs = x.contiguous().view(torch.int32).T.contiguous()  # [in / 2, n]: the tiles' layout
         return isa.ops.int8_linear(pairs, x.shape[0], data, scales)
     return isa.ops.int8_linear(x.contiguous(), data, scales)
+
+
+def q6k_linear(x: torch.Tensor, data: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [n, in] bf16 times a q6k matrix (GGUF's Q6_K blocks) -> [n, out] bf16."""
+    return _isa().ops.q6k_linear(x.contiguous(), data, d)
 
 
 ATTEND_GROUP = 8  # the most query heads per kv head our attention takes

@@ -9,10 +9,15 @@ Formats (what a flash layout stores, and what DRAM holds):
   reads right on another, and our kernels use a layer where it was read.
 - "int8": w = q * scale, q in -127..127, one bf16 scale per output row: [out, in] int8,
   then [out] bf16, as `aten._weight_int8pack_mm` reads them.
+- "q6k": GGUF's Q6_K blocks as the file has them, row after row: a block of Q6K_INPUTS inputs
+  is 128 bytes of low nibbles, 64 of high bit pairs and 16 int8 sub-block scales
+  ([out, in / 256 * 208] bytes), w = d * sc * (q - 32); then each block's float16 d
+  ([out, in / 256]). It has no torch kernel: where ours are absent its values are used as a
+  bf16 matrix.
 - "int4rows": the embedding table, row after row of [in / 2] bytes (the even input in the
   low nibble) then [in / GROUP, 2] bf16 scales and zeros: one contiguous record per row,
   so a token's row is one small read.
-Both matrix formats run on our kernels (model/native.py) where this CPU has them: they read
+The matrix formats run on our kernels (model/native.py) where this CPU has them: they read
 these same bytes, cost little per extra row and compute each row on its own by construction.
 Elsewhere torch's run, checked like the dense kernels by row_blocks (int4 repacked once per weight
 where torch packs otherwise). Either way a tree verified in one call equals one-token decoding
@@ -31,11 +36,15 @@ import torch
 
 from lever_actors.model import native, row_blocks
 
-Format = Literal["dense", "int4", "int8", "int4rows"]
-QUANTIZED_FORMATS: tuple[str, ...] = ("int4", "int8", "int4rows")
+Format = Literal["dense", "int4", "int8", "q6k", "int4rows"]
+MatrixFormat = Literal["int4", "int8", "q6k"]
+QUANTIZED_FORMATS: tuple[str, ...] = ("int4", "int8", "q6k", "int4rows")
+# matrices stored row after row, each row's values whole in its own bytes (then its scales)
+ROW_MATRIX_FORMATS: tuple[str, ...] = ("int8", "q6k")
 GROUP = 32  # inputs per int4 scale: Q4_K's sub-block, so its values convert without requantizing
 PACK_TILES = 2  # torch's inner_k_tiles for its CPU int4 packing
 COMPUTE_DTYPE = torch.bfloat16  # the kernels' activations, scales and outputs
+Q6K_INPUTS, Q6K_BYTES = native.Q6K_INPUTS, 208  # a Q6_K block's inputs, and its bytes less d
 
 
 def storage_bytes(shape: tuple[int, ...], fmt: str, itemsize: int) -> int:
@@ -46,7 +55,18 @@ def storage_bytes(shape: tuple[int, ...], fmt: str, itemsize: int) -> int:
     out, inputs = shape
     if fmt == "int8":
         return count + 2 * out
+    if fmt == "q6k":
+        return out * (inputs // Q6K_INPUTS) * (Q6K_BYTES + 2)
     return count // 2 + 4 * out * (inputs // GROUP)  # int4, int4rows: nibbles + scale, zero
+
+
+def row_bytes(fmt: str, inputs: int) -> tuple[int, int]:
+    """Bytes a row of a ROW_MATRIX_FORMATS matrix takes: (its values, its scales), the scales
+    stored after all the rows' values."""
+    if fmt == "int8":
+        return inputs, 2
+    blocks = inputs // Q6K_INPUTS
+    return blocks * Q6K_BYTES, blocks * 2
 
 
 def check_quantizable(shape: tuple[int, ...], fmt: str) -> str | None:
@@ -56,6 +76,8 @@ def check_quantizable(shape: tuple[int, ...], fmt: str) -> str | None:
     if len(shape) != 2:
         return f"a {fmt} tensor is a matrix, not of shape {shape}"
     out, inputs = shape
+    if fmt == "q6k" and inputs % Q6K_INPUTS:
+        return f"q6k needs inputs in blocks of {Q6K_INPUTS}, not {inputs}"
     if fmt in ("int4", "int4rows") and inputs % GROUP:
         return f"{fmt} needs inputs in groups of {GROUP}, not {inputs}"
     if fmt == "int4" and (out % 16 or inputs % (16 * PACK_TILES)):
@@ -67,10 +89,13 @@ def check_quantizable(shape: tuple[int, ...], fmt: str) -> str | None:
 class QuantizedWeight:
     """A quantized [out, in] matrix: `data` and `scales` as in the module's formats."""
 
-    fmt: Literal["int4", "int8"]
+    fmt: MatrixFormat
     shape: tuple[int, int]
-    data: torch.Tensor  # int4: [out, in / 2] uint8, torch's packing; int8: [out, in] int8
-    scales: torch.Tensor  # int4: [in / GROUP, out, 2] bf16 scale, zero; int8: [out] bf16
+    # int4: [out, in / 2] uint8, the packing; int8: [out, in] int8; q6k: [out, in / 256 * 208]
+    # uint8, the blocks less d
+    data: torch.Tensor
+    # int4: [in / GROUP, out, 2] bf16 scale, zero; int8: [out] bf16; q6k: [out, in / 256] f16 d
+    scales: torch.Tensor
     # False for a draft's matrices: each call takes the faster kernel for its rows, as a
     # draft's rounding only steers which tokens the target checks
     exact: bool = True
@@ -83,9 +108,13 @@ class QuantizedWeight:
         row blocks."""
         if x.dtype != COMPUTE_DTYPE:  # a float32 model (generate --model's default)
             return self.linear(x.to(COMPUTE_DTYPE), bias).to(x.dtype)
-        if native.fits(self.fmt, self.shape) and (self.exact or len(x) >= native.fewest_rows()):
-            kernel = native.int4_linear if self.fmt == "int4" else native.int8_linear
+        if native.fits(self.fmt, self.shape) and (
+            self.exact or len(x) >= native.fewest_rows(self.fmt)
+        ):
+            kernel = _KERNELS[self.fmt]
             out = kernel(x, self.data, self.scales)
+        elif self.fmt == "q6k":
+            out = row_blocks.linear(x, bf16_values(self))
         elif self.exact:
             key = ("quantized", self.fmt, *self.shape)
             out = row_blocks.blocked(x, self._on_torch, key, lambda: _probe(self.fmt, *self.shape))
@@ -101,24 +130,32 @@ class QuantizedWeight:
         return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
-        """The int8 matrix's rows `ids` as values, [n] -> [n, in] bf16: an embedding table
-        (the rows of an int4 packing are not addressable)."""
-        if self.fmt != "int8":
+        """The int8 or q6k matrix's rows `ids` as values, [n] -> [n, in] bf16: an embedding
+        table (the rows of an int4 packing are not addressable)."""
+        if self.fmt == "int4":
             raise TypeError("the rows of an int4 packing cannot be read one by one")
-        return (self.data[ids].float() * self.scales[ids].float()[:, None]).to(COMPUTE_DTYPE)
+        return self._rows(ids).to(COMPUTE_DTYPE)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of an int8 or q6k matrix as float32 values, [n] -> [n, in]."""
+        if self.fmt == "int8":
+            return self.data[ids].float() * self.scales[ids].float()[:, None]
+        return q6k_values(self.data[ids], self.scales[ids])
 
     def products(self, ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the matrix times h: [n] ids, [in] -> [n] float32 (the rows of an int4
         packing are not addressable: its product runs whole, then is picked from)."""
         if self.fmt == "int8":
             return (self.data[ids].float() @ h.float()) * self.scales[ids].float()
+        if self.fmt == "q6k":
+            return self._rows(ids) @ h.float()
         return self.linear(h[None].to(COMPUTE_DTYPE))[0, ids].float()
 
     def dequantize(self) -> torch.Tensor:
         """The matrix the kernels multiply by, as float32 [out, in]."""
         out, inputs = self.shape
-        if self.fmt == "int8":
-            return self.data.float() * self.scales.float()[:, None]
+        if self.fmt != "int4":
+            return self._rows(torch.arange(out))
         q = unpack_int4(self.data).float().view(out, inputs // GROUP, GROUP)
         scale, zero = self.scales.float().transpose(0, 1).unbind(-1)  # [out, groups] each
         return ((q - 8) * scale[..., None] + zero[..., None]).view(out, inputs)
@@ -132,19 +169,31 @@ class QuantizedWeight:
 
     @classmethod
     def from_bytes(
-        cls, raw: torch.Tensor, fmt: Literal["int4", "int8"], shape: tuple[int, int]
+        cls, raw: torch.Tensor, fmt: MatrixFormat, shape: tuple[int, int]
     ) -> QuantizedWeight:
         """Views (no copy) of a stored tensor's bytes, raw: [storage_bytes] uint8."""
         out, inputs = shape
-        if fmt == "int4":
-            split = out * inputs // 2
-            data = raw[:split].view(out, inputs // 2)
-            scales = raw[split:].view(COMPUTE_DTYPE).view(inputs // GROUP, out, 2)
-        else:
-            split = out * inputs
-            data = raw[:split].view(torch.int8).view(out, inputs)
-            scales = raw[split:].view(COMPUTE_DTYPE)
+        if fmt in ROW_MATRIX_FORMATS:
+            values, _ = row_bytes(fmt, inputs)
+            split = out * values
+            return cls.from_rows(fmt, raw[:split].view(out, values), raw[split:].view(out, -1))
+        split = out * inputs // 2  # int4
+        data = raw[:split].view(out, inputs // 2)
+        scales = raw[split:].view(COMPUTE_DTYPE).view(inputs // GROUP, out, 2)
         return cls(fmt, shape, data, scales)
+
+    @classmethod
+    def from_rows(
+        cls, fmt: MatrixFormat, values: torch.Tensor, scales: torch.Tensor
+    ) -> QuantizedWeight:
+        """Views (no copy) of some rows of a ROW_MATRIX_FORMATS matrix: values [rows, values
+        bytes] and scales [rows, scale bytes] uint8, as `row_bytes` gives them."""
+        rows = values.shape[0]
+        if fmt == "int8":
+            shape = (rows, values.shape[1])
+            return cls(fmt, shape, values.view(torch.int8), scales.view(COMPUTE_DTYPE).view(rows))
+        shape = (rows, values.shape[1] // Q6K_BYTES * Q6K_INPUTS)
+        return cls(fmt, shape, values, scales.view(torch.float16))
 
 
 @dataclass(frozen=True, eq=False)
@@ -170,6 +219,50 @@ class QuantizedRows:
     @classmethod
     def from_bytes(cls, raw: torch.Tensor, shape: tuple[int, int]) -> QuantizedRows:
         return cls(shape, raw.view(shape[0], -1))
+
+
+_KERNELS = {"int4": native.int4_linear, "int8": native.int8_linear, "q6k": native.q6k_linear}
+
+
+def from_q6k_blocks(blocks: torch.Tensor, shape: tuple[int, int]) -> QuantizedWeight:
+    """GGUF Q6_K blocks of an [out, in] matrix, blocks: [out, in / 256 * 210] uint8 (a row's
+    blocks in order, each ending in its float16 d), as a q6k weight: copies, d apart."""
+    out, inputs = shape
+    rows = blocks.reshape(out, inputs // Q6K_INPUTS, Q6K_BYTES + 2)
+    data = rows[..., :Q6K_BYTES].reshape(out, -1).contiguous()
+    d = rows[..., Q6K_BYTES:].contiguous().view(torch.float16).view(out, -1)
+    return QuantizedWeight("q6k", shape, data, d)
+
+
+def q6k_values(data: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """q6k rows' values: data [n, in / 256 * 208] uint8, d [n, in / 256] f16 -> [n, in] float32.
+    Per half block (128 inputs): 32 bytes of low nibbles give inputs 0-31 and (their high
+    nibbles) 64-95, the next 32 give 32-63 and 96-127; the half's 32 bytes of high bits hold
+    bit pairs 0, 2, 4, 6 of those four runs; each 16 inputs have their own int8 scale."""
+    n, blocks = d.shape
+    rows = data.view(n, blocks, Q6K_BYTES)
+    low = rows[..., :128].reshape(n, blocks, 2, 2, 32)  # [half, run, byte]
+    high = rows[..., 128:192].reshape(n, blocks, 2, 1, 32)
+    nibbles = torch.stack((low & 15, low >> 4), dim=4)  # [half, run, nibble, byte]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(2, 2).T.reshape(1, 1, 1, 2, 2, 1)
+    pairs = (high.unsqueeze(3) >> shifts) & 3  # run r, nibble h: bits 2 * (2h + r)
+    q = (nibbles | pairs << 4).transpose(3, 4).reshape(n, blocks, 16, 16).float() - 32
+    sc = rows[..., 192:208].view(torch.int8).float()  # [n, blocks, 16]
+    values = q * (d.float()[..., None] * sc)[..., None]
+    return values.reshape(n, blocks * Q6K_INPUTS)
+
+
+_bf16_values: weakref.WeakKeyDictionary[QuantizedWeight, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def bf16_values(weight: QuantizedWeight) -> torch.Tensor:
+    """A q6k weight's values as a bf16 matrix, for torch's dense kernels where ours are absent:
+    made once per weight (a streamed layer's, once per pass)."""
+    values = _bf16_values.get(weight)
+    if values is None:
+        values = weight.dequantize().to(COMPUTE_DTYPE)
+        _bf16_values[weight] = values
+    return values
 
 
 def dense_values(weight: torch.Tensor | QuantizedWeight | QuantizedRows) -> torch.Tensor:
@@ -268,6 +361,28 @@ def quantize_int4(
     q = q.div_(scale[..., None]).round_().clamp_(0, 15).view(out, inputs)  # in place: one copy
     q = q.to(torch.uint8)  # the float copy goes before the packing makes its own
     return from_groups(q, scale, low + 8 * scale, fmt)
+
+
+def quantize_q6k(w: torch.Tensor) -> QuantizedWeight:
+    """Round to nearest into Q6_K blocks: each 16 inputs' scale is max |w| / 31, held as an
+    int8 multiple of the block's float16 d (its largest scale / 127); q - 32 in -32..31."""
+    out, inputs = w.shape
+    blocks = inputs // Q6K_INPUTS
+    groups = w.float().view(out, blocks, 16, 16)
+    wanted = groups.abs().amax(-1) / 31  # [out, blocks, 16]
+    d = (wanted.amax(-1) / 127).to(torch.float16)  # [out, blocks]
+    sc = torch.where(d[..., None] > 0, wanted / d.float()[..., None], 0.0).round().clamp(-128, 127)
+    step = (d.float()[..., None] * sc)[..., None]  # the scale the kernels multiply by
+    safe = torch.where(step > 0, step, 1.0)
+    q = torch.where(step > 0, groups / safe, 0.0).round_().clamp_(-32, 31).to(torch.uint8) + 32
+    q = q.view(out, blocks, 2, 2, 2, 32)  # [half, nibble, run, byte]: q6k_values' order
+    low = q & 15
+    ql = (low[:, :, :, 0] | low[:, :, :, 1] << 4).reshape(out, blocks, 128)
+    high = (q >> 4).to(torch.int32)
+    shifts = torch.tensor([0, 2, 4, 6]).view(1, 1, 1, 2, 2, 1)  # [nibble, run]: 2 * (2n + r)
+    qh = (high << shifts).sum((3, 4)).to(torch.uint8).reshape(out, blocks, 64)
+    stored = torch.cat((ql, qh, sc.to(torch.int8).view(torch.uint8)), dim=-1)
+    return QuantizedWeight("q6k", (out, inputs), stored.reshape(out, -1).contiguous(), d)
 
 
 def quantize_int8(w: torch.Tensor) -> QuantizedWeight:

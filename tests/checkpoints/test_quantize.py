@@ -47,7 +47,7 @@ def test_auto_keeps_each_tensor_in_its_precision_class(tmp_path: Path) -> None:
         "wo": "dense",
         "ffn_norm": "dense",
         "w_gate": "int4",
-        "w_up": "int8",
+        "w_up": "q6k",  # its blocks as stored
         "w_down": "dense",
         "bq": "dense",
         "bk": "dense",
@@ -109,7 +109,7 @@ def test_a_head_stored_beside_the_table_it_copies_is_found_by_its_values(tmp_pat
 
 
 def test_choices_are_checked() -> None:
-    with pytest.raises(ConfigError, match="expected one of dense, auto, q4, q8"):
+    with pytest.raises(ConfigError, match="expected one of dense, auto, q4, q6, q8"):
         load_checkpoint("unused", BF16, "q3")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="quantized weights compute in bfloat16"):
         load_checkpoint("unused", torch.float64, "q4")
@@ -117,9 +117,11 @@ def test_choices_are_checked() -> None:
     assert tensor_format("q4", "embed", (40, 48)) == "dense"  # inputs not in 32s
     assert tensor_format("auto", "wq", (256, 256), "F16") == "dense"
     assert tensor_format("q8", "attn_norm", (256,)) == "dense"
+    assert tensor_format("q6", "wq", (64, 224)) == "int8"  # inputs not in blocks of 256
+    assert tensor_format("auto", "embed", (40, 256), "Q6_K") == "dense"
 
 
-@pytest.mark.parametrize("weights", ["auto", "q4", "q8"])
+@pytest.mark.parametrize("weights", ["auto", "q4", "q6", "q8"])
 def test_a_quantized_layout_reads_back_what_was_written(tmp_path: Path, weights: str) -> None:
     path = tmp_path / "tiny.gguf"
     write_gguf(path, "qwen2")
@@ -150,9 +152,9 @@ def test_quantized_layout_is_smaller_than_dense(tmp_path: Path) -> None:
     assert quantized < 0.45 * dense
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4rows"])
+@pytest.mark.parametrize("fmt", ["int8", "q6k", "int4rows"])
 def test_row_wise_formats_quantize_the_same_in_chunks(fmt: str) -> None:
-    values = torch.randn(70, 64, generator=torch.Generator().manual_seed(0))
+    values = torch.randn(70, 256, generator=torch.Generator().manual_seed(0))
     whole = quantize_tensor(values, fmt, BF16)
-    chunked = quantize_by_rows(values.split(16), fmt, (70, 64))
+    chunked = quantize_by_rows(values.split(16), fmt, (70, 256))
     assert torch.equal(dense_values(chunked), dense_values(whole))

@@ -131,7 +131,7 @@ def test_matrices_that_fit_run_on_ours(monkeypatch):
 @needs_native
 def test_a_drafts_matrices_take_the_faster_kernel_for_their_rows(monkeypatch):
     monkeypatch.setattr(native, "in_use", native.loaded)
-    monkeypatch.setattr(native, "fewest_rows", lambda: 8)  # as on AMX
+    monkeypatch.setattr(native, "fewest_rows", lambda fmt: 8)  # as on AMX
     q = replace(quantize_int4(weight((128, 96))), exact=False)
     few = torch.randn(7, 96).to(torch.bfloat16)
     many = torch.randn(8, 96).to(torch.bfloat16)

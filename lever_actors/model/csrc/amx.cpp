@@ -20,6 +20,7 @@
 
 #include "attention.h"
 #include "common.h"
+#include "integer_rows.h"
 #include "norm.h"
 
 namespace {
@@ -277,5 +278,6 @@ TORCH_LIBRARY(lever_amx, m) {
   m.def("rms_norm", &lever::rms_norm);
   m.def("int4_linear", &int4_linear);
   m.def("int8_linear", &int8_linear);
+  m.def("q6k_linear", &lever::q6k_linear);
   m.def("enable_tiles", &enable_tiles);
 }

@@ -20,6 +20,7 @@
 
 #include "attention.h"
 #include "common.h"
+#include "integer_rows.h"
 #include "norm.h"
 
 namespace {
@@ -27,54 +28,6 @@ namespace {
 using namespace lever;
 
 constexpr int64_t LANES = 8;     // floats per vector
-constexpr int64_t ROWS8 = 8;     // int8: outputs per task
-// int8: how far ahead of each weight row's reads its bytes are fetched into the cache. With the
-// hardware's prefetch alone, a one-row product of rows of 1536 inputs read DRAM at 8.5 GB/s,
-// about 14 with this.
-constexpr int64_t FETCH_AHEAD = 2048;
-
-// ---- activations: each row rounded to int8 in groups of 32 inputs, as llama.cpp's Q8_0 ----
-
-// Rows of x as int8 with one float32 scale per group of 32 inputs: x ~ scale * q, q in
-// [-127, 127], q = round-to-even(x * (127 / max |x|)); and each group's q summed. A row's
-// rounding reads that row only, so it is the same alone or among any others.
-struct RoundedRows {
-  std::vector<int8_t> q;        // [m, k]
-  std::vector<float> scale;     // [m, k / 32]
-  std::vector<float> sum;       // [m, k / 32]: sum of the group's q, exact
-};
-
-RoundedRows rounded_rows(const at::Tensor& x) {
-  int64_t rows = x.size(0), k = x.size(1), groups = k / GROUP;
-  RoundedRows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * groups), std::vector<float>(rows * groups)};
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
-  for (int64_t g = 0; g < rows * groups; ++g) {
-    __m256 v[4], top = _mm256_setzero_ps();
-    for (int c = 0; c < 4; ++c) {
-      v[c] = bf16x8(xp + g * GROUP + c * LANES);
-      top = _mm256_max_ps(top, _mm256_and_ps(v[c], magnitude));
-    }
-    __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
-    float amax = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
-    __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    __m256i q[4];
-    for (int c = 0; c < 4; ++c) q[c] = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], inverse));
-    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-    bytes = _mm256_permutevar8x32_epi32(bytes, order);
-    _mm256_storeu_si256((__m256i*)(out.q.data() + g * GROUP), bytes);
-    __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes);
-    __m256i quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(quads), _mm256_extracti128_si256(quads, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    out.scale[g] = amax / 127.0f;
-    out.sum[g] = float(_mm_cvtsi128_si32(s));
-  }
-  return out;
-}
 
 // ---- int4: y = sum over groups of x's scale * (scale * (q_x . q) + (zero - 8 * scale) * sum(q_x)) ----
 //
@@ -205,84 +158,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return out;
 }
 
-// ---- int8: y = scale * sum over groups of x's scale * (q_x . q), per output ----
-//
-// q_x . q in integers: vpmaddubsw takes one unsigned operand, so it multiplies |q| by q_x
-// with q's sign moved onto it (a pair at most 2 * 128 * 127, within int16), and vpmaddwd
-// sums the pairs into int32 lanes of four. Lane l holds the inputs 4l..4l+3 of each group;
-// the lanes are summed in a fixed order at the end.
-
-// R rows of x from row m0 times J rows of w [J][k]: sums [R][J] within rows of 8. Each
-// weight is loaded once and used by all R rows; the registers hold R * J sums (at most 8).
-template <int R, int J>
-inline void int8_tile(const RoundedRows& xq, int64_t m0, const int8_t* w, int64_t k, float* sums) {
-  int64_t groups = k / GROUP;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 s[R][J];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) s[r][j] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256i q[J], magnitude[J];
-    for (int j = 0; j < J; ++j) {
-      if (g % 2 == 0) _mm_prefetch((const char*)(w + j * k + g * GROUP) + FETCH_AHEAD, _MM_HINT_T0);
-      q[j] = _mm256_loadu_si256((const __m256i*)(w + j * k + g * GROUP));
-      magnitude[j] = _mm256_abs_epi8(q[j]);  // -128 becomes 128, right as unsigned
-    }
-    for (int r = 0; r < R; ++r) {
-      __m256i xr = _mm256_loadu_si256((const __m256i*)(xq.q.data() + (m0 + r) * k + g * GROUP));
-      __m256 x_scale = _mm256_set1_ps(xq.scale[(m0 + r) * groups + g]);
-      for (int j = 0; j < J; ++j) {
-        __m256i pairs = _mm256_maddubs_epi16(magnitude[j], _mm256_sign_epi8(xr, q[j]));
-        __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-        s[r][j] = _mm256_fmadd_ps(dot, x_scale, s[r][j]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) sums[r * ROWS8 + j] = summed_lanes(s[r][j]);
-}
-
-// rows [m, m + 4) of x (fewer where fewer are left) times the 8 outputs at w: sums [rows][8]
-inline void int8_rows(const RoundedRows& xq, int64_t m, int64_t rows_left, const int8_t* w, int64_t k, float* sums) {
-  switch (std::min<int64_t>(rows_left, 4)) {
-    case 1:  // one weight row after another: the reads run in one sequential stream
-      for (int j = 0; j < ROWS8; ++j) int8_tile<1, 1>(xq, m, w + j * k, k, sums + j);
-      break;
-    case 2:
-      for (int j = 0; j < ROWS8; j += 2) int8_tile<2, 2>(xq, m, w + j * k, k, sums + j);
-      break;
-    case 3:
-      for (int j = 0; j < ROWS8; j += 2) int8_tile<3, 2>(xq, m, w + j * k, k, sums + j);
-      break;
-    default:
-      for (int j = 0; j < ROWS8; j += 2) int8_tile<4, 2>(xq, m, w + j * k, k, sums + j);
-  }
-}
-
+// x [m, k] bf16; weight [n, k] int8; scales [n] bf16
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
-  // x [m, k] bf16; weight [n, k] int8; scales [n] bf16
   check_rows(x);
   check_int8(weight, scales);
-  int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
+  int64_t k = x.size(1), n = weight.size(0);
   TORCH_CHECK(n % ROWS8 == 0 && k % GROUP == 0 && weight.size(1) == k, "int8 shape");
-  auto out = at::empty({rows, n}, x.options());
-  if (rows == 0) return out;
-  RoundedRows xq = rounded_rows(x);
-  const int8_t* wp = weight.data_ptr<int8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, n / ROWS8, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> sums(rows * ROWS8);  // the block's: [rows][8 outputs]
-    for (int64_t block = begin; block < end; ++block) {
-      for (int64_t m = 0; m < rows; m += 4)  // the block's 8 weight rows stay in L1 meanwhile
-        int8_rows(xq, m, rows - m, wp + block * ROWS8 * k, k, sums.data() + m * ROWS8);
-      for (int64_t j = 0; j < ROWS8; ++j) {
-        float scale = from_bf16(sp[block * ROWS8 + j]);
-        for (int64_t m = 0; m < rows; ++m) op[m * n + block * ROWS8 + j] = to_bf16(scale * sums[m * ROWS8 + j]);
-      }
-    }
-  });
-  return out;
+  Int8Rows w{weight.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()), k};
+  return integer_linear(x, w, n);
 }
 
 }  // namespace
@@ -292,4 +175,5 @@ TORCH_LIBRARY(lever_avx2, m) {
   m.def("rms_norm", &lever::rms_norm);
   m.def("int4_linear", &int4_linear);
   m.def("int8_linear", &int8_linear);
+  m.def("q6k_linear", &lever::q6k_linear);
 }

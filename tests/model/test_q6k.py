@@ -1,0 +1,128 @@
+"""The q6k format: GGUF's Q6_K blocks kept as the file has them. Their values read back as
+gguf decodes them, the round-to-nearest quantizer packs what it means, and our kernel (on
+every CPU with our kernels) computes each row on its own from them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from lever_actors.model import native, row_blocks
+from lever_actors.model.quantized import (
+    Q6K_BYTES,
+    Q6K_INPUTS,
+    QuantizedWeight,
+    bf16_values,
+    from_q6k_blocks,
+    quantize_q6k,
+    storage_bytes,
+)
+from lever_actors.model.weights import row_range
+from tests.model.test_native import needs_native, weight
+
+
+def random_blocks(shape: tuple[int, int], seed: int = 0) -> np.ndarray:
+    """Random Q6_K bytes [out, in / 256 * 210] with small finite float16 d's."""
+    rng = np.random.default_rng(seed)
+    out, inputs = shape
+    raw = rng.integers(0, 256, size=(out, inputs // Q6K_INPUTS, Q6K_BYTES + 2), dtype=np.uint8)
+    d = rng.uniform(0.0001, 0.001, (out, inputs // Q6K_INPUTS, 1)).astype(np.float16)
+    raw[..., Q6K_BYTES:] = d.view(np.uint8)
+    return raw.reshape(out, -1)
+
+
+def from_gguf(shape: tuple[int, int], seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A q6k weight of random blocks, and their values as gguf decodes them [out, in]."""
+    blocks = random_blocks(shape, seed)
+    values = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q6_K)
+    return from_q6k_blocks(torch.from_numpy(blocks), shape), torch.from_numpy(values).view(shape)
+
+
+def rounded_as_int8(x: torch.Tensor) -> torch.Tensor:
+    """x [m, k] as the q6k kernel multiplies it, in float64: each block's 256 inputs rounded
+    to int8 at 127 / max |x| (half to even) with a float32 scale, as llama.cpp's Q8_K."""
+    groups = x.float().view(x.shape[0], -1, Q6K_INPUTS)
+    top = groups.abs().amax(-1, keepdim=True)
+    inverse = torch.where(top > 0, torch.full_like(top, 127.0) / top, 0.0)
+    return ((groups * inverse).round().double() * (top / 127.0).double()).view_as(x)
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (8, 768)])
+def test_values_are_what_gguf_decodes(shape):
+    q, values = from_gguf(shape)
+    assert torch.equal(q.dequantize(), values)
+    assert q.nbytes == storage_bytes(shape, "q6k", 0) == shape[0] * shape[1] // 256 * 210
+    ids = torch.tensor([5, 0, 5])
+    assert torch.equal(q[ids], values[ids].to(torch.bfloat16))
+    h = torch.randn(shape[1])
+    assert torch.allclose(q.products(ids, h), values[ids] @ h, rtol=1e-5, atol=1e-5)
+
+
+def test_stored_bytes_read_back_as_the_same_weight():
+    q, _ = from_gguf((64, 512))
+    back = QuantizedWeight.from_bytes(
+        torch.frombuffer(bytearray(q.to_bytes()), dtype=torch.uint8), "q6k", q.shape
+    )
+    assert torch.equal(back.data, q.data) and torch.equal(back.scales, q.scales)
+    rows = row_range(q, 8, 24)
+    assert rows.shape == (16, 512) and torch.equal(rows.dequantize(), q.dequantize()[8:24])
+
+
+def test_quantizing_rounds_to_the_nearest_step_and_packs_what_it_means():
+    w = weight((64, 512)) * torch.logspace(-1, 1, 512)  # groups of very different ranges
+    w[3] = 0.0  # a row of zeros: scales of zero, values of zero
+    q = quantize_q6k(w)
+    got = q.dequantize()
+    blocks = torch.cat(
+        (q.data.view(64, 2, Q6K_BYTES), q.scales.view(torch.uint8).view(64, 2, 2)), -1
+    )
+    decoded = gguf.quants.dequantize(blocks.reshape(64, -1).numpy(), gguf.GGMLQuantizationType.Q6_K)
+    assert torch.equal(got, torch.from_numpy(decoded).view(64, 512))  # gguf reads it alike
+    assert torch.equal(got[3], torch.zeros(512))
+    sc = q.data.view(64, 2, Q6K_BYTES)[..., 192:].view(torch.int8).float()  # [rows, blocks, 16]
+    step = (q.scales.float()[..., None] * sc).view(64, 32).repeat_interleave(16, -1)
+    clamped = (w.abs() - 31.5 * step).clamp_min(0)  # past the last level the rounded scale has
+    assert ((got - w).abs() <= 0.5 * step + clamped + 1e-6).all()
+    assert torch.linalg.norm(got - w) <= 0.02 * torch.linalg.norm(w)
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(64, 256), (128, 768)])
+def test_the_kernel_computes_the_grouped_integer_sums(shape):
+    q, values = from_gguf(shape)
+    x = (torch.randn(5, shape[1]) * torch.logspace(-2, 1, shape[1])).to(torch.bfloat16)
+    expected = rounded_as_int8(x) @ values.double().T
+    got = native.q6k_linear(x, q.data, q.scales).double()
+    assert ((got - expected).abs() <= 0.01 * expected.abs() + 1e-4).all()
+
+
+@needs_native
+def test_a_row_is_the_same_in_calls_of_every_size():
+    q, _ = from_gguf((128, 768))
+    x = (torch.randn(70, 768) * torch.logspace(-2, 2, 768)).to(torch.bfloat16)
+    alone = torch.cat([native.q6k_linear(x[i : i + 1], q.data, q.scales) for i in range(70)])
+    for n in (2, 3, 4, 5, 17, 64, 70):  # rows in fours and what is left
+        assert torch.equal(native.q6k_linear(x[:n], q.data, q.scales), alone[:n]), n
+
+
+@needs_native
+def test_a_matrix_that_fits_runs_on_ours_even_for_a_draft(monkeypatch):
+    monkeypatch.setattr(native, "in_use", native.loaded)
+    q, _ = from_gguf((64, 256))
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    assert native.fits("q6k", q.shape) and not native.fits("q6k", (64, 224))
+    expected = native.q6k_linear(x, q.data, q.scales)
+    assert torch.equal(q.linear(x), expected)
+    assert torch.equal(replace(q, exact=False).linear(x), expected)  # no torch kernel to prefer
+
+
+def test_without_our_kernels_its_values_multiply_as_a_bf16_matrix(monkeypatch):
+    monkeypatch.setattr(native, "in_use", lambda: None)
+    q, values = from_gguf((64, 256))
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    assert torch.equal(bf16_values(q), values.to(torch.bfloat16))
+    assert torch.equal(q.linear(x), row_blocks.linear(x, values.to(torch.bfloat16)))
