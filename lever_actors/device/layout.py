@@ -34,8 +34,8 @@ MANIFEST_NAME = "manifest.json"
 WEIGHTS_NAME = "weights.bin"
 GLOBAL_EXTENTS = ("embed", "final_norm", "lm_head")  # each holds the one tensor of its name
 ROW_READ_EXTENTS = ("embed",)  # read a row at a time, so checksummed per chunk as well
-# formats whose rows lie whole in one range of bytes (int8's scales in a range of their own),
-# so that a tensor can stream a range of rows at a time
+# formats whose rows lie whole in one range of bytes (a quantized matrix's scales in a range
+# of their own), so that a tensor can stream a range of rows at a time
 ROW_STREAMED_FORMATS = ("dense", *ROW_MATRIX_FORMATS)
 TOKENIZER_NAME = "tokenizer.json"
 
