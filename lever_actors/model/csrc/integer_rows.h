@@ -2,12 +2,13 @@
 // the int8 format's kernel on AVX2 CPUs and the q6k format's (GGUF's Q6_K blocks) on every CPU
 // with our kernels.
 //
-// Each row of x is first rounded to int8 in groups of 32 inputs (one float32 scale per group,
-// as llama.cpp's Q8_0). A group's products with a weight row are summed exactly in integers,
-// 32 pairs of bytes per instruction (vpmaddubsw takes one unsigned operand, so it multiplies
-// |w| by q_x with w's sign moved onto it), then weighted by the weight's sub-block scales in
-// vpmaddwd, and added to the output's eight float32 lanes in one fixed sequence. A row of x takes
-// part in no other row's sums, so its result is the same alone or as one of 64.
+// Each row of x is first rounded to int8 in groups of a block's inputs (one float32 scale per
+// group: 32 for int8, as llama.cpp's Q8_0; 256 for q6k, as its Q8_K). A group's products with
+// a weight row are summed exactly in integers, 32 pairs of bytes per instruction (vpmaddubsw
+// takes one unsigned operand: int8's |w| with w's sign moved onto x, or q6k's q as stored),
+// weighted by the weight's sub-block scales in vpmaddwd, and a block's sums are added to the
+// output's eight float32 lanes in one fixed sequence. A row of x takes part in no other row's
+// sums, so its result is the same alone or as one of 64.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -131,12 +132,12 @@ struct Q6KUnpacked {
 
 struct Q6KRows {
   static constexpr int GROUPS = Q6K_INPUTS / GROUP;
+  static constexpr int OFFSET = 32;  // the values are q, unsigned: w is q - 32
   struct Panel {  // one task's unpacked rows (Q6KUnpacked), reused from block to block
     std::vector<uint8_t> q;
     std::vector<int16_t> weights;
     std::vector<float> d;
   };
-  static constexpr int OFFSET = 32;  // the values are q, unsigned: w is q - 32
   const uint8_t* data;
   const uint16_t* d;  // float16 bits, [n, k / 256]
   int64_t k;
