@@ -3,11 +3,11 @@
 `--weights` choices: "dense" keeps every tensor in the layout's dtype; "auto" keeps a GGUF
 file's own precision class (4- and 5-bit types -> int4, Q6_K -> q6k, its own blocks, 8-bit
 types -> int8, float types dense; an HF checkpoint stays dense); "q4", "q6" and "q8" quantize
-every matrix. Norms and biases
-always stay dense; the embedding table becomes int4rows where its class is 4-bit, else
-stays dense. A shape the int4 or q6k format cannot take falls back to int8.
+every matrix. Norms and biases always stay dense; the embedding table becomes int4rows where
+its class is 4-bit, else stays dense. A shape the int4 or q6k format cannot take falls back to int8.
 Q4_K blocks convert to int4 without requantizing (their 32-input sub-blocks are its groups;
-only the scales round to bf16); other types are dequantized and rounded to nearest.
+only the scales round to bf16); Q6_K blocks are kept as they are (q6k); other types are
+dequantized and rounded to nearest.
 """
 
 from __future__ import annotations
