@@ -53,10 +53,8 @@ def storage_bytes(shape: tuple[int, ...], fmt: str, itemsize: int) -> int:
     if fmt == "dense":
         return count * itemsize
     out, inputs = shape
-    if fmt == "int8":
-        return count + 2 * out
-    if fmt == "q6k":
-        return out * (inputs // Q6K_INPUTS) * (Q6K_BYTES + 2)
+    if fmt in ROW_MATRIX_FORMATS:
+        return out * sum(row_bytes(fmt, inputs))
     return count // 2 + 4 * out * (inputs // GROUP)  # int4, int4rows: nibbles + scale, zero
 
 
