@@ -26,16 +26,20 @@ def weight(shape: tuple[int, int], seed: int = 0) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.05
 
 
-def as_kernels_see(x: torch.Tensor) -> torch.Tensor:
-    """x [m, k] as our kernels multiply it, in float64: on AVX2 each group of 32 inputs
-    rounded to int8 at 127 / max |x| (half to even) with a float32 scale; on AMX x itself."""
-    if native.loaded() is not native.AVX2:
-        return x.double()
-    groups = x.float().view(x.shape[0], -1, GROUP)
+def rounded_as_int8(x: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+    """x [m, k] as the integer kernels multiply it, in float64: each `group` inputs rounded
+    to int8 at 127 / max |x| (half to even) with a float32 scale."""
+    groups = x.float().view(x.shape[0], -1, group)
     top = groups.abs().amax(-1, keepdim=True)
     inverse = torch.where(top > 0, torch.full_like(top, 127.0) / top, 0.0)  # float32, as in C++
     rounded = (groups * inverse).round()
     return (rounded.double() * (top / 127.0).double()).view_as(x)
+
+
+def as_kernels_see(x: torch.Tensor) -> torch.Tensor:
+    """x [m, k] as our int4 and int8 kernels multiply it, in float64: on AVX2 rounded to int8
+    per 32 inputs; on AMX x itself."""
+    return rounded_as_int8(x) if native.loaded() is native.AVX2 else x.double()
 
 
 def int4_meaning(x: torch.Tensor, q) -> torch.Tensor:

@@ -22,7 +22,7 @@ from lever_actors.model.quantized import (
     storage_bytes,
 )
 from lever_actors.model.weights import row_range
-from tests.model.test_native import needs_native, weight
+from tests.model.test_native import needs_native, rounded_as_int8, weight
 
 
 def random_blocks(shape: tuple[int, int], seed: int = 0) -> np.ndarray:
@@ -40,15 +40,6 @@ def from_gguf(shape: tuple[int, int], seed: int = 0) -> tuple[QuantizedWeight, t
     blocks = random_blocks(shape, seed)
     values = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q6_K)
     return from_q6k_blocks(torch.from_numpy(blocks), shape), torch.from_numpy(values).view(shape)
-
-
-def rounded_as_int8(x: torch.Tensor) -> torch.Tensor:
-    """x [m, k] as the q6k kernel multiplies it, in float64: each block's 256 inputs rounded
-    to int8 at 127 / max |x| (half to even) with a float32 scale, as llama.cpp's Q8_K."""
-    groups = x.float().view(x.shape[0], -1, Q6K_INPUTS)
-    top = groups.abs().amax(-1, keepdim=True)
-    inverse = torch.where(top > 0, torch.full_like(top, 127.0) / top, 0.0)
-    return ((groups * inverse).round().double() * (top / 127.0).double()).view_as(x)
 
 
 @pytest.mark.parametrize("shape", [(64, 256), (8, 768)])
@@ -95,7 +86,7 @@ def test_quantizing_rounds_to_the_nearest_step_and_packs_what_it_means():
 def test_the_kernel_computes_the_grouped_integer_sums(shape):
     q, values = from_gguf(shape)
     x = (torch.randn(5, shape[1]) * torch.logspace(-2, 1, shape[1])).to(torch.bfloat16)
-    expected = rounded_as_int8(x) @ values.double().T
+    expected = rounded_as_int8(x, Q6K_INPUTS) @ values.double().T  # per 256, as Q8_K
     got = native.q6k_linear(x, q.data, q.scales).double()
     assert ((got - expected).abs() <= 0.01 * expected.abs() + 1e-4).all()
 
