@@ -1,6 +1,7 @@
 """Milliseconds per call of our quantized kernels (model/native.py: AMX or AVX2, whichever this
 CPU has) against torch's weight-only kernels, on the real target's matrix shapes, random
 weights, DRAM-cold (copies enough to overflow the caches are cycled), by rows per call.
+torch has no kernel for q6k: its rows are against our int8 kernel on the same values.
 
     .venv/bin/python bench/kernels.py [--rows 1,8,64] [--seconds 0.5]
 """
@@ -18,6 +19,7 @@ from lever_actors.model.quantized import (
     QuantizedWeight,
     quantize_int4,
     quantize_int8,
+    quantize_q6k,
     torch_packing,
 )
 
@@ -26,7 +28,11 @@ SHAPES = [  # (format, [out, in]) of the real target's matrices and LM head
     ("int4", (1536, 8960)),
     ("int8", (1536, 8960)),
     ("int8", (8192, 1536)),  # a part of the LM head as it streams
+    ("q6k", (1536, 8960)),
+    ("q6k", (8192, 1536)),
 ]
+QUANTIZE = {"int4": quantize_int4, "int8": quantize_int8, "q6k": quantize_q6k}
+KERNELS = {"int4": native.int4_linear, "int8": native.int8_linear, "q6k": native.q6k_linear}
 COLD_BYTES = 200_000_000  # more than any last-level cache here
 
 
@@ -39,8 +45,7 @@ def copies(weight: QuantizedWeight) -> list[QuantizedWeight]:
 
 
 def ours(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
-    kernel = native.int4_linear if weight.fmt == "int4" else native.int8_linear
-    return kernel(x, weight.data, weight.scales)
+    return KERNELS[weight.fmt](x, weight.data, weight.scales)
 
 
 def torchs(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
@@ -70,18 +75,23 @@ def main() -> None:
     if isa is None:
         raise SystemExit("our kernels do not load on this machine (see the log above)")
     rows = [int(r) for r in args.rows.split(",")]
-    print(f"ms per call, ours ({isa.name}) / torch's, {torch.get_num_threads()} threads")
+    threads = torch.get_num_threads()
+    print(f"ms per call, ours ({isa.name}) / torch's (q6k: / our int8), {threads} threads")
     print("| matrix | " + " | ".join(f"{r} rows" for r in rows) + " |")
     print("|---|" + "---|" * len(rows))
     generator = torch.Generator().manual_seed(0)
     for fmt, shape in SHAPES:
         values = torch.randn(shape, generator=generator) * 0.02
-        weights = copies(quantize_int4(values) if fmt == "int4" else quantize_int8(values))
+        weights = copies(QUANTIZE[fmt](values))
+        if fmt == "q6k":  # the same values as int8, on our kernel
+            against, other = ours, copies(quantize_int8(values))
+        else:
+            against, other = torchs, weights
         cells = []
         for n in rows:
             x = torch.randn(n, shape[1], generator=generator).to(torch.bfloat16)
             mine = milliseconds(ours, weights, x, args.seconds)
-            theirs = milliseconds(torchs, weights, x, args.seconds)
+            theirs = milliseconds(against, other, x, args.seconds)
             cells.append(f"{mine:.2f} / {theirs:.2f}")
         print(f"| {fmt} {shape[0]}x{shape[1]} | " + " | ".join(cells) + " |", flush=True)
 
