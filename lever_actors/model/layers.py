@@ -163,7 +163,7 @@ def head_products(normed: torch.Tensor, rows: Weight, out: torch.Tensor) -> None
     streamed part), block by block, into out [n, rows] (filled in place: a tree's logits are
     tens of MB). A 4-bit packed head, whose rows cannot be cut apart (it never streams),
     multiplies whole."""
-    if isinstance(rows, QuantizedWeight) and rows.fmt == "int4":
+    if isinstance(rows, QuantizedWeight) and not rows.rows_readable:
         out.copy_(linear(normed, rows))
         return
     n = rows.shape[0]

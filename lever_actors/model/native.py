@@ -33,7 +33,9 @@ log = get_logger(__name__)
 
 BLOCK_N = 64  # outputs per block of the kernels (the int4 packing's blocks)
 DEPTH = 32  # inputs per step of the kernels (AMX: one tile product)
-Q6K_INPUTS = 256  # inputs per block of GGUF's Q6_K
+K_INPUTS = 256  # inputs per block of GGUF's k-quants (Q4_K, Q6_K)
+Q4K_OUTPUTS = 8  # outputs per record of the q4k packing
+K_FORMATS = ("q4k", "q6k")  # GGUF's Q4_K and Q6_K values as we keep them: torch has no kernel
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class Isa:
     def headers(self) -> tuple[Path, ...]:
         return tuple(
             self.source.with_name(name)
-            for name in ("common.h", "attention.h", "integer_rows.h", "norm.h")
+            for name in ("common.h", "attention.h", "integer_rows.h", "norm.h", "q4k.h")
         )
 
     @property
@@ -112,18 +114,18 @@ def fits(fmt: str, shape: tuple[int, int]) -> bool:
     """Whether a matrix of this format and [out, in] shape runs on our kernels."""
     out, inputs = shape
     return (
-        fmt in ("int4", "int8", "q6k")
+        fmt in ("int4", "int8", *K_FORMATS)
         and out % BLOCK_N == 0
-        and inputs % (Q6K_INPUTS if fmt == "q6k" else DEPTH) == 0
+        and inputs % (K_INPUTS if fmt in K_FORMATS else DEPTH) == 0
         and in_use() is not None
     )
 
 
 def fewest_rows(fmt: str) -> int:
     """The fewest rows a draft's matrix of `fmt` sends to our kernels (see Isa.fewest_rows;
-    torch has no kernel for q6k, so it always takes ours)."""
+    torch has no kernel for the k-quants, so they always take ours)."""
     isa = in_use()
-    return 1 if isa is None or fmt == "q6k" else isa.fewest_rows
+    return 1 if isa is None or fmt in K_FORMATS else isa.fewest_rows
 
 
 def int4_linear(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -143,6 +145,11 @@ def int8_linear(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> to
 def q6k_linear(x: torch.Tensor, data: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """x [n, in] bf16 times a q6k matrix (GGUF's Q6_K blocks) -> [n, out] bf16."""
     return _isa().ops.q6k_linear(x.contiguous(), data, d)
+
+
+def q4k_linear(x: torch.Tensor, records: torch.Tensor, ds: torch.Tensor) -> torch.Tensor:
+    """x [n, in] bf16 times a q4k matrix (GGUF's Q4_K values in our records) -> [n, out] bf16."""
+    return _isa().ops.q4k_linear(x.contiguous(), records, ds)
 
 
 ATTEND_GROUP = 8  # the most query heads per kv head our attention takes

@@ -9,11 +9,16 @@ Formats (what a flash layout stores, and what DRAM holds):
   reads right on another, and our kernels use a layer where it was read.
 - "int8": w = q * scale, q in -127..127, one bf16 scale per output row: [out, in] int8,
   then [out] bf16, as `aten._weight_int8pack_mm` reads them.
-- "q6k": GGUF's Q6_K blocks as the file has them, row after row: a block of Q6K_INPUTS inputs
+- "q6k": GGUF's Q6_K blocks as the file has them, row after row: a block of K_INPUTS inputs
   is 128 bytes of low nibbles, 64 of high bit pairs and 16 int8 sub-block scales
   ([out, in / 256 * 208] bytes), w = d * sc * (q - 32); then each block's float16 d
-  ([out, in / 256]). It has no torch kernel: where ours are absent its values are used as a
-  bf16 matrix.
+  ([out, in / 256]).
+- "q4k": GGUF's Q4_K values, w = d * sc * q - dmin * m (q in 0..15; a 6-bit scale sc and
+  minimum m per 32 inputs; a float16 d and dmin per 256), in a packing of ours: each 8
+  outputs' block of 256 inputs is one record (see `pack_q4k`), [out / 8, in / 256 * 1152]
+  bytes; then the records' d and dmin ([out / 8, in / 256, 2, 8] float16).
+  The k-quants (K_FORMATS) have no torch kernel: where ours are absent their values are
+  used as a bf16 matrix.
 - "int4rows": the embedding table, row after row of [in / 2] bytes (the even input in the
   low nibble) then [in / GROUP, 2] bf16 scales and zeros: one contiguous record per row,
   so a token's row is one small read.
@@ -36,15 +41,19 @@ import torch
 
 from lever_actors.model import native, row_blocks
 
-Format = Literal["dense", "int4", "int8", "q6k", "int4rows"]
-MatrixFormat = Literal["int4", "int8", "q6k"]
-QUANTIZED_FORMATS: tuple[str, ...] = ("int4", "int8", "q6k", "int4rows")
+Format = Literal["dense", "int4", "int8", "q6k", "q4k", "int4rows"]
+MatrixFormat = Literal["int4", "int8", "q6k", "q4k"]
+QUANTIZED_FORMATS: tuple[str, ...] = ("int4", "int8", "q6k", "q4k", "int4rows")
 # matrices stored row after row, each row's values whole in its own bytes (then its scales)
 ROW_MATRIX_FORMATS: tuple[str, ...] = ("int8", "q6k")
+K_FORMATS = native.K_FORMATS
 GROUP = 32  # inputs per int4 scale: Q4_K's sub-block, so its values convert without requantizing
 PACK_TILES = 2  # torch's inner_k_tiles for its CPU int4 packing
 COMPUTE_DTYPE = torch.bfloat16  # the kernels' activations, scales and outputs
-Q6K_INPUTS, Q6K_BYTES = native.Q6K_INPUTS, 208  # a Q6_K block's inputs, and its bytes less d
+K_INPUTS = native.K_INPUTS  # a k-quant block's inputs
+Q6K_BYTES = 208  # a Q6_K block's bytes less d
+Q4K_OUTPUTS = native.Q4K_OUTPUTS  # outputs per q4k record
+Q4K_RECORD = 1152  # a q4k record's bytes less d and dmin: 8 outputs' nibbles, scales, minimums
 
 
 def storage_bytes(shape: tuple[int, ...], fmt: str, itemsize: int) -> int:
@@ -55,6 +64,8 @@ def storage_bytes(shape: tuple[int, ...], fmt: str, itemsize: int) -> int:
     out, inputs = shape
     if fmt in ROW_MATRIX_FORMATS:
         return out * sum(row_bytes(fmt, inputs))
+    if fmt == "q4k":  # nibbles, and per 256 inputs 8 scales, 8 minimums, d and dmin
+        return count // 2 + out * (inputs // K_INPUTS) * 20
     return count // 2 + 4 * out * (inputs // GROUP)  # int4, int4rows: nibbles + scale, zero
 
 
@@ -63,7 +74,7 @@ def row_bytes(fmt: str, inputs: int) -> tuple[int, int]:
     stored after all the rows' values."""
     if fmt == "int8":
         return inputs, 2
-    blocks = inputs // Q6K_INPUTS
+    blocks = inputs // K_INPUTS
     return blocks * Q6K_BYTES, blocks * 2
 
 
@@ -74,8 +85,10 @@ def check_quantizable(shape: tuple[int, ...], fmt: str) -> str | None:
     if len(shape) != 2:
         return f"a {fmt} tensor is a matrix, not of shape {shape}"
     out, inputs = shape
-    if fmt == "q6k" and inputs % Q6K_INPUTS:
-        return f"q6k needs inputs in blocks of {Q6K_INPUTS}, not {inputs}"
+    if fmt in K_FORMATS and inputs % K_INPUTS:
+        return f"{fmt} needs inputs in blocks of {K_INPUTS}, not {inputs}"
+    if fmt == "q4k" and out % Q4K_OUTPUTS:
+        return f"q4k needs outputs in {Q4K_OUTPUTS}s, not {out}"
     if fmt in ("int4", "int4rows") and inputs % GROUP:
         return f"{fmt} needs inputs in groups of {GROUP}, not {inputs}"
     if fmt == "int4" and (out % 16 or inputs % (16 * PACK_TILES)):
@@ -90,15 +103,21 @@ class QuantizedWeight:
     fmt: MatrixFormat
     shape: tuple[int, int]
     # int4: [out, in / 2] uint8, the packing; int8: [out, in] int8; q6k: [out, in / 256 * 208]
-    # uint8, the blocks less d
+    # uint8, the blocks less d; q4k: [out / 8, in / 256 * 1152] uint8, the records
     data: torch.Tensor
-    # int4: [in / GROUP, out, 2] bf16 scale, zero; int8: [out] bf16; q6k: [out, in / 256] f16 d
+    # int4: [in / GROUP, out, 2] bf16 scale, zero; int8: [out] bf16; q6k: [out, in / 256] f16 d;
+    # q4k: [out / 8, in / 256 * 16] f16, each record's 8 d then 8 dmin
     scales: torch.Tensor
     # False for a draft's matrices: each call takes the faster kernel for its rows, as a
     # draft's rounding only steers which tokens the target checks
     exact: bool = True
 
     dtype = COMPUTE_DTYPE
+
+    @property
+    def rows_readable(self) -> bool:
+        """Whether a row's values can be read alone (not in the int4 and q4k packings)."""
+        return self.fmt in ROW_MATRIX_FORMATS
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x: [n, in] -> [n, out] in x's dtype, computed in bf16; each row as if it were alone
@@ -111,7 +130,7 @@ class QuantizedWeight:
         ):
             kernel = _KERNELS[self.fmt]
             out = kernel(x, self.data, self.scales)
-        elif self.fmt == "q6k":
+        elif self.fmt in K_FORMATS:
             out = row_blocks.linear(x, bf16_values(self))
         elif self.exact:
             key = ("quantized", self.fmt, *self.shape)
@@ -128,21 +147,21 @@ class QuantizedWeight:
         return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
-        """The int8 or q6k matrix's rows `ids` as values, [n] -> [n, in] bf16: an embedding
-        table (the rows of an int4 packing are not addressable)."""
-        if self.fmt == "int4":
-            raise TypeError("the rows of an int4 packing cannot be read one by one")
+        """The row-stored matrix's rows `ids` as values, [n] -> [n, in] bf16: an embedding
+        table (the rows of an int4 or q4k packing are not addressable)."""
+        if not self.rows_readable:
+            raise TypeError(f"the rows of a {self.fmt} packing cannot be read one by one")
         return self._rows(ids).to(COMPUTE_DTYPE)
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of an int8 or q6k matrix as float32 values, [n] -> [n, in]."""
+        """Rows `ids` of a row-stored matrix as float32 values, [n] -> [n, in]."""
         if self.fmt == "int8":
             return self.data[ids].float() * self.scales[ids].float()[:, None]
         return q6k_values(self.data[ids], self.scales[ids])
 
     def products(self, ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the matrix times h: [n] ids, [in] -> [n] float32 (the rows of an int4
-        packing are not addressable: its product runs whole, then is picked from)."""
+        or q4k packing are not addressable: its product runs whole, then is picked from)."""
         if self.fmt == "int8":
             return (self.data[ids].float() @ h.float()) * self.scales[ids].float()
         if self.fmt == "q6k":
@@ -152,6 +171,8 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:
         """The matrix the kernels multiply by, as float32 [out, in]."""
         out, inputs = self.shape
+        if self.fmt == "q4k":
+            return q4k_values(self.data, self.scales)
         if self.fmt != "int4":
             return self._rows(torch.arange(out))
         q = unpack_int4(self.data).float().view(out, inputs // GROUP, GROUP)
@@ -175,6 +196,10 @@ class QuantizedWeight:
             values, _ = row_bytes(fmt, inputs)
             split = out * values
             return cls.from_rows(fmt, raw[:split].view(out, values), raw[split:].view(out, -1))
+        if fmt == "q4k":
+            split = out // Q4K_OUTPUTS * inputs // K_INPUTS * Q4K_RECORD
+            data = raw[:split].view(out // Q4K_OUTPUTS, -1)
+            return cls(fmt, shape, data, raw[split:].view(torch.float16).view(data.shape[0], -1))
         split = out * inputs // 2  # int4
         data = raw[:split].view(out, inputs // 2)
         scales = raw[split:].view(COMPUTE_DTYPE).view(inputs // GROUP, out, 2)
@@ -190,7 +215,7 @@ class QuantizedWeight:
         if fmt == "int8":
             shape = (rows, values.shape[1])
             return cls(fmt, shape, values.view(torch.int8), scales.view(COMPUTE_DTYPE).view(rows))
-        shape = (rows, values.shape[1] // Q6K_BYTES * Q6K_INPUTS)
+        shape = (rows, values.shape[1] // Q6K_BYTES * K_INPUTS)
         return cls(fmt, shape, values, scales.view(torch.float16))
 
 
@@ -219,17 +244,86 @@ class QuantizedRows:
         return cls(shape, raw.view(shape[0], -1))
 
 
-_KERNELS = {"int4": native.int4_linear, "int8": native.int8_linear, "q6k": native.q6k_linear}
+_KERNELS = {
+    "int4": native.int4_linear,
+    "int8": native.int8_linear,
+    "q6k": native.q6k_linear,
+    "q4k": native.q4k_linear,
+}
 
 
 def from_q6k_blocks(blocks: torch.Tensor, shape: tuple[int, int]) -> QuantizedWeight:
     """GGUF Q6_K blocks of an [out, in] matrix, blocks: [out, in / 256 * 210] uint8 (a row's
     blocks in order, each ending in its float16 d), as a q6k weight: copies, d apart."""
     out, inputs = shape
-    rows = blocks.reshape(out, inputs // Q6K_INPUTS, Q6K_BYTES + 2)
+    rows = blocks.reshape(out, inputs // K_INPUTS, Q6K_BYTES + 2)
     data = rows[..., :Q6K_BYTES].reshape(out, -1).contiguous()
     d = rows[..., Q6K_BYTES:].contiguous().view(torch.float16).view(out, -1)
     return QuantizedWeight("q6k", shape, data, d)
+
+
+def q4k_blocks(blocks: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+    """GGUF Q4_K blocks of an [out, in] matrix, blocks: [out, in / 256 * 144] uint8 (a row's
+    blocks in order), as their parts: q [out, in] uint8, sc and m [out, in / 256, 8] uint8,
+    d and dmin [out, in / 256] float16. A block is its d and dmin, 12 bytes of 6-bit scales
+    and minimums (groups 0-3's: the low 6 bits of bytes 0-3 and 4-7; groups 4-7's: their low
+    4 bits in bytes 8-11, scale low and minimum high, their top 2 in the top 2 of bytes 0-3
+    and 4-7), then 128 bytes of nibbles (each 32 bytes hold two groups of 32 inputs, the
+    first in the low nibbles)."""
+    out, inputs = shape
+    rows = blocks.reshape(out, inputs // K_INPUTS, 144)
+    dm = rows[..., :4].contiguous().view(torch.float16)  # [out, blocks, 2]
+    packed = rows[..., 4:16].to(torch.int32)
+    first, second, low = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = torch.cat((first & 63, (low & 15) | (first >> 6) << 4), dim=-1)  # [out, blocks, 8]
+    m = torch.cat((second & 63, (low >> 4) | (second >> 6) << 4), dim=-1)
+    nibbles = rows[..., 16:].reshape(out, -1, 4, 1, 32)
+    q = torch.cat((nibbles & 15, nibbles >> 4), dim=3).reshape(out, inputs)
+    return q, sc.to(torch.uint8), m.to(torch.uint8), dm[..., 0], dm[..., 1]
+
+
+def from_q4k_blocks(blocks: torch.Tensor, shape: tuple[int, int]) -> QuantizedWeight:
+    """GGUF Q4_K blocks (as `q4k_blocks` takes them) as a q4k weight of the same values."""
+    return pack_q4k(*q4k_blocks(blocks, shape))
+
+
+def pack_q4k(
+    q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
+) -> QuantizedWeight:
+    """Q4_K's values as a q4k weight: q [out, in] in 0..15, sc and m [out, in / 256, 8] in
+    0..63, d and dmin [out, in / 256] float16. Each 8 outputs' block is one record: for each
+    pair of groups c and each 4 inputs t of a group, 32 bytes whose 4 from byte 4o hold
+    output o's q of those inputs, group 2c's in the low nibbles and 2c + 1's in the high (a
+    vector of 8 outputs, as the kernel multiplies them); then the 8 groups' scales and
+    minimums, [group][output] each."""
+    out, inputs = q.shape
+    tasks, blocks = out // Q4K_OUTPUTS, inputs // K_INPUTS
+    q = q.to(torch.uint8).view(tasks, Q4K_OUTPUTS, blocks, 4, 2, 8, 4)  # [o, b, c, h, t, i]
+    nibbles = (q[:, :, :, :, 0] | q[:, :, :, :, 1] << 4).permute(0, 2, 3, 4, 1, 5)
+    by_group = [t.view(tasks, Q4K_OUTPUTS, blocks, 8).permute(0, 2, 3, 1) for t in (sc, m)]
+    parts = [t.reshape(tasks, blocks, -1) for t in (nibbles, *by_group)]
+    records = torch.cat(parts, dim=-1).reshape(tasks, -1).contiguous()
+    ds = torch.stack([t.view(tasks, Q4K_OUTPUTS, blocks).transpose(1, 2) for t in (d, dmin)], 2)
+    return QuantizedWeight("q4k", (out, inputs), records, ds.reshape(tasks, -1).contiguous())
+
+
+def q4k_values(data: torch.Tensor, ds: torch.Tensor) -> torch.Tensor:
+    """A q4k weight's values: data [out / 8, in / 256 * 1152] uint8 and ds [out / 8, in / 256
+    * 16] float16 as `pack_q4k` makes them -> [out, in] float32."""
+    tasks = data.shape[0]
+    records = data.view(tasks, -1, Q4K_RECORD)
+    blocks = records.shape[1]
+    nibbles = records[..., :1024].view(tasks, blocks, 4, 8, Q4K_OUTPUTS, 4)  # [b, c, t, o, i]
+    q = torch.stack((nibbles & 15, nibbles >> 4), dim=3)  # [b, c, h, t, o, i]
+    q = q.permute(0, 5, 1, 2, 3, 4, 6).reshape(tasks * Q4K_OUTPUTS, blocks, 8, 32).float()
+    sc, m = (
+        records[..., at : at + 64].view(tasks, blocks, 8, Q4K_OUTPUTS).permute(0, 3, 1, 2)
+        for at in (1024, 1088)
+    )  # [tasks, o, b, group] each
+    d, dmin = ds.view(tasks, blocks, 2, Q4K_OUTPUTS).permute(2, 0, 3, 1).reshape(2, -1, blocks, 1)
+    step = (d.float() * sc.reshape(-1, blocks, 8).float())[..., None]
+    floor = (dmin.float() * m.reshape(-1, blocks, 8).float())[..., None]
+    return (step * q - floor).reshape(tasks * Q4K_OUTPUTS, blocks * K_INPUTS)
 
 
 def q6k_values(data: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -247,14 +341,14 @@ def q6k_values(data: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     q = (nibbles | pairs << 4).transpose(3, 4).reshape(n, blocks, 16, 16).float() - 32
     sc = rows[..., 192:208].view(torch.int8).float()  # [n, blocks, 16]
     values = q * (d.float()[..., None] * sc)[..., None]
-    return values.reshape(n, blocks * Q6K_INPUTS)
+    return values.reshape(n, blocks * K_INPUTS)
 
 
 _bf16_values: weakref.WeakKeyDictionary[QuantizedWeight, torch.Tensor] = weakref.WeakKeyDictionary()
 
 
 def bf16_values(weight: QuantizedWeight) -> torch.Tensor:
-    """A q6k weight's values as a bf16 matrix, for torch's dense kernels where ours are absent:
+    """A k-quant weight's values as a bf16 matrix, for torch's dense kernels where ours are absent:
     made once per weight (a streamed layer's, once per pass)."""
     values = _bf16_values.get(weight)
     if values is None:
@@ -365,7 +459,7 @@ def quantize_q6k(w: torch.Tensor) -> QuantizedWeight:
     """Round to nearest into Q6_K blocks: each 16 inputs' scale is max |w| / 31, held as an
     int8 multiple of the block's float16 d (its largest scale / 127); q - 32 in -32..31."""
     out, inputs = w.shape
-    blocks = inputs // Q6K_INPUTS
+    blocks = inputs // K_INPUTS
     groups = w.float().view(out, blocks, 16, 16)
     wanted = groups.abs().amax(-1) / 31  # [out, blocks, 16]
     d = (wanted.amax(-1) / 127).to(torch.float16)  # [out, blocks]
@@ -381,6 +475,29 @@ def quantize_q6k(w: torch.Tensor) -> QuantizedWeight:
     qh = (high << shifts).sum((3, 4)).to(torch.uint8).reshape(out, blocks, 64)
     stored = torch.cat((ql, qh, sc.to(torch.int8).view(torch.uint8)), dim=-1)
     return QuantizedWeight("q6k", (out, inputs), stored.reshape(out, -1).contiguous(), d)
+
+
+def quantize_q4k(w: torch.Tensor) -> QuantizedWeight:
+    """Round to nearest into Q4_K's values: each 32 inputs' range, from min(w, 0) to max(w),
+    in 16 steps; its step and -min(w, 0) held as 6-bit multiples of each 256 inputs' float16
+    d and dmin (their largest / 63)."""
+    out, inputs = w.shape
+    blocks = inputs // K_INPUTS
+    groups = w.float().view(out, blocks, 8, 32)
+    floor = -groups.amin(-1).clamp_max(0)  # [out, blocks, 8], at least 0
+    wanted = (groups.amax(-1) + floor) / 15
+    d, dmin = ((t.amax(-1) / 63).to(torch.float16) for t in (wanted, floor))  # [out, blocks]
+
+    def in_units(t: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+        unit = unit.float()[..., None]
+        return torch.where(unit > 0, t / torch.where(unit > 0, unit, 1.0), 0.0).round().clamp(0, 63)
+
+    sc, m = in_units(wanted, d), in_units(floor, dmin)
+    step = (d.float()[..., None] * sc)[..., None]  # what the kernels multiply by
+    shifted = groups + (dmin.float()[..., None] * m)[..., None]
+    q = torch.where(step > 0, shifted / torch.where(step > 0, step, 1.0), 0.0)
+    q = q.round_().clamp_(0, 15).view(out, inputs)
+    return pack_q4k(q, sc.to(torch.uint8), m.to(torch.uint8), d, dmin)
 
 
 def quantize_int8(w: torch.Tensor) -> QuantizedWeight:

@@ -13,8 +13,8 @@ import torch
 
 from lever_actors.model import native, row_blocks
 from lever_actors.model.quantized import (
+    K_INPUTS,
     Q6K_BYTES,
-    Q6K_INPUTS,
     QuantizedWeight,
     bf16_values,
     from_q6k_blocks,
@@ -29,8 +29,8 @@ def random_blocks(shape: tuple[int, int], seed: int = 0) -> np.ndarray:
     """Random Q6_K bytes [out, in / 256 * 210] with small finite float16 d's."""
     rng = np.random.default_rng(seed)
     out, inputs = shape
-    raw = rng.integers(0, 256, size=(out, inputs // Q6K_INPUTS, Q6K_BYTES + 2), dtype=np.uint8)
-    d = rng.uniform(0.0001, 0.001, (out, inputs // Q6K_INPUTS, 1)).astype(np.float16)
+    raw = rng.integers(0, 256, size=(out, inputs // K_INPUTS, Q6K_BYTES + 2), dtype=np.uint8)
+    d = rng.uniform(0.0001, 0.001, (out, inputs // K_INPUTS, 1)).astype(np.float16)
     raw[..., Q6K_BYTES:] = d.view(np.uint8)
     return raw.reshape(out, -1)
 
@@ -86,7 +86,7 @@ def test_quantizing_rounds_to_the_nearest_step_and_packs_what_it_means():
 def test_the_kernel_computes_the_grouped_integer_sums(shape):
     q, values = from_gguf(shape)
     x = (torch.randn(5, shape[1]) * torch.logspace(-2, 1, shape[1])).to(torch.bfloat16)
-    expected = rounded_as_int8(x, Q6K_INPUTS) @ values.double().T  # per 256, as Q8_K
+    expected = rounded_as_int8(x, K_INPUTS) @ values.double().T  # per 256, as Q8_K
     got = native.q6k_linear(x, q.data, q.scales).double()
     assert ((got - expected).abs() <= 0.01 * expected.abs() + 1e-4).all()
 

@@ -22,6 +22,7 @@
 #include "common.h"
 #include "integer_rows.h"
 #include "norm.h"
+#include "q4k.h"
 
 namespace {
 
@@ -279,5 +280,6 @@ TORCH_LIBRARY(lever_amx, m) {
   m.def("int4_linear", &int4_linear);
   m.def("int8_linear", &int8_linear);
   m.def("q6k_linear", &lever::q6k_linear);
+  m.def("q4k_linear", &lever::q4k_linear);
   m.def("enable_tiles", &enable_tiles);
 }

@@ -102,12 +102,12 @@ struct Int8Rows {
 // q6k: GGUF's Q6_K. A block of 256 inputs is 128 bytes of low nibbles, 64 of two high bits
 // each, 16 int8 sub-block scales (one per 16 inputs), 208 bytes in a row after row's blocks,
 // and a float16 d held apart ([n, k / 256] after all rows): w = d * sc * (q - 32), q in 0..63.
-constexpr int64_t Q6K_INPUTS = 256, Q6K_BYTES = 208;
+constexpr int64_t K_INPUTS = 256, Q6K_BYTES = 208;  // a k-quant block's inputs; a Q6_K block's bytes less d
 
 // q6k rows of one task's 8 outputs, unpacked once where many rows of x share them: each
 // group's q (32 bytes) and weights (one vector), and each block's d
 struct Q6KUnpacked {
-  static constexpr int GROUPS = Q6K_INPUTS / GROUP;
+  static constexpr int GROUPS = K_INPUTS / GROUP;
   static constexpr int OFFSET = 32;
   const uint8_t* q;        // [8][k]
   const int16_t* weights;  // [8][k / 32][16]
@@ -121,7 +121,7 @@ struct Q6KUnpacked {
   };
   Block block(int64_t j, int64_t b) const {
     int64_t row = j - j0;
-    return {q + row * k + b * Q6K_INPUTS, weights + (row * (k / GROUP) + b * GROUPS) * 16, _mm256_set1_ps(d[row * (k / Q6K_INPUTS) + b])};
+    return {q + row * k + b * K_INPUTS, weights + (row * (k / GROUP) + b * GROUPS) * 16, _mm256_set1_ps(d[row * (k / K_INPUTS) + b])};
   }
   __m256i group(const Block& block, int gi, __m256i* weights) const {
     *weights = _mm256_loadu_si256((const __m256i*)(block.weights + gi * 16));
@@ -131,7 +131,7 @@ struct Q6KUnpacked {
 };
 
 struct Q6KRows {
-  static constexpr int GROUPS = Q6K_INPUTS / GROUP;
+  static constexpr int GROUPS = K_INPUTS / GROUP;
   static constexpr int OFFSET = 32;  // the values are q, unsigned: w is q - 32
   struct Panel {  // one task's unpacked rows (Q6KUnpacked), reused from block to block
     std::vector<uint8_t> q;
@@ -148,7 +148,7 @@ struct Q6KRows {
     __m256i sc[2];     // sub-block scales 0-7 and 8-15, each twice in a 32-bit lane, as int16
   };
   Block block(int64_t j, int64_t b) const {
-    int64_t at = j * (k / Q6K_INPUTS) + b;
+    int64_t at = j * (k / K_INPUTS) + b;
     const uint8_t* bytes = data + at * Q6K_BYTES;
     Block out{bytes, _mm256_set1_ps(_cvtsh_ss(d[at])), {}};
     for (int h = 0; h < 2; ++h) {
@@ -175,7 +175,7 @@ struct Q6KRows {
   float row_scale(int64_t) const { return 1.0f; }
   // the 8 rows from j0 unpacked into `panel`: the same values, so the same sums
   Q6KUnpacked unpacked(int64_t j0, Panel& panel) const {
-    int64_t groups = k / GROUP, blocks = k / Q6K_INPUTS;
+    int64_t groups = k / GROUP, blocks = k / K_INPUTS;
     panel.q.resize(ROWS8 * k);
     panel.weights.resize(ROWS8 * groups * 16);
     panel.d.resize(ROWS8 * blocks);
@@ -186,7 +186,7 @@ struct Q6KRows {
         for (int gi = 0; gi < GROUPS; ++gi) {
           __m256i weights, q = group(at, gi, &weights);
           _mm256_storeu_si256((__m256i*)(panel.weights.data() + (j * groups + b * GROUPS + gi) * 16), weights);
-          _mm256_storeu_si256((__m256i*)(panel.q.data() + j * k + b * Q6K_INPUTS + gi * GROUP), q);
+          _mm256_storeu_si256((__m256i*)(panel.q.data() + j * k + b * K_INPUTS + gi * GROUP), q);
         }
       }
     return {panel.q.data(), panel.weights.data(), panel.d.data(), j0, k};
@@ -301,8 +301,8 @@ inline at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& data, const 
   TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous(), "data: uint8");
   TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous(), "d: float16");
   int64_t k = x.size(1), n = data.size(0);
-  TORCH_CHECK(n % ROWS8 == 0 && k % Q6K_INPUTS == 0, "q6k shape");
-  TORCH_CHECK(data.size(1) == k / Q6K_INPUTS * Q6K_BYTES && d.numel() == n * (k / Q6K_INPUTS), "q6k shape");
+  TORCH_CHECK(n % ROWS8 == 0 && k % K_INPUTS == 0, "q6k shape");
+  TORCH_CHECK(data.size(1) == k / K_INPUTS * Q6K_BYTES && d.numel() == n * (k / K_INPUTS), "q6k shape");
   Q6KRows w{data.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr()), k};
   return integer_linear(x, w, n);
 }

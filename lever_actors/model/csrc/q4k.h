@@ -1,0 +1,143 @@
+// GGUF's Q4_K values in our q4k packing times activations rounded to int8 per 256 inputs (as
+// llama.cpp's Q8_K), in integers, with AVX2.
+//
+// w = d * sc * q - dmin * m: q in 0..15, a 6-bit scale sc and minimum m per group of 32 inputs,
+// a float16 d and dmin per 256. Each 8 outputs' 256 inputs are one record (model/quantized.py,
+// `pack_q4k`): per pair of groups and per 4 inputs, 32 bytes of 8 outputs' q, two groups to a
+// byte; then the groups' scales and minimums, [group][output]; each record's d and dmin are held
+// apart ([n / 8, k / 256, 2, 8] float16).
+//
+// Per output and block of 256, two sums are exact integers: I = sum over groups of
+// sc * (q . q_x) and M = sum over groups of m * sum(q_x). The block then adds to the output in
+// one fixed sequence, y = fma(I, x_scale * d, y), then y = fnma(M, x_scale * dmin, y), each
+// output in its own lane. A row of x takes part in no other row's sums, so its result is the
+// same alone or as one of 64.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+#include <vector>
+
+#include "common.h"
+#include "integer_rows.h"
+
+namespace lever {
+
+constexpr int64_t Q4K_OUTPUTS = 8, Q4K_RECORD = 1152, Q4K_SCALES = 1024, Q4K_MINIMUMS = 1088;
+
+// Each row of x's group sums as int16 pairs, groups 2i and 2i + 1 in one 32-bit lane, from the
+// exact float sums rounded_rows gives (a group's at most 32 * 127 in size: within int16)
+inline std::vector<int32_t> group_sum_pairs(const RoundedRows& xq) {
+  std::vector<int32_t> pairs(xq.sum.size() / 2);
+  for (size_t i = 0; i < pairs.size(); ++i)
+    pairs[i] = int32_t(uint32_t(uint16_t(int32_t(xq.sum[2 * i]))) | uint32_t(int32_t(xq.sum[2 * i + 1])) << 16);
+  return pairs;
+}
+
+inline __m256i eight_bytes(const uint8_t* p) {  // as int32 lanes
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+}
+
+inline __m256i quad_at(const int8_t* p) {  // 4 int8 inputs in every 32-bit lane
+  int32_t four;
+  std::memcpy(&four, p, 4);
+  return _mm256_set1_epi32(four);
+}
+
+// rows [m0, m0 + R) of x times one task's records (8 outputs): y [R][8]
+template <int R>
+inline void q4k_rows(const RoundedRows& xq, const int32_t* sum_pairs, int64_t m0, const uint8_t* records,
+                     const uint16_t* ds, int64_t k, float* y) {
+  int64_t blocks = k / K_INPUTS;
+  const __m256i nibble = _mm256_set1_epi8(15);
+  __m256 out[R];
+  for (int r = 0; r < R; ++r) out[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* record = records + b * Q4K_RECORD;
+    __m256i total[R];
+    for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {  // groups 2c (low nibbles) and 2c + 1 (high)
+      __m256i low[R], high[R];  // int16 pairs: 16 products of at most 15 * 127 each
+      for (int r = 0; r < R; ++r) low[r] = high[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const uint8_t* at = record + (c * 8 + t) * 32;
+        if (t % 2 == 0) _mm_prefetch((const char*)at + FETCH_AHEAD, _MM_HINT_T0);
+        __m256i v = _mm256_loadu_si256((const __m256i*)at);
+        __m256i q0 = _mm256_and_si256(v, nibble), q1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = xq.q.data() + (m0 + r) * k + b * K_INPUTS + c * 2 * GROUP + 4 * t;
+          low[r] = _mm256_add_epi16(low[r], _mm256_maddubs_epi16(q0, quad_at(x)));
+          high[r] = _mm256_add_epi16(high[r], _mm256_maddubs_epi16(q1, quad_at(x + GROUP)));
+        }
+      }
+      __m256i s0 = eight_bytes(record + Q4K_SCALES + 2 * c * 8), s1 = eight_bytes(record + Q4K_SCALES + (2 * c + 1) * 8);
+      s0 = _mm256_or_si256(s0, _mm256_slli_epi32(s0, 16));  // each in both int16 halves
+      s1 = _mm256_or_si256(s1, _mm256_slli_epi32(s1, 16));
+      for (int r = 0; r < R; ++r) {
+        total[r] = _mm256_add_epi32(total[r], _mm256_madd_epi16(low[r], s0));
+        total[r] = _mm256_add_epi32(total[r], _mm256_madd_epi16(high[r], s1));
+      }
+    }
+    __m256i minimums[4];  // groups 2p | 2p + 1 << 16
+    for (int p = 0; p < 4; ++p)
+      minimums[p] = _mm256_or_si256(eight_bytes(record + Q4K_MINIMUMS + 2 * p * 8),
+                                    _mm256_slli_epi32(eight_bytes(record + Q4K_MINIMUMS + (2 * p + 1) * 8), 16));
+    __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ds + b * 16)));
+    __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ds + b * 16 + 8)));
+    for (int r = 0; r < R; ++r) {
+      const int32_t* pairs = sum_pairs + (m0 + r) * (k / (2 * GROUP)) + b * 4;
+      __m256i floor = _mm256_setzero_si256();
+      for (int p = 0; p < 4; ++p) floor = _mm256_add_epi32(floor, _mm256_madd_epi16(minimums[p], _mm256_set1_epi32(pairs[p])));
+      __m256 x_scale = _mm256_set1_ps(xq.scale[(m0 + r) * blocks + b]);
+      out[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[r]), _mm256_mul_ps(x_scale, d), out[r]);
+      out[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(floor), _mm256_mul_ps(x_scale, dmin), out[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * 8, out[r]);
+}
+
+// x [m, k] bf16; records [n / 8, k / 256 * 1152] uint8; ds [n / 8, k / 256 * 16] float16 -> [m, n] bf16
+inline at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& records, const at::Tensor& ds) {
+  check_rows(x);
+  TORCH_CHECK(records.scalar_type() == at::kByte && records.is_contiguous(), "records: uint8");
+  TORCH_CHECK(ds.scalar_type() == at::kHalf && ds.is_contiguous(), "ds: float16");
+  int64_t rows = x.size(0), k = x.size(1), tasks = records.size(0), n = tasks * Q4K_OUTPUTS;
+  TORCH_CHECK(k % K_INPUTS == 0 && records.size(1) == k / K_INPUTS * Q4K_RECORD, "q4k shape");
+  TORCH_CHECK(ds.numel() == tasks * (k / K_INPUTS) * 16, "q4k shape");
+  auto out = at::empty({rows, n}, x.options());
+  if (rows == 0) return out;
+  RoundedRows xq = rounded_rows(x, K_INPUTS);
+  std::vector<int32_t> sum_pairs = group_sum_pairs(xq);
+  const uint8_t* rp = records.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(ds.data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  int64_t record_bytes = k / K_INPUTS * Q4K_RECORD, ds_count = k / K_INPUTS * 16;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    float y[4 * Q4K_OUTPUTS];
+    for (int64_t task = begin; task < end; ++task) {
+      const uint8_t* records_at = rp + task * record_bytes;
+      const uint16_t* ds_at = dp + task * ds_count;
+      for (int64_t m = 0; m < rows; m += 4) {  // the task's records stay in cache meanwhile
+        int64_t count = std::min<int64_t>(rows - m, 4);
+        switch (count) {
+          case 1: q4k_rows<1>(xq, sum_pairs.data(), m, records_at, ds_at, k, y); break;
+          case 2: q4k_rows<2>(xq, sum_pairs.data(), m, records_at, ds_at, k, y); break;
+          case 3: q4k_rows<3>(xq, sum_pairs.data(), m, records_at, ds_at, k, y); break;
+          default: q4k_rows<4>(xq, sum_pairs.data(), m, records_at, ds_at, k, y);
+        }
+        for (int64_t r = 0; r < count; ++r)
+          for (int64_t o = 0; o < Q4K_OUTPUTS; ++o) op[(m + r) * n + task * Q4K_OUTPUTS + o] = to_bf16(y[r * 8 + o]);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace lever

@@ -1,0 +1,131 @@
+"""The q4k format: GGUF's Q4_K values in a packing of ours, 8 outputs to a record. Their values
+read back as gguf decodes the blocks, the round-to-nearest quantizer keeps what Q4_K can
+hold, and our kernel (on every CPU with our kernels) computes each row on its own from them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from lever_actors.model import native, row_blocks
+from lever_actors.model.quantized import (
+    K_INPUTS,
+    QuantizedWeight,
+    bf16_values,
+    from_q4k_blocks,
+    q4k_blocks,
+    quantize_q4k,
+    storage_bytes,
+)
+from tests.model.test_native import needs_native, rounded_as_int8, weight
+
+Q4K_BLOCK = 144  # bytes of a block in the file
+
+
+def random_blocks(shape: tuple[int, int], seed: int = 0) -> np.ndarray:
+    """Random Q4_K bytes [out, in / 256 * 144] with small finite float16 d's and dmin's."""
+    rng = np.random.default_rng(seed)
+    out, inputs = shape
+    raw = rng.integers(0, 256, size=(out, inputs // K_INPUTS, Q4K_BLOCK), dtype=np.uint8)
+    dm = rng.uniform(0.0001, 0.001, (out, inputs // K_INPUTS, 2)).astype(np.float16)
+    raw[..., :4] = dm.view(np.uint8)
+    return raw.reshape(out, -1)
+
+
+def from_gguf(shape: tuple[int, int], seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A q4k weight of random blocks, and their values as gguf decodes them [out, in]."""
+    blocks = random_blocks(shape, seed)
+    values = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K)
+    return from_q4k_blocks(torch.from_numpy(blocks), shape), torch.from_numpy(values).view(shape)
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (8, 768)])
+def test_values_are_what_gguf_decodes(shape):
+    q, values = from_gguf(shape)
+    assert torch.equal(q.dequantize(), values)
+    assert q.nbytes == storage_bytes(shape, "q4k", 0) == shape[0] * shape[1] // 256 * 148
+    h = torch.randn(shape[1])
+    ids = torch.tensor([5, 0, 5])
+    # its rows are not addressable: the whole product, in bf16 with x rounded, picked from
+    scale = torch.linalg.norm(values[ids], dim=1) * torch.linalg.norm(h)
+    assert ((q.products(ids, h) - values[ids] @ h).abs() <= 0.02 * scale).all()
+    with pytest.raises(TypeError, match="cannot be read one by one"):
+        q[ids]
+
+
+def test_stored_bytes_read_back_as_the_same_weight():
+    q, _ = from_gguf((64, 512))
+    back = QuantizedWeight.from_bytes(
+        torch.frombuffer(bytearray(q.to_bytes()), dtype=torch.uint8), "q4k", q.shape
+    )
+    assert torch.equal(back.data, q.data) and torch.equal(back.scales, q.scales)
+
+
+def test_quantizing_rounds_to_the_nearest_step_and_keeps_what_q4_k_holds():
+    w = weight((64, 512)) * torch.logspace(-1, 1, 512)  # groups of very different ranges
+    w[3] = 0.0  # a row of zeros: scales of zero, values of zero
+    w[5] = w[5].abs() + 0.1  # a row with no negative values: minimums of zero
+    q = quantize_q4k(w)
+    got = q.dequantize()
+    assert torch.equal(got[3], torch.zeros(512))
+    groups, values = w.view(64, 2, 8, 32), got.view(64, 2, 8, 32)
+    low = groups.amin(-1, keepdim=True).clamp_max(0)
+    step = (groups.amax(-1, keepdim=True) - low) / 15
+    d, dmin = q.scales.view(8, 2, 2, 8).permute(2, 0, 3, 1).reshape(2, 64, 2, 1, 1).float()
+    # half a step, and what rounding the step to d's and the minimum to dmin's moves (15
+    # steps of half a d, half a dmin)
+    assert ((values - groups).abs() <= 0.5 * step + 7.5 * d + 0.5 * dmin + 1e-6).all()
+    assert torch.linalg.norm(got - w) <= 0.09 * torch.linalg.norm(w)  # int4 too: 7.8%
+
+
+def test_its_parts_are_the_blocks_parts():
+    blocks = random_blocks((8, 512), seed=3)
+    q, sc, m, d, dmin = q4k_blocks(torch.from_numpy(blocks), (8, 512))
+    assert q.shape == (8, 512) and sc.shape == m.shape == (8, 2, 8) and d.shape == (8, 2)
+    assert int(q.max()) <= 15 and int(sc.max()) <= 63 and int(m.max()) <= 63
+    values = (d.float()[..., None] * sc.float())[..., None] * q.view(8, 2, 8, 32).float()
+    values = values - (dmin.float()[..., None] * m.float())[..., None]
+    decoded = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K)
+    assert torch.equal(values.view(8, 512), torch.from_numpy(decoded).view(8, 512))
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(64, 256), (128, 768)])
+def test_the_kernel_computes_the_grouped_integer_sums(shape):
+    q, values = from_gguf(shape)
+    x = (torch.randn(5, shape[1]) * torch.logspace(-2, 1, shape[1])).to(torch.bfloat16)
+    expected = rounded_as_int8(x, K_INPUTS) @ values.double().T  # per 256, as Q8_K
+    got = native.q4k_linear(x, q.data, q.scales).double()
+    assert ((got - expected).abs() <= 0.01 * expected.abs() + 1e-4).all()
+
+
+@needs_native
+def test_a_row_is_the_same_in_calls_of_every_size():
+    q, _ = from_gguf((128, 768))
+    x = (torch.randn(70, 768) * torch.logspace(-2, 2, 768)).to(torch.bfloat16)
+    alone = torch.cat([native.q4k_linear(x[i : i + 1], q.data, q.scales) for i in range(70)])
+    for n in (2, 3, 4, 5, 17, 64, 70):  # rows in fours and what is left
+        assert torch.equal(native.q4k_linear(x[:n], q.data, q.scales), alone[:n]), n
+
+
+@needs_native
+def test_a_matrix_that_fits_runs_on_ours_even_for_a_draft(monkeypatch):
+    monkeypatch.setattr(native, "in_use", native.loaded)
+    q, _ = from_gguf((64, 256))
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    assert native.fits("q4k", q.shape) and not native.fits("q4k", (64, 224))
+    expected = native.q4k_linear(x, q.data, q.scales)
+    assert torch.equal(q.linear(x), expected)
+    assert torch.equal(replace(q, exact=False).linear(x), expected)  # no torch kernel to prefer
+
+
+def test_without_our_kernels_its_values_multiply_as_a_bf16_matrix(monkeypatch):
+    monkeypatch.setattr(native, "in_use", lambda: None)
+    q, values = from_gguf((64, 256))
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    assert torch.equal(bf16_values(q), values.to(torch.bfloat16))
+    assert torch.equal(q.linear(x), row_blocks.linear(x, values.to(torch.bfloat16)))
