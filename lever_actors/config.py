@@ -28,8 +28,9 @@ PruneWhen = Literal["compute_bound", "always"]
 Projection = Literal["on_demand", "eager"]
 Units = Literal["split", "single"]
 DraftDtype = Literal["bfloat16", "float32", "float64"]
-# matrices: dense, auto (a GGUF's own precision class), or quantized to 4, 6 or 8 bits
-Weights = Literal["dense", "auto", "q4", "q6", "q8"]
+# matrices: dense, auto (a GGUF's own precision class), or quantized to 4 bits (int4, or q4k:
+# Q4_K's values), 6 (q6k: Q6_K's) or 8
+Weights = Literal["dense", "auto", "q4", "q4k", "q6", "q8"]
 Throttle = Literal["none", "ufs3.1", "ufs4.0"]
 
 

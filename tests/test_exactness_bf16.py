@@ -130,14 +130,14 @@ async def test_gain_cost_trees_above_32_nodes_equal_sequential_reference_in_bf16
     assert max(n for steps in nodes for n in steps) > KERNEL_ROWS, nodes
 
 
-@pytest.mark.parametrize("weights", ["q4", "q6", "q8"])
+@pytest.mark.parametrize("weights", ["q4", "q4k", "q6", "q8"])
 async def test_quantized_trees_above_32_nodes_equal_sequential_reference(weights):
     """Target and draft kept in 4, 6 or 8 bits: a tree verified in one pass equals one-token
     decoding of the same quantized weights."""
     config = bf16_config(tree="static:8,8", weights=weights)
     manifest = read_manifest(Path(config.target))
     formats = {t.format for extent in manifest.extents for t in extent.tensors}
-    assert formats >= {{"q4": "int4", "q6": "q6k", "q8": "int8"}[weights], "dense"}
+    assert formats >= {{"q4": "int4", "q4k": "q4k", "q6": "q6k", "q8": "int8"}[weights], "dense"}
     for prompt in PROMPTS[:3]:
         nodes = await later_trees(config, prompt)
         assert nodes and all(n == config.tree.max_nodes + 1 for n in nodes), nodes

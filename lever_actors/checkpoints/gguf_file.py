@@ -29,7 +29,7 @@ from lever_actors.config import Weights
 from lever_actors.device.memory import return_freed_heap
 from lever_actors.errors import CheckpointError
 from lever_actors.model.args import ModelArgs, RopeScaling, check_args
-from lever_actors.model.quantized import from_q6k_blocks
+from lever_actors.model.quantized import from_q4k_blocks, from_q6k_blocks
 from lever_actors.model.weights import (
     ModelWeights,
     Weight,
@@ -121,12 +121,12 @@ def load_gguf(path: Path, dtype: torch.dtype, weights: Weights = "dense") -> Che
         shape = _torch_shape(t)
         fmt = tensor_format(weights, ours, shape, t.tensor_type.name)
         heads = _permuted_heads(args, ours)
-        as_stored = fmt == "q6k" and t.tensor_type == QType.Q6_K
-        if as_stored or (fmt in ("int4", "int4rows") and t.tensor_type == QType.Q4_K):
+        kept = {"q6k": QType.Q6_K, "q4k": QType.Q4_K}.get(fmt) == t.tensor_type
+        if kept or (fmt in ("int4", "int4rows") and t.tensor_type == QType.Q4_K):
             rows = torch.from_numpy(np.array(t.data)).view(shape[0], -1)  # a row's blocks
             rows = rows if heads is None else unpermute_qk(rows, heads)
-            if as_stored:
-                return from_q6k_blocks(rows, shape)
+            if kept:
+                return (from_q6k_blocks if fmt == "q6k" else from_q4k_blocks)(rows, shape)
             return q4k_to_int4(rows.reshape(-1, gguf.GGML_QUANT_SIZES[QType.Q4_K][1]), shape, fmt)
         if fmt in ROW_WISE_FORMATS and heads is None:
             return quantize_by_rows(_row_chunks(t, path), fmt, shape)

@@ -1,13 +1,14 @@
 """Which format each tensor is stored in, and the quantization into it.
 
 `--weights` choices: "dense" keeps every tensor in the layout's dtype; "auto" keeps a GGUF
-file's own precision class (4- and 5-bit types -> int4, Q6_K -> q6k, its own blocks, 8-bit
-types -> int8, float types dense; an HF checkpoint stays dense); "q4", "q6" and "q8" quantize
-every matrix. Norms and biases always stay dense; the embedding table becomes int4rows where
-its class is 4-bit, else stays dense. A shape the int4 or q6k format cannot take falls back to int8.
-Q4_K blocks convert to int4 without requantizing (their 32-input sub-blocks are its groups;
-only the scales round to bf16); Q6_K blocks are kept as they are (q6k); other types are
-dequantized and rounded to nearest.
+file's own precision class (Q4_K -> q4k and Q6_K -> q6k, their own values; other 4- and 5-bit
+types -> int4, 8-bit types -> int8, float types dense; an HF checkpoint stays dense); "q4",
+"q4k", "q6" and "q8" quantize every matrix. Norms and biases always stay dense; the embedding
+table becomes int4rows where its class is 4-bit, else stays dense. A shape q4k cannot take
+falls back to int4, one int4 or q6k cannot take to int8.
+Q4_K and Q6_K blocks keep their values (q4k in our packing, q6k as stored), and Q4_K converts
+to int4 without requantizing (its 32-input groups are int4's; only the scales round to bf16);
+other types are dequantized and rounded to nearest.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from lever_actors.model.quantized import (
     QuantizedWeight,
     check_quantizable,
     from_groups,
+    q4k_blocks,
     quantize_int4,
     quantize_int8,
+    quantize_q4k,
     quantize_q6k,
 )
 from lever_actors.model.weights import ModelWeights, Weight, is_norm
@@ -58,7 +61,9 @@ def tensor_format(
     if choice == "dense" or len(shape) != 2 or is_norm(ours):
         return "dense"
     if choice == "auto":
-        if source_type in _FOUR_BIT:
+        if source_type == "Q4_K":
+            choice = "q4k"
+        elif source_type in _FOUR_BIT:
             choice = "q4"
         elif source_type == "Q6_K":
             choice = "q6"
@@ -69,10 +74,12 @@ def tensor_format(
     if ours == "embed":
         return (
             "int4rows"
-            if choice == "q4" and check_quantizable(shape, "int4rows") is None
+            if choice in ("q4", "q4k") and check_quantizable(shape, "int4rows") is None
             else "dense"
         )
-    if choice == "q4" and check_quantizable(shape, "int4") is None:
+    if choice == "q4k" and check_quantizable(shape, "q4k") is None:
+        return "q4k"
+    if choice in ("q4", "q4k") and check_quantizable(shape, "int4") is None:
         return "int4"
     if choice == "q6" and check_quantizable(shape, "q6k") is None:
         return "q6k"
@@ -87,6 +94,8 @@ def quantize_tensor(values: torch.Tensor, fmt: Format, dtype: torch.dtype) -> We
         return quantize_int8(values)
     if fmt == "q6k":
         return quantize_q6k(values)
+    if fmt == "q4k":
+        return quantize_q4k(values)
     return quantize_int4(values, fmt)  # type: ignore[arg-type]
 
 
@@ -153,7 +162,7 @@ def copies_embedding(embed: Weight, head: Weight) -> bool:
     Q8_0 head; they differ by 9% in norm). Judged on evenly spaced rows: within 25%, where
     two unrelated matrices of one scale differ by 141%. A 4-bit packed head's rows cannot be
     read, so it never counts."""
-    if embed.shape != head.shape or (isinstance(head, QuantizedWeight) and head.fmt == "int4"):
+    if embed.shape != head.shape or (isinstance(head, QuantizedWeight) and not head.rows_readable):
         return False
     ids = torch.linspace(0, embed.shape[0] - 1, SAMPLED_ROWS).long()
     table, rows = embed[ids].float(), head[ids].float()
@@ -161,26 +170,12 @@ def copies_embedding(embed: Weight, head: Weight) -> bool:
 
 
 def q4k_to_int4(blocks: torch.Tensor, shape: tuple[int, int], fmt: Format) -> Weight:
-    """GGUF Q4_K blocks of a [out, in] matrix, blocks: [out * in / 256, 144] uint8, in a
-    4-bit format. A block is an f16 scale d and min dmin, twelve bytes of 6-bit sub-block
-    scales and mins, and 256 4-bit values; value = d * sc * q - dmin * m per sub-block of
-    32, which is (q - 8) * scale + zero with scale = d * sc, zero = 8 * scale - dmin * m."""
+    """GGUF Q4_K blocks of a [out, in] matrix (see `q4k_blocks`) in a 4-bit format of ours:
+    value = d * sc * q - dmin * m per group of 32, which is (q - 8) * scale + zero with
+    scale = d * sc, zero = 8 * scale - dmin * m."""
     out, inputs = shape
-    d = blocks[:, 0:2].contiguous().view(torch.float16).float()  # [blocks, 1]
-    dmin = blocks[:, 2:4].contiguous().view(torch.float16).float()
-    sc, m = _q4k_scales(blocks[:, 4:16].to(torch.int32))  # [blocks, 8] each
-    packed = blocks[:, 16:144].reshape(-1, 4, 1, 32)  # 4 pairs of sub-blocks, 32 bytes each
-    q = torch.cat((packed & 15, packed >> 4), dim=2).reshape(out, inputs)  # low nibbles first
-    scale = (d * sc).reshape(out, inputs // 32)
-    zero = (8 * d * sc - dmin * m).reshape(out, inputs // 32)
-    return from_groups(q.to(torch.int32), scale, zero, fmt)  # type: ignore[arg-type]
-
-
-def _q4k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The eight 6-bit scales and mins of each block's 12 bytes: sub-blocks 0-3 take the low
-    six bits of bytes 0-3 (scales) and 4-7 (mins); 4-7 take a nibble of bytes 8-11 plus the
-    two high bits of bytes 0-3 (scales) and 4-7 (mins)."""
-    low_sc, low_m, high = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    sc = torch.cat((low_sc & 63, (high & 15) | ((low_sc >> 6) << 4)), dim=1)
-    m = torch.cat((low_m & 63, (high >> 4) | ((low_m >> 6) << 4)), dim=1)
-    return sc.float(), m.float()
+    q, sc, m, d, dmin = q4k_blocks(blocks, shape)
+    scale = d.float()[..., None] * sc.float()  # [out, blocks, 8]
+    zero = 8 * scale - dmin.float()[..., None] * m.float()
+    groups = (out, inputs // 32)
+    return from_groups(q.to(torch.int32), scale.reshape(groups), zero.reshape(groups), fmt)  # type: ignore[arg-type]

@@ -39,9 +39,9 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
         "--weights",
         choices=WEIGHTS_CHOICES,
         default=None,
-        help="matrices: auto keeps a GGUF's precision class (4-bit -> int4, Q6_K -> its own "
-        "blocks, 8-bit -> int8), q4/q6/q8 quantize every one, dense stores --dtype (default: "
-        "auto for bf16, else dense)",
+        help="matrices: auto keeps a GGUF's precision class (Q4_K and Q6_K -> their own "
+        "values, other 4-bit -> int4, 8-bit -> int8), q4/q4k/q6/q8 quantize every one, dense "
+        "stores --dtype (default: auto for bf16, else dense)",
     )
     conv.set_defaults(command=run_convert)
 

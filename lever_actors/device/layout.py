@@ -27,8 +27,8 @@ from lever_actors.model.quantized import (
 from lever_actors.model.weights import Weight, expected_shapes, layer_tensor_names
 
 # 2: per-chunk checksums of tensors read by rows; 3: int4 packed alike on every CPU; 4: Q6_K
-# kept as its blocks (q6k)
-MANIFEST_VERSION = 4
+# kept as its blocks (q6k); 5: Q4_K's values kept (q4k)
+MANIFEST_VERSION = 5
 ALIGNMENT = 4096  # O_DIRECT needs block-aligned offsets, lengths and buffers
 MANIFEST_NAME = "manifest.json"
 WEIGHTS_NAME = "weights.bin"

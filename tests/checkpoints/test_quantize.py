@@ -46,7 +46,7 @@ def test_auto_keeps_each_tensor_in_its_precision_class(tmp_path: Path) -> None:
         "wv": "dense",
         "wo": "dense",
         "ffn_norm": "dense",
-        "w_gate": "int4",
+        "w_gate": "q4k",  # its values, in our packing
         "w_up": "q6k",  # its blocks as stored
         "w_down": "dense",
         "bq": "dense",
@@ -57,10 +57,22 @@ def test_auto_keeps_each_tensor_in_its_precision_class(tmp_path: Path) -> None:
     }
 
 
-def test_q4k_blocks_convert_up_to_the_rounding_of_their_scales(tmp_path: Path) -> None:
+def test_q4k_blocks_keep_their_values(tmp_path: Path) -> None:
     path = tmp_path / "tiny.gguf"
     expected = write_gguf(path, "llama", layer_types={"attn_q.weight": Q.Q4_K})
     layers = load_gguf(path, BF16, "auto").weights.layers
+    for i, layer in enumerate(layers):
+        for ours, name in (("w_gate", "ffn_gate"), ("wq", "attn_q")):  # wq: rows unpermuted
+            want = torch.from_numpy(expected[f"blk.{i}.{name}.weight"]).float()
+            got = layer[ours]
+            assert isinstance(got, QuantizedWeight) and got.fmt == "q4k"
+            assert torch.equal(got.dequantize(), want)
+
+
+def test_q4k_blocks_convert_to_int4_up_to_the_rounding_of_their_scales(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    expected = write_gguf(path, "llama", layer_types={"attn_q.weight": Q.Q4_K})
+    layers = load_gguf(path, BF16, "q4").weights.layers
     for i, layer in enumerate(layers):
         for ours, name in (("w_gate", "ffn_gate"), ("wq", "attn_q")):  # wq: rows unpermuted
             want = torch.from_numpy(expected[f"blk.{i}.{name}.weight"]).float()
@@ -109,7 +121,7 @@ def test_a_head_stored_beside_the_table_it_copies_is_found_by_its_values(tmp_pat
 
 
 def test_choices_are_checked() -> None:
-    with pytest.raises(ConfigError, match="expected one of dense, auto, q4, q6, q8"):
+    with pytest.raises(ConfigError, match="expected one of dense, auto, q4, q4k, q6, q8"):
         load_checkpoint("unused", BF16, "q3")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="quantized weights compute in bfloat16"):
         load_checkpoint("unused", torch.float64, "q4")
@@ -119,9 +131,12 @@ def test_choices_are_checked() -> None:
     assert tensor_format("q8", "attn_norm", (256,)) == "dense"
     assert tensor_format("q6", "wq", (64, 224)) == "int8"  # inputs not in blocks of 256
     assert tensor_format("auto", "embed", (40, 256), "Q6_K") == "dense"
+    assert tensor_format("auto", "embed", (40, 256), "Q4_K") == "int4rows"
+    assert tensor_format("q4k", "wq", (64, 224)) == "int4"  # inputs not in blocks of 256
+    assert tensor_format("q4k", "wq", (24, 256)) == "q4k"  # outputs in 8s (int4 needs 16s)
 
 
-@pytest.mark.parametrize("weights", ["auto", "q4", "q6", "q8"])
+@pytest.mark.parametrize("weights", ["auto", "q4", "q4k", "q6", "q8"])
 def test_a_quantized_layout_reads_back_what_was_written(tmp_path: Path, weights: str) -> None:
     path = tmp_path / "tiny.gguf"
     write_gguf(path, "qwen2")
