@@ -1,7 +1,8 @@
 """Milliseconds per call of our quantized kernels (model/native.py: AMX or AVX2, whichever this
 CPU has) against torch's weight-only kernels, on the real target's matrix shapes, random
 weights, DRAM-cold (copies enough to overflow the caches are cycled), by rows per call.
-torch has no kernel for q6k: its rows are against our int8 kernel on the same values.
+torch has no kernel for the k-quants: q6k's rows are against our int8 kernel, q4k's against our
+int4 kernel, on the same values.
 
     .venv/bin/python bench/kernels.py [--rows 1,8,64] [--seconds 0.5]
 """
@@ -19,6 +20,7 @@ from lever_actors.model.quantized import (
     QuantizedWeight,
     quantize_int4,
     quantize_int8,
+    quantize_q4k,
     quantize_q6k,
     torch_packing,
 )
@@ -30,9 +32,22 @@ SHAPES = [  # (format, [out, in]) of the real target's matrices and LM head
     ("int8", (8192, 1536)),  # a part of the LM head as it streams
     ("q6k", (1536, 8960)),
     ("q6k", (8192, 1536)),
+    ("q4k", (8960, 1536)),
+    ("q4k", (1536, 8960)),
 ]
-QUANTIZE = {"int4": quantize_int4, "int8": quantize_int8, "q6k": quantize_q6k}
-KERNELS = {"int4": native.int4_linear, "int8": native.int8_linear, "q6k": native.q6k_linear}
+QUANTIZE = {
+    "int4": quantize_int4,
+    "int8": quantize_int8,
+    "q6k": quantize_q6k,
+    "q4k": quantize_q4k,
+}
+KERNELS = {
+    "int4": native.int4_linear,
+    "int8": native.int8_linear,
+    "q6k": native.q6k_linear,
+    "q4k": native.q4k_linear,
+}
+OURS_AGAINST = {"q6k": "int8", "q4k": "int4"}  # no torch kernel: against ours on the same values
 COLD_BYTES = 200_000_000  # more than any last-level cache here
 
 
@@ -76,15 +91,16 @@ def main() -> None:
         raise SystemExit("our kernels do not load on this machine (see the log above)")
     rows = [int(r) for r in args.rows.split(",")]
     threads = torch.get_num_threads()
-    print(f"ms per call, ours ({isa.name}) / torch's (q6k: / our int8), {threads} threads")
+    baselines = "; ".join(f"{fmt}: / our {other}" for fmt, other in OURS_AGAINST.items())
+    print(f"ms per call, ours ({isa.name}) / torch's ({baselines}), {threads} threads")
     print("| matrix | " + " | ".join(f"{r} rows" for r in rows) + " |")
     print("|---|" + "---|" * len(rows))
     generator = torch.Generator().manual_seed(0)
     for fmt, shape in SHAPES:
         values = torch.randn(shape, generator=generator) * 0.02
         weights = copies(QUANTIZE[fmt](values))
-        if fmt == "q6k":  # the same values as int8, on our kernel
-            against, other = ours, copies(quantize_int8(values))
+        if fmt in OURS_AGAINST:
+            against, other = ours, copies(QUANTIZE[OURS_AGAINST[fmt]](values))
         else:
             against, other = torchs, weights
         cells = []
