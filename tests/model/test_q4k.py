@@ -1,27 +1,23 @@
 """The q4k format: GGUF's Q4_K values in a packing of ours, 8 outputs to a record. Their values
-read back as gguf decodes the blocks, the round-to-nearest quantizer keeps what Q4_K can
-hold, and our kernel (on every CPU with our kernels) computes each row on its own from them."""
+read back as gguf decodes the blocks, and the round-to-nearest quantizer keeps what Q4_K can
+hold (its kernel: test_k_kernels.py)."""
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import gguf
 import numpy as np
 import pytest
 import torch
 
-from lever_actors.model import native, row_blocks
 from lever_actors.model.quantized import (
     K_INPUTS,
     QuantizedWeight,
-    bf16_values,
     from_q4k_blocks,
     q4k_blocks,
     quantize_q4k,
     storage_bytes,
 )
-from tests.model.test_native import needs_native, rounded_as_int8, weight
+from tests.model.test_native import weight
 
 Q4K_BLOCK = 144  # bytes of a block in the file
 
@@ -91,41 +87,3 @@ def test_its_parts_are_the_blocks_parts():
     values = values - (dmin.float()[..., None] * m.float())[..., None]
     decoded = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K)
     assert torch.equal(values.view(8, 512), torch.from_numpy(decoded).view(8, 512))
-
-
-@needs_native
-@pytest.mark.parametrize("shape", [(64, 256), (128, 768)])
-def test_the_kernel_computes_the_grouped_integer_sums(shape):
-    q, values = from_gguf(shape)
-    x = (torch.randn(5, shape[1]) * torch.logspace(-2, 1, shape[1])).to(torch.bfloat16)
-    expected = rounded_as_int8(x, K_INPUTS) @ values.double().T  # per 256, as Q8_K
-    got = native.q4k_linear(x, q.data, q.scales).double()
-    assert ((got - expected).abs() <= 0.01 * expected.abs() + 1e-4).all()
-
-
-@needs_native
-def test_a_row_is_the_same_in_calls_of_every_size():
-    q, _ = from_gguf((128, 768))
-    x = (torch.randn(70, 768) * torch.logspace(-2, 2, 768)).to(torch.bfloat16)
-    alone = torch.cat([native.q4k_linear(x[i : i + 1], q.data, q.scales) for i in range(70)])
-    for n in (2, 3, 4, 5, 17, 64, 70):  # rows in fours and what is left
-        assert torch.equal(native.q4k_linear(x[:n], q.data, q.scales), alone[:n]), n
-
-
-@needs_native
-def test_a_matrix_that_fits_runs_on_ours_even_for_a_draft(monkeypatch):
-    monkeypatch.setattr(native, "in_use", native.loaded)
-    q, _ = from_gguf((64, 256))
-    x = torch.randn(1, 256).to(torch.bfloat16)
-    assert native.fits("q4k", q.shape) and not native.fits("q4k", (64, 224))
-    expected = native.q4k_linear(x, q.data, q.scales)
-    assert torch.equal(q.linear(x), expected)
-    assert torch.equal(replace(q, exact=False).linear(x), expected)  # no torch kernel to prefer
-
-
-def test_without_our_kernels_its_values_multiply_as_a_bf16_matrix(monkeypatch):
-    monkeypatch.setattr(native, "in_use", lambda: None)
-    q, values = from_gguf((64, 256))
-    x = torch.randn(3, 256).to(torch.bfloat16)
-    assert torch.equal(bf16_values(q), values.to(torch.bfloat16))
-    assert torch.equal(q.linear(x), row_blocks.linear(x, values.to(torch.bfloat16)))

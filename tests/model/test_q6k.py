@@ -1,28 +1,24 @@
 """The q6k format: GGUF's Q6_K blocks kept as the file has them. Their values read back as
-gguf decodes them, the round-to-nearest quantizer packs what it means, and our kernel (on
-every CPU with our kernels) computes each row on its own from them."""
+gguf decodes them, and the round-to-nearest quantizer packs what it means (its kernel:
+test_k_kernels.py)."""
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import gguf
 import numpy as np
 import pytest
 import torch
 
-from lever_actors.model import native, row_blocks
 from lever_actors.model.quantized import (
     K_INPUTS,
     Q6K_BYTES,
     QuantizedWeight,
-    bf16_values,
     from_q6k_blocks,
     quantize_q6k,
     storage_bytes,
 )
 from lever_actors.model.weights import row_range
-from tests.model.test_native import needs_native, rounded_as_int8, weight
+from tests.model.test_native import weight
 
 
 def random_blocks(shape: tuple[int, int], seed: int = 0) -> np.ndarray:
@@ -79,41 +75,3 @@ def test_quantizing_rounds_to_the_nearest_step_and_packs_what_it_means():
     clamped = (w.abs() - 31.5 * step).clamp_min(0)  # past the last level the rounded scale has
     assert ((got - w).abs() <= 0.5 * step + clamped + 1e-6).all()
     assert torch.linalg.norm(got - w) <= 0.02 * torch.linalg.norm(w)
-
-
-@needs_native
-@pytest.mark.parametrize("shape", [(64, 256), (128, 768)])
-def test_the_kernel_computes_the_grouped_integer_sums(shape):
-    q, values = from_gguf(shape)
-    x = (torch.randn(5, shape[1]) * torch.logspace(-2, 1, shape[1])).to(torch.bfloat16)
-    expected = rounded_as_int8(x, K_INPUTS) @ values.double().T  # per 256, as Q8_K
-    got = native.q6k_linear(x, q.data, q.scales).double()
-    assert ((got - expected).abs() <= 0.01 * expected.abs() + 1e-4).all()
-
-
-@needs_native
-def test_a_row_is_the_same_in_calls_of_every_size():
-    q, _ = from_gguf((128, 768))
-    x = (torch.randn(70, 768) * torch.logspace(-2, 2, 768)).to(torch.bfloat16)
-    alone = torch.cat([native.q6k_linear(x[i : i + 1], q.data, q.scales) for i in range(70)])
-    for n in (2, 3, 4, 5, 17, 64, 70):  # rows in fours and what is left
-        assert torch.equal(native.q6k_linear(x[:n], q.data, q.scales), alone[:n]), n
-
-
-@needs_native
-def test_a_matrix_that_fits_runs_on_ours_even_for_a_draft(monkeypatch):
-    monkeypatch.setattr(native, "in_use", native.loaded)
-    q, _ = from_gguf((64, 256))
-    x = torch.randn(1, 256).to(torch.bfloat16)
-    assert native.fits("q6k", q.shape) and not native.fits("q6k", (64, 224))
-    expected = native.q6k_linear(x, q.data, q.scales)
-    assert torch.equal(q.linear(x), expected)
-    assert torch.equal(replace(q, exact=False).linear(x), expected)  # no torch kernel to prefer
-
-
-def test_without_our_kernels_its_values_multiply_as_a_bf16_matrix(monkeypatch):
-    monkeypatch.setattr(native, "in_use", lambda: None)
-    q, values = from_gguf((64, 256))
-    x = torch.randn(3, 256).to(torch.bfloat16)
-    assert torch.equal(bf16_values(q), values.to(torch.bfloat16))
-    assert torch.equal(q.linear(x), row_blocks.linear(x, values.to(torch.bfloat16)))

@@ -1,0 +1,68 @@
+"""Our kernels for GGUF's k-quants as we keep them (q4k, q6k): each computes its values'
+grouped integer sums with x rounded per 256 inputs, gives a row the same bits alone or
+among others, runs a draft's matrices too (torch has no kernel to prefer); where ours do not
+load, the values multiply as a bf16 matrix."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from lever_actors.model import native, row_blocks
+from lever_actors.model.quantized import K_INPUTS, bf16_values
+from tests.model import test_q4k, test_q6k
+from tests.model.test_native import needs_native, rounded_as_int8
+
+FORMATS = {  # format -> (a weight of random blocks and their values, our kernel)
+    "q4k": (test_q4k.from_gguf, native.q4k_linear),
+    "q6k": (test_q6k.from_gguf, native.q6k_linear),
+}
+
+
+@pytest.fixture(params=sorted(FORMATS))
+def fmt(request) -> str:
+    return request.param
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(64, 256), (128, 768)])
+def test_the_kernel_computes_the_grouped_integer_sums(fmt, shape):
+    from_gguf, kernel = FORMATS[fmt]
+    q, values = from_gguf(shape)
+    x = (torch.randn(5, shape[1]) * torch.logspace(-2, 1, shape[1])).to(torch.bfloat16)
+    expected = rounded_as_int8(x, K_INPUTS) @ values.double().T  # per 256, as Q8_K
+    got = kernel(x, q.data, q.scales).double()
+    assert ((got - expected).abs() <= 0.01 * expected.abs() + 1e-4).all()
+
+
+@needs_native
+def test_a_row_is_the_same_in_calls_of_every_size(fmt):
+    from_gguf, kernel = FORMATS[fmt]
+    q, _ = from_gguf((128, 768))
+    x = (torch.randn(70, 768) * torch.logspace(-2, 2, 768)).to(torch.bfloat16)
+    alone = torch.cat([kernel(x[i : i + 1], q.data, q.scales) for i in range(70)])
+    for n in (2, 3, 4, 5, 17, 64, 70):  # rows in fours and what is left
+        assert torch.equal(kernel(x[:n], q.data, q.scales), alone[:n]), n
+
+
+@needs_native
+def test_a_matrix_that_fits_runs_on_ours_even_for_a_draft(fmt, monkeypatch):
+    monkeypatch.setattr(native, "in_use", native.loaded)
+    from_gguf, kernel = FORMATS[fmt]
+    q, _ = from_gguf((64, 256))
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    assert native.fits(fmt, q.shape) and not native.fits(fmt, (64, 224))
+    expected = kernel(x, q.data, q.scales)
+    assert torch.equal(q.linear(x), expected)
+    assert torch.equal(replace(q, exact=False).linear(x), expected)
+
+
+def test_without_our_kernels_its_values_multiply_as_a_bf16_matrix(fmt, monkeypatch):
+    monkeypatch.setattr(native, "in_use", lambda: None)
+    from_gguf, _ = FORMATS[fmt]
+    q, values = from_gguf((64, 256))
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    assert torch.equal(bf16_values(q), values.to(torch.bfloat16))
+    assert torch.equal(q.linear(x), row_blocks.linear(x, values.to(torch.bfloat16)))
