@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from lever_actors.policy.speculation import RETRY_EVERY, WITHIN_REACH, SpeculationGate
+from lever_actors.policy.speculation import (
+    MOST_BETWEEN_RETRIES,
+    RETRY_EVERY,
+    WITHIN_REACH,
+    SpeculationGate,
+)
 
 
 def never(*_):
@@ -25,12 +30,13 @@ def test_one_token_steps_are_tried_only_where_predicted_within_reach(predicted, 
     assert gate.drafts(lambda: predicted) is drafts
 
 
-def test_the_faster_kind_runs_and_the_slower_is_retried_every_few_steps():
+def test_the_faster_kind_runs_and_the_slower_is_retried_ever_less_often():
     gate = SpeculationGate()
     gate.observe(drafted=True, tokens=4, seconds=1.0)  # 4 tokens/s
     gate.observe(drafted=False, tokens=1, seconds=0.2)  # 5 tokens/s: one-token steps win
-    # drafting is retried after RETRY_EVERY one-token steps (the first count began above)
-    expected = [False] * (RETRY_EVERY - 1) + [True] + [False] * RETRY_EVERY + [True]
+    # drafting is retried after RETRY_EVERY one-token steps (the first count began above),
+    # and, still the slower, after twice as many the next time
+    expected = [False] * (RETRY_EVERY - 1) + [True] + [False] * 2 * RETRY_EVERY + [True]
     kinds = []
     for _ in expected:
         drafted = gate.drafts(never)
@@ -56,3 +62,11 @@ def test_rates_are_moving_averages_and_a_timeless_step_teaches_nothing():
     before = gate.drafted
     gate.observe(drafted=True, tokens=4, seconds=0.0)
     assert gate.drafted == before
+
+
+def test_the_wait_has_a_ceiling_and_starts_over_when_the_slower_kind_wins():
+    gate = SpeculationGate(drafted=4.0, one_token=5.0, retry_after=MOST_BETWEEN_RETRIES)
+    gate.observe(drafted=True, tokens=4, seconds=1.0)  # a retry, still slower
+    assert gate.retry_after == MOST_BETWEEN_RETRIES
+    gate.observe(drafted=True, tokens=20, seconds=1.0)  # a retry that now wins
+    assert gate.drafted > gate.one_token and gate.retry_after == RETRY_EVERY
