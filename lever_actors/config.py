@@ -231,8 +231,6 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # every n-th step runs pruned nodes anyway, to count false prunes (0: never)
     audit_every: Annotated[int, msgspec.Meta(ge=0)] = 10
     draft_ahead: bool = True  # gain-cost: draft the next tree while flash paces this pass
-    # gain-cost: draft every step, even while one-token steps earn more (policy/speculation.py)
-    always_draft: bool = False
     projection: Projection = "on_demand"  # on_demand (cpu unit, accepted path) or eager (npu)
     units: Units = "split"  # split: small work on the "cpu" unit beside the "npu"; single
     draft_dtype: DraftDtype = "bfloat16"

@@ -338,7 +338,7 @@ class Engine:
         jitter = _jitters(config)
         p = self.policies
         draft_policy = DraftPolicy(
-            p.spec, p.cost, p.calibrator, config.draft_ahead, request.sampling, p.gate
+            p.spec, p.cost, p.calibrator, config.draft_ahead, request.sampling
         )
         ahead_room = self.spec.max_nodes if config.draft_ahead else 0
         drafter = Drafter(

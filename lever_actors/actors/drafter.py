@@ -16,7 +16,6 @@ from lever_actors.model.sampling import GREEDY, Chooser, Sampling
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.cost_model import CostModel
-from lever_actors.policy.speculation import SpeculationGate
 from lever_actors.policy.trees import GainCostGrowth, TreeBuilder, grow_gain_cost, grow_static
 
 # Draft forwards of at most this many nodes go to the "cpu" unit, wider ones to the batched
@@ -40,7 +39,6 @@ class DraftPolicy:
     calibrator: AcceptanceCalibrator | None = None  # needed by the gain-cost tree
     ahead: bool = False  # gain-cost only: draft the next tree while flash paces this one's pass
     sampling: Sampling = GREEDY  # the request's: the draft draws with the target's noise
-    gate: SpeculationGate | None = None  # gain-cost only: whether a step drafts at all
 
 
 class Drafter:
@@ -71,7 +69,6 @@ class Drafter:
         self.growth: GainCostGrowth | None = None  # the last tree's, when gain-cost
         self.drafted_ahead: TreeBuilder | None = None  # the next tree, when a commit hit it
         self.chooser = Chooser(policy.sampling, noise_dtype=torch.float32)  # ranks only
-        self.drafting = True  # the next step drafts a tree (else it sends the chain alone)
 
     async def run(
         self,
@@ -86,15 +83,13 @@ class Drafter:
             task_status.started()
             async for request in inbox.requests:
                 await self.jitter()
-                started = time.perf_counter()
                 tree = await self.draft(request)
                 await outbox.send(tree)
                 try:
                     commit = await self._commit_drafting_ahead(inbox.commits, request.max_nodes)
                 except trio.EndOfChannel:
                     return
-                # the step ended as its tokens went out, just before the commit came
-                self.commit(commit, tree, request.max_nodes, time.perf_counter() - started)
+                self.commit(commit, tree, request.max_nodes)
 
     async def _commit_drafting_ahead(
         self, commits: trio.MemoryReceiveChannel[Commit], cap: int
@@ -119,7 +114,7 @@ class Drafter:
 
     async def draft(self, request: DraftRequest) -> DraftTree:
         started = time.perf_counter()
-        if self.policy.spec.kind == "none" or not self.drafting:  # the committed chain alone
+        if self.policy.spec.kind == "none":  # autoregressive: the tree is the committed chain
             n = len(self.chain)
             return DraftTree(
                 step=request.step,
@@ -166,8 +161,7 @@ class Drafter:
         self.cache.commit(len(self.backlog))
         self.backlog = []
 
-    def commit(self, commit: Commit, tree: DraftTree, max_nodes: int, seconds: float) -> None:
-        """Keep what the target accepted, and decide whether the next step drafts."""
+    def commit(self, commit: Commit, tree: DraftTree, max_nodes: int) -> None:
         self.chain = list(commit.next_tokens)
         if self.model is None:
             return
@@ -177,17 +171,8 @@ class Drafter:
             )
         builder, grew_ahead = self.builder, self.policy.ahead and self.growth is not None
         self.builder = self.growth = None
-        gate, cost = self.policy.gate, self.policy.cost
-        if gate is not None:
-            if tree.n_committed == 1:  # not the prompt's step, which reads the prompt
-                drafted = len(tree.tokens) > tree.n_committed
-                gate.observe(drafted, len(commit.accepted) - tree.n_committed + 1, seconds)
-            self.drafting = gate.drafts(lambda: 1 / cost.step_seconds(1, [], 1))
-        if builder is None:  # the chain alone: the target has seen it, we have not
-            self.backlog.extend(tree.tokens[: tree.n_committed])
+        if builder is None:  # autoregressive: nothing drafted, nothing to keep
             return
-        if not self.drafting:  # what was drafted ahead goes unused
-            grew_ahead = False
         root = self._next_token_drafted(commit, builder) if grew_ahead else None
         if root is not None:
             self.drafted_ahead = builder.rebase(commit.accepted, root, max_nodes)

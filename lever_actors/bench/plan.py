@@ -40,7 +40,6 @@ ENGINE_FAMILIES = (
     "lever-no-gaincost",
     "lever-no-prune",
     "lever-no-ahead",
-    "lever-always-draft",
     "lever-eager",
     "lever-single-unit",
     "flash-ar-no-verify",
@@ -165,7 +164,6 @@ def engine_variants(options: BenchOptions, family: str) -> list[tuple[str, str |
         "lever-no-gaincost": [("lever-no-gaincost", static, {**lever, "tree": static})],
         "lever-no-prune": [("lever-no-prune", "gaincost", {"early_exit": "off"})],
         "lever-no-ahead": [("lever-no-ahead", "gaincost", {**lever, "draft_ahead": False})],
-        "lever-always-draft": [("lever-always-draft", "gaincost", {**lever, "always_draft": True})],
         "lever-eager": [("lever-eager", "gaincost", {**lever, "projection": "eager"})],
         "lever-single-unit": [("lever-single-unit", "gaincost", {**lever, "units": "single"})],
         # the price of checking every flash read

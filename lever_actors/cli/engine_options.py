@@ -39,11 +39,6 @@ def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not draft the next tree while the target verifies this one",
     )
-    gen.add_argument(
-        "--always-draft",
-        action="store_true",
-        help="gain-cost: draft every step, even while one-token steps earn more",
-    )
     _option(gen, "draft_dtype")
     _option(gen, "draft_weights", help="auto keeps a GGUF draft's precision class")
     _option(gen, "projection")
@@ -78,7 +73,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         prune_threshold=args.prune_threshold,
         prune_when=args.prune_when,
         draft_ahead=not args.no_draft_ahead,
-        always_draft=args.always_draft,
         draft_dtype=args.draft_dtype,
         draft_weights=args.draft_weights,
         projection=args.projection,

@@ -19,7 +19,6 @@ from lever_actors.policy.pruning import (
     keep_everything,
     when_compute_bound,
 )
-from lever_actors.policy.speculation import SpeculationGate
 from lever_actors.progress import Progress
 from lever_actors.sizes import format_bytes
 from lever_actors.target import FlashTarget
@@ -30,7 +29,6 @@ class Policies:
     spec: TreeSpec
     cost: CostModel | None  # profiled for the gain-cost tree, None otherwise
     calibrator: AcceptanceCalibrator
-    gate: SpeculationGate | None  # gain-cost trees: whether a step drafts at all
     exit_layer: int | None  # None: the verifier sends no probes
     prune: PrunePolicy
     probe_when: ProbeWhen  # for a tree of n nodes, whether to consult the pruner
@@ -88,7 +86,6 @@ def build_policies(
         spec=spec,
         cost=cost,
         calibrator=AcceptanceCalibrator(),
-        gate=SpeculationGate() if cost is not None and not config.always_draft else None,
         exit_layer=None if predictor == "off" else exit_layer,
         prune=prune,
         probe_when=probe_when,

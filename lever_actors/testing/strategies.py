@@ -246,7 +246,6 @@ class EngineCase:
     prune_when: str
     audit_every: int
     draft_ahead: bool
-    always_draft: bool
     projection: str
     channels: ChannelSizes
     jitter_seconds: float
@@ -292,7 +291,6 @@ class EngineCase:
             prune_when=self.prune_when,
             audit_every=self.audit_every,
             draft_ahead=self.draft_ahead,
-            always_draft=self.always_draft,
             projection=self.projection,
             draft_dtype=str(self.dtype).removeprefix("torch."),
             draft_weights=self.weights,
@@ -357,7 +355,6 @@ def engine_cases(
         prune_when=draw(st.sampled_from(["compute_bound", "always"])),
         audit_every=draw(st.integers(0, 3)),
         draft_ahead=draw(st.booleans()),
-        always_draft=draw(st.booleans()),
         projection=_given(draw, projections, st.sampled_from(["on_demand", "eager"])),
         channels=_given(draw, channels, channel_sizes()),
         jitter_seconds=_given(draw, jitter, jitters()),

@@ -20,7 +20,6 @@ from lever_actors.model.transformer import Transformer
 from lever_actors.model.tree import TokenTree
 from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.cost_model import CostModel, Curve
-from lever_actors.policy.speculation import SpeculationGate
 from lever_actors.policy.trees import TreeBuilder
 from tests.tiny_hf import save_tiny, tiny_model
 
@@ -295,32 +294,3 @@ async def test_drafting_ahead_only_beside_a_pass_that_flash_paces(
                 while len(rounds) == sent:
                     await trio.sleep(0.01)
     assert (len(rounds) > sent) == drafts_ahead
-
-
-async def test_one_token_steps_send_the_chain_and_drafting_resumes_on_the_whole_text(draft):
-    """Where the gate prefers one-token steps the tree is the committed chain alone; the
-    draft model sees those tokens when drafting resumes, and drafts on the whole text."""
-    gate = SpeculationGate(drafted=1.0, one_token=100.0)  # one-token steps far faster
-    policy = DraftPolicy(TreeSpec.parse("chain:4"), gate=gate)
-    units = (ComputeUnit("cpu"), ComputeUnit("npu"))
-    wired = Wired(Drafter(draft, policy, list(PROMPT), len(PROMPT) + 64, units, Jitter(0, 0)))
-    text = list(PROMPT)
-    with trio.fail_after(TIMEOUT):
-        async with wired.running():
-            tree = await wired.draft(0, 4)  # the first step drafts
-            n = tree.n_committed
-            text += list(tree.tokens[n : n + 2])
-            await wired.commits.send(Commit(step=0, accepted=tuple(range(n + 2)), next_tokens=(7,)))
-            chain = 7
-            for step, bonus in enumerate([8, 9, 10], start=1):
-                tree = await wired.draft(step, 4)
-                check_committed_chain(tree, [chain])
-                assert len(tree.tokens) == 1 and tree.draft_rounds == ()
-                text.append(chain)
-                chain = bonus
-                if step == 3:
-                    gate.drafted = 1e9  # drafted steps now far faster
-                await wired.commits.send(Commit(step=step, accepted=(0,), next_tokens=(bonus,)))
-            tree = await wired.draft(4, 4)
-    check_committed_chain(tree, [10])
-    assert list(tree.tokens[1:]) == sequential_reference(draft, [*text, 10], 4)
