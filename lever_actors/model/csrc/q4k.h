@@ -137,8 +137,9 @@ inline at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& records, con
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(ds.data_ptr());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   int64_t record_bytes = k / K_INPUTS * Q4K_RECORD, ds_count = k / K_INPUTS * 16;
-  // one record at a time up to 4 rows of x; from 4, two records share each x quad, 2 rows at a time
-  int64_t width = rows >= Q4K_PAIRED_ROWS ? 2 : 1, step = width == 2 ? 2 : 4;
+  // one record at a time up to 4 rows of x; from 4, two records share each x quad, 2 rows at a
+  // time (where the records pair up)
+  int64_t width = rows >= Q4K_PAIRED_ROWS && tasks % 2 == 0 ? 2 : 1, step = width == 2 ? 2 : 4;
   at::parallel_for(0, tasks / width, 1, [&](int64_t begin, int64_t end) {
     float y[4 * Q4K_OUTPUTS];
     for (int64_t unit = begin; unit < end; ++unit) {
