@@ -52,6 +52,7 @@ PACK_TILES = 2  # torch's inner_k_tiles for its CPU int4 packing
 COMPUTE_DTYPE = torch.bfloat16  # the kernels' activations, scales and outputs
 K_INPUTS = native.K_INPUTS  # a k-quant block's inputs
 Q6K_BYTES = 208  # a Q6_K block's bytes less d
+Q4K_FILE_BYTES = 144  # a Q4_K block's bytes in the file: d, dmin, 12 of scales, 128 of nibbles
 Q4K_OUTPUTS = native.Q4K_OUTPUTS  # outputs per q4k record
 Q4K_RECORD = 1152  # a q4k record's bytes less d and dmin: 8 outputs' nibbles, scales, minimums
 
@@ -271,7 +272,7 @@ def q4k_blocks(blocks: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tens
     and 4-7), then 128 bytes of nibbles (each 32 bytes hold two groups of 32 inputs, the
     first in the low nibbles)."""
     out, inputs = shape
-    rows = blocks.reshape(out, inputs // K_INPUTS, 144)
+    rows = blocks.reshape(out, inputs // K_INPUTS, Q4K_FILE_BYTES)
     dm = rows[..., :4].contiguous().view(torch.float16)  # [out, blocks, 2]
     packed = rows[..., 4:16].to(torch.int32)
     first, second, low = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]

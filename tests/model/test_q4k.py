@@ -11,6 +11,7 @@ import torch
 
 from lever_actors.model.quantized import (
     K_INPUTS,
+    Q4K_FILE_BYTES,
     QuantizedWeight,
     from_q4k_blocks,
     q4k_blocks,
@@ -19,14 +20,12 @@ from lever_actors.model.quantized import (
 )
 from tests.model.test_native import weight
 
-Q4K_BLOCK = 144  # bytes of a block in the file
-
 
 def random_blocks(shape: tuple[int, int], seed: int = 0) -> np.ndarray:
     """Random Q4_K bytes [out, in / 256 * 144] with small finite float16 d's and dmin's."""
     rng = np.random.default_rng(seed)
     out, inputs = shape
-    raw = rng.integers(0, 256, size=(out, inputs // K_INPUTS, Q4K_BLOCK), dtype=np.uint8)
+    raw = rng.integers(0, 256, size=(out, inputs // K_INPUTS, Q4K_FILE_BYTES), dtype=np.uint8)
     dm = rng.uniform(0.0001, 0.001, (out, inputs // K_INPUTS, 2)).astype(np.float16)
     raw[..., :4] = dm.view(np.uint8)
     return raw.reshape(out, -1)
