@@ -92,12 +92,6 @@ inline void fold_group(float* acc, const __m256i* products, const __m256* scale,
   }
 }
 
-inline __m256i quad_of(const int8_t* q) {  // 4 int8 inputs, in every 32-bit lane
-  int32_t four;
-  std::memcpy(&four, q, 4);
-  return _mm256_set1_epi32(four);
-}
-
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
   // x [m, k] bf16; packed [n, k / 2] uint8; scales [k / 32, n, 2] bf16 (scale, zero)
   check_int4(x, packed, scales);

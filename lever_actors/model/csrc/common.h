@@ -32,6 +32,12 @@ inline __m256 bf16x8(const uint16_t* p) {  // 8 bf16 as float32, exactly
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
+inline __m256i quad_of(const int8_t* q) {  // 4 int8 inputs, in every 32-bit lane
+  int32_t four;
+  std::memcpy(&four, q, 4);
+  return _mm256_set1_epi32(four);
+}
+
 inline float summed_lanes(__m256 v) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))
   __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));

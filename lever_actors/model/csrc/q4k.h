@@ -46,12 +46,6 @@ inline __m256i eight_bytes(const uint8_t* p) {  // as int32 lanes
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
 }
 
-inline __m256i quad_at(const int8_t* p) {  // 4 int8 inputs in every 32-bit lane
-  int32_t four;
-  std::memcpy(&four, p, 4);
-  return _mm256_set1_epi32(four);
-}
-
 // rows [m0, m0 + R) of x times T tasks' records (8 outputs each, `stride` bytes apart; their d
 // and dmin `ds_stride` apart): y [R][T * 8]. Each x quad serves T records, each record R rows.
 template <int R, int T>
@@ -85,7 +79,7 @@ inline void q4k_tile(const RoundedRows& xq, const int32_t* sum_pairs, int64_t m0
           q[u] = _mm256_and_si256(H ? _mm256_srli_epi16(v, 4) : v, nibble);
         }
         for (int r = 0; r < R; ++r) {
-          __m256i xr = quad_at(x[r] + (2 * c + H) * GROUP + 4 * t);
+          __m256i xr = quad_of(x[r] + (2 * c + H) * GROUP + 4 * t);
           for (int u = 0; u < T; ++u) pairs[r][u] = _mm256_add_epi16(pairs[r][u], _mm256_maddubs_epi16(q[u], xr));
         }
       }
