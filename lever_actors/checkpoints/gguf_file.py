@@ -127,7 +127,7 @@ def load_gguf(path: Path, dtype: torch.dtype, weights: Weights = "dense") -> Che
             rows = rows if heads is None else unpermute_qk(rows, heads)
             if kept:
                 return (from_q6k_blocks if fmt == "q6k" else from_q4k_blocks)(rows, shape)
-            return q4k_to_int4(rows.reshape(-1, gguf.GGML_QUANT_SIZES[QType.Q4_K][1]), shape, fmt)
+            return q4k_to_int4(rows, shape, fmt)
         if fmt in ROW_WISE_FORMATS and heads is None:
             return quantize_by_rows(_row_chunks(t, path), fmt, shape)
         values = _tensor(t, path)

@@ -25,6 +25,7 @@ from lever_actors.errors import ConfigError
 from lever_actors.model.args import ModelArgs
 from lever_actors.model.quantized import (
     COMPUTE_DTYPE,
+    GROUP,
     Format,
     QuantizedRows,
     QuantizedWeight,
@@ -177,5 +178,5 @@ def q4k_to_int4(blocks: torch.Tensor, shape: tuple[int, int], fmt: Format) -> We
     q, sc, m, d, dmin = q4k_blocks(blocks, shape)
     scale = d.float()[..., None] * sc.float()  # [out, blocks, 8]
     zero = 8 * scale - dmin.float()[..., None] * m.float()
-    groups = (out, inputs // 32)
+    groups = (out, inputs // GROUP)
     return from_groups(q.to(torch.int32), scale.reshape(groups), zero.reshape(groups), fmt)  # type: ignore[arg-type]

@@ -54,7 +54,9 @@ K_INPUTS = native.K_INPUTS  # a k-quant block's inputs
 Q6K_BYTES = 208  # a Q6_K block's bytes less d
 Q4K_FILE_BYTES = 144  # a Q4_K block's bytes in the file: d, dmin, 12 of scales, 128 of nibbles
 Q4K_OUTPUTS = native.Q4K_OUTPUTS  # outputs per q4k record
-Q4K_RECORD = 1152  # a q4k record's bytes less d and dmin: 8 outputs' nibbles, scales, minimums
+Q4K_NIBBLES = Q4K_OUTPUTS * K_INPUTS // 2  # a q4k record's q, then its 8 groups' scales and
+Q4K_RECORD = Q4K_NIBBLES + 2 * 8 * Q4K_OUTPUTS  # minimums, a byte each per output (1152 in all)
+Q4K_DS_BYTES = 2 * 2 * Q4K_OUTPUTS  # each record's float16 d and dmin, held after all records
 
 
 def storage_bytes(shape: tuple[int, ...], fmt: str, itemsize: int) -> int:
@@ -65,8 +67,8 @@ def storage_bytes(shape: tuple[int, ...], fmt: str, itemsize: int) -> int:
     out, inputs = shape
     if fmt in ROW_MATRIX_FORMATS:
         return out * sum(row_bytes(fmt, inputs))
-    if fmt == "q4k":  # nibbles, and per 256 inputs 8 scales, 8 minimums, d and dmin
-        return count // 2 + out * (inputs // K_INPUTS) * 20
+    if fmt == "q4k":
+        return out // Q4K_OUTPUTS * (inputs // K_INPUTS) * (Q4K_RECORD + Q4K_DS_BYTES)
     return count // 2 + 4 * out * (inputs // GROUP)  # int4, int4rows: nibbles + scale, zero
 
 
@@ -314,12 +316,14 @@ def q4k_values(data: torch.Tensor, ds: torch.Tensor) -> torch.Tensor:
     tasks = data.shape[0]
     records = data.view(tasks, -1, Q4K_RECORD)
     blocks = records.shape[1]
-    nibbles = records[..., :1024].view(tasks, blocks, 4, 8, Q4K_OUTPUTS, 4)  # [b, c, t, o, i]
+    # [b, c, t, o, i]: pair of groups c, 4 inputs t, output o, input i of the 4
+    nibbles = records[..., :Q4K_NIBBLES].view(tasks, blocks, 4, 8, Q4K_OUTPUTS, 4)
     q = torch.stack((nibbles & 15, nibbles >> 4), dim=3)  # [b, c, h, t, o, i]
     q = q.permute(0, 5, 1, 2, 3, 4, 6).reshape(tasks * Q4K_OUTPUTS, blocks, 8, 32).float()
+    per_group = 8 * Q4K_OUTPUTS  # bytes of the scales, then of the minimums
     sc, m = (
-        records[..., at : at + 64].view(tasks, blocks, 8, Q4K_OUTPUTS).permute(0, 3, 1, 2)
-        for at in (1024, 1088)
+        records[..., at : at + per_group].view(tasks, blocks, 8, Q4K_OUTPUTS).permute(0, 3, 1, 2)
+        for at in (Q4K_NIBBLES, Q4K_NIBBLES + per_group)
     )  # [tasks, o, b, group] each
     d, dmin = ds.view(tasks, blocks, 2, Q4K_OUTPUTS).permute(2, 0, 3, 1).reshape(2, -1, blocks, 1)
     step = (d.float() * sc.reshape(-1, blocks, 8).float())[..., None]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from lever_actors.model.args import ModelArgs
-from lever_actors.model.quantized import ROW_MATRIX_FORMATS, QuantizedRows, QuantizedWeight
+from lever_actors.model.quantized import QuantizedRows, QuantizedWeight
 
 # a matrix may be held quantized (model/quantized.py); vectors are plain tensors
 Weight = torch.Tensor | QuantizedWeight | QuantizedRows
@@ -20,7 +20,7 @@ def row_range(weight: Weight, lo: int, hi: int) -> Weight:
     cannot be cut apart; a row-read table is not multiplied)."""
     if isinstance(weight, torch.Tensor):
         return weight[lo:hi]
-    if isinstance(weight, QuantizedWeight) and weight.fmt in ROW_MATRIX_FORMATS:
+    if isinstance(weight, QuantizedWeight) and weight.rows_readable:
         shape = (hi - lo, weight.shape[1])
         return replace(weight, shape=shape, data=weight.data[lo:hi], scales=weight.scales[lo:hi])
     raise ValueError(f"rows of a {type(weight).__name__} cannot be taken apart")
@@ -118,7 +118,7 @@ class ModelWeights:
         read from the head where the head copies it and rows can be read from it: one table
         in DRAM, not two (81 MB for the real draft)."""
         lm_head = _drafting(self.lm_head)  # a tied head is the embedding, never changed
-        reads_rows = isinstance(lm_head, QuantizedWeight) and lm_head.fmt in ROW_MATRIX_FORMATS
+        reads_rows = isinstance(lm_head, QuantizedWeight) and lm_head.rows_readable
         return ModelWeights(
             embed=lm_head if self.head_copies_embed and reads_rows else self.embed,
             final_norm=self.final_norm,
