@@ -10,32 +10,27 @@ import pytest
 import torch
 
 from lever_actors.model.quantized import (
-    K_INPUTS,
-    Q4K_FILE_BYTES,
     QuantizedWeight,
     from_q4k_blocks,
     q4k_blocks,
     quantize_q4k,
     storage_bytes,
 )
+from tests.model import k_blocks
 from tests.model.test_native import weight
+
+SCALES = slice(0, 4)  # the bytes of a block's float16 scales
 
 
 def random_blocks(shape: tuple[int, int], seed: int = 0) -> np.ndarray:
-    """Random Q4_K bytes [out, in / 256 * 144] with small finite float16 d's and dmin's."""
-    rng = np.random.default_rng(seed)
-    out, inputs = shape
-    raw = rng.integers(0, 256, size=(out, inputs // K_INPUTS, Q4K_FILE_BYTES), dtype=np.uint8)
-    dm = rng.uniform(0.0001, 0.001, (out, inputs // K_INPUTS, 2)).astype(np.float16)
-    raw[..., :4] = dm.view(np.uint8)
-    return raw.reshape(out, -1)
+    """Random Q4_K bytes with small finite float16 d's and dmin's."""
+    return k_blocks.random_blocks(gguf.GGMLQuantizationType.Q4_K, shape, SCALES, seed)
 
 
 def from_gguf(shape: tuple[int, int], seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
     """A q4k weight of random blocks, and their values as gguf decodes them [out, in]."""
-    blocks = random_blocks(shape, seed)
-    values = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K)
-    return from_q4k_blocks(torch.from_numpy(blocks), shape), torch.from_numpy(values).view(shape)
+    kind = gguf.GGMLQuantizationType.Q4_K
+    return k_blocks.from_gguf(kind, from_q4k_blocks, shape, SCALES, seed)
 
 
 @pytest.mark.parametrize("shape", [(64, 256), (8, 768)])

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from lever_actors.model.quantized import (
-    K_INPUTS,
     Q6K_BYTES,
     QuantizedWeight,
     from_q6k_blocks,
@@ -18,24 +17,21 @@ from lever_actors.model.quantized import (
     storage_bytes,
 )
 from lever_actors.model.weights import row_range
+from tests.model import k_blocks
 from tests.model.test_native import weight
+
+SCALES = slice(Q6K_BYTES, Q6K_BYTES + 2)  # the bytes of a block's float16 scales
 
 
 def random_blocks(shape: tuple[int, int], seed: int = 0) -> np.ndarray:
-    """Random Q6_K bytes [out, in / 256 * 210] with small finite float16 d's."""
-    rng = np.random.default_rng(seed)
-    out, inputs = shape
-    raw = rng.integers(0, 256, size=(out, inputs // K_INPUTS, Q6K_BYTES + 2), dtype=np.uint8)
-    d = rng.uniform(0.0001, 0.001, (out, inputs // K_INPUTS, 1)).astype(np.float16)
-    raw[..., Q6K_BYTES:] = d.view(np.uint8)
-    return raw.reshape(out, -1)
+    """Random Q6_K bytes with small finite float16 d's."""
+    return k_blocks.random_blocks(gguf.GGMLQuantizationType.Q6_K, shape, SCALES, seed)
 
 
 def from_gguf(shape: tuple[int, int], seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
     """A q6k weight of random blocks, and their values as gguf decodes them [out, in]."""
-    blocks = random_blocks(shape, seed)
-    values = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q6_K)
-    return from_q6k_blocks(torch.from_numpy(blocks), shape), torch.from_numpy(values).view(shape)
+    kind = gguf.GGMLQuantizationType.Q6_K
+    return k_blocks.from_gguf(kind, from_q6k_blocks, shape, SCALES, seed)
 
 
 @pytest.mark.parametrize("shape", [(64, 256), (8, 768)])
