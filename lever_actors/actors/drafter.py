@@ -130,10 +130,9 @@ class Drafter:
         builder = self.drafted_ahead
         self.drafted_ahead = None
         if builder is None:
-            if self.backlog:
-                await self.npu.run(self._absorb_backlog)
             builder = TreeBuilder(self.model, self.cache, self.chain, self.chooser)
-            await self.npu.run(builder.run, list(range(len(self.chain))), 1)
+            await self.npu.run(builder.run_chain, self.backlog)
+            self.backlog = []
         ahead = len(builder.tokens) - builder.n_chain
         self.builder = builder
         spec = self.policy.spec
@@ -155,11 +154,6 @@ class Drafter:
             draft_rounds=tuple(builder.rounds),
             drafted_ahead=ahead,
         )
-
-    def _absorb_backlog(self) -> None:
-        self.model.forward(torch.tensor(self.backlog), self.cache)
-        self.cache.commit(len(self.backlog))
-        self.backlog = []
 
     def commit(self, commit: Commit, tree: DraftTree, max_nodes: int) -> None:
         self.chain = list(commit.next_tokens)

@@ -99,10 +99,9 @@ class TreeBuilder:
         builder.children = {renamed[n]: c for n, c in self.children.items() if n in inside}
         return builder
 
-    def run(self, nodes: list[int], wanted: int | None = None) -> None:
+    def run(self, nodes: list[int]) -> None:
         """Blocking: run the draft model on `nodes` (ancestors already run) in one batch;
-        the last `wanted` of them (default all) get their children's distribution."""
-        wanted = len(nodes) if wanted is None else wanted
+        each gets its children's distribution."""
         self.rounds.append(len(nodes))
         tree = TokenTree(tuple(self.tokens), tuple(self.parents))
         for node in nodes:
@@ -118,12 +117,31 @@ class TreeBuilder:
         place = Placement(positions, cos, sin, mask, offsets, len(columns))
         tokens = torch.tensor([self.tokens[n] for n in nodes])
         hidden = self.model.forward(tokens, self.cache, place)
-        logits = self.model.logits(hidden[len(nodes) - wanted :])
-        scores = self.chooser.draft_scores(logits, positions[len(nodes) - wanted :] + 1)
+        self._rank_children(nodes, hidden, positions)
+
+    def run_chain(self, unseen: list[int]) -> None:
+        """Blocking: a step's first draft forward, before any draft node: `unseen` (committed
+        tokens the draft never ran, the accepted path's deepest nodes) and then the chain,
+        in one batch, since two rows cost about a third more than one, not twice. `unseen`
+        is committed to the cache; the chain's last node gets its children."""
+        chain = list(range(self.n_chain))
+        self.rounds.append(len(unseen) + self.n_chain)
+        tokens = torch.tensor([*unseen, *self.tokens[: self.n_chain]])
+        hidden = self.model.forward(tokens, self.cache)  # a chain after the committed context
+        self.cache.commit(len(unseen))  # the chain's entries now open the pending block
+        self.offsets = {node: node for node in chain}
+        last = torch.tensor([self.cache.length + self.n_chain - 1])  # its position
+        self._rank_children(chain[-1:], hidden[-1:], last)
+
+    def _rank_children(self, nodes: list[int], hidden: torch.Tensor, positions: torch.Tensor):
+        """Keep the best children of run `nodes`, from their final hidden [n, d_model] at
+        `positions` [n]."""
+        logits = self.model.logits(hidden)
+        scores = self.chooser.draft_scores(logits, positions + 1)
         probs = torch.softmax(scores.float(), dim=-1)
         top = torch.topk(probs, min(KEPT, probs.shape[-1]))
         ranked = zip(top.values.tolist(), top.indices.tolist(), strict=True)
-        for node, (values, tokens) in zip(nodes[len(nodes) - wanted :], ranked, strict=True):
+        for node, (values, tokens) in zip(nodes, ranked, strict=True):
             self.children[node] = Children(values, tokens)
 
     def shadows(self) -> tuple[tuple[int, ...], ...]:

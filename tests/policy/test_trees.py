@@ -41,7 +41,7 @@ class Recorded:
 
     def __init__(self, model: Transformer, chain: list[int] = PROMPT) -> None:
         self.builder = TreeBuilder(model, model.new_cache(256), chain, Chooser(GREEDY))
-        self.builder.run(list(range(len(chain))), 1)
+        self.builder.run_chain([])
         self.batches: list[list[int]] = []
 
     async def run(self, nodes: list[int]) -> None:
