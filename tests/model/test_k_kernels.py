@@ -38,7 +38,7 @@ def test_the_kernel_computes_the_grouped_integer_sums(fmt, shape):
 
 
 @needs_native
-@pytest.mark.parametrize("outputs", [128, 24])  # 24: q4k's 3 records, which do not pair up
+@pytest.mark.parametrize("outputs", [128, 24])  # 24: an odd count of q4k's records
 def test_a_row_is_the_same_in_calls_of_every_size(fmt, outputs):
     from_gguf, kernel = FORMATS[fmt]
     q, _ = from_gguf((outputs, 768))

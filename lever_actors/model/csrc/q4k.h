@@ -19,7 +19,6 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
-#include <type_traits>
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
@@ -31,7 +30,10 @@
 namespace lever {
 
 constexpr int64_t Q4K_OUTPUTS = 8, Q4K_RECORD = 1152, Q4K_SCALES = 1024, Q4K_MINIMUMS = 1088;
-constexpr int64_t Q4K_PAIRED_ROWS = 4;  // from this many rows of x, two records share each x quad
+// rows of x per pass over a record: 4 keeps the tile's sums in registers. Two records sharing
+// each x quad, 2 rows at a time, ran 1.05-1.3x as long from 4 rows (bench/kernels.py's shapes,
+// interleaved in one process), and 8 rows a pass 1.1-1.25x as long at 8 rows.
+constexpr int64_t Q4K_TILE_ROWS = 4;
 
 // Each row of x's group sums as int16 pairs, groups 2i and 2i + 1 in one 32-bit lane, from the
 // exact float sums rounded_rows gives (a group's at most 32 * 127 in size: within int16)
@@ -46,73 +48,58 @@ inline __m256i eight_bytes(const uint8_t* p) {  // as int32 lanes
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
 }
 
-// rows [m0, m0 + R) of x times T tasks' records (8 outputs each, `stride` bytes apart; their d
-// and dmin `ds_stride` apart): y [R][T * 8]. Each x quad serves T records, each record R rows.
-template <int R, int T>
-inline void q4k_tile(const RoundedRows& xq, const int32_t* sum_pairs, int64_t m0, const uint8_t* records,
-                     int64_t stride, const uint16_t* ds, int64_t ds_stride, int64_t k, float* y) {
+// rows [m0, m0 + R) of x times one record's 8 outputs (its d and dmin at `ds`): y [R][8]. The
+// record's q are unpacked once for the R rows.
+template <int R>
+inline void q4k_tile(const RoundedRows& xq, const int32_t* sum_pairs, int64_t m0, const uint8_t* record0,
+                     const uint16_t* ds, int64_t k, float* y) {
   int64_t blocks = k / K_INPUTS;
   const __m256i nibble = _mm256_set1_epi8(15);
-  __m256 out[R][T];
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < T; ++u) out[r][u] = _mm256_setzero_ps();
+  __m256 out[R];
+  for (int r = 0; r < R; ++r) out[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* record[T];
-    for (int u = 0; u < T; ++u) record[u] = records + u * stride + b * Q4K_RECORD;
-    __m256i total[R][T];
-    for (int r = 0; r < R; ++r)
-      for (int u = 0; u < T; ++u) total[r][u] = _mm256_setzero_si256();
+    const uint8_t* record = record0 + b * Q4K_RECORD;
+    __m256i total[R];
+    for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_si256();
     const int8_t* x[R];  // each row's block of inputs
     for (int r = 0; r < R; ++r) x[r] = xq.q.data() + (m0 + r) * k + b * K_INPUTS;
-    // group 2c + H: the low (H = 0) or high nibbles of the records' pair c
+    // group 2c + H: the low (H = 0) or high nibbles of the record's pair c
     auto group = [&]<int H>(int c) {
-      __m256i pairs[R][T];  // int16: 16 products of at most 15 * 127 each
-      for (int r = 0; r < R; ++r)
-        for (int u = 0; u < T; ++u) pairs[r][u] = _mm256_setzero_si256();
+      __m256i pairs[R];  // int16: 16 products of at most 15 * 127 each
+      for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
       for (int t = 0; t < 8; ++t) {
-        __m256i q[T];
-        for (int u = 0; u < T; ++u) {
-          const uint8_t* at = record[u] + (c * 8 + t) * 32;
-          if (H == 0 && t % 2 == 0) _mm_prefetch((const char*)at + FETCH_AHEAD, _MM_HINT_T0);
-          __m256i v = _mm256_loadu_si256((const __m256i*)at);
-          q[u] = _mm256_and_si256(H ? _mm256_srli_epi16(v, 4) : v, nibble);
-        }
-        for (int r = 0; r < R; ++r) {
-          __m256i xr = quad_of(x[r] + (2 * c + H) * GROUP + 4 * t);
-          for (int u = 0; u < T; ++u) pairs[r][u] = _mm256_add_epi16(pairs[r][u], _mm256_maddubs_epi16(q[u], xr));
-        }
+        const uint8_t* at = record + (c * 8 + t) * 32;
+        if (H == 0 && t % 2 == 0) _mm_prefetch((const char*)at + FETCH_AHEAD, _MM_HINT_T0);
+        __m256i v = _mm256_loadu_si256((const __m256i*)at);
+        __m256i q = _mm256_and_si256(H ? _mm256_srli_epi16(v, 4) : v, nibble);
+        for (int r = 0; r < R; ++r)
+          pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(q, quad_of(x[r] + (2 * c + H) * GROUP + 4 * t)));
       }
-      for (int u = 0; u < T; ++u) {
-        __m256i scales = eight_bytes(record[u] + Q4K_SCALES + (2 * c + H) * 8);
-        scales = _mm256_or_si256(scales, _mm256_slli_epi32(scales, 16));  // each in both int16 halves
-        for (int r = 0; r < R; ++r) total[r][u] = _mm256_add_epi32(total[r][u], _mm256_madd_epi16(pairs[r][u], scales));
-      }
+      __m256i scales = eight_bytes(record + Q4K_SCALES + (2 * c + H) * 8);
+      scales = _mm256_or_si256(scales, _mm256_slli_epi32(scales, 16));  // each in both int16 halves
+      for (int r = 0; r < R; ++r) total[r] = _mm256_add_epi32(total[r], _mm256_madd_epi16(pairs[r], scales));
     };
     for (int c = 0; c < 4; ++c) {
       group.template operator()<0>(c);
       group.template operator()<1>(c);
     }
-    for (int u = 0; u < T; ++u) {
-      __m256i minimums[4];  // groups 2p | 2p + 1 << 16
-      for (int p = 0; p < 4; ++p)
-        minimums[p] = _mm256_or_si256(eight_bytes(record[u] + Q4K_MINIMUMS + 2 * p * 8),
-                                      _mm256_slli_epi32(eight_bytes(record[u] + Q4K_MINIMUMS + (2 * p + 1) * 8), 16));
-      const uint16_t* dd = ds + u * ds_stride + b * 16;
-      __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)dd));
-      __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dd + 8)));
-      for (int r = 0; r < R; ++r) {
-        const int32_t* pairs = sum_pairs + (m0 + r) * (k / (2 * GROUP)) + b * 4;
-        __m256i floor = _mm256_setzero_si256();
-        for (int p = 0; p < 4; ++p) floor = _mm256_add_epi32(floor, _mm256_madd_epi16(minimums[p], _mm256_set1_epi32(pairs[p])));
-        __m256 x_scale = _mm256_set1_ps(xq.scale[(m0 + r) * blocks + b]);
-        out[r][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[r][u]), _mm256_mul_ps(x_scale, d), out[r][u]);
-        out[r][u] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(floor), _mm256_mul_ps(x_scale, dmin), out[r][u]);
-      }
+    __m256i minimums[4];  // groups 2p | 2p + 1 << 16
+    for (int p = 0; p < 4; ++p)
+      minimums[p] = _mm256_or_si256(eight_bytes(record + Q4K_MINIMUMS + 2 * p * 8),
+                                    _mm256_slli_epi32(eight_bytes(record + Q4K_MINIMUMS + (2 * p + 1) * 8), 16));
+    __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ds + b * 16)));
+    __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ds + b * 16 + 8)));
+    for (int r = 0; r < R; ++r) {
+      const int32_t* pairs = sum_pairs + (m0 + r) * (k / (2 * GROUP)) + b * 4;
+      __m256i floor = _mm256_setzero_si256();
+      for (int p = 0; p < 4; ++p) floor = _mm256_add_epi32(floor, _mm256_madd_epi16(minimums[p], _mm256_set1_epi32(pairs[p])));
+      __m256 x_scale = _mm256_set1_ps(xq.scale[(m0 + r) * blocks + b]);
+      out[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[r]), _mm256_mul_ps(x_scale, d), out[r]);
+      out[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(floor), _mm256_mul_ps(x_scale, dmin), out[r]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < T; ++u) _mm256_storeu_ps(y + (r * T + u) * 8, out[r][u]);
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * 8, out[r]);
 }
 
 // x [m, k] bf16; records [n / 8, k / 256 * 1152] uint8; ds [n / 8, k / 256 * 16] float16 -> [m, n] bf16
@@ -131,36 +118,21 @@ inline at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& records, con
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(ds.data_ptr());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   int64_t record_bytes = k / K_INPUTS * Q4K_RECORD, ds_count = k / K_INPUTS * 16;
-  // one record at a time up to 4 rows of x; from 4, two records share each x quad, 2 rows at a
-  // time (where the records pair up)
-  int64_t width = rows >= Q4K_PAIRED_ROWS && tasks % 2 == 0 ? 2 : 1, step = width == 2 ? 2 : 4;
-  at::parallel_for(0, tasks / width, 1, [&](int64_t begin, int64_t end) {
-    float y[4 * Q4K_OUTPUTS];
-    for (int64_t unit = begin; unit < end; ++unit) {
-      int64_t task = unit * width;
-      const uint8_t* records_at = rp + task * record_bytes;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    float y[Q4K_TILE_ROWS * Q4K_OUTPUTS];
+    for (int64_t task = begin; task < end; ++task) {
+      const uint8_t* record = rp + task * record_bytes;
       const uint16_t* ds_at = dp + task * ds_count;
-      for (int64_t m = 0; m < rows; m += step) {  // the records stay in cache meanwhile
-        int64_t count = std::min<int64_t>(rows - m, step);
-        auto tile = [&](auto r, auto t) {
-          q4k_tile<decltype(r)::value, decltype(t)::value>(xq, sum_pairs.data(), m, records_at, record_bytes, ds_at,
-                                                            ds_count, k, y);
-        };
-        using One = std::integral_constant<int, 1>;
-        using Two = std::integral_constant<int, 2>;
-        if (width == 2) {
-          count == 1 ? tile(One{}, Two{}) : tile(Two{}, Two{});
-        } else {
-          switch (count) {
-            case 1: tile(One{}, One{}); break;
-            case 2: tile(Two{}, One{}); break;
-            case 3: tile(std::integral_constant<int, 3>{}, One{}); break;
-            default: tile(std::integral_constant<int, 4>{}, One{});
-          }
+      for (int64_t m = 0; m < rows; m += Q4K_TILE_ROWS) {  // the record stays in cache meanwhile
+        int64_t count = std::min<int64_t>(rows - m, Q4K_TILE_ROWS);
+        switch (count) {
+          case 1: q4k_tile<1>(xq, sum_pairs.data(), m, record, ds_at, k, y); break;
+          case 2: q4k_tile<2>(xq, sum_pairs.data(), m, record, ds_at, k, y); break;
+          case 3: q4k_tile<3>(xq, sum_pairs.data(), m, record, ds_at, k, y); break;
+          default: q4k_tile<4>(xq, sum_pairs.data(), m, record, ds_at, k, y);
         }
         for (int64_t r = 0; r < count; ++r)
-          for (int64_t o = 0; o < width * Q4K_OUTPUTS; ++o)
-            op[(m + r) * n + task * Q4K_OUTPUTS + o] = to_bf16(y[r * width * Q4K_OUTPUTS + o]);
+          for (int64_t o = 0; o < Q4K_OUTPUTS; ++o) op[(m + r) * n + task * Q4K_OUTPUTS + o] = to_bf16(y[r * Q4K_OUTPUTS + o]);
       }
     }
   });
