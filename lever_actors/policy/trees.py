@@ -133,7 +133,9 @@ class TreeBuilder:
         last = torch.tensor([self.cache.length + self.n_chain - 1])  # its position
         self._rank_children(chain[-1:], hidden[-1:], last)
 
-    def _rank_children(self, nodes: list[int], hidden: torch.Tensor, positions: torch.Tensor):
+    def _rank_children(
+        self, nodes: list[int], hidden: torch.Tensor, positions: torch.Tensor
+    ) -> None:
         """Keep the best children of run `nodes`, from their final hidden [n, d_model] at
         `positions` [n]."""
         logits = self.model.logits(hidden)
