@@ -129,7 +129,7 @@ inline at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& records, con
           case 1: q4k_tile<1>(xq, sum_pairs.data(), m, record, ds_at, k, y); break;
           case 2: q4k_tile<2>(xq, sum_pairs.data(), m, record, ds_at, k, y); break;
           case 3: q4k_tile<3>(xq, sum_pairs.data(), m, record, ds_at, k, y); break;
-          default: q4k_tile<4>(xq, sum_pairs.data(), m, record, ds_at, k, y);
+          default: q4k_tile<Q4K_TILE_ROWS>(xq, sum_pairs.data(), m, record, ds_at, k, y);
         }
         for (int64_t r = 0; r < count; ++r)
           for (int64_t o = 0; o < Q4K_OUTPUTS; ++o) op[(m + r) * n + task * Q4K_OUTPUTS + o] = to_bf16(y[r * Q4K_OUTPUTS + o]);
