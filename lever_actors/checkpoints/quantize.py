@@ -2,13 +2,16 @@
 
 `--weights` choices: "dense" keeps every tensor in the layout's dtype; "auto" keeps a GGUF
 file's own precision class (Q4_K -> q4k and Q6_K -> q6k, their own values; other 4- and 5-bit
-types -> int4, 8-bit types -> int8, float types dense; an HF checkpoint stays dense); "q4",
+types -> q4k too, 8-bit types -> int8, float types dense; an HF checkpoint stays dense); "q4",
 "q4k", "q6" and "q8" quantize every matrix. Norms and biases always stay dense; the embedding
-table becomes int4rows where its class is 4-bit, else stays dense. A shape q4k cannot take
-falls back to int4, one int4 or q6k cannot take to int8.
+table becomes int4rows where its class is 4-bit, else stays dense. A shape a format cannot
+take falls back to int8.
 Q4_K and Q6_K blocks keep their values (q4k in our packing, q6k as stored), and Q4_K converts
 to int4 without requantizing (its 32-input groups are int4's; only the scales round to bf16);
-other types are dequantized and rounded to nearest.
+other types are dequantized and rounded to nearest. The other 4- and 5-bit types take q4k,
+not int4, for speed: the real draft's Q5_0 matrices (896 inputs, a last block half padded)
+multiplied 2-8 rows 1.5-1.9x as fast on AVX2 (docs/status.md); int4's AMX tiles are faster
+for big trees, which `--weights q4` keeps.
 """
 
 from __future__ import annotations
@@ -62,10 +65,8 @@ def tensor_format(
     if choice == "dense" or len(shape) != 2 or is_norm(ours):
         return "dense"
     if choice == "auto":
-        if source_type == "Q4_K":
+        if source_type in _FOUR_BIT:
             choice = "q4k"
-        elif source_type in _FOUR_BIT:
-            choice = "q4"
         elif source_type == "Q6_K":
             choice = "q6"
         elif source_type in _EIGHT_BIT:
@@ -80,7 +81,7 @@ def tensor_format(
         )
     if choice == "q4k" and check_quantizable(shape, "q4k") is None:
         return "q4k"
-    if choice in ("q4", "q4k") and check_quantizable(shape, "int4") is None:
+    if choice == "q4" and check_quantizable(shape, "int4") is None:
         return "int4"
     if choice == "q6" and check_quantizable(shape, "q6k") is None:
         return "q6k"

@@ -116,7 +116,7 @@ def fits(fmt: str, shape: tuple[int, int]) -> bool:
     return (
         fmt in ("int4", "int8", *K_FORMATS)
         and out % BLOCK_N == 0
-        and inputs % (K_INPUTS if fmt in K_FORMATS else DEPTH) == 0
+        and inputs % (K_INPUTS if fmt == "q6k" else DEPTH) == 0  # q4k pads its last block
         and in_use() is not None
     )
 

@@ -15,8 +15,10 @@ Formats (what a flash layout stores, and what DRAM holds):
   ([out, in / 256]).
 - "q4k": GGUF's Q4_K values, w = d * sc * q - dmin * m (q in 0..15; a 6-bit scale sc and
   minimum m per 32 inputs; a float16 d and dmin per 256), in a packing of ours: each 8
-  outputs' block of 256 inputs is one record (see `pack_q4k`), [out / 8, in / 256 * 1152]
-  bytes; then the records' d and dmin ([out / 8, in / 256, 2, 8] float16).
+  outputs' block of 256 inputs is one record (see `pack_q4k`), [out / 8, blocks * 1152]
+  bytes; then the records' d and dmin ([out / 8, blocks, 2, 8] float16). Inputs come in
+  groups of 32, not always whole blocks: a last block's missing inputs are stored as zeros
+  (`q4k_blocks_of`), and the kernel gives them zeros in x.
   The k-quants (K_FORMATS) have no torch kernel: where ours are absent their values are
   used as a bf16 matrix.
 - "int4rows": the embedding table, row after row of [in / 2] bytes (the even input in the
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from lever_actors.model import native, row_blocks
 
@@ -68,8 +71,13 @@ def storage_bytes(shape: tuple[int, ...], fmt: str, itemsize: int) -> int:
     if fmt in ROW_MATRIX_FORMATS:
         return out * sum(row_bytes(fmt, inputs))
     if fmt == "q4k":
-        return out // Q4K_OUTPUTS * (inputs // K_INPUTS) * (Q4K_RECORD + Q4K_DS_BYTES)
+        return out // Q4K_OUTPUTS * q4k_blocks_of(inputs) * (Q4K_RECORD + Q4K_DS_BYTES)
     return count // 2 + 4 * out * (inputs // GROUP)  # int4, int4rows: nibbles + scale, zero
+
+
+def q4k_blocks_of(inputs: int) -> int:
+    """A q4k matrix's blocks of K_INPUTS per 8 outputs: the last holds what is left over."""
+    return -(-inputs // K_INPUTS)
 
 
 def row_bytes(fmt: str, inputs: int) -> tuple[int, int]:
@@ -88,10 +96,10 @@ def check_quantizable(shape: tuple[int, ...], fmt: str) -> str | None:
     if len(shape) != 2:
         return f"a {fmt} tensor is a matrix, not of shape {shape}"
     out, inputs = shape
-    if fmt in K_FORMATS and inputs % K_INPUTS:
-        return f"{fmt} needs inputs in blocks of {K_INPUTS}, not {inputs}"
-    if fmt == "q4k" and out % Q4K_OUTPUTS:
-        return f"q4k needs outputs in {Q4K_OUTPUTS}s, not {out}"
+    if fmt == "q6k" and inputs % K_INPUTS:
+        return f"q6k needs inputs in blocks of {K_INPUTS}, not {inputs}"
+    if fmt == "q4k" and (out % Q4K_OUTPUTS or inputs % GROUP):
+        return f"q4k needs outputs in {Q4K_OUTPUTS}s and inputs in {GROUP}s, not {shape}"
     if fmt in ("int4", "int4rows") and inputs % GROUP:
         return f"{fmt} needs inputs in groups of {GROUP}, not {inputs}"
     if fmt == "int4" and (out % 16 or inputs % (16 * PACK_TILES)):
@@ -175,7 +183,7 @@ class QuantizedWeight:
         """The matrix the kernels multiply by, as float32 [out, in]."""
         out, inputs = self.shape
         if self.fmt == "q4k":
-            return q4k_values(self.data, self.scales)
+            return q4k_values(self.data, self.scales)[:, :inputs]
         if self.fmt != "int4":
             return self._rows(torch.arange(out))
         q = unpack_int4(self.data).float().view(out, inputs // GROUP, GROUP)
@@ -200,7 +208,7 @@ class QuantizedWeight:
             split = out * values
             return cls.from_rows(fmt, raw[:split].view(out, values), raw[split:].view(out, -1))
         if fmt == "q4k":
-            split = out // Q4K_OUTPUTS * inputs // K_INPUTS * Q4K_RECORD
+            split = out // Q4K_OUTPUTS * q4k_blocks_of(inputs) * Q4K_RECORD
             data = raw[:split].view(out // Q4K_OUTPUTS, -1)
             return cls(fmt, shape, data, raw[split:].view(torch.float16).view(data.shape[0], -1))
         split = out * inputs // 2  # int4
@@ -291,23 +299,30 @@ def from_q4k_blocks(blocks: torch.Tensor, shape: tuple[int, int]) -> QuantizedWe
 
 
 def pack_q4k(
-    q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
+    q: torch.Tensor,
+    sc: torch.Tensor,
+    m: torch.Tensor,
+    d: torch.Tensor,
+    dmin: torch.Tensor,
+    inputs: int | None = None,
 ) -> QuantizedWeight:
-    """Q4_K's values as a q4k weight: q [out, in] in 0..15, sc and m [out, in / 256, 8] in
-    0..63, d and dmin [out, in / 256] float16. Each 8 outputs' block is one record: for each
+    """Q4_K's values as a q4k weight: q [out, blocks * 256] in 0..15, sc and m [out, blocks,
+    8] in 0..63, d and dmin [out, blocks] float16; `inputs`: the matrix's own, where the last
+    block is padded (default: all of q's). Each 8 outputs' block is one record: for each
     pair of groups c and each 4 inputs t of a group, 32 bytes whose 4 from byte 4o hold
     output o's q of those inputs, group 2c's in the low nibbles and 2c + 1's in the high (a
     vector of 8 outputs, as the kernel multiplies them); then the 8 groups' scales and
     minimums, [group][output] each."""
-    out, inputs = q.shape
-    tasks, blocks = out // Q4K_OUTPUTS, inputs // K_INPUTS
+    out, stored = q.shape
+    tasks, blocks = out // Q4K_OUTPUTS, stored // K_INPUTS
     q = q.to(torch.uint8).view(tasks, Q4K_OUTPUTS, blocks, 4, 2, 8, 4)  # [o, b, c, h, t, i]
     nibbles = (q[:, :, :, :, 0] | q[:, :, :, :, 1] << 4).permute(0, 2, 3, 4, 1, 5)
     by_group = [t.view(tasks, Q4K_OUTPUTS, blocks, 8).permute(0, 2, 3, 1) for t in (sc, m)]
     parts = [t.reshape(tasks, blocks, -1) for t in (nibbles, *by_group)]
     records = torch.cat(parts, dim=-1).reshape(tasks, -1).contiguous()
     ds = torch.stack([t.view(tasks, Q4K_OUTPUTS, blocks).transpose(1, 2) for t in (d, dmin)], 2)
-    return QuantizedWeight("q4k", (out, inputs), records, ds.reshape(tasks, -1).contiguous())
+    shape = (out, stored if inputs is None else inputs)
+    return QuantizedWeight("q4k", shape, records, ds.reshape(tasks, -1).contiguous())
 
 
 def q4k_values(data: torch.Tensor, ds: torch.Tensor) -> torch.Tensor:
@@ -485,10 +500,11 @@ def quantize_q6k(w: torch.Tensor) -> QuantizedWeight:
 def quantize_q4k(w: torch.Tensor) -> QuantizedWeight:
     """Round to nearest into Q4_K's values: each 32 inputs' range, from min(w, 0) to max(w),
     in 16 steps; its step and -min(w, 0) held as 6-bit multiples of each 256 inputs' float16
-    d and dmin (their largest / 63)."""
+    d and dmin (their largest / 63). A last block short of K_INPUTS is padded with zeros."""
     out, inputs = w.shape
-    blocks = inputs // K_INPUTS
-    groups = w.float().view(out, blocks, 8, 32)
+    blocks = q4k_blocks_of(inputs)
+    padded = F.pad(w.float(), (0, blocks * K_INPUTS - inputs))
+    groups = padded.view(out, blocks, 8, 32)
     floor = -groups.amin(-1).clamp_max(0)  # [out, blocks, 8], at least 0
     wanted = (groups.amax(-1) + floor) / 15
     d, dmin = ((t.amax(-1) / 63).to(torch.float16) for t in (wanted, floor))  # [out, blocks]
@@ -501,8 +517,8 @@ def quantize_q4k(w: torch.Tensor) -> QuantizedWeight:
     step = (d.float()[..., None] * sc)[..., None]  # what the kernels multiply by
     shifted = groups + (dmin.float()[..., None] * m)[..., None]
     q = torch.where(step > 0, shifted / torch.where(step > 0, step, 1.0), 0.0)
-    q = q.round_().clamp_(0, 15).view(out, inputs)
-    return pack_q4k(q, sc.to(torch.uint8), m.to(torch.uint8), d, dmin)
+    q = q.round_().clamp_(0, 15).view(out, blocks * K_INPUTS)
+    return pack_q4k(q, sc.to(torch.uint8), m.to(torch.uint8), d, dmin, inputs)
 
 
 def quantize_int8(w: torch.Tensor) -> QuantizedWeight:

@@ -9,9 +9,10 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lever_actors.model import native, row_blocks
-from lever_actors.model.quantized import K_INPUTS, bf16_values
+from lever_actors.model.quantized import K_INPUTS, QuantizedWeight, bf16_values, quantize_q4k
 from tests.model import test_q4k, test_q6k
 from tests.model.test_native import needs_native, rounded_as_int8
 
@@ -19,6 +20,7 @@ FORMATS = {  # format -> (a weight of random blocks and their values, our kernel
     "q4k": (test_q4k.from_gguf, native.q4k_linear),
     "q6k": (test_q6k.from_gguf, native.q6k_linear),
 }
+UNFIT = {"q4k": (64, 240), "q6k": (64, 224)}  # q4k pads a last block of whole groups of 32
 
 
 @pytest.fixture(params=sorted(FORMATS))
@@ -54,7 +56,7 @@ def test_a_matrix_that_fits_runs_on_ours_even_for_a_draft(fmt, monkeypatch):
     from_gguf, kernel = FORMATS[fmt]
     q, _ = from_gguf((64, 256))
     x = torch.randn(1, 256).to(torch.bfloat16)
-    assert native.fits(fmt, q.shape) and not native.fits(fmt, (64, 224))
+    assert native.fits(fmt, q.shape) and not native.fits(fmt, UNFIT[fmt])
     expected = kernel(x, q.data, q.scales)
     assert torch.equal(q.linear(x), expected)
     assert torch.equal(replace(q, exact=False).linear(x), expected)
@@ -66,4 +68,32 @@ def test_without_our_kernels_its_values_multiply_as_a_bf16_matrix(fmt, monkeypat
     q, values = from_gguf((64, 256))
     x = torch.randn(3, 256).to(torch.bfloat16)
     assert torch.equal(bf16_values(q), values.to(torch.bfloat16))
+    assert torch.equal(q.linear(x), row_blocks.linear(x, values.to(torch.bfloat16)))
+
+
+def padded_q4k(outputs: int, inputs: int) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A q4k weight whose last block is padded (inputs not a multiple of 256), and its values."""
+    q = quantize_q4k(torch.randn(outputs, inputs, generator=torch.Generator().manual_seed(0)))
+    return q, q.dequantize()
+
+
+@needs_native
+def test_a_padded_last_block_multiplies_zeros_in_x():
+    q, values = padded_q4k(64, 896)  # the real draft's inputs: three blocks and a half
+    x = (torch.randn(5, 896) * torch.logspace(-2, 1, 896)).to(torch.bfloat16)
+    padded = F.pad(x.float(), (0, 3 * 256 + 256 - 896))
+    expected = rounded_as_int8(padded, K_INPUTS)[:, :896] @ values.double().T
+    got = native.q4k_linear(x, q.data, q.scales).double()
+    assert ((got - expected).abs() <= 0.01 * expected.abs() + 1e-4).all()
+    alone = torch.cat([native.q4k_linear(x[i : i + 1], q.data, q.scales) for i in range(5)])
+    assert torch.equal(native.q4k_linear(x, q.data, q.scales), alone)
+    with pytest.raises(RuntimeError, match="q4k shape"):  # x must reach into the last block
+        native.q4k_linear(x[:, :768], q.data, q.scales)
+
+
+def test_without_our_kernels_a_padded_matrix_multiplies_its_own_inputs(monkeypatch):
+    monkeypatch.setattr(native, "in_use", lambda: None)
+    q, values = padded_q4k(64, 96)
+    x = torch.randn(3, 96).to(torch.bfloat16)
+    assert bf16_values(q).shape == (64, 96)
     assert torch.equal(q.linear(x), row_blocks.linear(x, values.to(torch.bfloat16)))

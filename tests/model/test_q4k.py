@@ -11,6 +11,7 @@ import torch
 
 from lever_actors.model.quantized import (
     QuantizedWeight,
+    check_quantizable,
     from_q4k_blocks,
     q4k_blocks,
     quantize_q4k,
@@ -70,6 +71,21 @@ def test_quantizing_rounds_to_the_nearest_step_and_keeps_what_q4_k_holds():
     # steps of half a d, half a dmin)
     assert ((values - groups).abs() <= 0.5 * step + 7.5 * d + 0.5 * dmin + 1e-6).all()
     assert torch.linalg.norm(got - w) <= 0.09 * torch.linalg.norm(w)  # int4 too: 7.8%
+
+
+def test_a_last_block_short_of_256_inputs_is_stored_padded():
+    w = weight((16, 96))  # inputs in groups of 32, not a whole block
+    q = quantize_q4k(w)
+    assert q.shape == (16, 96) and q.dequantize().shape == (16, 96)
+    assert q.nbytes == storage_bytes(q.shape, "q4k", 0) == 16 // 8 * (1152 + 32)
+    assert torch.linalg.norm(q.dequantize() - w) <= 0.09 * torch.linalg.norm(w)
+    back = QuantizedWeight.from_bytes(
+        torch.frombuffer(bytearray(q.to_bytes()), dtype=torch.uint8), "q4k", q.shape
+    )
+    assert torch.equal(back.dequantize(), q.dequantize())
+    assert check_quantizable((16, 96), "q4k") is None
+    why = check_quantizable((16, 80), "q4k")
+    assert why == "q4k needs outputs in 8s and inputs in 32s, not (16, 80)"
 
 
 def test_its_parts_are_the_blocks_parts():
