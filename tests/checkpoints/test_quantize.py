@@ -42,7 +42,7 @@ def test_auto_keeps_each_tensor_in_its_precision_class(tmp_path: Path) -> None:
     assert formats == {
         "attn_norm": "dense",
         "wq": "int8",
-        "wk": "q4k",  # rounded to nearest: the one 4-bit format with a kernel this fast
+        "wk": "q4k",  # Q5_0, rounded to nearest into q4k for its kernel
         "wv": "dense",
         "wo": "dense",
         "ffn_norm": "dense",

@@ -81,7 +81,7 @@ def padded_q4k(outputs: int, inputs: int) -> tuple[QuantizedWeight, torch.Tensor
 def test_a_padded_last_block_multiplies_zeros_in_x():
     q, values = padded_q4k(64, 896)  # the real draft's inputs: three blocks and a half
     x = (torch.randn(5, 896) * torch.logspace(-2, 1, 896)).to(torch.bfloat16)
-    padded = F.pad(x.float(), (0, 3 * 256 + 256 - 896))
+    padded = F.pad(x.float(), (0, 4 * K_INPUTS - 896))  # zeros to the fourth block's end
     expected = rounded_as_int8(padded, K_INPUTS)[:, :896] @ values.double().T
     got = native.q4k_linear(x, q.data, q.scales).double()
     assert ((got - expected).abs() <= 0.01 * expected.abs() + 1e-4).all()
