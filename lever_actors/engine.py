@@ -102,6 +102,7 @@ class Engine:
         target: FlashTarget,
         draft: Transformer | None,
         policies: Policies,
+        units: tuple[ComputeUnit, ComputeUnit],
         nursery: trio.Nursery,
     ) -> None:
         self.config = config
@@ -110,8 +111,7 @@ class Engine:
         self.draft = draft
         self.policies = policies
         self.spec = policies.spec
-        self.npu = ComputeUnit("npu")
-        self.cpu = ComputeUnit("cpu") if config.units == "split" else self.npu
+        self.npu, self.cpu = units
         self._nursery = nursery
         self._one_at_a_time = trio.Lock()
         self._closed = False
@@ -139,25 +139,45 @@ class Engine:
         manifest = read_manifest(Path(config.target))
         if residency(manifest, config.dram_budget, config.ring_slots).streams:
             map_large_blocks()  # short of memory: a step's temporaries go back as they are freed
+        # loading and profiling on the "npu" unit's thread too: no other thread of ours
+        # starts an OpenMP team (units.py)
+        npu = ComputeUnit("npu")
+        units = (npu, ComputeUnit("cpu") if config.units == "split" else npu)
+        try:
+            async with cls._serving(config, draft, drafting, units, progress) as engine:
+                yield engine
+        finally:
+            for unit in set(units):
+                unit.close()
+
+    @classmethod
+    @asynccontextmanager
+    async def _serving(
+        cls,
+        config: EngineConfig,
+        draft: DraftModel | None,
+        drafting: bool,
+        units: tuple[ComputeUnit, ComputeUnit],
+        progress: Progress | None,
+    ) -> AsyncIterator[Engine]:
+        npu = units[0]
         # the draft first: its loading peak (several hundred MB of temporaries) then comes
         # before the target's resident weights, not on top of them
         if draft is None and drafting:
-            draft = await trio.to_thread.run_sync(
+            draft = await npu.run(
                 load_draft, config.draft, config.draft_dtype, config.draft_weights
             )
-        target = await trio.to_thread.run_sync(_open_target, config)
+        target = await npu.run(_open_target, config)
         try:
             model = draft.model if draft is not None and drafting else None
             if model is not None:
                 _check_same_vocabulary(target, draft)
-            policies = await trio.to_thread.run_sync(
-                build_policies, config, target, model, progress
-            )
+            policies = await npu.run(build_policies, config, target, model, progress)
             return_freed_heap()  # the start-up profiling's temporaries
             engine: Engine | None = None
             try:
                 async with trio.open_nursery() as nursery:
-                    engine = cls(config, target, model, policies, nursery)
+                    engine = cls(config, target, model, policies, units, nursery)
                     try:
                         yield engine
                     finally:

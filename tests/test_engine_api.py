@@ -262,6 +262,16 @@ async def test_a_closed_engine_holds_no_weights_while_its_object_lives_on(tiny):
     assert engine.policies.spec.kind == "chain"
 
 
+@pytest.mark.parametrize("units", ["split", "single"])
+async def test_an_engine_computes_on_its_units_threads_and_ends_them_when_closed(tiny, units):
+    async with Engine.open(tiny.config(units=units)) as engine:
+        assert (await generate(engine)).tokens == tiny.expected[:NEW]
+        threads = {engine.npu._thread, engine.cpu._thread}
+        assert len(threads) == (2 if units == "split" else 1)
+        assert {t.name for t in threads} <= {"lever-npu", "lever-cpu"}
+    assert not any(t.is_alive() for t in threads)
+
+
 # ------------------------------------------------------------------- failure injection
 
 
@@ -275,6 +285,7 @@ class Injected(Exception):
 # to "<function> from <task>", and it restores "Trio thread N" before handing the result
 # back. So a daemon thread bearing exactly that default name is an idle cached worker.
 IDLE_TRIO_WORKER = re.compile(r"Trio thread \d+")
+ENGINE_UNIT = re.compile(r"lever-(npu|cpu)")
 
 
 def leftover_threads(before: set[threading.Thread]) -> list[str]:
@@ -288,6 +299,8 @@ def leftover_threads(before: set[threading.Thread]) -> list[str]:
             continue  # idle in trio's cache
         if thread.daemon and thread in before and " from " not in thread.name:
             continue  # someone else's, from before this engine
+        if ENGINE_UNIT.fullmatch(thread.name):
+            continue  # an open engine's own compute unit (idle: the callers check `running`)
         left.append(f"{thread.name!r} (daemon={thread.daemon})")
     return left
 
@@ -417,6 +430,7 @@ async def test_an_actor_error_surfaces_as_itself_and_leaves_nothing_running(
 async def test_bad_requests_fail_before_any_work(tiny, prompt, n, message):
     async with Engine.open(tiny.config()) as engine:
         reads = engine.target.store.stats.bytes_read
+        jobs = (engine.npu.jobs, engine.cpu.jobs)  # the loading's
         with trio.fail_after(TIMEOUT):
             with pytest.raises(ConfigError, match=message):
                 await engine.generate(prompt, max_new_tokens=n)
@@ -424,7 +438,7 @@ async def test_bad_requests_fail_before_any_work(tiny, prompt, n, message):
                 async for _ in engine.stream(prompt, max_new_tokens=n):
                     pass
         assert engine.channels is None  # no request was ever wired up
-        assert engine.npu.jobs == engine.cpu.jobs == 0
+        assert (engine.npu.jobs, engine.cpu.jobs) == jobs
         assert engine.target.store.stats.bytes_read == reads
         assert (await generate(engine)).tokens == tiny.expected[:NEW]
 

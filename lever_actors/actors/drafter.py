@@ -79,7 +79,7 @@ class Drafter:
     ) -> None:
         with inbox.requests, inbox.commits, outbox:
             if self.model is not None:
-                self.cache = self.model.new_cache(self.capacity)
+                self.cache = await self.npu.run(self.model.new_cache, self.capacity)  # units.py
             task_status.started()
             async for request in inbox.requests:
                 await self.jitter()

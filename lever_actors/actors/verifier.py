@@ -20,7 +20,7 @@ from lever_actors.channels.messages import (
 )
 from lever_actors.device.units import ComputeUnit
 from lever_actors.model.layers import layer_forward
-from lever_actors.model.placement import tree_placement
+from lever_actors.model.placement import Placement, tree_placement
 from lever_actors.model.tree import TokenTree
 from lever_actors.policy.pruning import ProbeWhen, always
 from lever_actors.target import FlashTarget
@@ -74,7 +74,7 @@ class Verifier:
     ) -> None:
         with inbox.trees, inbox.layers, inbox.prune_verdicts, inbox.commits:
             with outbox.releases, outbox.probes, outbox.finals:
-                cache = self.target.new_cache(self.capacity)
+                cache = await self.unit.run(self.target.new_cache, self.capacity)  # units.py
                 task_status.started()
                 async for message in inbox.trees:
                     await self.jitter()
@@ -93,8 +93,8 @@ class Verifier:
         n_layers = target.args.n_layers
         tree = TokenTree(message.tokens, message.parents)
         context = cache.length
-        place = tree_placement(target.rope, context, tree, target.dtype)
-        x = await self.unit.run(target.embed, list(tree.tokens))  # [n, d_model]
+        # x: [n, d_model]; the placement's masks too on the unit: a prompt's are large
+        x, place = await self.unit.run(_start, target, tree, context)
         live = list(range(len(tree)))
         probes = (
             self.exit_layer is not None
@@ -193,6 +193,10 @@ class Verifier:
         dropped = [n for n in verdict.dropped if n >= message.n_committed]
         alive = tree.without(dropped)
         return [n for n in live if alive[n]]
+
+
+def _start(target: FlashTarget, tree: TokenTree, context: int) -> tuple[torch.Tensor, Placement]:
+    return target.embed(list(tree.tokens)), tree_placement(target.rope, context, tree, target.dtype)
 
 
 def _apply_layers(x, index, layers, args, cache, first, place) -> torch.Tensor:

@@ -3,14 +3,25 @@
 "npu" is the batched unit (the accelerator if there were one; here a CPU worker thread),
 "cpu" a second worker for small irregular work. Each admits one job at a time through its
 CapacityLimiter, so work on one unit is serialised and the two units run side by side.
+
+Each unit owns one OS thread for its whole life, so its products always start the same
+OpenMP team, and the engine loads and profiles on the "npu" unit too. libgomp spins idle
+team threads between products only while it manages no more threads than there are
+cores; each further thread that ever started a team (a trio cache thread, the event
+loop's thread) makes every team sleep after each product instead: the real target's
+memory-resident loop decoded 15-25% slower with a second team alive (docs/status.md).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
+import outcome
 import trio
 
 T = TypeVar("T")
@@ -22,11 +33,35 @@ class ComputeUnit:
         self.limiter = trio.CapacityLimiter(1)
         self.busy_seconds = 0.0
         self.jobs = 0
-        self.running = 0  # jobs inside a worker thread right now
+        self.running = 0  # jobs inside the unit's thread right now
+        jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._jobs = jobs
+        self._thread = threading.Thread(
+            target=_serve, args=(jobs,), name=f"lever-{name}", daemon=True
+        )
+        self._thread.start()
+        self._stop = weakref.finalize(self, jobs.put, None)  # a unit dropped unclosed ends too
+        self._stop.atexit = False  # at exit a woken thread would be killed mid-way (abort)
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
-        """Run fn(*args) in a worker thread; cancellation waits for the job to finish."""
-        return await trio.to_thread.run_sync(self._timed, fn, *args, limiter=self.limiter)
+        """Run fn(*args) on the unit's thread; cancellation waits for the job to finish."""
+        async with self.limiter:
+            task = trio.lowlevel.current_task()
+            token = trio.lowlevel.current_trio_token()
+            result: list[outcome.Outcome[T]] = []
+
+            def job() -> None:
+                result.append(outcome.capture(self._timed, fn, *args))
+                token.run_sync_soon(trio.lowlevel.reschedule, task)
+
+            self._jobs.put(job)
+            await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
+            return result[0].unwrap()
+
+    def close(self) -> None:
+        """End the unit's thread once its queued jobs are done (OpenMP frees its team)."""
+        self._stop()
+        self._thread.join()
 
     def _timed(self, fn: Callable[..., T], *args: object) -> T:
         self.running += 1
@@ -37,3 +72,9 @@ class ComputeUnit:
             self.busy_seconds += time.perf_counter() - started
             self.jobs += 1
             self.running -= 1
+
+
+def _serve(jobs: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+    """A unit's thread: its jobs in order, until None (it holds no reference to the unit)."""
+    while (job := jobs.get()) is not None:
+        job()
