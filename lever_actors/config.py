@@ -232,7 +232,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     audit_every: Annotated[int, msgspec.Meta(ge=0)] = 10
     draft_ahead: bool = True  # gain-cost: draft the next tree while flash paces this pass
     projection: Projection = "on_demand"  # on_demand (cpu unit, accepted path) or eager (npu)
-    units: Units = "split"  # split: small work on the "cpu" unit beside the "npu"; single
+    # single: every job on one thread, so one OpenMP team that may spin (device/units.py);
+    # split: small work on a "cpu" unit beside the "npu", each team sleeping when idle
+    units: Units = "single"
     draft_dtype: DraftDtype = "bfloat16"
     draft_weights: Weights = "auto"  # auto: a GGUF draft stays in its own precision class
     throttle: Throttle = "none"

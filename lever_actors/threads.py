@@ -4,11 +4,13 @@ OpenMP reads them only once, when it loads. Values the user set are kept.
 - Threads fill only the cores other processes keep out of use (OMP_NUM_THREADS), measured
   at start, and idle threads sleep (OMP_WAIT_POLICY=PASSIVE): beside one busy neighbour on
   two cores, spinning threads lost their time slices and decoded at half the speed.
-- On an idle machine every core gets a thread. Idle threads sleep too where our own two
-  compute units share the cores (the pipeline: a spinning team of one unit takes the
-  cores the other needs), and spin as torch's default has them where one stream of
-  matrix products runs alone (`generate --model`, and the bench's memory-resident AR and
-  peers in their child processes), which spinning made 10-30% faster.
+- On an idle machine every core gets a thread, and idle threads spin as torch's default
+  has them wherever one OpenMP team computes alone: `generate --model`, the bench's
+  memory-resident AR and peers, and the engine with its default single compute unit
+  (device/units.py). Spinning made those 10-30% faster. Idle threads sleep only where two
+  compute units share the cores (`--units split`, and a bench, whose children with one
+  unit go without it): a spinning team of one unit takes the cores the other needs, and
+  libgomp sleeps every team after each product once two exist anyway.
   Figures: `bench/thread_policy.py`, docs/status.md.
 - A core counts as taken only when at least 3/4 busy in each of three 0.2 s windows, so
   that a process that has just exited (freeing its memory) does not count.
@@ -23,8 +25,8 @@ from collections.abc import Mapping
 WINDOWS = 3  # a neighbour counts only if busy in every one: a process that is just
 WINDOW_SECONDS = 0.2  # exiting (freeing its memory) is busy in the first window only
 TAKEN = 0.75  # of a core's time busy, for the core to count as taken
-# names the variables set only because the command runs our pipeline (comma-separated), so
-# that a child process computing one stream alone can go without them
+# names the variables set only because the command may run two compute units
+# (comma-separated), so that a child process computing with one team can go without them
 PIPELINE_ONLY = "LEVER_ACTORS_PIPELINE_ONLY"
 
 
@@ -61,12 +63,12 @@ def thread_policy(
     environ: Mapping[str, str], free: int | None, cores: int, argv: list[str]
 ) -> dict[str, str]:
     """The variables to add to `environ` for the command `argv`, given `free` idle cores of
-    `cores` (None: not known); never one the user set. What is set for the pipeline only
-    (on an idle machine) is named in PIPELINE_ONLY too."""
+    `cores` (None: not known); never one the user set. What is set for two compute units
+    only (on an idle machine) is named in PIPELINE_ONLY too."""
     policy = {"OMP_WAIT_POLICY": "PASSIVE"}
     if free is not None and free < cores:
         policy["OMP_NUM_THREADS"] = str(free)
-    elif runs_one_stream(argv):
+    elif not runs_two_units(argv):
         policy = {}
     added = {k: v for k, v in policy.items() if k not in environ}
     if added and "OMP_NUM_THREADS" not in policy:
@@ -74,13 +76,17 @@ def thread_policy(
     return added
 
 
-def runs_one_stream(argv: list[str]) -> bool:
-    """Whether the command computes one stream of products alone: `generate --model`."""
-    return "generate" in argv and any(a.split("=")[0] == "--model" for a in argv)
+def runs_two_units(argv: list[str]) -> bool:
+    """Whether the command may run two compute units side by side: `--units split`, or a
+    bench (its children decide for themselves, child.py)."""
+    pairs = zip(argv, [*argv[1:], ""], strict=True)
+    return argv[:1] == ["bench"] or any(
+        a == "--units=split" or (a, b) == ("--units", "split") for a, b in pairs
+    )
 
 
 def one_stream_environ(environ: Mapping[str, str]) -> dict[str, str]:
-    """`environ` for a child process that computes one stream of products alone (a
-    memory-resident baseline, a peer): without what was set for our pipeline only."""
+    """`environ` for a child process that computes with one OpenMP team (a memory-resident
+    baseline, a peer, the engine with one unit): without what was set for two units only."""
     dropped = {PIPELINE_ONLY, *environ.get(PIPELINE_ONLY, "").split(",")}
     return {k: v for k, v in environ.items() if k not in dropped}

@@ -1,5 +1,5 @@
 """The console entry point's thread policy: set before torch loads, never over the user's;
-undone for a child that computes one stream alone where it was set for the pipeline only."""
+undone for a child that computes with one OpenMP team where it was set for two units only."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ SHOW = (
     "import os, sys; sys.argv = ['lever-actors', *sys.argv[1:]]; import lever_actors.launch; "
     "print(*(os.environ.get(k, '-') for k in ('OMP_WAIT_POLICY', 'OMP_NUM_THREADS')))"
 )
-PIPELINE = ["generate", "--chat", "hi"]
+PIPELINE = ["generate", "--chat", "hi", "--units", "split"]  # two compute units
 ONE_STREAM = ["generate", "--model", "m.gguf"]
+ONE_UNIT = ["generate", "--chat", "hi"]  # the engine's default: one unit, one team
 
 
 def launched(env: dict[str, str], argv: list[str]) -> list[str]:
@@ -35,7 +36,7 @@ def test_the_users_settings_are_kept():
     assert thread_policy({"OMP_WAIT_POLICY": "ACTIVE"}, 1, 2, PIPELINE) == {"OMP_NUM_THREADS": "1"}
 
 
-def test_the_pipeline_sleeps_its_idle_threads():
+def test_two_units_sleep_their_idle_threads():
     assert launched({"OMP_NUM_THREADS": "2"}, PIPELINE) == ["PASSIVE", "2"]
     assert thread_policy({}, free=2, cores=2, argv=PIPELINE) == {
         "OMP_WAIT_POLICY": "PASSIVE",
@@ -43,10 +44,19 @@ def test_the_pipeline_sleeps_its_idle_threads():
     }
 
 
-def test_one_stream_on_an_idle_machine_keeps_torchs_default():
+def test_one_team_on_an_idle_machine_keeps_torchs_default():
     assert launched({"OMP_NUM_THREADS": "2"}, ONE_STREAM) == ["-", "2"]
+    assert launched({"OMP_NUM_THREADS": "2"}, ONE_UNIT) == ["-", "2"]
     assert thread_policy({}, free=2, cores=2, argv=ONE_STREAM) == {}
     assert thread_policy({}, free=None, cores=2, argv=["generate", "--model=m"]) == {}
+    assert thread_policy({}, free=2, cores=2, argv=[*ONE_UNIT, "--units", "single"]) == {}
+
+
+def test_two_units_and_a_bench_sleep_idle_threads():
+    two = {"OMP_WAIT_POLICY": "PASSIVE", PIPELINE_ONLY: "OMP_WAIT_POLICY"}
+    assert thread_policy({}, free=2, cores=2, argv=["serve", "l", "--units=split"]) == two
+    assert thread_policy({}, free=2, cores=2, argv=["bench", "--modes", "lever"]) == two
+    assert thread_policy({}, free=2, cores=2, argv=["generate", "--chat", "bench"]) == {}
 
 
 def test_a_busy_machine_gets_the_idle_cores_and_sleeping_threads():

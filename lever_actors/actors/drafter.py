@@ -89,7 +89,7 @@ class Drafter:
                     commit = await self._commit_drafting_ahead(inbox.commits, request.max_nodes)
                 except trio.EndOfChannel:
                     return
-                self.commit(commit, tree, request.max_nodes)
+                await self.commit(commit, tree, request.max_nodes)
 
     async def _commit_drafting_ahead(
         self, commits: trio.MemoryReceiveChannel[Commit], cap: int
@@ -155,7 +155,7 @@ class Drafter:
             drafted_ahead=ahead,
         )
 
-    def commit(self, commit: Commit, tree: DraftTree, max_nodes: int) -> None:
+    async def commit(self, commit: Commit, tree: DraftTree, max_nodes: int) -> None:
         self.chain = list(commit.next_tokens)
         if self.model is None:
             return
@@ -174,7 +174,7 @@ class Drafter:
         # Nodes we ran form a prefix of the accepted path: keep those in the cache; the
         # accepted nodes we never ran (the deepest ones) are committed but still unseen.
         ran = [n for n in commit.accepted if n in builder.offsets]
-        self.cache.keep([builder.offsets[n] for n in ran])
+        await self.npu.run(self.cache.keep, [builder.offsets[n] for n in ran])
         self.backlog = [tree.tokens[n] for n in commit.accepted[len(ran) :]]
 
     def _next_token_drafted(self, commit: Commit, builder: TreeBuilder) -> int | None:

@@ -84,7 +84,7 @@ class Verifier:
                         commit = await inbox.commits.receive()
                     except trio.EndOfChannel:
                         return
-                    cache.keep(list(commit.accepted))
+                    await self.unit.run(cache.keep, list(commit.accepted))
 
     async def _verify(
         self, message: DraftTree, cache, inbox: VerifierInbox, outbox: VerifierOutbox
@@ -120,7 +120,7 @@ class Verifier:
                 target.args,
                 cache,
                 layer,
-                place.rows(index),
+                place,
             )
             io_wait += started - waited
             compute += time.perf_counter() - started
@@ -141,7 +141,7 @@ class Verifier:
             tree=message,
             position=context,
             nodes=tuple(live),
-            hidden=x[live],
+            hidden=await self._rows(x, live),
             io_wait_seconds=io_wait,
             verify_seconds=compute,
             pruned=pruned,
@@ -149,6 +149,12 @@ class Verifier:
             audit=audit,
             would_drop=would_drop,
         )
+
+    async def _rows(self, x: torch.Tensor, live: list[int]) -> torch.Tensor:
+        """x's rows `live`: all of x as it is, a subset gathered on the unit (units.py)."""
+        if live == list(range(x.shape[0])):
+            return x
+        return await self.unit.run(x.__getitem__, torch.tensor(live))
 
     @staticmethod
     async def _layers_arrived(
@@ -183,9 +189,10 @@ class Verifier:
         inbox: VerifierInbox,
         outbox: VerifierOutbox,
     ) -> list[int]:
+        hidden = await self._rows(x, live)
         await outbox.probes.send(
             ExitProbe(
-                step=message.step, tree=message, layer=layer, nodes=tuple(live), hidden=x[live]
+                step=message.step, tree=message, layer=layer, nodes=tuple(live), hidden=hidden
             )
         )
         verdict = await inbox.prune_verdicts.receive()
@@ -200,10 +207,11 @@ def _start(target: FlashTarget, tree: TokenTree, context: int) -> tuple[torch.Te
 
 
 def _apply_layers(x, index, layers, args, cache, first, place) -> torch.Tensor:
-    """x: [n, d_model] for the whole tree; only rows `index` advance through `layers`,
-    the target's layers first, first + 1, ..."""
+    """x: [n, d_model] for the whole tree placed at `place`; only rows `index` advance
+    through `layers`, the target's layers first, first + 1, ..."""
     everyone = len(index) == x.shape[0]
     rows = x if everyone else x[index]
+    place = place.rows(index)
     for offset, weights in enumerate(layers):
         rows = layer_forward(rows, weights, args, cache, first + offset, place)
     if everyone:

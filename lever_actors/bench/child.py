@@ -154,13 +154,14 @@ class ChildMode:
         if limit is not None and self.cgroups is not None and self.cgroups.usable:
             self.cgroup = MemoryCgroup(self.cgroups, f"lever-bench-{os.getpid()}-{id(self)}", limit)
             stack.callback(self.cgroup.remove)
-        # our pipeline's children keep its thread policy, one stream alone spins (threads.py)
-        pipeline = isinstance(self.planned.spec, EngineSpec)
+        # two compute units keep the policy set for them; one team alone spins (threads.py)
+        spec = self.planned.spec
+        two_units = isinstance(spec, EngineSpec) and spec.config.units == "split"
         self.process = subprocess.Popen(
             [self.python, "-c", CHILD_PROGRAM],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env=None if pipeline else one_stream_environ(os.environ),
+            env=None if two_units else one_stream_environ(os.environ),
         )
         stack.push_async_callback(self._close)
         if self.cgroup is not None:

@@ -232,12 +232,13 @@ def test_limits_need_every_mode_in_a_child(tmp_path):
         _options(tmp_path, limits=("1 gigabyte",))
 
 
-async def test_a_memory_resident_child_spins_its_threads_and_ours_keep_the_pipelines(
+async def test_children_with_one_openmp_team_spin_and_two_units_keep_the_sleep(
     one_set, tmp_path, monkeypatch
 ):
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # as the launcher sets it for the bench
     monkeypatch.setenv(PIPELINE_ONLY, "OMP_WAIT_POLICY")
-    options = _options(tmp_path, modes=("memory-ar", "flash-ar"), isolate="all")
+    modes = ("memory-ar", "flash-ar", "lever-two-units")
+    options = _options(tmp_path, modes=modes, isolate="all")
     planned = plan_modes(options, one_set.target, one_set.draft)
     policies = []
     for mode in planned:
@@ -246,5 +247,5 @@ async def test_a_memory_resident_child_spins_its_threads_and_ours_keep_the_pipel
             await child.open(stack)
             environ = Path(f"/proc/{child.process.pid}/environ").read_bytes().split(b"\0")
             policies.append(b"OMP_WAIT_POLICY=PASSIVE" in environ)
-    assert [m.info.family for m in planned] == ["memory-ar", "flash-ar"]
-    assert policies == [False, True]
+    assert [m.info.family for m in planned] == list(modes)
+    assert policies == [False, False, True]
