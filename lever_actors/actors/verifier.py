@@ -94,7 +94,7 @@ class Verifier:
         tree = TokenTree(message.tokens, message.parents)
         context = cache.length
         # x: [n, d_model]; the placement's masks too on the unit: a prompt's are large
-        x, place = await self.unit.run(_start, target, tree, context)
+        x, place = await self.unit.run(_embed_and_place, target, tree, context)
         live = list(range(len(tree)))
         probes = (
             self.exit_layer is not None
@@ -202,7 +202,9 @@ class Verifier:
         return [n for n in live if alive[n]]
 
 
-def _start(target: FlashTarget, tree: TokenTree, context: int) -> tuple[torch.Tensor, Placement]:
+def _embed_and_place(
+    target: FlashTarget, tree: TokenTree, context: int
+) -> tuple[torch.Tensor, Placement]:
     return target.embed(list(tree.tokens)), tree_placement(target.rope, context, tree, target.dtype)
 
 
