@@ -232,9 +232,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     audit_every: Annotated[int, msgspec.Meta(ge=0)] = 10
     draft_ahead: bool = True  # gain-cost: draft the next tree while flash paces this pass
     projection: Projection = "on_demand"  # on_demand (cpu unit, accepted path) or eager (npu)
-    # single: every job on one thread, so one OpenMP team that may spin (device/units.py);
-    # split: small work on a "cpu" unit beside the "npu", each team sleeping when idle
-    units: Units = "single"
+    # split: small work on a "cpu" unit beside the "npu", each team sleeping when idle;
+    # single: every job on one thread, one OpenMP team that spins (device/units.py):
+    # faster with everything resident, slower while layers stream (docs/status.md)
+    units: Units = "split"
     draft_dtype: DraftDtype = "bfloat16"
     draft_weights: Weights = "auto"  # auto: a GGUF draft stays in its own precision class
     throttle: Throttle = "none"

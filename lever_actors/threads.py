@@ -4,13 +4,13 @@ OpenMP reads them only once, when it loads. Values the user set are kept.
 - Threads fill only the cores other processes keep out of use (OMP_NUM_THREADS), measured
   at start, and idle threads sleep (OMP_WAIT_POLICY=PASSIVE): beside one busy neighbour on
   two cores, spinning threads lost their time slices and decoded at half the speed.
-- On an idle machine every core gets a thread, and idle threads spin as torch's default
-  has them wherever one OpenMP team computes alone: `generate --model`, the bench's
-  memory-resident AR and peers, and the engine with its default single compute unit
-  (device/units.py). Spinning made those 10-30% faster. Idle threads sleep only where two
-  compute units share the cores (`--units split`, and a bench, whose children with one
-  unit go without it): a spinning team of one unit takes the cores the other needs, and
-  libgomp sleeps every team after each product once two exist anyway.
+- On an idle machine every core gets a thread. Idle threads spin as torch's default has
+  them wherever one OpenMP team computes alone: `generate --model`, the engine with
+  `--units single` (every job on one thread, device/units.py), and the bench's
+  memory-resident AR and peers; spinning made those 10-30% faster. They sleep where two
+  compute units share the cores (the engine's default, and a bench, whose children with
+  one team go without it): a spinning team of one unit takes the cores the other needs,
+  and libgomp sleeps every team after each product anyway once two exist.
   Figures: `bench/thread_policy.py`, docs/status.md.
 - A core counts as taken only when at least 3/4 busy in each of three 0.2 s windows, so
   that a process that has just exited (freeing its memory) does not count.
@@ -77,12 +77,13 @@ def thread_policy(
 
 
 def runs_two_units(argv: list[str]) -> bool:
-    """Whether the command may run two compute units side by side: `--units split`, or a
-    bench (its children decide for themselves, child.py)."""
+    """Whether the command may run two compute units side by side: the engine's default,
+    unless `--units single` or `generate --model` computes one stream; a bench's children
+    decide for themselves (child.py)."""
     pairs = zip(argv, [*argv[1:], ""], strict=True)
-    return argv[:1] == ["bench"] or any(
-        a == "--units=split" or (a, b) == ("--units", "split") for a, b in pairs
-    )
+    one_unit = any(a == "--units=single" or (a, b) == ("--units", "single") for a, b in pairs)
+    model_alone = "generate" in argv and any(a.split("=")[0] == "--model" for a in argv)
+    return argv[:1] == ["bench"] or not (one_unit or model_alone)
 
 
 def one_stream_environ(environ: Mapping[str, str]) -> dict[str, str]:

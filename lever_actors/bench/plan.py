@@ -41,7 +41,7 @@ ENGINE_FAMILIES = (
     "lever-no-prune",
     "lever-no-ahead",
     "lever-eager",
-    "lever-two-units",
+    "lever-single-unit",
     "flash-ar-no-verify",
     "lever-no-verify",
 )
@@ -165,7 +165,7 @@ def engine_variants(options: BenchOptions, family: str) -> list[tuple[str, str |
         "lever-no-prune": [("lever-no-prune", "gaincost", {"early_exit": "off"})],
         "lever-no-ahead": [("lever-no-ahead", "gaincost", {**lever, "draft_ahead": False})],
         "lever-eager": [("lever-eager", "gaincost", {**lever, "projection": "eager"})],
-        "lever-two-units": [("lever-two-units", "gaincost", {**lever, "units": "split"})],
+        "lever-single-unit": [("lever-single-unit", "gaincost", {**lever, "units": "single"})],
         # the price of checking every flash read
         "flash-ar-no-verify": [
             (

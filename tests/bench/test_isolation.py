@@ -232,12 +232,12 @@ def test_limits_need_every_mode_in_a_child(tmp_path):
         _options(tmp_path, limits=("1 gigabyte",))
 
 
-async def test_children_with_one_openmp_team_spin_and_two_units_keep_the_sleep(
+async def test_children_with_one_openmp_team_spin_and_two_units_keep_their_sleep(
     one_set, tmp_path, monkeypatch
 ):
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # as the launcher sets it for the bench
     monkeypatch.setenv(PIPELINE_ONLY, "OMP_WAIT_POLICY")
-    modes = ("memory-ar", "flash-ar", "lever-two-units")
+    modes = ("memory-ar", "flash-ar", "lever-single-unit")
     options = _options(tmp_path, modes=modes, isolate="all")
     planned = plan_modes(options, one_set.target, one_set.draft)
     policies = []
@@ -248,4 +248,4 @@ async def test_children_with_one_openmp_team_spin_and_two_units_keep_the_sleep(
             environ = Path(f"/proc/{child.process.pid}/environ").read_bytes().split(b"\0")
             policies.append(b"OMP_WAIT_POLICY=PASSIVE" in environ)
     assert [m.info.family for m in planned] == list(modes)
-    assert policies == [False, False, True]
+    assert policies == [False, True, False]
