@@ -14,6 +14,9 @@ import msgspec
 from lever_actors.channels.messages import StepStats
 
 ONLINE_WEIGHT = 0.2  # exponential moving average: recent steps count, one outlier does not
+# the verify curve learns a segment at a time, from the passes read from it, so it may move
+# faster: a request at 1 GiB runs 8-16 steps, whose passes computed 1.3-2x the profile
+VERIFY_WEIGHT = 0.5
 IO_BOUND_WAIT = 0.25  # a pass that spent this share of its time waiting for layers is I/O-bound
 
 
@@ -36,6 +39,26 @@ class Curve(msgspec.Struct):
 
     def scale(self, factor: float) -> None:
         self.seconds = [s * factor for s in self.seconds]
+
+    def learn(self, size: float, measured: float, weight: float) -> None:
+        """Move the prediction at `size` the `weight` share of the way to `measured`, by
+        scaling only the segment it is read from (the first point alone below it), so the
+        shape follows the sizes in use. The curve stays non-decreasing."""
+        predicted = self(size)
+        if predicted <= 0 or measured <= 0:
+            return
+        factor = 1 + weight * (measured / predicted - 1)
+        sizes, seconds = self.sizes, self.seconds
+        i = min(bisect.bisect_left(sizes, size), len(sizes) - 1)
+        segment = [0] if size <= sizes[0] else [i - 1, i]
+        for j in segment:
+            seconds[j] *= factor
+        if factor > 1:  # dearer points raise those above them
+            for j in range(segment[0] + 1, len(seconds)):
+                seconds[j] = max(seconds[j], seconds[j - 1])
+        else:  # cheaper ones lower those below them
+            for j in range(segment[-1] - 1, -1, -1):
+                seconds[j] = min(seconds[j], seconds[j + 1])
 
 
 class CostModel(msgspec.Struct):
@@ -89,7 +112,7 @@ class CostModel(msgspec.Struct):
         A pass that hardly waited was compute-bound: its waits, per second of compute,
         teach `contention`."""
         rounds = list(step.draft_rounds)
-        _correct(self.verify, self.verify(step.tree_nodes), step.verify_seconds)
+        self.verify.learn(step.tree_nodes, step.verify_seconds, VERIFY_WEIGHT)
         _correct(self.draft, sum(self.draft(w) for w in rounds), step.draft_seconds)
         if step.read_seconds > 0 and (self.streamed_bytes or self.head_bytes):
             seen = step.bytes_read / step.read_seconds

@@ -82,3 +82,49 @@ def test_a_streamed_head_beside_resident_layers_learns_the_bandwidth_from_its_re
     cost.observe(step(4, io_wait=0.0, verify=0.1, read=(GB // 4, 0.5)))
     assert cost.flash_bandwidth == pytest.approx(0.5 * GB)
     assert cost.head_read_seconds == pytest.approx(0.5)
+
+
+def curve() -> Curve:
+    return Curve([1, 16, 32, 64], [0.1, 0.3, 0.5, 0.9])
+
+
+def test_the_verify_curve_learns_the_sizes_its_passes_have():
+    """Passes of 48 nodes computed three times the profile: the points at 32 and 64 learn
+    it, the ones small trees use keep theirs."""
+    learned = curve()
+    for _ in range(30):
+        learned.learn(48, 2.1, 0.5)
+    assert learned(48) == pytest.approx(2.1, rel=1e-3)
+    assert learned.seconds[:2] == [0.1, 0.3]
+    assert learned.seconds == sorted(learned.seconds)
+
+
+def test_a_cheaper_pass_lowers_the_points_below_it():
+    learned = curve()
+    for _ in range(30):
+        learned.learn(64, 0.2, 0.5)
+    assert learned(64) == pytest.approx(0.2, rel=1e-3)
+    assert learned.seconds == sorted(learned.seconds)
+    assert learned.seconds[0] == 0.1  # below 0.2 already
+
+
+def test_a_size_outside_the_points_moves_the_nearest_segment():
+    learned = curve()
+    learned.learn(100, 2 * curve()(100), 0.5)
+    assert learned(100) == pytest.approx(1.5 * curve()(100))
+    assert learned.seconds[:2] == [0.1, 0.3]
+    learned = curve()
+    learned.learn(0.5, 0.1, 0.5)  # measured twice what the first point's line says
+    assert learned.seconds == [pytest.approx(0.15), 0.3, 0.5, 0.9]
+
+
+def test_a_few_dear_passes_teach_their_size():
+    """A 64-token request under 1 GiB runs 8-16 steps: three compute-bound passes of 48 nodes
+    at twice the profile bring the prediction within 10% of it."""
+    cost = model()
+    cost.verify = curve()
+    measured = 2 * cost.verify(48)
+    for _ in range(3):
+        cost.observe(step(48, io_wait=0.0, verify=measured, read=(GB, 1.0)))
+    assert cost.verify(48) == pytest.approx(measured, rel=0.1)
+    assert cost.verify(1) == 0.1
