@@ -230,7 +230,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     prune_when: PruneWhen = "compute_bound"
     # every n-th step runs pruned nodes anyway, to count false prunes (0: never)
     audit_every: Annotated[int, msgspec.Meta(ge=0)] = 10
-    draft_ahead: bool = True  # gain-cost: draft the next tree while flash paces this pass
+    # gain-cost: draft the next tree while flash paces this pass; off by default, since the
+    # rounds took cores the pass needed and were rarely hit (docs/status.md)
+    draft_ahead: bool = False
     projection: Projection = "on_demand"  # on_demand (cpu unit, accepted path) or eager (npu)
     # split: small work on a "cpu" unit beside the "npu", each team sleeping when idle;
     # single: every job on one thread, one OpenMP team that spins (device/units.py):

@@ -30,7 +30,7 @@ POLICIES: dict[str, dict[str, object]] = {
     "static-4-2-2-1": {"tree": "static:4,2,2,1"},
     "static-8-8": {"tree": "static:8,8"},
     "gaincost": {"tree": "gaincost"},
-    "gaincost-no-ahead": {"tree": "gaincost", "draft_ahead": False},
+    "gaincost-ahead": {"tree": "gaincost", "draft_ahead": True},
     "gaincost-prune-always": {"tree": "gaincost", "early_exit": "lens", "prune_when": "always"},
     "gaincost-exit-off": {"tree": "gaincost", "early_exit": "off"},
 }

@@ -39,7 +39,7 @@ ENGINE_FAMILIES = (
     "lever",
     "lever-no-gaincost",
     "lever-no-prune",
-    "lever-no-ahead",
+    "lever-draft-ahead",
     "lever-eager",
     "lever-single-unit",
     "flash-ar-no-verify",
@@ -163,7 +163,7 @@ def engine_variants(options: BenchOptions, family: str) -> list[tuple[str, str |
         "lever": [("lever", "gaincost", {**lever})],
         "lever-no-gaincost": [("lever-no-gaincost", static, {**lever, "tree": static})],
         "lever-no-prune": [("lever-no-prune", "gaincost", {"early_exit": "off"})],
-        "lever-no-ahead": [("lever-no-ahead", "gaincost", {**lever, "draft_ahead": False})],
+        "lever-draft-ahead": [("lever-draft-ahead", "gaincost", {**lever, "draft_ahead": True})],
         "lever-eager": [("lever-eager", "gaincost", {**lever, "projection": "eager"})],
         "lever-single-unit": [("lever-single-unit", "gaincost", {**lever, "units": "single"})],
         # the price of checking every flash read

@@ -35,9 +35,10 @@ def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
     _option(gen, "prune_threshold", type=float)
     _option(gen, "prune_when", help="compute_bound: only passes that compute, not flash, paces")
     gen.add_argument(
-        "--no-draft-ahead",
+        "--draft-ahead",
         action="store_true",
-        help="do not draft the next tree while the target verifies this one",
+        help="draft the next tree while the target verifies this one, beside passes that "
+        "flash paces (default: off)",
     )
     _option(gen, "draft_dtype")
     _option(gen, "draft_weights", help="auto keeps a GGUF draft's precision class")
@@ -72,7 +73,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         exit_layer=args.exit_layer,
         prune_threshold=args.prune_threshold,
         prune_when=args.prune_when,
-        draft_ahead=not args.no_draft_ahead,
+        draft_ahead=args.draft_ahead,
         draft_dtype=args.draft_dtype,
         draft_weights=args.draft_weights,
         projection=args.projection,
