@@ -45,9 +45,11 @@ class Drafter:
     """Keeps its own KV cache of the committed text. Each step it first runs the committed
     tokens it has not seen, then grows the tree below the last one by its policy.
 
-    With `ahead`, it keeps growing the gain-cost tree after sending it, until the commit
-    comes: when the target's next token is one of the nodes drafted that way, the subtree
-    below it is the next tree already, and only what still pays is added to it."""
+    A gain-cost tree's nodes it ran are kept until the commit: when the target's next token
+    is one of them, below the accepted path's end, the subtree below it is the next tree
+    already (its children known, no forward needed to start it), and only what still pays
+    is added to it. With `ahead`, it also keeps growing the tree after sending it, until the
+    commit comes, so that more of the target's next tokens are found run."""
 
     def __init__(
         self,
@@ -67,7 +69,7 @@ class Drafter:
         self.chain: list[int] = list(prompt)  # committed tokens the target has not seen yet
         self.builder: TreeBuilder | None = None  # the last tree's
         self.growth: GainCostGrowth | None = None  # the last tree's, when gain-cost
-        self.drafted_ahead: TreeBuilder | None = None  # the next tree, when a commit hit it
+        self.carried: TreeBuilder | None = None  # the next tree, when the commit hit a run node
         self.chooser = Chooser(policy.sampling, noise_dtype=torch.float32)  # ranks only
 
     async def run(
@@ -127,13 +129,13 @@ class Drafter:
                 draft_seconds=0.0,
                 draft_rounds=(),
             )
-        builder = self.drafted_ahead
-        self.drafted_ahead = None
+        builder = self.carried
+        self.carried = None
         if builder is None:
             builder = TreeBuilder(self.model, self.cache, self.chain, self.chooser)
             await self.npu.run(builder.run_chain, self.backlog)
             self.backlog = []
-        ahead = len(builder.tokens) - builder.n_chain
+        carried = len(builder.tokens) - builder.n_chain
         self.builder = builder
         spec = self.policy.spec
         if spec.kind == "gaincost":
@@ -152,7 +154,7 @@ class Drafter:
             shadows=builder.shadows(),
             draft_seconds=time.perf_counter() - started,
             draft_rounds=tuple(builder.rounds),
-            drafted_ahead=ahead,
+            drafted_ahead=carried,
         )
 
     async def commit(self, commit: Commit, tree: DraftTree, max_nodes: int) -> None:
@@ -163,13 +165,13 @@ class Drafter:
             self.policy.calibrator.observe(
                 tree.parents, tree.draft_probs, tree.draft_ranks, tree.n_committed, commit.accepted
             )
-        builder, grew_ahead = self.builder, self.policy.ahead and self.growth is not None
+        builder, gain_cost = self.builder, self.growth is not None
         self.builder = self.growth = None
         if builder is None:  # autoregressive: nothing drafted, nothing to keep
             return
-        root = self._next_token_drafted(commit, builder) if grew_ahead else None
+        root = self._next_token_drafted(commit, builder) if gain_cost else None
         if root is not None:
-            self.drafted_ahead = builder.rebase(commit.accepted, root, max_nodes)
+            self.carried = builder.rebase(commit.accepted, root, max_nodes)
             return
         # Nodes we ran form a prefix of the accepted path: keep those in the cache; the
         # accepted nodes we never ran (the deepest ones) are committed but still unseen.

@@ -34,7 +34,7 @@ class DraftTree(Message, frozen=True):
     shadows: tuple[tuple[int, ...], ...]  # per node: best untaken candidates (empty if not run)
     draft_seconds: float
     draft_rounds: tuple[int, ...]  # nodes in each draft forward
-    drafted_ahead: int = 0  # draft nodes grown while the previous tree was verified
+    drafted_ahead: int = 0  # draft nodes carried from the previous tree (run before the commit)
 
 
 class LayerWeights(Message, frozen=True):
@@ -93,7 +93,7 @@ class StepStats(msgspec.Struct, frozen=True):
     audited: bool  # this step checked the pruner: its drops were run in full anyway
     false_prunes: int  # on an audit step: accepted nodes the pruner would have dropped
     projected_nodes: int
-    drafted_ahead: int  # tree nodes drafted while the previous step was verified
+    drafted_ahead: int  # tree nodes carried from the previous step's tree (run before its commit)
     draft_rounds: tuple[int, ...]  # nodes in each draft forward
     draft_seconds: float
     io_wait_seconds: float
