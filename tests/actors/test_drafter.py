@@ -296,3 +296,45 @@ async def test_drafting_ahead_only_beside_a_pass_that_flash_paces(
                 while len(rounds) == sent:
                     await trio.sleep(0.01)
     assert (len(rounds) > sent) == drafts_ahead
+
+
+async def test_a_gain_cost_tree_carries_over_without_drafting_ahead(draft, monkeypatch):
+    """The target's next token is a node the draft ran below the accepted path's end: the
+    next tree starts from that node's subtree, with no forward to start it."""
+    cost = CostModel(  # a dear pass and cheap draft rounds: the tree grows deep
+        flash_bandwidth=1e9,
+        streamed_bytes=0,
+        verify=Curve([1, 128], [1.0, 1.0]),
+        draft=Curve([1, 64], [1e-4, 1e-4]),
+        project_seconds=1e-6,
+    )
+    policy = DraftPolicy(TreeSpec.parse("gaincost"), cost, AcceptanceCalibrator(), ahead=False)
+    units = (ComputeUnit("cpu"), ComputeUnit("npu"))
+    wired = Wired(Drafter(draft, policy, list(PROMPT), len(PROMPT) + 128, units, Jitter(0, 0)))
+    chains: list[int] = []
+    run_chain = TreeBuilder.run_chain
+    monkeypatch.setattr(
+        TreeBuilder,
+        "run_chain",
+        lambda self, unseen: chains.append(1) or run_chain(self, unseen),
+    )
+    with trio.fail_after(TIMEOUT):
+        async with wired.running():
+            first = await wired.draft(0, 16)
+            # a draft node with children was run; accept the path down to its parent
+            node = min(p for p in first.parents if p >= first.n_committed)
+            path = [first.parents[node]]
+            while path[-1] >= first.n_committed:
+                path.append(first.parents[path[-1]])
+            accepted = (*range(first.n_committed - 1), *reversed(path))
+            below = [n for n, p in enumerate(first.parents) if p == node]
+            await wired.commits.send(
+                Commit(step=0, accepted=accepted, next_tokens=(first.tokens[node],))
+            )
+            second = await wired.draft(1, 16)
+    assert len(chains) == 1  # the first tree's only
+    assert second.n_committed == 1 and second.tokens[0] == first.tokens[node]
+    assert second.drafted_ahead >= len(below)
+    assert {first.tokens[n] for n in below} <= {
+        second.tokens[n] for n, p in enumerate(second.parents) if p == 0
+    }
