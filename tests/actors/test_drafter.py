@@ -264,6 +264,25 @@ async def test_an_error_in_the_draft_model_propagates_from_run(draft, monkeypatc
                     await wired.draft(0, 2)
 
 
+def gain_cost_drafter(model: Transformer, cost: CostModel, *, ahead: bool) -> Wired:
+    policy = DraftPolicy(TreeSpec.parse("gaincost"), cost, AcceptanceCalibrator(), ahead=ahead)
+    units = (ComputeUnit("cpu"), ComputeUnit("npu"))
+    return Wired(Drafter(model, policy, list(PROMPT), len(PROMPT) + 128, units, Jitter(0, 0)))
+
+
+def calls_of(monkeypatch, method: str) -> list[int]:
+    """A list that grows by one at each call of a TreeBuilder method, which still runs."""
+    calls: list[int] = []
+    original = getattr(TreeBuilder, method)
+
+    def counted(self, *args):
+        calls.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(TreeBuilder, method, counted)
+    return calls
+
+
 @pytest.mark.parametrize("flash_seconds, drafts_ahead", [(0.5, True), (0.0, False)])
 async def test_drafting_ahead_only_beside_a_pass_that_flash_paces(
     draft, monkeypatch, flash_seconds, drafts_ahead
@@ -278,16 +297,8 @@ async def test_drafting_ahead_only_beside_a_pass_that_flash_paces(
         project_seconds=1e-4,
         contention=0.0,
     )
-    policy = DraftPolicy(TreeSpec.parse("gaincost"), cost, AcceptanceCalibrator(), ahead=True)
-    units = (ComputeUnit("cpu"), ComputeUnit("npu"))
-    wired = Wired(Drafter(draft, policy, list(PROMPT), len(PROMPT) + 128, units, Jitter(0, 0)))
-    rounds: list[int] = []
-    run = TreeBuilder.run
-    monkeypatch.setattr(
-        TreeBuilder,
-        "run",
-        lambda self, nodes: rounds.append(1) or run(self, nodes),
-    )
+    wired = gain_cost_drafter(draft, cost, ahead=True)
+    rounds = calls_of(monkeypatch, "run")
     with trio.fail_after(TIMEOUT):
         async with wired.running():
             await wired.draft(0, 16)
@@ -308,16 +319,8 @@ async def test_a_gain_cost_tree_carries_over_without_drafting_ahead(draft, monke
         draft=Curve([1, 64], [1e-4, 1e-4]),
         project_seconds=1e-6,
     )
-    policy = DraftPolicy(TreeSpec.parse("gaincost"), cost, AcceptanceCalibrator(), ahead=False)
-    units = (ComputeUnit("cpu"), ComputeUnit("npu"))
-    wired = Wired(Drafter(draft, policy, list(PROMPT), len(PROMPT) + 128, units, Jitter(0, 0)))
-    chains: list[int] = []
-    run_chain = TreeBuilder.run_chain
-    monkeypatch.setattr(
-        TreeBuilder,
-        "run_chain",
-        lambda self, unseen: chains.append(1) or run_chain(self, unseen),
-    )
+    wired = gain_cost_drafter(draft, cost, ahead=False)
+    chains = calls_of(monkeypatch, "run_chain")
     with trio.fail_after(TIMEOUT):
         async with wired.running():
             first = await wired.draft(0, 16)
