@@ -1,6 +1,7 @@
 """Our kernels for the 4- and 8-bit matrices: csrc/amx.cpp on a CPU with AMX, csrc/avx2.cpp on
-one with AVX2 and FMA. Built once per machine with the system's C++ compiler into the cache,
-loaded as torch ops, used for every int4 and int8 matrix they fit.
+one with AVX2 and FMA (with AVX512-VNNI's byte products where the CPU has them). Built once
+per machine with the system's C++ compiler into the cache, loaded as torch ops, used for
+every int4 and int8 matrix they fit.
 
 torch's weight-only kernels cost about as much per row as one-token decoding, so a tree of
 64 nodes costs nearly 64 passes, and they round a row differently by how many rows share the
@@ -42,7 +43,8 @@ K_FORMATS = ("q4k", "q6k")  # GGUF's Q4_K and Q6_K values as we keep them: torch
 class Isa:
     """One instruction set's kernels: their source, what the CPU must list, how to build them."""
 
-    name: str  # the source's stem and the ops' namespace, lever_<name>
+    name: str  # what logs and results call it, and its built library's stem
+    stem: str  # the source's stem and the ops' namespace, lever_<stem>
     cpu_flags: tuple[str, ...]
     compile_flags: tuple[str, ...]
     # below this many rows torch's kernels are faster; only a matrix whose rows need not round
@@ -51,7 +53,7 @@ class Isa:
 
     @property
     def source(self) -> Path:
-        return Path(__file__).parent / "csrc" / f"{self.name}.cpp"
+        return Path(__file__).parent / "csrc" / f"{self.stem}.cpp"
 
     @property
     def headers(self) -> tuple[Path, ...]:
@@ -62,12 +64,13 @@ class Isa:
 
     @property
     def ops(self):
-        return getattr(torch.ops, f"lever_{self.name}")
+        return getattr(torch.ops, f"lever_{self.stem}")
 
 
 # in order of preference. AMX: torch's kernels are faster below 8 rows (one int8 row of the
 # real target's largest matrices 0.6 ms on torch's, 1.0-2.1 on the tiles); AVX2: ours are the
-# faster at every row count (docs/design.md, "Kernels")
+# faster at every row count (docs/design.md, "Kernels"). AVX512-VNNI (AMD's Zen 4) is the AVX2
+# source with one instruction for four byte products where it had two (csrc/common.h)
 AMX_ISA = (
     "avx512f",
     "avx512bw",
@@ -81,12 +84,21 @@ AMX_ISA = (
 )
 AMX = Isa(
     "amx",
+    "amx",
     ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c"),
     tuple(f"-m{isa}" for isa in AMX_ISA),
     fewest_rows=8,
 )
-AVX2 = Isa("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), fewest_rows=1)
-ISAS = (AMX, AVX2)
+AVX2 = Isa("avx2", "avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), fewest_rows=1)
+VNNI_ISA = ("avx512f", "avx512bw", "avx512vl", "avx512vnni")
+AVX512_VNNI = Isa(
+    "avx512-vnni",
+    "avx2",
+    (*AVX2.cpu_flags, "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+    (*AVX2.compile_flags, *(f"-m{isa}" for isa in VNNI_ISA)),
+    fewest_rows=1,
+)
+ISAS = (AMX, AVX512_VNNI, AVX2)
 
 
 class Kernels(Enum):

@@ -1,5 +1,6 @@
-// What both kernels' sources share: bf16 conversions, a vector's sum in one fixed order, and
-// the checks of a call's tensors (AVX2 and FMA, which every CPU with our kernels has).
+// What both kernels' sources share: bf16 conversions, a vector's sum in one fixed order, byte
+// products summed in integers, and the checks of a call's tensors (AVX2 and FMA, which every
+// CPU with our kernels has; AVX512-VNNI where the build has it).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -43,6 +44,27 @@ inline float summed_lanes(__m256 v) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 
   __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
   return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
 }
+
+// One output lane's products of unsigned weight bytes with signed x bytes, summed exactly
+// over a group of inputs. With AVX512-VNNI one instruction adds four products to an int32
+// lane (vpdpbusd); with AVX2 two add pairs to int16 halves (vpmaddubsw), widened when the
+// group ends. The sums are the same integers either way (no pair here reaches int16's limit).
+struct ByteDots {
+#ifdef __AVX512VNNI__
+  __m256i sum = _mm256_setzero_si256();
+  void add(__m256i u, __m256i s) { sum = _mm256_dpbusd_epi32(sum, u, s); }
+  __m256i widened() const { return sum; }
+  // each lane's sum times that lane's int32 weight (at most int16's limit)
+  __m256i weighted(__m256i weight) const { return _mm256_mullo_epi32(sum, weight); }
+#else
+  __m256i pairs = _mm256_setzero_si256();
+  void add(__m256i u, __m256i s) { pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u, s)); }
+  __m256i widened() const { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
+  __m256i weighted(__m256i weight) const {
+    return _mm256_madd_epi16(pairs, _mm256_or_si256(weight, _mm256_slli_epi32(weight, 16)));
+  }
+#endif
+};
 
 // x [m, k] bf16, the rows a kernel multiplies
 inline void check_rows(const at::Tensor& x) {

@@ -1,5 +1,5 @@
 // GGUF's Q4_K values in our q4k packing times activations rounded to int8 per 256 inputs (as
-// llama.cpp's Q8_K), in integers, with AVX2.
+// llama.cpp's Q8_K), in integers, with AVX2 (or AVX512-VNNI's byte products, common.h).
 //
 // w = d * sc * q - dmin * m: q in 0..15, a 6-bit scale sc and minimum m per group of 32 inputs,
 // a float16 d and dmin per 256. Each 8 outputs' 256 inputs are one record (model/quantized.py,
@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -34,7 +35,11 @@ constexpr int64_t Q4K_OUTPUTS = 8, Q4K_RECORD = 1152, Q4K_SCALES = 1024, Q4K_MIN
 // rows of x per pass over a record: 4 keeps the tile's sums in registers. Two records sharing
 // each x quad, 2 rows at a time, ran 1.03-1.3x as long from 4 rows (bench/kernels.py's shapes,
 // interleaved in one process), and 8 rows a pass 1.1-1.25x as long at 8 rows.
+#ifdef __AVX512VNNI__
+constexpr int64_t Q4K_TILE_ROWS = 8;
+#else
 constexpr int64_t Q4K_TILE_ROWS = 4;
+#endif
 
 // Each row of x's group sums as int16 pairs, groups 2i and 2i + 1 in one 32-bit lane, from the
 // exact float sums rounded_rows gives (a group's at most 32 * 127 in size: within int16)
@@ -66,20 +71,17 @@ inline void q4k_tile(const RoundedRows& xq, const int32_t* sum_pairs, int64_t m0
     for (int r = 0; r < R; ++r) x[r] = xq.q.data() + (m0 + r) * k + b * K_INPUTS;
     // group 2c + H: the low (H = 0) or high nibbles of the record's pair c
     auto group = [&]<int H>(int c) {
-      __m256i pairs[R];  // int16: 16 products of at most 15 * 127 each
-      for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256();
+      ByteDots dots[R];  // per output: 32 products of at most 15 * 127 each
 #pragma GCC unroll 8
       for (int t = 0; t < 8; ++t) {
         const uint8_t* at = record + (c * 8 + t) * 32;
         if (H == 0 && t % 2 == 0) _mm_prefetch((const char*)at + FETCH_AHEAD, _MM_HINT_T0);
         __m256i v = _mm256_loadu_si256((const __m256i*)at);
         __m256i q = _mm256_and_si256(H ? _mm256_srli_epi16(v, 4) : v, nibble);
-        for (int r = 0; r < R; ++r)
-          pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(q, quad_of(x[r] + (2 * c + H) * GROUP + 4 * t)));
+        for (int r = 0; r < R; ++r) dots[r].add(q, quad_of(x[r] + (2 * c + H) * GROUP + 4 * t));
       }
       __m256i scales = eight_bytes(record + Q4K_SCALES + (2 * c + H) * 8);
-      scales = _mm256_or_si256(scales, _mm256_slli_epi32(scales, 16));  // each in both int16 halves
-      for (int r = 0; r < R; ++r) total[r] = _mm256_add_epi32(total[r], _mm256_madd_epi16(pairs[r], scales));
+      for (int r = 0; r < R; ++r) total[r] = _mm256_add_epi32(total[r], dots[r].weighted(scales));
     };
     for (int c = 0; c < 4; ++c) {
       group.template operator()<0>(c);
@@ -129,12 +131,9 @@ inline at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& records, con
       const uint16_t* ds_at = dp + task * ds_count;
       for (int64_t m = 0; m < rows; m += Q4K_TILE_ROWS) {  // the record stays in cache meanwhile
         int64_t count = std::min<int64_t>(rows - m, Q4K_TILE_ROWS);
-        switch (count) {
-          case 1: q4k_tile<1>(xq, sum_pairs.data(), m, record, ds_at, k, y); break;
-          case 2: q4k_tile<2>(xq, sum_pairs.data(), m, record, ds_at, k, y); break;
-          case 3: q4k_tile<3>(xq, sum_pairs.data(), m, record, ds_at, k, y); break;
-          default: q4k_tile<Q4K_TILE_ROWS>(xq, sum_pairs.data(), m, record, ds_at, k, y);
-        }
+        [&]<int... R>(std::integer_sequence<int, R...>) {  // the tile for `count` rows
+          ((count == R + 1 ? q4k_tile<R + 1>(xq, sum_pairs.data(), m, record, ds_at, k, y) : void()), ...);
+        }(std::make_integer_sequence<int, Q4K_TILE_ROWS>());
         for (int64_t r = 0; r < count; ++r)
           for (int64_t o = 0; o < Q4K_OUTPUTS; ++o) op[(m + r) * n + task * Q4K_OUTPUTS + o] = to_bf16(y[r * Q4K_OUTPUTS + o]);
       }
