@@ -66,6 +66,16 @@ struct ByteDots {
 #endif
 };
 
+// acc plus each 32-bit lane's two int16 products, summed exactly: one instruction with
+// AVX512-VNNI (vpdpwssd), two with AVX2
+inline __m256i add_pair_products(__m256i acc, __m256i a, __m256i b) {
+#ifdef __AVX512VNNI__
+  return _mm256_dpwssd_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
 // x [m, k] bf16, the rows a kernel multiplies
 inline void check_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: [m, k] bf16");

@@ -228,7 +228,7 @@ inline void integer_tile(const RoundedRows& xq, int64_t m0, const W& w, int64_t 
         for (int j = 0; j < J; ++j) {
           if constexpr (W::OFFSET) {  // q unsigned as it is: a pair at most 2 * 63 * 127
             __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(q[j], xr), offset);
-            acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(pairs, weights[j]));
+            acc[r][j] = add_pair_products(acc[r][j], pairs, weights[j]);
           } else {  // |w| times x with w's sign: a pair at most 2 * 128 * 127; weights are 1
             ByteDots dots;
             dots.add(magnitude[j], _mm256_sign_epi8(xr, q[j]));

@@ -96,7 +96,7 @@ inline void q4k_tile(const RoundedRows& xq, const int32_t* sum_pairs, int64_t m0
     for (int r = 0; r < R; ++r) {
       const int32_t* pairs = sum_pairs + (m0 + r) * (k / (2 * GROUP)) + b * 4;
       __m256i floor = _mm256_setzero_si256();
-      for (int p = 0; p < 4; ++p) floor = _mm256_add_epi32(floor, _mm256_madd_epi16(minimums[p], _mm256_set1_epi32(pairs[p])));
+      for (int p = 0; p < 4; ++p) floor = add_pair_products(floor, minimums[p], _mm256_set1_epi32(pairs[p]));
       __m256 x_scale = _mm256_set1_ps(xq.scale[(m0 + r) * blocks + b]);
       out[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[r]), _mm256_mul_ps(x_scale, d), out[r]);
       out[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(floor), _mm256_mul_ps(x_scale, dmin), out[r]);
