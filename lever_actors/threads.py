@@ -77,13 +77,28 @@ def thread_policy(
 
 
 def runs_two_units(argv: list[str]) -> bool:
-    """Whether the command may run two compute units side by side: the engine's default,
-    unless `--units single` or `generate --model` computes one stream; a bench's children
-    decide for themselves (child.py)."""
-    pairs = zip(argv, [*argv[1:], ""], strict=True)
-    one_unit = any(a == "--units=single" or (a, b) == ("--units", "single") for a, b in pairs)
-    model_alone = "generate" in argv and any(a.split("=")[0] == "--model" for a in argv)
+    """Whether the command may run two compute units side by side: the engine's default
+    where layers stream, unless `--units single`, or a budget of `all` without `--units
+    split`, or `generate --model` computes one stream; a bench's children decide for
+    themselves (child.py). A budget given as a size that holds the whole target runs one
+    unit under the PASSIVE set here: its team sleeps between products."""
+    units, budget = _flag(argv, "--units"), _flag(argv, "--dram-budget")
+    if budget is None and _flag(argv, "--target") is not None:
+        budget = "all"  # a target of one's own is held whole by default (cli/engine_options.py)
+    one_unit = units == "single" or (units in (None, "auto") and budget == "all")
+    model_alone = "generate" in argv and _flag(argv, "--model") is not None
     return argv[:1] == ["bench"] or not (one_unit or model_alone)
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    """The value of `name VALUE` or `name=VALUE` in argv (the last one), else None."""
+    value = None
+    for arg, following in zip(argv, [*argv[1:], None], strict=True):
+        if arg == name:
+            value = following
+        elif arg.startswith(name + "="):
+            value = arg.partition("=")[2]
+    return value
 
 
 def one_stream_environ(environ: Mapping[str, str]) -> dict[str, str]:

@@ -52,6 +52,16 @@ def test_one_team_on_an_idle_machine_keeps_torchs_default():
     assert thread_policy({}, free=2, cores=2, argv=[*PIPELINE, "--units=single"]) == {}
 
 
+def test_a_target_held_whole_runs_one_team_unless_two_units_are_asked_for():
+    two = {"OMP_WAIT_POLICY": "PASSIVE", PIPELINE_ONLY: "OMP_WAIT_POLICY"}
+    assert thread_policy({}, free=2, cores=2, argv=[*PIPELINE, "--dram-budget", "all"]) == {}
+    assert thread_policy({}, free=2, cores=2, argv=["generate", "--target", "t"]) == {}
+    split = [*PIPELINE, "--dram-budget=all", "--units", "split"]
+    assert thread_policy({}, free=2, cores=2, argv=split) == two
+    streamed = ["generate", "--target", "t", "--dram-budget", "25%"]
+    assert thread_policy({}, free=2, cores=2, argv=streamed) == two
+
+
 def test_two_units_and_a_bench_sleep_idle_threads():
     two = {"OMP_WAIT_POLICY": "PASSIVE", PIPELINE_ONLY: "OMP_WAIT_POLICY"}
     assert thread_policy({}, free=2, cores=2, argv=["serve", "l", "--units=split"]) == two

@@ -26,6 +26,7 @@ from lever_actors.bench.isolation import CgroupSupport, MemoryCgroup, evict_from
 from lever_actors.bench.modes import Decoded, EngineSpec, MemoryARSpec, ModeFailed, describe
 from lever_actors.bench.plan import ModeSpec, PlannedMode, open_in_process
 from lever_actors.device.memory import peak_rss_bytes
+from lever_actors.engine import layers_stream, splits_units
 from lever_actors.model.sampling import Sampling
 from lever_actors.sizes import format_bytes
 from lever_actors.threads import one_stream_environ
@@ -100,7 +101,7 @@ async def _serve(first: bytes, out: BinaryIO) -> int:
         return 2
     async with AsyncExitStack() as stack:
         try:
-            mode = open_in_process(request.planned, drafts={})
+            mode = open_in_process(request.planned, drafts=None)
             await mode.open(stack)
         except Exception as e:  # the harness records the mode as failed with this text
             send(Failure(describe(e)))
@@ -156,7 +157,9 @@ class ChildMode:
             stack.callback(self.cgroup.remove)
         # two compute units keep the policy set for them; one team alone spins (threads.py)
         spec = self.planned.spec
-        two_units = isinstance(spec, EngineSpec) and spec.config.units == "split"
+        two_units = isinstance(spec, EngineSpec) and splits_units(
+            spec.config, layers_stream(spec.config)
+        )
         self.process = subprocess.Popen(
             [self.python, "-c", CHILD_PROGRAM],
             stdin=subprocess.PIPE,

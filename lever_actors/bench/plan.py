@@ -442,9 +442,14 @@ def _size(path: str) -> int:
         return 0
 
 
-def open_in_process(planned: PlannedMode, drafts: dict[tuple[str, str], DraftModel]) -> Mode:
+def open_in_process(
+    planned: PlannedMode, drafts: dict[tuple[str, str], DraftModel] | None
+) -> Mode:
     """The Mode of a planned mode, to run in this process; engine modes share the drafts in
-    `drafts` ((path, dtype) -> loaded draft), loading each once."""
+    `drafts` ((path, dtype) -> loaded draft), loading each once. Without `drafts` (a child
+    process of one mode) an engine loads its draft on its own compute unit: a draft loaded
+    on this thread would start a second OpenMP team, and every team then sleeps after
+    each product (device/units.py)."""
     spec, info = planned.spec, planned.info
     if isinstance(spec, MemoryARSpec):
         return MemoryAR(info, spec)
@@ -453,7 +458,7 @@ def open_in_process(planned: PlannedMode, drafts: dict[tuple[str, str], DraftMod
     if isinstance(spec, PeerSpec):
         return PeerHF(info, spec)
     config = spec.config
-    if config.draft is None:
+    if config.draft is None or drafts is None:
         return EngineMode(info, spec)
     key = (config.draft, config.draft_dtype)
     if key not in drafts:

@@ -20,7 +20,7 @@ from lever_actors.bench.isolation import (
     evict_ranges,
     probe_cgroup,
 )
-from lever_actors.bench.plan import BenchOptions, plan_modes, weight_bytes
+from lever_actors.bench.plan import BenchOptions, open_in_process, plan_modes, weight_bytes
 from lever_actors.bench.report import limits_lines, memory_note
 from lever_actors.bench.run import bench
 from lever_actors.device.budget import minimum_budget
@@ -249,3 +249,15 @@ async def test_children_with_one_openmp_team_spin_and_two_units_keep_their_sleep
             policies.append(b"OMP_WAIT_POLICY=PASSIVE" in environ)
     assert [m.info.family for m in planned] == list(modes)
     assert policies == [False, True, False]
+
+
+def test_a_child_leaves_its_draft_to_the_engines_unit_and_one_process_shares_it(tiny_pair):
+    # a draft loaded on the calling thread would start a second OpenMP team (device/units.py)
+    target, draft = tiny_pair
+    options = BenchOptions(modes=["sd-chain"], chain=[2, 3], draft_dtype="float32")
+    planned = plan_modes(options, target, draft)
+    assert len(planned) == 2
+    assert all(open_in_process(p, drafts=None).draft is None for p in planned)
+    drafts: dict = {}
+    shared = [open_in_process(p, drafts).draft for p in planned]
+    assert shared[0] is not None and shared[0] is shared[1] and len(drafts) == 1
