@@ -442,9 +442,7 @@ def _size(path: str) -> int:
         return 0
 
 
-def open_in_process(
-    planned: PlannedMode, drafts: dict[tuple[str, str], DraftModel] | None
-) -> Mode:
+def open_in_process(planned: PlannedMode, drafts: dict[tuple[str, str], DraftModel] | None) -> Mode:
     """The Mode of a planned mode, to run in this process; engine modes share the drafts in
     `drafts` ((path, dtype) -> loaded draft), loading each once. Without `drafts` (a child
     process of one mode) an engine loads its draft on its own compute unit: a draft loaded
