@@ -26,7 +26,7 @@ DEFAULT_MAX_NEW_TOKENS = 128
 EarlyExit = Literal["auto", "lens", "trained", "none", "off"]
 PruneWhen = Literal["compute_bound", "always"]
 Projection = Literal["on_demand", "eager"]
-Units = Literal["auto", "split", "single"]
+Units = Literal["single", "split"]
 DraftDtype = Literal["bfloat16", "float32", "float64"]
 # matrices: dense, auto (a GGUF's own precision class), or quantized to 4 bits (int4, or q4k:
 # Q4_K's values), 6 (q6k: Q6_K's) or 8
@@ -234,11 +234,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # rounds took cores the pass needed and were rarely hit (docs/status.md)
     draft_ahead: bool = False
     projection: Projection = "on_demand"  # on_demand (cpu unit, accepted path) or eager (npu)
-    # split: small work on a "cpu" unit beside the "npu", each team sleeping when idle;
-    # single: every job on one thread, one OpenMP team that spins (device/units.py):
-    # faster with everything resident, slower while layers stream (docs/status.md);
-    # auto: split where layers stream, else single
-    units: Units = "auto"
+    # single: both units on one thread, one OpenMP team that spins (device/units.py);
+    # split: small work on a "cpu" unit beside the "npu", each team sleeping when idle.
+    # One team decoded 1.4x as fast resident and as fast or faster streamed (docs/status.md)
+    units: Units = "single"
     draft_dtype: DraftDtype = "bfloat16"
     draft_weights: Weights = "auto"  # auto: a GGUF draft stays in its own precision class
     throttle: Throttle = "none"

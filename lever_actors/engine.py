@@ -56,18 +56,6 @@ from lever_actors.target import FlashTarget, residency
 log = get_logger(__name__)
 
 
-def layers_stream(config: EngineConfig) -> bool:
-    """Whether the DRAM budget leaves some of the target's weights on flash."""
-    manifest = read_manifest(Path(config.target))
-    return residency(manifest, config.dram_budget, config.ring_slots).streams
-
-
-def splits_units(config: EngineConfig, streams: bool) -> bool:
-    """Two compute units or one (config.units); "auto" splits them only where layers
-    stream: with the target resident, one unit whose team spins decoded 1.4x as fast."""
-    return config.units == "split" or (config.units == "auto" and streams)
-
-
 class GenerationResult(msgspec.Struct, frozen=True):
     tokens: list[int]  # the end token that stopped generation included
     text: str  # special tokens never appear in it; a stop string that ended it does
@@ -148,13 +136,13 @@ class Engine:
         drafting = config.tree.kind != "none"
         if drafting and draft is None and config.draft is None:
             raise ConfigError(f"tree {str(config.tree)!r} needs a draft model; set draft")
-        streams = layers_stream(config)
-        if streams:
+        manifest = read_manifest(Path(config.target))
+        if residency(manifest, config.dram_budget, config.ring_slots).streams:
             map_large_blocks()  # short of memory: a step's temporaries go back as they are freed
         # loading and profiling on the "npu" unit's thread too: no other thread of ours
         # starts an OpenMP team (units.py)
         npu = ComputeUnit("npu")
-        units = (npu, ComputeUnit("cpu") if splits_units(config, streams) else npu)
+        units = (npu, ComputeUnit("cpu") if config.units == "split" else npu)
         try:
             async with cls._serving(config, draft, drafting, units, progress) as engine:
                 yield engine

@@ -5,12 +5,12 @@ OpenMP reads them only once, when it loads. Values the user set are kept.
   at start, and idle threads sleep (OMP_WAIT_POLICY=PASSIVE): beside one busy neighbour on
   two cores, spinning threads lost their time slices and decoded at half the speed.
 - On an idle machine every core gets a thread. Idle threads spin as torch's default has
-  them wherever one OpenMP team computes alone: `generate --model`, the engine with
-  `--units single` (every job on one thread, device/units.py), and the bench's
-  memory-resident AR and peers; spinning made those 10-30% faster. They sleep where two
-  compute units share the cores (the engine's default, and a bench, whose children with
-  one team go without it): a spinning team of one unit takes the cores the other needs,
-  and libgomp sleeps every team after each product anyway once two exist.
+  them wherever one OpenMP team computes alone: `generate --model`, the engine (its
+  default `--units single` runs every job on one thread, device/units.py), and the
+  bench's memory-resident AR and peers; spinning made those 10-40% faster. They sleep
+  where two compute units share the cores (`--units split`, and a bench, whose children
+  with one team go without it): a spinning team of one unit takes the cores the other
+  needs, and libgomp sleeps every team after each product anyway once two exist.
   Figures: `bench/thread_policy.py`, docs/status.md.
 - A core counts as taken only when at least 3/4 busy in each of three 0.2 s windows, so
   that a process that has just exited (freeing its memory) does not count.
@@ -77,17 +77,9 @@ def thread_policy(
 
 
 def runs_two_units(argv: list[str]) -> bool:
-    """Whether the command may run two compute units side by side: the engine's default
-    where layers stream, unless `--units single`, or a budget of `all` without `--units
-    split`, or `generate --model` computes one stream; a bench's children decide for
-    themselves (child.py). A budget given as a size that holds the whole target runs one
-    unit under the PASSIVE set here: its team sleeps between products."""
-    units, budget = _flag(argv, "--units"), _flag(argv, "--dram-budget")
-    if budget is None and _flag(argv, "--target") is not None:
-        budget = "all"  # a target of one's own is held whole by default (cli/engine_options.py)
-    one_unit = units == "single" or (units in (None, "auto") and budget == "all")
-    model_alone = "generate" in argv and _flag(argv, "--model") is not None
-    return argv[:1] == ["bench"] or not (one_unit or model_alone)
+    """Whether the command may run two compute units side by side: the engine with `--units
+    split`, or a bench, whose children decide for themselves (child.py)."""
+    return argv[:1] == ["bench"] or _flag(argv, "--units") == "split"
 
 
 def _flag(argv: list[str], name: str) -> str | None:

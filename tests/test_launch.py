@@ -13,9 +13,9 @@ SHOW = (
     "import os, sys; sys.argv = ['lever-actors', *sys.argv[1:]]; import lever_actors.launch; "
     "print(*(os.environ.get(k, '-') for k in ('OMP_WAIT_POLICY', 'OMP_NUM_THREADS')))"
 )
-PIPELINE = ["generate", "--chat", "hi"]  # the engine's default: two compute units
+ONE_UNIT = ["generate", "--chat", "hi"]  # the engine's default: every job on one thread
+PIPELINE = [*ONE_UNIT, "--units", "split"]  # two compute units
 ONE_STREAM = ["generate", "--model", "m.gguf"]
-ONE_UNIT = [*PIPELINE, "--units", "single"]  # every job on one thread, one team
 
 
 def launched(env: dict[str, str], argv: list[str]) -> list[str]:
@@ -49,23 +49,15 @@ def test_one_team_on_an_idle_machine_keeps_torchs_default():
     assert launched({"OMP_NUM_THREADS": "2"}, ONE_UNIT) == ["-", "2"]
     assert thread_policy({}, free=2, cores=2, argv=ONE_STREAM) == {}
     assert thread_policy({}, free=None, cores=2, argv=["generate", "--model=m"]) == {}
+    assert thread_policy({}, free=2, cores=2, argv=[*ONE_UNIT, "--units=single"]) == {}
     assert thread_policy({}, free=2, cores=2, argv=[*PIPELINE, "--units=single"]) == {}
-
-
-def test_a_target_held_whole_runs_one_team_unless_two_units_are_asked_for():
-    two = {"OMP_WAIT_POLICY": "PASSIVE", PIPELINE_ONLY: "OMP_WAIT_POLICY"}
-    assert thread_policy({}, free=2, cores=2, argv=[*PIPELINE, "--dram-budget", "all"]) == {}
-    assert thread_policy({}, free=2, cores=2, argv=["generate", "--target", "t"]) == {}
-    split = [*PIPELINE, "--dram-budget=all", "--units", "split"]
-    assert thread_policy({}, free=2, cores=2, argv=split) == two
-    streamed = ["generate", "--target", "t", "--dram-budget", "25%"]
-    assert thread_policy({}, free=2, cores=2, argv=streamed) == two
 
 
 def test_two_units_and_a_bench_sleep_idle_threads():
     two = {"OMP_WAIT_POLICY": "PASSIVE", PIPELINE_ONLY: "OMP_WAIT_POLICY"}
     assert thread_policy({}, free=2, cores=2, argv=["serve", "l", "--units=split"]) == two
-    assert thread_policy({}, free=2, cores=2, argv=["serve", "l"]) == two
+    assert thread_policy({}, free=2, cores=2, argv=["serve", "l", "--units", "split"]) == two
+    assert thread_policy({}, free=2, cores=2, argv=["serve", "l"]) == {}
     assert thread_policy({}, free=2, cores=2, argv=["bench", "--modes", "lever"]) == two
 
 

@@ -26,7 +26,6 @@ from lever_actors.bench.isolation import CgroupSupport, MemoryCgroup, evict_from
 from lever_actors.bench.modes import Decoded, EngineSpec, MemoryARSpec, ModeFailed, describe
 from lever_actors.bench.plan import ModeSpec, PlannedMode, open_in_process
 from lever_actors.device.memory import peak_rss_bytes
-from lever_actors.engine import layers_stream, splits_units
 from lever_actors.model.sampling import Sampling
 from lever_actors.sizes import format_bytes
 from lever_actors.threads import one_stream_environ
@@ -157,9 +156,7 @@ class ChildMode:
             stack.callback(self.cgroup.remove)
         # two compute units keep the policy set for them; one team alone spins (threads.py)
         spec = self.planned.spec
-        two_units = isinstance(spec, EngineSpec) and splits_units(
-            spec.config, layers_stream(spec.config)
-        )
+        two_units = isinstance(spec, EngineSpec) and spec.config.units == "split"
         self.process = subprocess.Popen(
             [self.python, "-c", CHILD_PROGRAM],
             stdin=subprocess.PIPE,

@@ -41,7 +41,7 @@ ENGINE_FAMILIES = (
     "lever-no-prune",
     "lever-draft-ahead",
     "lever-eager",
-    "lever-single-unit",
+    "lever-two-units",
     "flash-ar-no-verify",
     "lever-no-verify",
 )
@@ -165,7 +165,7 @@ def engine_variants(options: BenchOptions, family: str) -> list[tuple[str, str |
         "lever-no-prune": [("lever-no-prune", "gaincost", {"early_exit": "off"})],
         "lever-draft-ahead": [("lever-draft-ahead", "gaincost", {**lever, "draft_ahead": True})],
         "lever-eager": [("lever-eager", "gaincost", {**lever, "projection": "eager"})],
-        "lever-single-unit": [("lever-single-unit", "gaincost", {**lever, "units": "single"})],
+        "lever-two-units": [("lever-two-units", "gaincost", {**lever, "units": "split"})],
         # the price of checking every flash read
         "flash-ar-no-verify": [
             (
