@@ -169,7 +169,9 @@ class Engine:
             )
         target = await npu.run(_open_target, config)
         try:
-            model = draft.model if draft is not None and drafting else None
+            model = None
+            if draft is not None and drafting:
+                model = draft.model.proposing(config.draft_vocabulary)
             if model is not None:
                 _check_same_vocabulary(target, draft)
             policies = await npu.run(build_policies, config, target, model, progress)

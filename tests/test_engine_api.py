@@ -41,8 +41,10 @@ from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import read_manifest
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError
+from lever_actors.model.sampling import Sampling
 from lever_actors.model.sequential import sequential_reference
 from lever_actors.model.transformer import Transformer
+from lever_actors.testing.oracle import reference_tokens
 from tests.tiny_hf import save_tiny, tiny_model
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
@@ -260,6 +262,25 @@ async def test_a_closed_engine_holds_no_weights_while_its_object_lives_on(tiny):
     assert draft() is None and resident_layer() is None
     assert engine.tokenizer is not None  # what a caller may still read: text, statistics
     assert engine.policies.spec.kind == "chain"
+
+
+async def test_a_draft_proposing_from_part_of_the_vocabulary_changes_no_token(tiny):
+    sampling = Sampling(temperature=0.8, seed=5)
+    sampled = reference_tokens(tiny.layout, PROMPT, NEW, sampling=sampling)
+    async with Engine.open(tiny.config(draft_vocabulary=40)) as engine:
+        assert engine.draft.weights.lm_head.shape[0] == 40  # its logits: ids 0-39 alone
+        assert (await generate(engine)).tokens == tiny.expected[:NEW]
+        result = await generate(engine, temperature=0.8, seed=5)
+        assert result.tokens == sampled
+
+
+def test_a_model_proposing_from_part_of_the_vocabulary_keeps_those_logits(tiny):
+    whole = tiny.model
+    hidden = torch.randn(3, whole.args.d_model, dtype=torch.float64)
+    assert whole.proposing(None) is whole and whole.proposing(10_000) is whole
+    part = whole.proposing(40)
+    assert part.weights.embed is whole.weights.embed  # tokens beyond 40 are still read
+    torch.testing.assert_close(part.logits(hidden), whole.logits(hidden)[:, :40])
 
 
 @pytest.mark.parametrize("units", ["split", "single"])

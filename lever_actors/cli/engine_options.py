@@ -42,6 +42,13 @@ def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
     )
     _option(gen, "draft_dtype")
     _option(gen, "draft_weights", help="auto keeps a GGUF draft's precision class")
+    gen.add_argument(
+        "--draft-vocabulary",
+        type=_vocabulary,
+        default=default_of("draft_vocabulary"),
+        help="the draft proposes only token ids below N, its LM head multiplying those rows "
+        f"alone; all: every id (default: {default_of('draft_vocabulary')})",
+    )
     _option(gen, "projection")
     _option(gen, "units", help="split: small work on a second unit beside the batched one")
     gen.add_argument(
@@ -76,6 +83,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         draft_ahead=args.draft_ahead,
         draft_dtype=args.draft_dtype,
         draft_weights=args.draft_weights,
+        draft_vocabulary=args.draft_vocabulary,
         projection=args.projection,
         units=args.units,
         trace=str(args.trace) if args.trace else None,
@@ -90,6 +98,18 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         target=str(target), draft=str(draft) if draft and tree != "none" else None, **flags
     )
+
+
+def _vocabulary(text: str) -> int | None:
+    """--draft-vocabulary: a count of token ids, or all (None)."""
+    if text == "all":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of tokens or all, got {text!r}"
+        ) from None
 
 
 def _option(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from lever_actors.model.args import ModelArgs
 from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.layers import embedding, layer_forward, output_logits
 from lever_actors.model.placement import Placement, chain_placement
+from lever_actors.model.quantized import QuantizedWeight
 from lever_actors.model.rope import Rope
-from lever_actors.model.weights import ModelWeights
+from lever_actors.model.weights import ModelWeights, row_range
 
 
 class Transformer:
@@ -20,6 +23,19 @@ class Transformer:
         self.weights = weights
         self.rope = Rope(args)
         self.dtype = weights.embed.dtype
+
+    def proposing(self, vocabulary: int | None) -> Transformer:
+        """The same model whose logits cover only the token ids below `vocabulary`, for a
+        draft: its LM head then multiplies those rows alone. Itself where `vocabulary` is
+        None or covers every id, or where the head's rows cannot be cut apart (4-bit)."""
+        head = self.weights.lm_head
+        cuttable = isinstance(head, torch.Tensor) or (
+            isinstance(head, QuantizedWeight) and head.rows_readable
+        )
+        if vocabulary is None or vocabulary >= head.shape[0] or not cuttable:
+            return self
+        weights = replace(self.weights, lm_head=row_range(head, 0, vocabulary))
+        return Transformer(self.args, weights)
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.args, capacity, self.dtype)

@@ -197,3 +197,9 @@ def test_the_chi_square_test_rejects_a_sampler_at_the_wrong_temperature(model):
         model, lambda seed: Sampling(temperature=TEMPERATURE * 1.3, seed=seed, **FILTERS)
     )
     assert p_value < 1e-6
+
+
+def test_the_noise_of_fewer_tokens_is_the_first_of_the_whole_vocabularys():
+    # a draft proposing from the first ids alone (draft_vocabulary) ranks them with the
+    # noise the target draws for those ids
+    assert torch.equal(gumbel(3, 17, 65_536), gumbel(3, 17, 151_936)[:65_536])
