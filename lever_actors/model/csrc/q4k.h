@@ -32,9 +32,10 @@
 namespace lever {
 
 constexpr int64_t Q4K_OUTPUTS = 8, Q4K_RECORD = 1152, Q4K_SCALES = 1024, Q4K_MINIMUMS = 1088;
-// rows of x per pass over a record: 4 keeps the tile's sums in registers. Two records sharing
-// each x quad, 2 rows at a time, ran 1.03-1.3x as long from 4 rows (bench/kernels.py's shapes,
-// interleaved in one process), and 8 rows a pass 1.1-1.25x as long at 8 rows.
+// rows of x per pass over a record: 4 keeps the tile's sums in AVX2's 16 registers. Two records
+// sharing each x quad, 2 rows at a time, ran 1.03-1.3x as long from 4 rows (bench/kernels.py's
+// shapes, interleaved in one process), and 8 rows a pass 1.1-1.25x as long at 8 rows. With
+// AVX-512's 32 registers 8 rows fit: 16 rows 0.82-0.91 ms against 1.06 at 4 (Zen 4).
 #ifdef __AVX512VNNI__
 constexpr int64_t Q4K_TILE_ROWS = 8;
 #else
