@@ -171,9 +171,8 @@ class Engine:
         try:
             model = None
             if draft is not None and drafting:
-                model = draft.model.proposing(config.draft_vocabulary)
-            if model is not None:
                 _check_same_vocabulary(target, draft)
+                model = draft.model.proposing(config.draft_vocabulary)
             policies = await npu.run(build_policies, config, target, model, progress)
             return_freed_heap()  # the start-up profiling's temporaries
             engine: Engine | None = None

@@ -10,10 +10,9 @@ from lever_actors.model.args import ModelArgs
 from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.masks import within_window
 from lever_actors.model.placement import Placement
-from lever_actors.model.quantized import QuantizedWeight
 from lever_actors.model.rope import apply_rope
 from lever_actors.model.row_blocks import linear
-from lever_actors.model.weights import LayerTensors, Weight, row_range
+from lever_actors.model.weights import LayerTensors, Weight, cuts_into_rows, row_range
 
 # Every reduction below gives a row the same result whatever rows and columns come with it
 # (matrix products through row_blocks.linear; attention and norms on our row kernels in bf16,
@@ -163,7 +162,7 @@ def head_products(normed: torch.Tensor, rows: Weight, out: torch.Tensor) -> None
     streamed part), block by block, into out [n, rows] (filled in place: a tree's logits are
     tens of MB). A 4-bit packed head, whose rows cannot be cut apart (it never streams),
     multiplies whole."""
-    if isinstance(rows, QuantizedWeight) and not rows.rows_readable:
+    if not cuts_into_rows(rows):
         out.copy_(linear(normed, rows))
         return
     n = rows.shape[0]

@@ -10,9 +10,8 @@ from lever_actors.model.args import ModelArgs
 from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.layers import embedding, layer_forward, output_logits
 from lever_actors.model.placement import Placement, chain_placement
-from lever_actors.model.quantized import QuantizedWeight
 from lever_actors.model.rope import Rope
-from lever_actors.model.weights import ModelWeights, row_range
+from lever_actors.model.weights import ModelWeights, cuts_into_rows, row_range
 
 
 class Transformer:
@@ -29,10 +28,7 @@ class Transformer:
         draft: its LM head then multiplies those rows alone. Itself where `vocabulary` is
         None or covers every id, or where the head's rows cannot be cut apart (4-bit)."""
         head = self.weights.lm_head
-        cuttable = isinstance(head, torch.Tensor) or (
-            isinstance(head, QuantizedWeight) and head.rows_readable
-        )
-        if vocabulary is None or vocabulary >= head.shape[0] or not cuttable:
+        if vocabulary is None or vocabulary >= head.shape[0] or not cuts_into_rows(head):
             return self
         weights = replace(self.weights, lm_head=row_range(head, 0, vocabulary))
         return Transformer(self.args, weights)

@@ -15,12 +15,19 @@ Weight = torch.Tensor | QuantizedWeight | QuantizedRows
 LayerTensors = dict[str, Weight]
 
 
+def cuts_into_rows(weight: Weight) -> bool:
+    """Whether `row_range` takes this matrix's rows apart: a dense, int8 or q6k one (a 4-bit
+    packed matrix's rows cannot be cut apart; a row-read table is not multiplied)."""
+    return isinstance(weight, torch.Tensor) or (
+        isinstance(weight, QuantizedWeight) and weight.rows_readable
+    )
+
+
 def row_range(weight: Weight, lo: int, hi: int) -> Weight:
-    """Rows lo:hi of a dense, int8 or q6k matrix, as views (a 4-bit packed matrix's rows
-    cannot be cut apart; a row-read table is not multiplied)."""
+    """Rows lo:hi of a matrix that `cuts_into_rows`, as views."""
     if isinstance(weight, torch.Tensor):
         return weight[lo:hi]
-    if isinstance(weight, QuantizedWeight) and weight.rows_readable:
+    if cuts_into_rows(weight):
         shape = (hi - lo, weight.shape[1])
         return replace(weight, shape=shape, data=weight.data[lo:hi], scales=weight.scales[lo:hi])
     raise ValueError(f"rows of a {type(weight).__name__} cannot be taken apart")
