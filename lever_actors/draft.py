@@ -20,6 +20,12 @@ class DraftModel:
     tokenizer: Tokenizer | None
     source: str
 
+    @property
+    def dram_bytes(self) -> int:
+        """What the draft's weights hold in DRAM, as loaded (its kernels' formats, a shared
+        table once): what a memory limit must leave room for beside the target."""
+        return self.model.weights.nbytes
+
 
 def load_draft(path: str, dtype: str, weights: Weights = "auto") -> DraftModel:
     """From an HF directory, a GGUF file or a flash layout; `weights` as in

@@ -134,6 +134,13 @@ class ModelWeights:
         )
 
     @property
+    def nbytes(self) -> int:
+        """Bytes held, a table shared by embedding and head counted once."""
+        tensors = [self.embed, self.lm_head, self.final_norm]
+        tensors += [t for layer in self.layers for t in layer.values()]
+        return sum({id(t): t.nbytes for t in tensors}.values())
+
+    @property
     def quantized(self) -> bool:
         tensors = [self.embed, self.lm_head, *(t for layer in self.layers for t in layer.values())]
         return any(not isinstance(t, torch.Tensor) for t in tensors)

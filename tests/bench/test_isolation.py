@@ -20,11 +20,12 @@ from lever_actors.bench.isolation import (
     evict_ranges,
     probe_cgroup,
 )
-from lever_actors.bench.plan import BenchOptions, open_in_process, plan_modes, weight_bytes
+from lever_actors.bench.plan import BenchOptions, open_in_process, plan_modes
 from lever_actors.bench.report import limits_lines, memory_note
 from lever_actors.bench.run import bench
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import read_manifest
+from lever_actors.draft import load_draft
 from lever_actors.errors import ConfigError
 from lever_actors.model import native
 from lever_actors.threads import PIPELINE_ONLY
@@ -172,7 +173,7 @@ def test_eviction_drops_pages_even_where_this_process_maps_them(tmp_path):
 
 def test_limits_axis_fits_our_budgets_under_each_limit(one_set, tmp_path):
     layout = read_manifest(one_set.target).file_bytes
-    draft = weight_bytes(one_set.draft, "float32")  # as it runs
+    draft = load_draft(str(one_set.draft), "float32").dram_bytes  # as it runs
     options = _options(
         tmp_path,
         modes=("memory-ar", "flash-ar", "lever"),

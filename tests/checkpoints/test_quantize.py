@@ -103,6 +103,7 @@ def test_a_draft_reads_its_embedding_from_the_head_that_copies_it(tmp_path: Path
     weights = load_gguf(path, BF16, "q4").weights
     drafting = weights.for_drafting()
     assert drafting.embed is drafting.lm_head  # one table in DRAM, not two
+    assert drafting.nbytes == weights.nbytes - weights.embed.nbytes  # and counted once
     ids = torch.tensor([3, 0, 39, 3])
     assert torch.equal(drafting.embed[ids], dense_values(weights.lm_head)[ids].to(BF16))
 
