@@ -134,7 +134,7 @@ struct Q6KUnpacked {
 struct Q6KRows {
   static constexpr int GROUPS = K_INPUTS / GROUP;
   static constexpr int OFFSET = 32;  // the values are q, unsigned: w is q - 32
-  // one row unpacked at a time, read in one stream: at 2-4 rows of x 0.45-0.64 ms against
+  // one row unpacked at a time, read in one stream: at 2-4 rows of x 0.53-0.68 ms against
   // 0.62-0.78 two at a time (1536x8960, Zen 4); unpacked once (Q6KUnpacked), two
   static constexpr int TILE_OUTPUTS = 1;
   struct Panel {  // one task's unpacked rows (Q6KUnpacked), reused from block to block
