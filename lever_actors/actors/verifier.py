@@ -76,25 +76,30 @@ class Verifier:
             with outbox.releases, outbox.probes, outbox.finals:
                 cache = await self.unit.run(self.target.new_cache, self.capacity)  # units.py
                 task_status.started()
+                kept: list[int] | None = None  # the last step's accepted path, not yet kept
                 async for message in inbox.trees:
                     await self.jitter()
-                    final = await self._verify(message, cache, inbox, outbox)
+                    final = await self._verify(message, cache, kept, inbox, outbox)
                     await outbox.finals.send(final)
                     try:
                         commit = await inbox.commits.receive()
                     except trio.EndOfChannel:
                         return
-                    await self.unit.run(cache.keep, list(commit.accepted))
+                    kept = list(commit.accepted)  # kept in the next pass's first job
 
     async def _verify(
-        self, message: DraftTree, cache, inbox: VerifierInbox, outbox: VerifierOutbox
+        self,
+        message: DraftTree,
+        cache,
+        kept: list[int] | None,
+        inbox: VerifierInbox,
+        outbox: VerifierOutbox,
     ):
         target = self.target
         n_layers = target.args.n_layers
         tree = TokenTree(message.tokens, message.parents)
-        context = cache.length
-        # x: [n, d_model]; the placement's masks too on the unit: a prompt's are large
-        x, place = await self.unit.run(_embed_and_place, target, tree, context)
+        x = place = None  # set by the pass's first job
+        context = 0
         live = list(range(len(tree)))
         probes = (
             self.exit_layer is not None
@@ -111,17 +116,15 @@ class Verifier:
             waited = time.perf_counter()
             arrived = await self._layers_arrived(inbox.layers, message.step, layer, last)
             started = time.perf_counter()
-            index = torch.tensor(live)
-            x = await self.unit.run(
-                _apply_layers,
-                x,
-                index,
-                [weights.tensors for weights in arrived],
-                target.args,
-                cache,
-                layer,
-                place,
-            )
+            tensors = [weights.tensors for weights in arrived]
+            if x is None:  # one job, not three: each hands over between threads (units.py)
+                x, place, context = await self.unit.run(
+                    _first_layers, target, tree, cache, kept, tensors
+                )
+            else:
+                x = await self.unit.run(
+                    _apply_layers, x, torch.tensor(live), tensors, target.args, cache, layer, place
+                )
             io_wait += started - waited
             compute += time.perf_counter() - started
             for weights in arrived:
@@ -202,10 +205,19 @@ class Verifier:
         return [n for n in live if alive[n]]
 
 
-def _embed_and_place(
-    target: FlashTarget, tree: TokenTree, context: int
-) -> tuple[torch.Tensor, Placement]:
-    return target.embed(list(tree.tokens)), tree_placement(target.rope, context, tree, target.dtype)
+def _first_layers(
+    target: FlashTarget, tree: TokenTree, cache, kept: list[int] | None, layers: list
+) -> tuple[torch.Tensor, Placement, int]:
+    """A pass's first job: the last step's accepted path kept in the KV cache, the tree
+    embedded and placed after it (its masks on the unit too: a prompt's are large), and the
+    first `layers` applied. Returns x [n, d_model], the placement and the context length."""
+    if kept is not None:
+        cache.keep(kept)
+    context = cache.length
+    x = target.embed(list(tree.tokens))
+    place = tree_placement(target.rope, context, tree, target.dtype)
+    index = torch.arange(len(tree))
+    return _apply_layers(x, index, layers, target.args, cache, 0, place), place, context
 
 
 def _apply_layers(x, index, layers, args, cache, first, place) -> torch.Tensor:
