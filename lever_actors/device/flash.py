@@ -7,6 +7,7 @@ POSIX_FADV_DONTNEED, so that the next read of the same bytes still comes from st
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -44,12 +45,21 @@ log = get_logger(__name__)
 THROTTLE_PROFILES: dict[str, float | None] = {"none": None, "ufs3.1": 1.5e9, "ufs4.0": 3.0e9}
 
 
+HUGE_PAGE = 2 << 20  # x86's transparent huge page
+
+
 class AlignedBuffer:
-    """Page-aligned anonymous memory (mmap), reused across reads, viewed as torch tensors."""
+    """Page-aligned private anonymous memory (mmap), reused across reads, viewed as torch
+    tensors. Huge pages where the kernel allows them: an O_DIRECT read pins its buffer page
+    by page, and into 4 KiB pages of shared memory the real target's layers came at 1.3 GB/s
+    on the Zen 4 VM against 2.6 into huge pages; the one-row products ran 3% faster too."""
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = align_up(max(nbytes, 1))
-        self._map = mmap.mmap(-1, self.nbytes)
+        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if self.nbytes >= HUGE_PAGE:
+            with contextlib.suppress(OSError):  # a kernel without huge pages: 4 KiB ones
+                self._map.madvise(mmap.MADV_HUGEPAGE)
         self.view = memoryview(self._map)
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
 

@@ -168,3 +168,24 @@ def test_load_checkpoint_reads_a_whole_layout(hf_dir, layout):
         assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     assert torch.equal(loaded.weights.embed, original.weights.embed)
     assert torch.equal(loaded.weights.lm_head, original.weights.lm_head)
+
+
+def _vm_flags(address: int) -> set[str]:
+    """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(part, 16) for part in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_read_buffer_is_private_memory_advised_for_huge_pages():
+    big, small = AlignedBuffer(8 << 20), AlignedBuffer(4096)
+    big.bytes[::4096] = 1  # touched, as a read would
+    flags = _vm_flags(big.bytes.data_ptr())
+    assert "sh" not in flags and "hg" in flags  # an O_DIRECT read pins huge pages, not 4 KiB
+    assert "hg" not in _vm_flags(small.bytes.data_ptr())  # below one huge page: no advice
