@@ -4,9 +4,11 @@ process."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -197,7 +199,13 @@ def plan_modes(options: BenchOptions, target: Path, draft: Path | None) -> list[
     ours = [m for m in options.modes if m not in LLAMACPP_FAMILIES]
     if dtype is None and ours:
         raise ConfigError("a compute dtype is needed when the target is not a flash layout")
-    draft_bytes = draft_dram_bytes(draft, options.draft_dtype) if draft is not None else 0
+
+    @functools.cache
+    def draft_bytes() -> int:
+        """The draft's DRAM, loaded to measure it (seconds for the real draft): only where a
+        memory limit needs it, never for modes that run in this process."""
+        return draft_dram_bytes(draft, options.draft_dtype) if draft is not None else 0
+
     if options.limits:
         return _plan_under_limits(options, target, draft, manifest, dtype, draft_bytes)
     cache = Path(options.cache_dir) if options.cache_dir else target.parent
@@ -214,7 +222,7 @@ def plan_modes(options: BenchOptions, target: Path, draft: Path | None) -> list[
         budget + the draft's weights (or `extra_bytes`) + the overhead."""
         limit = None
         if options.isolates(family):
-            extra = draft_bytes if extra_bytes is None else extra_bytes
+            extra = draft_bytes() if extra_bytes is None else extra_bytes
             limit = budget_bytes + extra + overhead if one_limit is None else one_limit
         return ModeInfo(
             name=name,
@@ -283,7 +291,7 @@ def _plan_under_limits(
     draft: Path | None,
     manifest: Manifest | None,
     dtype: str | None,
-    draft_bytes: int,
+    draft_bytes: Callable[[], int],
 ) -> list[PlannedMode]:
     """--limits: the memory-resident modes once, without a limit; every other mode once per
     limit, in a child under it, named `mode@limit`. Ours take the DRAM budget that fits
@@ -315,7 +323,7 @@ def _plan_under_limits(
                 raise ConfigError(f"--limits does not run the transformers peer {family}")
             assert manifest is not None
             for name, tree, fields in engine_variants(options, family):
-                beside = overhead + (draft_bytes if tree is not None else 0)
+                beside = overhead + (draft_bytes() if tree is not None else 0)
                 budget = fitted_budget(manifest, limit - beside)
                 config = _engine_config(options, target, draft, tree, budget, fields)
                 mode = ModeInfo(

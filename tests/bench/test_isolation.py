@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from lever_actors.bench import plan
 from lever_actors.bench import run as bench_run
 from lever_actors.bench.child import ChildMode
 from lever_actors.bench.isolation import (
@@ -262,3 +263,17 @@ def test_a_child_leaves_its_draft_to_the_engines_unit_and_one_process_shares_it(
     drafts: dict = {}
     shared = [open_in_process(p, drafts).draft for p in planned]
     assert shared[0] is not None and shared[0] is shared[1] and len(drafts) == 1
+
+
+def test_planning_loads_the_draft_only_where_a_memory_limit_needs_its_size(tiny_pair, monkeypatch):
+    target, draft = tiny_pair
+    loads = []
+    monkeypatch.setattr(plan, "load_draft", lambda *a: loads.append(a) or load_draft(*a))
+    in_process = BenchOptions(modes=["sd-chain", "lever"], chain=[2], draft_dtype="float32")
+    assert plan_modes(in_process, target, draft) and loads == []
+    isolated = BenchOptions(
+        modes=["sd-chain", "lever"], chain=[2], draft_dtype="float32", isolate="all"
+    )
+    modes = plan_modes(isolated, target, draft)
+    assert len(loads) == 1  # measured once for every mode that needs it
+    assert all(m.info.memory_limit_bytes for m in modes)
