@@ -225,7 +225,8 @@ def _apply_layers(x, index, layers, args, cache, first, place) -> torch.Tensor:
     through `layers`, the target's layers first, first + 1, ..."""
     everyone = len(index) == x.shape[0]
     rows = x if everyone else x[index]
-    place = place.rows(index)
+    if not everyone:  # the whole tree keeps its placement: cache writes stay slices
+        place = place.rows(index)
     for offset, weights in enumerate(layers):
         rows = layer_forward(rows, weights, args, cache, first + offset, place)
     if everyone:
