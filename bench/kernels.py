@@ -2,7 +2,7 @@
 CPU has) against torch's weight-only kernels, on the real target's matrix shapes, random
 weights, DRAM-cold (copies enough to overflow the caches are cycled), by rows per call.
 torch has no kernel for the k-quants: q6k's rows are against our int8 kernel, q4k's against our
-int4 kernel, q6kr's (resident q6k matrices, in records) against q6k's rows, on the same values.
+int4 kernel, on the same values.
 
     .venv/bin/python bench/kernels.py [--rows 1,8,64] [--seconds 0.5]
 """
@@ -18,7 +18,6 @@ from lever_actors.model import native
 from lever_actors.model.quantized import (
     GROUP,
     QuantizedWeight,
-    q6k_records,
     quantize_int4,
     quantize_int8,
     quantize_q4k,
@@ -33,8 +32,6 @@ SHAPES = [  # (format, [out, in]) of the real target's matrices and LM head
     ("int8", (8192, 1536)),  # a part of the LM head as it streams
     ("q6k", (1536, 8960)),
     ("q6k", (8192, 1536)),
-    ("q6kr", (1536, 8960)),
-    ("q6kr", (8192, 1536)),
     ("q4k", (8960, 1536)),
     ("q4k", (1536, 8960)),
 ]
@@ -43,17 +40,14 @@ QUANTIZE = {
     "int8": quantize_int8,
     "q6k": quantize_q6k,
     "q4k": quantize_q4k,
-    "q6kr": lambda values: q6k_records(quantize_q6k(values)),
 }
 KERNELS = {
     "int4": native.int4_linear,
     "int8": native.int8_linear,
     "q6k": native.q6k_linear,
     "q4k": native.q4k_linear,
-    "q6kr": native.q6kr_linear,
 }
-# no torch kernel for these: against ours on the same values
-OURS_AGAINST = {"q6k": "int8", "q4k": "int4", "q6kr": "q6k"}
+OURS_AGAINST = {"q6k": "int8", "q4k": "int4"}  # no torch kernel: against ours on the same values
 COLD_BYTES = 200_000_000  # more than any last-level cache here
 
 

@@ -19,7 +19,6 @@ from lever_actors.model.layers import (
     output_logits,
     rms_norm,
 )
-from lever_actors.model.quantized import resident_form
 from lever_actors.model.rope import Rope
 from lever_actors.model.weights import Weight
 
@@ -46,7 +45,9 @@ class FlashTarget:
         self.args = self.manifest.args
         self.dtype = self.manifest.torch_dtype
         self.plan = residency(self.manifest, dram_budget, ring_slots)
-        resident = {key: self._load(key) for key in self.plan.resident}
+        resident = {
+            key: self.store.load_extent(self.manifest.extent(key)) for key in self.plan.resident
+        }
         head = head_key(self.manifest)
         # None where the budget streams the head (`logits` then reads it each pass)
         self.lm_head: Weight | None = resident[head][head] if head in resident else None
@@ -58,12 +59,6 @@ class FlashTarget:
         }
         self.rope = Rope(self.args)
         self.tokenizer = layout_tokenizer(directory, self.manifest)
-
-    def _load(self, key: str) -> dict[str, Weight]:
-        """An extent that stays in DRAM, each matrix in the form our kernels multiply fastest
-        by (`resident_form`: a q6k one in records, in its buffer)."""
-        weights = self.store.load_extent(self.manifest.extent(key))
-        return {name: resident_form(weight) for name, weight in weights.items()}
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.args, capacity, self.dtype)

@@ -18,11 +18,10 @@ import pytest
 import torch
 from hypothesis import event, given, settings
 
-from lever_actors.config import DramBudget, EngineConfig
+from lever_actors.config import EngineConfig
 from lever_actors.device.layout import read_manifest
 from lever_actors.policy import cost_model
 from lever_actors.policy import setup as policy_setup
-from lever_actors.target import FlashTarget
 from lever_actors.testing import (
     TWIN_GAP,
     assert_matches_sequential,
@@ -32,7 +31,6 @@ from lever_actors.testing import (
     model_pair,
     samplings,
 )
-from tests.model.test_native import needs_native
 
 # the most rows a pass may have before bf16 kernels round differently
 KERNEL_ROWS = 32
@@ -135,8 +133,7 @@ async def test_gain_cost_trees_above_32_nodes_equal_sequential_reference_in_bf16
 @pytest.mark.parametrize("weights", ["q4", "q4k", "q6", "q8"])
 async def test_quantized_trees_above_32_nodes_equal_sequential_reference(weights):
     """Target and draft kept in 4, 6 or 8 bits: a tree verified in one pass equals one-token
-    decoding of the same quantized weights (6 bits: the engine's resident matrices in
-    records, the reference's as stored rows)."""
+    decoding of the same quantized weights."""
     config = bf16_config(tree="static:8,8", weights=weights)
     manifest = read_manifest(Path(config.target))
     formats = {t.format for extent in manifest.extents for t in extent.tensors}
@@ -144,17 +141,3 @@ async def test_quantized_trees_above_32_nodes_equal_sequential_reference(weights
     for prompt in PROMPTS[:3]:
         nodes = await later_trees(config, prompt)
         assert nodes and all(n == config.tree.max_nodes + 1 for n in nodes), nodes
-
-
-@needs_native
-def test_a_resident_targets_q6k_matrices_are_held_in_records_and_streamed_ones_as_rows():
-    target = Path(bf16_config(weights="q6").target)
-    resident = FlashTarget(target, DramBudget.parse("all"))
-    streamed = FlashTarget(target, DramBudget.parse(budget_bytes(target, 0.0)))
-    try:
-        formats = {w.fmt for w in resident.resident_layers[0].values() if hasattr(w, "fmt")}
-        assert "q6kr" in formats and "q6k" not in formats
-        assert not streamed.resident_layers  # read from flash each pass, as stored
-    finally:
-        resident.close()
-        streamed.close()

@@ -36,8 +36,7 @@ BLOCK_N = 64  # outputs per block of the kernels (the int4 packing's blocks)
 DEPTH = 32  # inputs per step of the kernels (AMX: one tile product)
 K_INPUTS = 256  # inputs per block of GGUF's k-quants (Q4_K, Q6_K)
 Q4K_OUTPUTS = 8  # outputs per record of the q4k packing
-# GGUF's Q4_K and Q6_K values as we keep them (Q6_K's also in records): torch has no kernel
-K_FORMATS = ("q4k", "q6k", "q6kr")
+K_FORMATS = ("q4k", "q6k")  # GGUF's Q4_K and Q6_K values as we keep them: torch has no kernel
 
 
 @dataclass(frozen=True)
@@ -60,14 +59,7 @@ class Isa:
     def headers(self) -> tuple[Path, ...]:
         return tuple(
             self.source.with_name(name)
-            for name in (
-                "common.h",
-                "attention.h",
-                "integer_rows.h",
-                "norm.h",
-                "q4k.h",
-                "q6k_records.h",
-            )
+            for name in ("common.h", "attention.h", "integer_rows.h", "norm.h", "q4k.h")
         )
 
     @property
@@ -136,7 +128,7 @@ def fits(fmt: str, shape: tuple[int, int]) -> bool:
     return (
         fmt in ("int4", "int8", *K_FORMATS)
         and out % BLOCK_N == 0
-        and inputs % (K_INPUTS if fmt in ("q6k", "q6kr") else DEPTH) == 0  # q4k pads its last
+        and inputs % (K_INPUTS if fmt == "q6k" else DEPTH) == 0  # q4k pads its last block
         and in_use() is not None
     )
 
@@ -165,11 +157,6 @@ def int8_linear(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> to
 def q6k_linear(x: torch.Tensor, data: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """x [n, in] bf16 times a q6k matrix (GGUF's Q6_K blocks) -> [n, out] bf16."""
     return _isa().ops.q6k_linear(x.contiguous(), data, d)
-
-
-def q6kr_linear(x: torch.Tensor, records: torch.Tensor, ds: torch.Tensor) -> torch.Tensor:
-    """x [n, in] bf16 times a q6kr matrix (GGUF's Q6_K values in our records) -> [n, out] bf16."""
-    return _isa().ops.q6kr_linear(x.contiguous(), records, ds)
 
 
 def q4k_linear(x: torch.Tensor, records: torch.Tensor, ds: torch.Tensor) -> torch.Tensor:

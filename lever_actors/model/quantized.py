@@ -21,10 +21,6 @@ Formats (what a flash layout stores, and what DRAM holds):
   (`q4k_blocks_of`), and the kernel gives them zeros in x.
   The k-quants (K_FORMATS) have no torch kernel: where ours are absent their values are
   used as a bf16 matrix.
-- "q6kr": q6k's values in records of 8 outputs as q4k's (see `q6k_records`), made in DRAM
-  from a q6k matrix that stays there, where our kernels run: one weight vector serves 8
-  outputs and every row of a tree, where q6k's rows need an instruction per output. The two
-  give the same bits, so a layer computes alike resident or streamed. Never stored.
 - "int4rows": the embedding table, row after row of [in / 2] bytes (the even input in the
   low nibble) then [in / GROUP, 2] bf16 scales and zeros: one contiguous record per row,
   so a token's row is one small read.
@@ -49,7 +45,7 @@ import torch.nn.functional as F
 from lever_actors.model import native, row_blocks
 
 Format = Literal["dense", "int4", "int8", "q6k", "q4k", "int4rows"]
-MatrixFormat = Literal["int4", "int8", "q6k", "q4k", "q6kr"]
+MatrixFormat = Literal["int4", "int8", "q6k", "q4k"]
 QUANTIZED_FORMATS: tuple[str, ...] = ("int4", "int8", "q6k", "q4k", "int4rows")
 # matrices stored row after row, each row's values whole in its own bytes (then its scales)
 ROW_MATRIX_FORMATS: tuple[str, ...] = ("int8", "q6k")
@@ -64,9 +60,6 @@ Q4K_OUTPUTS = native.Q4K_OUTPUTS  # outputs per q4k record
 Q4K_NIBBLES = Q4K_OUTPUTS * K_INPUTS // 2  # a q4k record's q, then its 8 groups' scales and
 Q4K_RECORD = Q4K_NIBBLES + 2 * 8 * Q4K_OUTPUTS  # minimums, a byte each per output (1152 in all)
 Q4K_DS_BYTES = 2 * 2 * Q4K_OUTPUTS  # each record's float16 d and dmin, held after all records
-Q6KR_HIGH, Q6KR_SCALES, Q6KR_GROUP = 128, 192, 208  # where a q6kr group's high pairs, its
-Q6KR_RECORD = 8 * Q6KR_GROUP  # scales and the next group start (q6k_records)
-RECORD_CHUNK_ROWS = 2048  # rows packed into records at a time: a small temporary, in place
 
 
 def storage_bytes(shape: tuple[int, ...], fmt: str, itemsize: int) -> int:
@@ -77,8 +70,6 @@ def storage_bytes(shape: tuple[int, ...], fmt: str, itemsize: int) -> int:
     out, inputs = shape
     if fmt in ROW_MATRIX_FORMATS:
         return out * sum(row_bytes(fmt, inputs))
-    if fmt == "q6kr":  # the same bytes as q6k, in another order
-        return storage_bytes(shape, "q6k", itemsize)
     if fmt == "q4k":
         return out // Q4K_OUTPUTS * q4k_blocks_of(inputs) * (Q4K_RECORD + Q4K_DS_BYTES)
     return count // 2 + 4 * out * (inputs // GROUP)  # int4, int4rows: nibbles + scale, zero
@@ -136,9 +127,8 @@ class QuantizedWeight:
 
     @property
     def rows_readable(self) -> bool:
-        """Whether a row's values can be read alone (not in the int4 and q4k packings; in
-        q6kr's from its record)."""
-        return self.fmt in (*ROW_MATRIX_FORMATS, "q6kr")
+        """Whether a row's values can be read alone (not in the int4 and q4k packings)."""
+        return self.fmt in ROW_MATRIX_FORMATS
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x: [n, in] -> [n, out] in x's dtype, computed in bf16; each row as if it were alone
@@ -178,10 +168,6 @@ class QuantizedWeight:
         """Rows `ids` of a row-stored matrix as float32 values, [n] -> [n, in]."""
         if self.fmt == "int8":
             return self.data[ids].float() * self.scales[ids].float()[:, None]
-        if self.fmt == "q6kr":
-            record = ids // Q4K_OUTPUTS
-            values = q6kr_values(self.data[record], self.scales[record])
-            return values.view(len(ids), Q4K_OUTPUTS, -1)[torch.arange(len(ids)), ids % Q4K_OUTPUTS]
         return q6k_values(self.data[ids], self.scales[ids])
 
     def products(self, ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -189,7 +175,7 @@ class QuantizedWeight:
         or q4k packing are not addressable: its product runs whole, then is picked from)."""
         if self.fmt == "int8":
             return (self.data[ids].float() @ h.float()) * self.scales[ids].float()
-        if self.fmt in ("q6k", "q6kr"):
+        if self.fmt == "q6k":
             return self._rows(ids) @ h.float()
         return self.linear(h[None].to(COMPUTE_DTYPE))[0, ids].float()
 
@@ -198,8 +184,6 @@ class QuantizedWeight:
         out, inputs = self.shape
         if self.fmt == "q4k":
             return q4k_values(self.data, self.scales)[:, :inputs]
-        if self.fmt == "q6kr":
-            return q6kr_values(self.data, self.scales)
         if self.fmt != "int4":
             return self._rows(torch.arange(out))
         q = unpack_int4(self.data).float().view(out, inputs // GROUP, GROUP)
@@ -276,7 +260,6 @@ _KERNELS = {
     "int8": native.int8_linear,
     "q6k": native.q6k_linear,
     "q4k": native.q4k_linear,
-    "q6kr": native.q6kr_linear,
 }
 
 
@@ -364,104 +347,21 @@ def q4k_values(data: torch.Tensor, ds: torch.Tensor) -> torch.Tensor:
 
 
 def q6k_values(data: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """q6k rows' values: data [n, in / 256 * 208] uint8, d [n, in / 256] f16 -> [n, in] float32."""
-    q, sc = q6k_parts(data)
-    return _q6k_scaled(q, sc, d)
-
-
-def q6k_parts(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q6k rows' q [n, blocks, 256] uint8 in 0..63 and sub-block scales [n, blocks, 16] int8.
+    """q6k rows' values: data [n, in / 256 * 208] uint8, d [n, in / 256] f16 -> [n, in] float32.
     Per half block (128 inputs): 32 bytes of low nibbles give inputs 0-31 and (their high
     nibbles) 64-95, the next 32 give 32-63 and 96-127; the half's 32 bytes of high bits hold
     bit pairs 0, 2, 4, 6 of those four runs; each 16 inputs have their own int8 scale."""
-    n = data.shape[0]
-    rows = data.view(n, -1, Q6K_BYTES)
-    blocks = rows.shape[1]
+    n, blocks = d.shape
+    rows = data.view(n, blocks, Q6K_BYTES)
     low = rows[..., :128].reshape(n, blocks, 2, 2, 32)  # [half, run, byte]
     high = rows[..., 128:192].reshape(n, blocks, 2, 1, 32)
     nibbles = torch.stack((low & 15, low >> 4), dim=4)  # [half, run, nibble, byte]
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(2, 2).T.reshape(1, 1, 1, 2, 2, 1)
     pairs = (high.unsqueeze(3) >> shifts) & 3  # run r, nibble h: bits 2 * (2h + r)
-    q = (nibbles | pairs << 4).transpose(3, 4).reshape(n, blocks, K_INPUTS)
-    return q, rows[..., 192:208].view(torch.int8)
-
-
-def _q6k_scaled(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """q [n, blocks, 256] in 0..63, sc [n, blocks, 16], d [n, blocks] -> [n, in] float32"""
-    n, blocks, _ = q.shape
-    step = (d.float()[..., None] * sc.float())[..., None]
-    values = (q.view(n, blocks, 16, 16).float() - 32) * step
+    q = (nibbles | pairs << 4).transpose(3, 4).reshape(n, blocks, 16, 16).float() - 32
+    sc = rows[..., 192:208].view(torch.int8).float()  # [n, blocks, 16]
+    values = q * (d.float()[..., None] * sc)[..., None]
     return values.reshape(n, blocks * K_INPUTS)
-
-
-def q6k_records(weight: QuantizedWeight) -> QuantizedWeight:
-    """A q6k weight as q6kr, in its own memory: each 8 outputs' block of 256 inputs is one
-    record of 1664 bytes, as many as their q6k rows took, read front to back by the kernel:
-    per group of 32 inputs, q's low nibbles (per 4 inputs t of its first 16, 32 bytes whose 4
-    from byte 4o are output o's, those of the second 16 in the high nibbles), then q's high
-    bit pairs (per 16 inputs, 32 bytes likewise, t's pair at bits 2t), then the group's two
-    sub-block scales, [sub-block][output]. The 8 outputs' d follow the records, [records,
-    blocks, 8]. Packed a few rows at a time, so the temporary stays small beside a memory
-    limit."""
-    out, inputs = weight.shape
-    blocks = inputs // K_INPUTS
-    records = weight.data.view(out // Q4K_OUTPUTS, blocks * Q6KR_RECORD)
-    ds = weight.scales.view(out // Q4K_OUTPUTS, blocks * Q4K_OUTPUTS)
-    for lo in range(0, out, RECORD_CHUNK_ROWS):
-        hi = min(lo + RECORD_CHUNK_ROWS, out)
-        packed, chunk_ds = _records(weight.data[lo:hi], weight.scales[lo:hi])
-        records[lo // Q4K_OUTPUTS : hi // Q4K_OUTPUTS] = packed
-        ds[lo // Q4K_OUTPUTS : hi // Q4K_OUTPUTS] = chunk_ds
-    return QuantizedWeight("q6kr", weight.shape, records, ds, weight.exact)
-
-
-def _records(data: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q6k rows (a multiple of 8) -> their q6kr records and ds (copies)."""
-    q, sc = q6k_parts(data)
-    tasks, blocks = data.shape[0] // Q4K_OUTPUTS, d.shape[1]
-    q = q.view(tasks, Q4K_OUTPUTS, blocks, 8, 2, 4, 4)  # [o, b, group, half, t, i]
-    low = q & 15
-    nibbles = (low[:, :, :, :, 0] | low[:, :, :, :, 1] << 4).permute(0, 2, 3, 4, 1, 5)
-    pairs = q >> 4
-    high = pairs[:, :, :, :, :, 0]
-    for t in range(1, 4):
-        high = high | pairs[:, :, :, :, :, t] << 2 * t
-    high = high.permute(0, 2, 3, 4, 1, 5)  # [b, group, half, o, i]
-    scales = sc.view(torch.uint8).view(tasks, Q4K_OUTPUTS, blocks, 8, 2).permute(0, 2, 3, 4, 1)
-    parts = [t.reshape(tasks, blocks, 8, -1) for t in (nibbles, high, scales)]
-    records = torch.cat(parts, dim=-1).reshape(tasks, -1)
-    return records, d.view(tasks, Q4K_OUTPUTS, blocks).transpose(1, 2).reshape(tasks, -1)
-
-
-def q6kr_values(data: torch.Tensor, ds: torch.Tensor) -> torch.Tensor:
-    """A q6kr weight's values: data [out / 8, in / 256 * 1664] uint8, ds [out / 8, in / 256 * 8]
-    float16 as `q6k_records` makes them -> [out, in] float32."""
-    tasks = data.shape[0]
-    groups = data.view(tasks, -1, 8, Q6KR_GROUP)
-    blocks = groups.shape[1]
-    nibbles = groups[..., :Q6KR_HIGH].view(tasks, blocks, 8, 1, 4, Q4K_OUTPUTS, 4)
-    low = torch.cat((nibbles & 15, nibbles >> 4), dim=3)  # [b, group, half, t, o, i]
-    high = groups[..., Q6KR_HIGH:Q6KR_SCALES].view(tasks, blocks, 8, 2, 1, Q4K_OUTPUTS, 4)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 1, 4, 1, 1)
-    q = low | ((high >> shifts) & 3) << 4
-    q = q.permute(0, 5, 1, 2, 3, 4, 6).reshape(tasks * Q4K_OUTPUTS, blocks, K_INPUTS)
-    sc = groups[..., Q6KR_SCALES:].reshape(tasks, blocks, 8, 2, Q4K_OUTPUTS)
-    sc = sc.permute(0, 4, 1, 2, 3).reshape(-1, blocks, 16).view(torch.int8)
-    d = ds.view(tasks, blocks, Q4K_OUTPUTS).transpose(1, 2).reshape(-1, blocks)
-    return _q6k_scaled(q, sc, d)
-
-
-def resident_form(weight):
-    """A weight that stays in DRAM, in the form our kernels multiply fastest by: a q6k matrix
-    as q6kr (in place) where they run, anything else as it is."""
-    if (
-        isinstance(weight, QuantizedWeight)
-        and weight.fmt == "q6k"
-        and weight.shape[0] % Q4K_OUTPUTS == 0
-        and native.fits("q6kr", weight.shape)
-    ):
-        return q6k_records(weight)
-    return weight
 
 
 _bf16_values: weakref.WeakKeyDictionary[QuantizedWeight, torch.Tensor] = weakref.WeakKeyDictionary()

@@ -8,12 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from lever_actors.model.args import ModelArgs
-from lever_actors.model.quantized import (
-    Q4K_OUTPUTS,
-    QuantizedRows,
-    QuantizedWeight,
-    resident_form,
-)
+from lever_actors.model.quantized import QuantizedRows, QuantizedWeight
 
 # a matrix may be held quantized (model/quantized.py); vectors are plain tensors
 Weight = torch.Tensor | QuantizedWeight | QuantizedRows
@@ -33,11 +28,8 @@ def row_range(weight: Weight, lo: int, hi: int) -> Weight:
     if isinstance(weight, torch.Tensor):
         return weight[lo:hi]
     if cuts_into_rows(weight):
-        per = Q4K_OUTPUTS if weight.fmt == "q6kr" else 1  # matrix rows in a row of its data
-        if lo % per or hi % per:
-            raise ValueError(f"rows {lo}:{hi} of a {weight.fmt} matrix cut its records of {per}")
-        data, scales = weight.data[lo // per : hi // per], weight.scales[lo // per : hi // per]
-        return replace(weight, shape=(hi - lo, weight.shape[1]), data=data, scales=scales)
+        shape = (hi - lo, weight.shape[1])
+        return replace(weight, shape=shape, data=weight.data[lo:hi], scales=weight.scales[lo:hi])
     raise ValueError(f"rows of a {type(weight).__name__} cannot be taken apart")
 
 
@@ -131,17 +123,14 @@ class ModelWeights:
         """The same weights, each quantized matrix free to pick its kernel per call by rows
         (a draft's rounding only steers which tokens the target checks), and the embedding
         read from the head where the head copies it and rows can be read from it: one table
-        in DRAM, not two (81 MB for the real draft); a layer's q6k matrices in records
-        (`resident_form`), a draft's staying in DRAM."""
+        in DRAM, not two (81 MB for the real draft)."""
         lm_head = _drafting(self.lm_head)  # a tied head is the embedding, never changed
         reads_rows = isinstance(lm_head, QuantizedWeight) and lm_head.rows_readable
         return ModelWeights(
             embed=lm_head if self.head_copies_embed and reads_rows else self.embed,
             final_norm=self.final_norm,
             lm_head=lm_head,
-            layers=[
-                {k: resident_form(_drafting(t)) for k, t in layer.items()} for layer in self.layers
-            ],
+            layers=[{k: _drafting(t) for k, t in layer.items()} for layer in self.layers],
         )
 
     @property

@@ -1,7 +1,7 @@
-"""Our kernels for GGUF's k-quants as we keep them (q4k, q6k, and q6k in records): each
-computes its values' grouped integer sums with x rounded per 256 inputs, gives a row the
-same bits alone or among others, runs a draft's matrices too (torch has no kernel to
-prefer); where ours do not load, the values multiply as a bf16 matrix."""
+"""Our kernels for GGUF's k-quants as we keep them (q4k, q6k): each computes its values'
+grouped integer sums with x rounded per 256 inputs, gives a row the same bits alone or
+among others, runs a draft's matrices too (torch has no kernel to prefer); where ours do not
+load, the values multiply as a bf16 matrix."""
 
 from __future__ import annotations
 
@@ -19,10 +19,8 @@ from tests.model.test_native import needs_native, rounded_as_int8
 FORMATS = {  # format -> (a weight of random blocks and their values, our kernel)
     "q4k": (test_q4k.from_gguf, native.q4k_linear),
     "q6k": (test_q6k.from_gguf, native.q6k_linear),
-    "q6kr": (test_q6k.records_from_gguf, native.q6kr_linear),
 }
-# q4k pads a last block of whole groups of 32
-UNFIT = {"q4k": (64, 240), "q6k": (64, 224), "q6kr": (64, 224)}
+UNFIT = {"q4k": (64, 240), "q6k": (64, 224)}  # q4k pads a last block of whole groups of 32
 
 
 @pytest.fixture(params=sorted(FORMATS))

@@ -1,30 +1,24 @@
 """The q6k format: GGUF's Q6_K blocks kept as the file has them. Their values read back as
-gguf decodes them, and the round-to-nearest quantizer packs what it means; a resident
-matrix repacked into records (q6kr) holds the same values in the same bytes and multiplies
-to the same bits (the kernels: test_k_kernels.py)."""
+gguf decodes them, and the round-to-nearest quantizer packs what it means (its kernel:
+test_k_kernels.py)."""
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import gguf
 import numpy as np
 import pytest
 import torch
 
-from lever_actors.model import native
 from lever_actors.model.quantized import (
     Q6K_BYTES,
     QuantizedWeight,
     from_q6k_blocks,
-    q6k_records,
     quantize_q6k,
-    resident_form,
     storage_bytes,
 )
 from lever_actors.model.weights import row_range
 from tests.model import k_blocks
-from tests.model.test_native import needs_native, weight
+from tests.model.test_native import weight
 
 SCALES = slice(Q6K_BYTES, Q6K_BYTES + 2)  # the bytes of a block's float16 scales
 
@@ -38,19 +32,6 @@ def from_gguf(shape: tuple[int, int], seed: int = 0) -> tuple[QuantizedWeight, t
     """A q6k weight of random blocks, and their values as gguf decodes them [out, in]."""
     kind = gguf.GGMLQuantizationType.Q6_K
     return k_blocks.from_gguf(kind, from_q6k_blocks, shape, SCALES, seed)
-
-
-def records_from_gguf(
-    shape: tuple[int, int], seed: int = 0
-) -> tuple[QuantizedWeight, torch.Tensor]:
-    """A q6kr weight of random blocks, and their values as gguf decodes them [out, in]."""
-    q, values = from_gguf(shape, seed)
-    return q6k_records(q), values
-
-
-def copied(q: QuantizedWeight) -> QuantizedWeight:
-    """q in memory of its own: q6k_records repacks in place."""
-    return replace(q, data=q.data.clone(), scales=q.scales.clone())
 
 
 @pytest.mark.parametrize("shape", [(64, 256), (8, 768)])
@@ -90,46 +71,3 @@ def test_quantizing_rounds_to_the_nearest_step_and_packs_what_it_means():
     clamped = (w.abs() - 31.5 * step).clamp_min(0)  # past the last level the rounded scale has
     assert ((got - w).abs() <= 0.5 * step + clamped + 1e-6).all()
     assert torch.linalg.norm(got - w) <= 0.02 * torch.linalg.norm(w)
-
-
-@pytest.mark.parametrize("shape", [(64, 256), (16, 768)])
-def test_records_hold_the_same_values_in_the_same_bytes(shape):
-    q, values = from_gguf(shape)
-    rows = copied(q)
-    records = q6k_records(rows)
-    assert records.fmt == "q6kr" and records.data.data_ptr() == rows.data.data_ptr()
-    assert records.nbytes == q.nbytes and records.data.numel() == q.data.numel()
-    assert torch.equal(records.dequantize(), values)
-    ids = torch.tensor([5, 0, 13, 5])
-    assert torch.equal(records[ids], q[ids])
-    h = torch.randn(shape[1])
-    assert torch.equal(records.products(ids, h), q.products(ids, h))
-    part = row_range(records, 8, 16)
-    assert part.shape == (8, shape[1]) and torch.equal(part.dequantize(), values[8:16])
-    with pytest.raises(ValueError, match="records of 8"):
-        row_range(records, 4, 16)
-
-
-@needs_native
-@pytest.mark.parametrize("outputs", [64, 128])
-def test_records_multiply_to_the_bits_of_the_rows(outputs):
-    """A resident matrix (records) and a streamed one (rows) give a layer the same bits. The
-    products cancel (x's second half repeats its first, the weights' negates theirs), so each
-    result is the rounding its order of accumulation leaves, which another order changes."""
-    half = weight((outputs, 512), seed=3)
-    q = quantize_q6k(torch.cat((half, -half), dim=1))  # |q - 32| <= 31: negations exact
-    records = q6k_records(copied(q))
-    x = (torch.randn(70, 512) * torch.logspace(-2, 2, 512)).to(torch.bfloat16)
-    x = torch.cat((x, x), dim=1)
-    assert (q.linear(x) != 0).float().mean() > 0.5  # residues, not zeros
-    for n in (1, 2, 3, 4, 5, 8, 9, 17, 64, 70):
-        assert torch.equal(records.linear(x[:n]), q.linear(x[:n])), n
-
-
-@needs_native
-def test_a_matrix_that_stays_resident_is_held_in_records_where_our_kernels_run(monkeypatch):
-    q, _ = from_gguf((64, 512))
-    held = resident_form(copied(q))
-    assert held.fmt == "q6kr" and torch.equal(held.dequantize(), q.dequantize())
-    monkeypatch.setattr(native, "in_use", lambda: None)
-    assert resident_form(q) is q  # torch's kernels multiply the values as they are

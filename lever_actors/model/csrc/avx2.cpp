@@ -23,7 +23,6 @@
 #include "integer_rows.h"
 #include "norm.h"
 #include "q4k.h"
-#include "q6k_records.h"
 
 namespace {
 
@@ -173,5 +172,4 @@ TORCH_LIBRARY(lever_avx2, m) {
   m.def("int8_linear", &int8_linear);
   m.def("q6k_linear", &lever::q6k_linear);
   m.def("q4k_linear", &lever::q4k_linear);
-  m.def("q6kr_linear", &lever::q6kr_linear);
 }

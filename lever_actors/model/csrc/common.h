@@ -45,13 +45,6 @@ inline float summed_lanes(__m256 v) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 
   return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
 }
 
-inline int32_t summed_ints(__m256i v) {  // exact: the lanes' integer sum
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-  return _mm_cvtsi128_si32(s);
-}
-
 // One output lane's products of unsigned weight bytes with signed x bytes, summed exactly
 // over a group of inputs. With AVX512-VNNI one instruction adds four products to an int32
 // lane (vpdpbusd); with AVX2 two add pairs to int16 halves (vpmaddubsw), widened when the

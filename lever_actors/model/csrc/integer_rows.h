@@ -84,7 +84,6 @@ struct Int8Rows {
   static constexpr int GROUPS = 1;
   static constexpr int OFFSET = 0;  // the values are signed
   static constexpr int TILE_OUTPUTS = 2;  // weight rows a tile multiplies together
-  static constexpr bool WHOLE_BLOCKS = false;  // its blocks' sums stay in 8 lanes (below)
   const int8_t* data;
   const uint16_t* scales;
   int64_t k;
@@ -111,7 +110,6 @@ struct Q6KUnpacked {
   static constexpr int GROUPS = K_INPUTS / GROUP;
   static constexpr int OFFSET = 32;
   static constexpr int TILE_OUTPUTS = 2;
-  static constexpr bool WHOLE_BLOCKS = true;
   const uint8_t* q;        // [8][k]
   const int16_t* weights;  // [8][k / 32][16]
   const float* d;          // [8][k / 256]
@@ -139,9 +137,6 @@ struct Q6KRows {
   // one row unpacked at a time, read in one stream: at 2-4 rows of x 0.53-0.68 ms against
   // 0.62-0.78 two at a time (1536x8960, Zen 4); unpacked once (Q6KUnpacked), two
   static constexpr int TILE_OUTPUTS = 1;
-  // each block's sum whole before it meets a float, as q6k_records.h adds them: a resident
-  // matrix in that packing gives the bits a streamed one gives in this
-  static constexpr bool WHOLE_BLOCKS = true;
   struct Panel {  // one task's unpacked rows (Q6KUnpacked), reused from block to block
     std::vector<uint8_t> q;
     std::vector<int16_t> weights;
@@ -248,18 +243,12 @@ inline void integer_tile(const RoundedRows& xq, int64_t m0, const W& w, int64_t 
     }
     for (int r = 0; r < R; ++r) {
       __m256 x_scale = _mm256_set1_ps(xq.scale[(m0 + r) * blocks + b]);
-      for (int j = 0; j < J; ++j) {
-        __m256 step = _mm256_mul_ps(x_scale, block[j].scale);
-        if constexpr (W::WHOLE_BLOCKS)  // the block's exact sum, then one fma, lane 0's
-          s[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_set1_epi32(summed_ints(acc[r][j]))), step, s[r][j]);
-        else
-          s[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][j]), step, s[r][j]);
-      }
+      for (int j = 0; j < J; ++j)
+        s[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][j]), _mm256_mul_ps(x_scale, block[j].scale), s[r][j]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j)
-      sums[r * ROWS8 + j] = W::WHOLE_BLOCKS ? _mm256_cvtss_f32(s[r][j]) : summed_lanes(s[r][j]);
+    for (int j = 0; j < J; ++j) sums[r * ROWS8 + j] = summed_lanes(s[r][j]);
 }
 
 // rows [m, m + 4) of x (fewer where fewer are left) times the 8 weight rows from j0: sums [rows][8]
