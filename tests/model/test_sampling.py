@@ -47,6 +47,15 @@ def test_temperature_zero_is_the_argmax_bit_for_bit():
     assert Chooser(GREEDY).draft_scores(logits, torch.arange(5)) is logits
 
 
+def test_greedy_takes_each_dtypes_own_argmax():
+    """bf16 is widened to float32 for a faster argmax, exactly (ties go to the first id);
+    float64 is never narrowed, where a near-tie would merge."""
+    row = torch.tensor([[0.5, 1.0, 1.0 + 1e-12, 1.0]], dtype=torch.float64)
+    assert Chooser(GREEDY).choose(row, torch.tensor([0])) == [2]
+    tied = torch.tensor([[0.5, 3.0, 3.0, -1.0]], dtype=torch.bfloat16)
+    assert Chooser(GREEDY).choose(tied, torch.tensor([0])) == [1] == tied.argmax(-1).tolist()
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
