@@ -76,6 +76,11 @@ class CostModel(msgspec.Struct):
     # contention is learned from passes that hardly waited (waits for the first layers,
     # and compute slowed by the reads beside it).
     contention: float = 0.2
+    # ... and the overlap is not whole: an I/O-bound pass took its reads' time plus this
+    # share of its compute (a layer's compute after its read, the checks and the compute
+    # slowing the reads: 0.18 of 250 ms beside 305 ms of reads, 1.0 GiB, Zen 4), so a node
+    # costs time where flash paces the pass too; learned from such passes
+    overlap: float = 0.2
 
     @property
     def io_seconds(self) -> float:
@@ -98,7 +103,8 @@ class CostModel(msgspec.Struct):
         then projection along the expected accepted path (or, with a streamed head, of
         every node in one pass over it)."""
         drafting = sum(self.draft(width) for width in draft_rounds)
-        verifying = max(self.io_seconds, self.pass_compute_seconds(nodes))
+        compute, io = self.pass_compute_seconds(nodes), self.io_seconds
+        verifying = max(io, compute) + self.overlap * min(io, compute)
         projecting = self.head_read_seconds + self.project_seconds * (
             nodes if self.head_bytes else expected_tokens
         )
@@ -110,7 +116,8 @@ class CostModel(msgspec.Struct):
         teach the bandwidth: their own time, not the pass's, which a big tree's compute
         stretches (taught as bandwidth, that stretch let trees grow, stretching it further).
         A pass that hardly waited was compute-bound: its waits, per second of compute,
-        teach `contention`."""
+        teach `contention`; one that waited longer took its reads' time plus a share of its
+        compute, which teaches `overlap`."""
         rounds = list(step.draft_rounds)
         self.verify.learn(step.tree_nodes, step.verify_seconds, VERIFY_WEIGHT)
         _correct(self.draft, sum(self.draft(w) for w in rounds), step.draft_seconds)
@@ -124,6 +131,9 @@ class CostModel(msgspec.Struct):
         if step.verify_seconds > 0 and step.io_wait_seconds <= IO_BOUND_WAIT * passed:
             seen = step.io_wait_seconds / step.verify_seconds
             self.contention += ONLINE_WEIGHT * (seen - self.contention)
+        elif step.verify_seconds > 0 and 0 < step.read_seconds < passed:
+            seen = (passed - step.read_seconds) / step.verify_seconds
+            self.overlap += ONLINE_WEIGHT * (min(seen, 1.0) - self.overlap)
         predicted = self.step_seconds(step.tree_nodes, rounds, step.new_tokens)
         unexplained = step.step_seconds - (predicted - self.overhead_seconds)
         self.overhead_seconds += ONLINE_WEIGHT * (max(unexplained, 0.0) - self.overhead_seconds)

@@ -128,3 +128,26 @@ def test_a_few_dear_passes_teach_their_size():
         cost.observe(step(48, io_wait=0.0, verify=measured, read=(GB, 1.0)))
     assert cost.verify(48) == pytest.approx(measured, rel=0.1)
     assert cost.verify(1) == 0.1
+
+
+def test_a_pass_paced_by_flash_still_pays_a_share_of_its_compute():
+    cost = model(streamed=2 * GB, head=0)  # io 2 s, far above any tree's compute
+    cost.overlap = 0.25
+    base = cost.step_seconds(1, [1], 1.0)
+    bigger = cost.step_seconds(64, [1], 1.0)
+    compute = cost.pass_compute_seconds(64) - cost.pass_compute_seconds(1)
+    assert bigger - base == pytest.approx(0.25 * compute)
+    resident = model(float("inf"), streamed=0, head=0)
+    resident.overlap = 0.25  # nothing to overlap: the pass is its compute
+    assert resident.step_seconds(64, [1], 1.0) == pytest.approx(
+        resident.pass_compute_seconds(64) + resident.draft(1) + resident.project_seconds
+    )
+
+
+def test_passes_that_waited_on_flash_teach_the_share_of_compute_they_added():
+    """Each pass read for 1.0 s and took 1.3 s, computing 0.9 s: 0.3 s of it past the reads."""
+    cost = model()
+    for _ in range(40):
+        cost.observe(step(16, io_wait=0.4, verify=0.9, read=(GB, 1.0)))
+    assert cost.overlap == pytest.approx(0.3 / 0.9, rel=1e-3)
+    assert cost.contention == 0.2  # a pass that waited a third of its time taught no contention
