@@ -128,12 +128,13 @@ class CostModel(msgspec.Struct):
             else:
                 self.flash_bandwidth += ONLINE_WEIGHT * (seen - self.flash_bandwidth)
         passed = step.io_wait_seconds + step.verify_seconds
-        if step.verify_seconds > 0 and step.io_wait_seconds <= IO_BOUND_WAIT * passed:
-            seen = step.io_wait_seconds / step.verify_seconds
-            self.contention += ONLINE_WEIGHT * (seen - self.contention)
-        elif step.verify_seconds > 0 and 0 < step.read_seconds < passed:
-            seen = (passed - step.read_seconds) / step.verify_seconds
-            self.overlap += ONLINE_WEIGHT * (min(seen, 1.0) - self.overlap)
+        if step.verify_seconds > 0:
+            if step.io_wait_seconds <= IO_BOUND_WAIT * passed:
+                seen = step.io_wait_seconds / step.verify_seconds
+                self.contention += ONLINE_WEIGHT * (seen - self.contention)
+            elif 0 < step.read_seconds < passed:
+                seen = (passed - step.read_seconds) / step.verify_seconds
+                self.overlap += ONLINE_WEIGHT * (min(seen, 1.0) - self.overlap)
         predicted = self.step_seconds(step.tree_nodes, rounds, step.new_tokens)
         unexplained = step.step_seconds - (predicted - self.overhead_seconds)
         self.overhead_seconds += ONLINE_WEIGHT * (max(unexplained, 0.0) - self.overhead_seconds)
