@@ -59,7 +59,7 @@ class Isa:
     def headers(self) -> tuple[Path, ...]:
         return tuple(
             self.source.with_name(name)
-            for name in ("common.h", "attention.h", "integer_rows.h", "norm.h", "q4k.h")
+            for name in ("common.h", "attention.h", "integer_rows.h", "norm.h", "q4k.h", "rope.h")
         )
 
     @property
@@ -140,28 +140,36 @@ def fewest_rows(fmt: str) -> int:
     return 1 if isa is None or fmt in K_FORMATS else isa.fewest_rows
 
 
-def int4_linear(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+# Every product below takes an optional bias [out] bf16, added in its call as torch's bf16 add
+# rounds it (csrc/common.h, `biased`).
+
+
+def int4_linear(
+    x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, bias=None
+) -> torch.Tensor:
     """x [n, in] bf16 times an int4 matrix in the layout's packing -> [n, out] bf16."""
-    return _isa().ops.int4_linear(x.contiguous(), data, scales)
+    return _isa().ops.int4_linear(x.contiguous(), data, scales, bias)
 
 
-def int8_linear(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def int8_linear(
+    x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, bias=None
+) -> torch.Tensor:
     """x [n, in] bf16 times an int8 matrix [out, in] with row scales -> [n, out] bf16."""
     isa = _isa()
     if isa is AMX:
         pairs = x.contiguous().view(torch.int32).T.contiguous()  # [in / 2, n]: the tiles' layout
-        return isa.ops.int8_linear(pairs, x.shape[0], data, scales)
-    return isa.ops.int8_linear(x.contiguous(), data, scales)
+        return isa.ops.int8_linear(pairs, x.shape[0], data, scales, bias)
+    return isa.ops.int8_linear(x.contiguous(), data, scales, bias)
 
 
-def q6k_linear(x: torch.Tensor, data: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+def q6k_linear(x: torch.Tensor, data: torch.Tensor, d: torch.Tensor, bias=None) -> torch.Tensor:
     """x [n, in] bf16 times a q6k matrix (GGUF's Q6_K blocks) -> [n, out] bf16."""
-    return _isa().ops.q6k_linear(x.contiguous(), data, d)
+    return _isa().ops.q6k_linear(x.contiguous(), data, d, bias)
 
 
-def q4k_linear(x: torch.Tensor, records: torch.Tensor, ds: torch.Tensor) -> torch.Tensor:
+def q4k_linear(x: torch.Tensor, records: torch.Tensor, ds: torch.Tensor, bias=None) -> torch.Tensor:
     """x [n, in] bf16 times a q4k matrix (GGUF's Q4_K values in our records) -> [n, out] bf16."""
-    return _isa().ops.q4k_linear(x.contiguous(), records, ds)
+    return _isa().ops.q4k_linear(x.contiguous(), records, ds, bias)
 
 
 ATTEND_GROUP = 8  # the most query heads per kv head our attention takes
@@ -197,6 +205,17 @@ def normalizes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., d] bf16 -> weight * x / sqrt(mean(x^2) + eps), each row alone (csrc/norm.h)."""
     return _isa().ops.rms_norm(x.contiguous(), weight.contiguous(), eps)
+
+
+def rotates(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether our rotary embedding takes these heads [H, n, hd] and tables [n, hd]: bf16."""
+    return x.dtype == cos.dtype == torch.bfloat16 and x.stride(-1) == 1 and in_use() is not None
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [H, n, hd] bf16 (strided in H and n) -> the same rotated, contiguous, rounded as
+    model/rope.py's torch code rounds it (csrc/rope.h)."""
+    return _isa().ops.rope(x, cos.contiguous(), sin.contiguous())
 
 
 def requested() -> Kernels:

@@ -135,13 +135,13 @@ class QuantizedWeight:
         (if `exact`). Our kernels compute each row on its own by construction, so they need no
         row blocks."""
         if x.dtype != COMPUTE_DTYPE:  # a float32 model (generate --model's default)
-            return self.linear(x.to(COMPUTE_DTYPE), bias).to(x.dtype)
+            out = self.linear(x.to(COMPUTE_DTYPE)).to(x.dtype)
+            return out if bias is None else out + bias
         if native.fits(self.fmt, self.shape) and (
             self.exact or len(x) >= native.fewest_rows(self.fmt)
         ):
-            kernel = _KERNELS[self.fmt]
-            out = kernel(x, self.data, self.scales)
-        elif self.fmt in K_FORMATS:
+            return _KERNELS[self.fmt](x, self.data, self.scales, bias)
+        if self.fmt in K_FORMATS:
             out = row_blocks.linear(x, bf16_values(self))
         elif self.exact:
             key = ("quantized", self.fmt, *self.shape)

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from lever_actors.model import native
 from lever_actors.model.args import ModelArgs, RopeScaling
 
 
@@ -56,7 +57,10 @@ class Rope:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [heads, n, head_dim]; rotates each half-split pair (the HF weight layout)."""
+    """x: [heads, n, head_dim]; rotates each half-split pair (the HF weight layout). bf16 on our
+    kernel, one call for these ten small ops, rounded as they round."""
+    if native.rotates(x, cos):
+        return native.rope(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -14,6 +14,8 @@ from lever_actors.model.quantized import (
     GROUP,
     quantize_int4,
     quantize_int8,
+    quantize_q4k,
+    quantize_q6k,
     torch_packing,
     unpack_int4,
 )
@@ -107,6 +109,18 @@ def test_int8_computes_scale_times_the_integer_product(shape):
     expected = int8_meaning(x, q.data, q.scales)
     got = native.int8_linear(x, q.data, q.scales).double()
     assert ((got - expected).abs() <= 0.01 * expected.abs() + 1e-3).all()
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", ["int4", "int8", "q4k", "q6k"])
+def test_a_bias_adds_in_the_products_call_as_torchs_bf16_add_rounds(fmt):
+    quantize = {"int4": quantize_int4, "int8": quantize_int8, "q4k": quantize_q4k}
+    q = quantize.get(fmt, quantize_q6k)(weight((128, 512)))
+    x = torch.randn(3, 512).to(torch.bfloat16)
+    bias = torch.randn(128).to(torch.bfloat16)
+    assert torch.equal(q.linear(x, bias), q.linear(x) + bias)
+    with pytest.raises(RuntimeError, match="bias: \\[n\\] bf16"):
+        q.linear(x, bias[:64])
 
 
 @needs_native

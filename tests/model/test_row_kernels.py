@@ -1,5 +1,6 @@
-"""Our attention and RMS norm kernels (csrc/attention.h, csrc/norm.h): each row computed from
-its own inputs alone, in one fixed order, so a token gets the same bits in a tree of any size."""
+"""Our attention, RMS norm and rotary kernels (csrc/attention.h, norm.h, rope.h): each row
+computed from its own inputs alone, in one fixed order, so a token gets the same bits in a tree
+of any size."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from lever_actors.model import layers, native
+from lever_actors.model.rope import apply_rope
 from lever_actors.testing.checkpoints import TINY_ARGS
 
 needs_native = pytest.mark.skipif(native.loaded() is None, reason="this CPU cannot run our kernels")
@@ -119,3 +121,16 @@ def test_rms_norm_gives_a_row_the_same_bits_alone_or_among_others():
     together = native.rms_norm(x, weight, 1e-5)
     alone = torch.cat([native.rms_norm(x[i : i + 1], weight, 1e-5) for i in range(100)])
     assert torch.equal(together, alone)
+
+
+@needs_native
+@pytest.mark.parametrize("heads,n,hd", [(14, 1, 64), (2, 5, 64), (12, 33, 128)])
+def test_rope_rounds_as_torchs_bf16_ops(heads, n, hd):
+    g = torch.Generator().manual_seed(2)
+    rows = (torch.randn(n, heads * hd, generator=g) * 3).bfloat16()  # a projection's output
+    x = rows.view(n, heads, hd).transpose(0, 1)  # [heads, n, hd], strided as layers view it
+    cos, sin = (torch.randn(n, hd, generator=g).bfloat16() for _ in range(2))
+    half = hd // 2
+    expected = x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    got = apply_rope(x, cos, sin)
+    assert torch.equal(got, expected) and got.is_contiguous()

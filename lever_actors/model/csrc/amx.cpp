@@ -23,6 +23,7 @@
 #include "integer_rows.h"
 #include "norm.h"
 #include "q4k.h"
+#include "rope.h"
 
 namespace {
 
@@ -95,7 +96,7 @@ inline void unpack_group(const uint8_t* bytes, uint16_t* panel) {
   }
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
   // x [m, k] bf16; packed [n, k / 2] uint8; scales [k / 32, n, 2] bf16 (scale, zero)
   check_int4(x, packed, scales);
   int64_t rows = x.size(0), k = x.size(1), n = packed.size(0), groups = k / GROUP;
@@ -176,7 +177,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     }
     _tile_release();
   });
-  return out;
+  return biased(out, bias);
 }
 
 // ---- int8: y = scale * (x . q), per output; the weights are the left operand ----
@@ -210,7 +211,8 @@ inline void int8_depth(const uint32_t* x, int64_t width, int64_t m, int64_t d, c
   _tile_dpbf16ps(3, 4, 5);
 }
 
-at::Tensor int8_linear(const at::Tensor& pairs, int64_t rows, const at::Tensor& weight, const at::Tensor& scales) {
+at::Tensor int8_linear(const at::Tensor& pairs, int64_t rows, const at::Tensor& weight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias) {
   // pairs [k / 2, m] int32: x transposed by pairs of inputs; weight [n, k] int8; scales [n] bf16
   TORCH_CHECK(pairs.dim() == 2 && pairs.scalar_type() == at::kInt && pairs.is_contiguous(), "pairs: [k/2, m] int32");
   check_int8(weight, scales);
@@ -264,7 +266,7 @@ at::Tensor int8_linear(const at::Tensor& pairs, int64_t rows, const at::Tensor& 
     }
     _tile_release();
   });
-  return out;
+  return biased(out, bias);
 }
 
 bool enable_tiles() {  // Linux grants a process AMX state only on request
@@ -277,6 +279,7 @@ bool enable_tiles() {  // Linux grants a process AMX state only on request
 TORCH_LIBRARY(lever_amx, m) {
   m.def("attend", &lever::attend);
   m.def("rms_norm", &lever::rms_norm);
+  m.def("rope", &lever::rope);
   m.def("int4_linear", &int4_linear);
   m.def("int8_linear", &int8_linear);
   m.def("q6k_linear", &lever::q6k_linear);

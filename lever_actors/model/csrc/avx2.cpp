@@ -23,6 +23,7 @@
 #include "integer_rows.h"
 #include "norm.h"
 #include "q4k.h"
+#include "rope.h"
 
 namespace {
 
@@ -92,7 +93,7 @@ inline void fold_group(float* acc, const __m256i* products, const __m256* scale,
   }
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
   // x [m, k] bf16; packed [n, k / 2] uint8; scales [k / 32, n, 2] bf16 (scale, zero)
   check_int4(x, packed, scales);
   int64_t rows = x.size(0), k = x.size(1), n = packed.size(0), groups = k / GROUP;
@@ -150,17 +151,17 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
         for (int64_t p = 0; p < BLOCK_N; ++p) op[m * n + block * BLOCK_N + output(p)] = to_bf16(acc[m * BLOCK_N + p]);
     }
   });
-  return out;
+  return biased(out, bias);
 }
 
 // x [m, k] bf16; weight [n, k] int8; scales [n] bf16
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
   check_rows(x);
   check_int8(weight, scales);
   int64_t k = x.size(1), n = weight.size(0);
   TORCH_CHECK(n % ROWS8 == 0 && k % GROUP == 0 && weight.size(1) == k, "int8 shape");
   Int8Rows w{weight.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()), k};
-  return integer_linear(x, w, n);
+  return biased(integer_linear(x, w, n), bias);
 }
 
 }  // namespace
@@ -168,6 +169,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 TORCH_LIBRARY(lever_avx2, m) {
   m.def("attend", &lever::attend);
   m.def("rms_norm", &lever::rms_norm);
+  m.def("rope", &lever::rope);
   m.def("int4_linear", &int4_linear);
   m.def("int8_linear", &int8_linear);
   m.def("q6k_linear", &lever::q6k_linear);

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
+#include <optional>
 
 namespace lever {
 
@@ -74,6 +75,19 @@ inline __m256i add_pair_products(__m256i acc, __m256i a, __m256i b) {
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 #endif
+}
+
+// out [m, n] bf16 plus bias [n] bf16 where there is one, each sum rounded as torch's bf16 add
+// rounds it: in the product's call, where a separate add cost a small op per biased matrix
+inline at::Tensor biased(at::Tensor out, const std::optional<at::Tensor>& bias) {
+  if (!bias) return out;
+  int64_t rows = out.size(0), n = out.size(1);
+  TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n, "bias: [n] bf16");
+  const uint16_t* bp = reinterpret_cast<const uint16_t*>(bias->data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t j = 0; j < n; ++j) op[m * n + j] = to_bf16(from_bf16(op[m * n + j]) + from_bf16(bp[j]));
+  return out;
 }
 
 // x [m, k] bf16, the rows a kernel multiplies

@@ -36,18 +36,26 @@ constexpr int64_t FETCH_AHEAD = 2048;
 // Rows of x as int8 with one float32 scale per group of `group` inputs (32: int4 and int8;
 // 256: q6k): x ~ scale * q, q in [-127, 127], q = round-to-even(x * (127 / max |x|)); and each
 // 32 inputs' q summed. A row's rounding reads that row only, so it is the same alone or among
-// any others.
+// any others. Rows shorter than `k` (q4k's last block) are read as if padded with zeros.
 struct RoundedRows {
   std::vector<int8_t> q;        // [m, k]
   std::vector<float> scale;     // [m, k / group]
   std::vector<float> sum;       // [m, k / 32]: sum of the 32 inputs' q, exact
 };
 
-inline RoundedRows rounded_rows(const at::Tensor& x, int64_t group = GROUP) {
+inline RoundedRows rounded_rows(const at::Tensor& x, int64_t group = GROUP, int64_t k = 0) {
   constexpr int64_t LANES = 8;
-  int64_t rows = x.size(0), k = x.size(1), groups = k / group, parts = group / GROUP;
+  int64_t rows = x.size(0), width = x.size(1);
+  k = std::max(k, width);
+  int64_t groups = k / group, parts = group / GROUP;
   RoundedRows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * groups), std::vector<float>(rows * k / GROUP)};
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  std::vector<uint16_t> padded;  // zeros past each row's end (bf16 +0)
+  if (k > width) {
+    padded.assign(rows * k, 0);
+    for (int64_t m = 0; m < rows; ++m) std::memcpy(padded.data() + m * k, xp + m * width, width * sizeof(uint16_t));
+    xp = padded.data();
+  }
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
   for (int64_t g = 0; g < rows * groups; ++g) {
@@ -303,7 +311,8 @@ at::Tensor integer_linear(const at::Tensor& x, const W& w, int64_t n) {
 }
 
 // x [m, k] bf16; data [n, k / 256 * 208] uint8, the Q6_K blocks less d; d [n, k / 256] float16
-inline at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& d) {
+inline at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& d,
+                             const std::optional<at::Tensor>& bias) {
   check_rows(x);
   TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous(), "data: uint8");
   TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous(), "d: float16");
@@ -311,7 +320,7 @@ inline at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& data, const 
   TORCH_CHECK(n % ROWS8 == 0 && k % K_INPUTS == 0, "q6k shape");
   TORCH_CHECK(data.size(1) == k / K_INPUTS * Q6K_BYTES && d.numel() == n * (k / K_INPUTS), "q6k shape");
   Q6KRows w{data.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr()), k};
-  return integer_linear(x, w, n);
+  return biased(integer_linear(x, w, n), bias);
 }
 
 }  // namespace lever

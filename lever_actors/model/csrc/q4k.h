@@ -16,7 +16,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
@@ -109,7 +108,8 @@ inline void q4k_tile(const RoundedRows& xq, const int32_t* sum_pairs, int64_t m0
 // x [m, in] bf16; records [n / 8, k / 256 * 1152] uint8; ds [n / 8, k / 256 * 16] float16 -> [m, n]
 // bf16, where k is `in` rounded up to whole blocks: a last block's inputs past `in` (a matrix
 // of 896 inputs has 128) multiply zeros in x, so their weights never count.
-inline at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& records, const at::Tensor& ds) {
+inline at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& records, const at::Tensor& ds,
+                             const std::optional<at::Tensor>& bias) {
   check_rows(x);
   TORCH_CHECK(records.scalar_type() == at::kByte && records.is_contiguous(), "records: uint8");
   TORCH_CHECK(ds.scalar_type() == at::kHalf && ds.is_contiguous(), "ds: float16");
@@ -119,7 +119,7 @@ inline at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& records, con
   TORCH_CHECK(ds.numel() == tasks * (k / K_INPUTS) * 16, "q4k shape");
   auto out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
-  RoundedRows xq = rounded_rows(padding ? at::constant_pad_nd(x, {0, padding}) : x, K_INPUTS);
+  RoundedRows xq = rounded_rows(x, K_INPUTS, k);
   std::vector<int32_t> sum_pairs = group_sum_pairs(xq);
   const uint8_t* rp = records.data_ptr<uint8_t>();
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(ds.data_ptr());
@@ -140,7 +140,7 @@ inline at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& records, con
       }
     }
   });
-  return out;
+  return biased(out, bias);
 }
 
 }  // namespace lever
