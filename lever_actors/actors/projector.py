@@ -89,6 +89,7 @@ class Projector:
             live_nodes=len(final.nodes),
             pruned=final.pruned,
             saved_node_layers=final.saved_node_layers,
+            probe_seconds=final.probe_seconds,
             audited=final.audit,
             false_prunes=len(set(final.would_drop) & set(accepted)),
             projected_nodes=len(chosen),

@@ -107,7 +107,7 @@ class Verifier:
             and self.probe_when(len(tree))
         )
         audit, would_drop = False, ()
-        io_wait = compute = 0.0
+        io_wait = compute = probe_seconds = 0.0
         layer = 0
         while layer < n_layers:
             # up to the exit layer first when this pass probes there: the pruner's verdict
@@ -132,7 +132,9 @@ class Verifier:
                     await outbox.releases.send(SlotRelease(step=message.step, slot=weights.slot))
             layer += len(arrived)
             if probes and layer - 1 == self.exit_layer:
+                asked = time.perf_counter()
                 kept = await self._prune(message, tree, live, x, layer - 1, inbox, outbox)
+                probe_seconds = time.perf_counter() - asked
                 audit = bool(self.audit_every) and message.step % self.audit_every == 0
                 if audit:
                     would_drop = tuple(n for n in live if n not in kept)  # run them anyway
@@ -149,6 +151,7 @@ class Verifier:
             verify_seconds=compute,
             pruned=pruned,
             saved_node_layers=pruned * (n_layers - 1 - (self.exit_layer or 0)),
+            probe_seconds=probe_seconds,
             audit=audit,
             would_drop=would_drop,
         )

@@ -77,6 +77,7 @@ class FinalHidden(Message, frozen=True):
     verify_seconds: float
     pruned: int  # nodes that skipped the layers after the exit layer
     saved_node_layers: int  # node-layer computations pruning saved
+    probe_seconds: float  # the pruner's round trip at the exit layer (0: no probe)
     audit: bool  # an audit step: the pruner's drops were run in full anyway
     would_drop: tuple[int, ...]  # on an audit step: the nodes the pruner dropped
 
@@ -90,6 +91,7 @@ class StepStats(msgspec.Struct, frozen=True):
     live_nodes: int  # after pruning
     pruned: int  # nodes that skipped the layers after the exit layer
     saved_node_layers: int  # node-layer computations pruning saved
+    probe_seconds: float  # the pruner's round trip at the exit layer (0: no probe)
     audited: bool  # this step checked the pruner: its drops were run in full anyway
     false_prunes: int  # on an audit step: accepted nodes the pruner would have dropped
     projected_nodes: int

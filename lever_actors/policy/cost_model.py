@@ -81,6 +81,10 @@ class CostModel(msgspec.Struct):
     # slowing the reads: 0.18 of 250 ms beside 305 ms of reads, 1.0 GiB, Zen 4), so a node
     # costs time where flash paces the pass too; learned from such passes
     overlap: float = 0.2
+    # the pruner's round trip at the exit layer: its job and two handoffs between threads
+    # (0.65-1 ms of job and about 0.4 of handoffs on a resident step, Zen 4); learned from
+    # the passes that probe
+    probe_seconds: float = 0.001
 
     @property
     def io_seconds(self) -> float:
@@ -97,6 +101,14 @@ class CostModel(msgspec.Struct):
     def io_bound(self, nodes: int) -> bool:
         """Whether a pass over `nodes` waits on flash rather than on compute."""
         return self.pass_compute_seconds(nodes) <= self.io_seconds
+
+    def pruning_pays(self, nodes: int, share_after_exit: float) -> bool:
+        """Whether probing a pass over `nodes` can pay: the most pruning could save (every
+        node but one dropped for the layers after the exit layer, `share_after_exit` of
+        them) must exceed the probe's own cost. A resident 4-node pass could save 0.8 ms
+        against a 1 ms probe."""
+        most = (self.pass_compute_seconds(nodes) - self.pass_compute_seconds(1)) * share_after_exit
+        return most > self.probe_seconds
 
     def step_seconds(self, nodes: int, draft_rounds: list[int], expected_tokens: float) -> float:
         """Predicted step time: drafting, then verification overlapped with its flash reads,
@@ -135,6 +147,8 @@ class CostModel(msgspec.Struct):
             elif 0 < step.read_seconds < passed:
                 seen = (passed - step.read_seconds) / step.verify_seconds
                 self.overlap += ONLINE_WEIGHT * (min(seen, 1.0) - self.overlap)
+        if step.probe_seconds > 0:
+            self.probe_seconds += ONLINE_WEIGHT * (step.probe_seconds - self.probe_seconds)
         predicted = self.step_seconds(step.tree_nodes, rounds, step.new_tokens)
         unexplained = step.step_seconds - (predicted - self.overhead_seconds)
         self.overhead_seconds += ONLINE_WEIGHT * (max(unexplained, 0.0) - self.overhead_seconds)

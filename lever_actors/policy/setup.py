@@ -81,7 +81,8 @@ def build_policies(
             adapter if predictor == "trained" else None,
         )
         if cost is not None and config.prune_when == "compute_bound":
-            probe_when = when_compute_bound(cost)
+            n_layers = target.args.n_layers
+            probe_when = when_compute_bound(cost, (n_layers - 1 - exit_layer) / n_layers)
     return Policies(
         spec=spec,
         cost=cost,

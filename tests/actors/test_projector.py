@@ -90,6 +90,7 @@ def final_hidden(
         verify_seconds=0.75,
         pruned=len(t) - len(live),
         saved_node_layers=3 * (len(t) - len(live)),
+        probe_seconds=0.0,
         audit=audit,
         would_drop=would_drop,
     )

@@ -17,13 +17,16 @@ def model(bandwidth: float = 1.0 * GB, streamed: int = 1 * GB, head: int = GB //
     )
 
 
-def step(nodes: int, *, io_wait: float, verify: float, read: tuple[int, float]) -> StepStats:
+def step(
+    nodes: int, *, io_wait: float, verify: float, read: tuple[int, float], probe: float = 0.0
+) -> StepStats:
     return StepStats(
         step=1,
         tree_nodes=nodes,
         live_nodes=nodes,
         pruned=0,
         saved_node_layers=0,
+        probe_seconds=probe,
         audited=False,
         false_prunes=0,
         projected_nodes=nodes,
@@ -151,3 +154,16 @@ def test_passes_that_waited_on_flash_teach_the_share_of_compute_they_added():
         cost.observe(step(16, io_wait=0.4, verify=0.9, read=(GB, 1.0)))
     assert cost.overlap == pytest.approx(0.3 / 0.9, rel=1e-3)
     assert cost.contention == 0.2  # a pass that waited a third of its time taught no contention
+
+
+def test_pruning_pays_only_where_it_can_save_more_than_its_probe():
+    cost = model(float("inf"), streamed=0, head=0)  # resident: every pass compute-bound
+    cost.verify = Curve([1, 2, 4, 64], [0.030, 0.031, 0.035, 0.4])
+    cost.contention = 0.0
+    share = 3 / 28  # the layers after the exit layer, of 28
+    assert not cost.pruning_pays(4, share)  # at most 0.5 ms to save against 1 ms
+    assert cost.pruning_pays(64, share)  # at most 39 ms
+    for _ in range(60):  # probes of 50 ms: a slow pruner
+        cost.observe(step(64, io_wait=0.0, verify=0.4, read=(0, 0.0), probe=0.05))
+    assert cost.probe_seconds == pytest.approx(0.05, rel=1e-3)
+    assert not cost.pruning_pays(64, share)
