@@ -40,9 +40,7 @@ class KVCache:
         for a chain), stored at pending `offsets` (default 0..n-1).
         -> the context plus `span` pending slots (default n): [n_kv_heads, length+span, hd]"""
         n = k.shape[1]
-        end = self.length + (span if span is not None else n)
-        if end > self.capacity:
-            raise ConfigError(f"KV cache full: {end} positions needed, capacity {self.capacity}")
+        end = self.room_for(span if span is not None else n)
         slots = slice(self.length, self.length + n) if offsets is None else self.length + offsets
         self.keys[layer, :, slots] = k
         self.values[layer, :, slots] = v
@@ -50,6 +48,13 @@ class KVCache:
             positions = torch.arange(self.length, self.length + n) if offsets is None else slots
         self.positions[slots] = positions
         return self.keys[layer, :, :end], self.values[layer, :, :end]
+
+    def room_for(self, span: int) -> int:
+        """The end of a pending block of `span` slots; ConfigError where the cache is full."""
+        end = self.length + span
+        if end > self.capacity:
+            raise ConfigError(f"KV cache full: {end} positions needed, capacity {self.capacity}")
+        return end
 
     def commit(self, n: int) -> None:
         """Keep all n pending positions, in order."""

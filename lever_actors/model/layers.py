@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lever_actors.model import native
+from lever_actors.model import fused, native
 from lever_actors.model.args import ModelArgs
 from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.masks import within_window
@@ -123,6 +123,8 @@ def layer_forward(
     place: Placement,
 ) -> torch.Tensor:
     """x: [n, d_model] residual stream of the n pending tokens -> the same after this layer."""
+    if fused.takes(x, w, args, layer):  # the same ops in one call of our kernels
+        return fused.layer_forward(x, w, args, cache, layer, place)
     eps = args.norm_eps
     h = attention(rms_norm(x, w["attn_norm"], eps), w, args, cache, layer, place)
     if args.gemma:

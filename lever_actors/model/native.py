@@ -59,7 +59,15 @@ class Isa:
     def headers(self) -> tuple[Path, ...]:
         return tuple(
             self.source.with_name(name)
-            for name in ("common.h", "attention.h", "integer_rows.h", "norm.h", "q4k.h", "rope.h")
+            for name in (
+                "common.h",
+                "attention.h",
+                "integer_rows.h",
+                "layer.h",
+                "norm.h",
+                "q4k.h",
+                "rope.h",
+            )
         )
 
     @property
@@ -216,6 +224,19 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [H, n, hd] bf16 (strided in H and n) -> the same rotated, contiguous, rounded as
     model/rope.py's torch code rounds it (csrc/rope.h)."""
     return _isa().ops.rope(x, cos.contiguous(), sin.contiguous())
+
+
+def decoder_layer(x, norms, matrices, formats, biases, cache, at, place, shape, softcap):
+    """One decoder layer in one call (csrc/layer.h; model/fused.py builds the arguments):
+    x [n, d] bf16; cache: (keys, values, slot positions); at: (layer, committed length, span);
+    shape: (heads, head dim, norm eps, attention scale) -> x after the layer."""
+    layer, length, span = at
+    heads, head_dim, eps, scale = shape
+    return _isa().ops.decoder_layer(
+        x, norms, matrices, formats, *biases, *cache, layer, length, span,
+        place.offsets, place.positions, place.cos.contiguous(), place.sin.contiguous(), place.mask,
+        heads, head_dim, eps, scale, softcap,
+    )  # fmt: skip
 
 
 def requested() -> Kernels:

@@ -21,6 +21,7 @@
 #include "attention.h"
 #include "common.h"
 #include "integer_rows.h"
+#include "layer.h"
 #include "norm.h"
 #include "q4k.h"
 #include "rope.h"
@@ -164,9 +165,22 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return biased(integer_linear(x, w, n), bias);
 }
 
+// a matrix of model/fused.py's format code (0 int4, 1 int8, 2 q6k, 3 q4k) times x
+at::Tensor product(int64_t fmt, const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
+                   const std::optional<at::Tensor>& bias) {
+  switch (fmt) {
+    case 0: return int4_linear(x, data, scales, bias);
+    case 1: return int8_linear(x, data, scales, bias);
+    case 2: return q6k_linear(x, data, scales, bias);
+    case 3: return q4k_linear(x, data, scales, bias);
+  }
+  TORCH_CHECK(false, "unknown matrix format code ", fmt);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(lever_avx2, m) {
+  m.def("decoder_layer", &lever::decoder_layer<product>);
   m.def("attend", &lever::attend);
   m.def("rms_norm", &lever::rms_norm);
   m.def("rope", &lever::rope);
