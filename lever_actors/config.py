@@ -226,7 +226,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # drop a child scoring below this within its candidate set
     prune_threshold: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.02
     # compute_bound: with a cost model (gain-cost trees), prune only passes that compute,
-    # not flash, paces; always: prune whenever a predictor is on
+    # not flash, paces, where the most pruning could save exceeds a probe's cost; always:
+    # prune whenever a predictor is on
     prune_when: PruneWhen = "compute_bound"
     # every n-th step runs pruned nodes anyway, to count false prunes (0: never)
     audit_every: Annotated[int, msgspec.Meta(ge=0)] = 10

@@ -33,7 +33,11 @@ def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
     _option(gen, "early_exit", help="trained needs `train-exit` first")
     gen.add_argument("--exit-layer", type=int, help="default: 7/8 of the way through")
     _option(gen, "prune_threshold", type=float)
-    _option(gen, "prune_when", help="compute_bound: only passes that compute, not flash, paces")
+    _option(
+        gen,
+        "prune_when",
+        help="compute_bound: only passes that compute, not flash, paces, where pruning can pay",
+    )
     gen.add_argument(
         "--draft-ahead",
         action="store_true",
