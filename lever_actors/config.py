@@ -214,6 +214,9 @@ class ChannelSizes(msgspec.Struct, frozen=True):
         _check_fields(self, "channel ")
 
 
+DRAFT_VOCABULARY = 65536  # the ids a draft proposes from by default (EngineConfig)
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     target: str  # flash layout directory
     draft: str | None = None  # HF directory, GGUF file or flash layout; held whole in DRAM
@@ -244,7 +247,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # the draft proposes only token ids below this, so that its LM head multiplies those
     # rows alone (BPE ids grow as merges grow rare: the real pair's first 65,536 cover about
     # 98% of prompt tokens, and the head cost a third of a draft round); None: every id
-    draft_vocabulary: Annotated[int, msgspec.Meta(gt=0)] | None = 65536
+    draft_vocabulary: Annotated[int, msgspec.Meta(gt=0)] | None = DRAFT_VOCABULARY
     throttle: Throttle = "none"
     verify_checksums: bool = True  # every flash read, before its bytes are used
     channels: ChannelSizes = ChannelSizes()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.config import Weights
 from lever_actors.device.layout import DTYPE_NAMES
+from lever_actors.device.memory import return_freed_heap
 from lever_actors.model.quantized import COMPUTE_DTYPE
+from lever_actors.model.spilled import spill_rows
 from lever_actors.model.transformer import Transformer
 
 
@@ -27,12 +29,24 @@ class DraftModel:
         return self.model.weights.nbytes
 
 
-def load_draft(path: str, dtype: str, weights: Weights = "auto") -> DraftModel:
+def load_draft(
+    path: str, dtype: str, weights: Weights = "auto", vocabulary: int | None = None
+) -> DraftModel:
     """From an HF directory, a GGUF file or a flash layout; `weights` as in
     checkpoints/quantize.py, where a quantized draft computes in bfloat16 (in another dtype
-    "auto" keeps the draft dense)."""
+    "auto" keeps the draft dense). With `vocabulary` (EngineConfig.draft_vocabulary) it
+    proposes from those first ids alone, and the rows of its one table above them wait in
+    a file for lookups (model/spilled.py)."""
     torch_dtype = DTYPE_NAMES[dtype]
     if weights == "auto" and torch_dtype != COMPUTE_DTYPE:
         weights = "dense"
     draft = load_checkpoint(path, torch_dtype, weights)
-    return DraftModel(Transformer(draft.args, draft.weights.for_drafting()), draft.tokenizer, path)
+    held = draft.weights.for_drafting()
+    spilled = spill_rows(held.embed, vocabulary) if held.embed is held.lm_head else None
+    if spilled is not None:  # one table, rows past `vocabulary`: they go to the file
+        held = replace(held, embed=spilled, lm_head=spilled.resident)
+    model = Transformer(draft.args, held).proposing(vocabulary)
+    tokenizer = draft.tokenizer
+    del draft, held
+    return_freed_heap()  # the table's rows now in the file
+    return DraftModel(model, tokenizer, path)

@@ -165,7 +165,11 @@ class Engine:
         # before the target's resident weights, not on top of them
         if draft is None and drafting:
             draft = await npu.run(
-                load_draft, config.draft, config.draft_dtype, config.draft_weights
+                load_draft,
+                config.draft,
+                config.draft_dtype,
+                config.draft_weights,
+                config.draft_vocabulary,
             )
         target = await npu.run(_open_target, config)
         try:

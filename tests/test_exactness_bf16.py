@@ -20,6 +20,8 @@ from hypothesis import event, given, settings
 
 from lever_actors.config import EngineConfig
 from lever_actors.device.layout import read_manifest
+from lever_actors.draft import load_draft
+from lever_actors.model.spilled import SpilledTable
 from lever_actors.policy import cost_model
 from lever_actors.policy import setup as policy_setup
 from lever_actors.testing import (
@@ -141,3 +143,34 @@ async def test_quantized_trees_above_32_nodes_equal_sequential_reference(weights
     for prompt in PROMPTS[:3]:
         nodes = await later_trees(config, prompt)
         assert nodes and all(n == config.tree.max_nodes + 1 for n in nodes), nodes
+
+
+async def test_a_drafts_table_rows_past_its_vocabulary_on_disk_change_no_token(
+    tmp_path, monkeypatch
+):
+    """A tied int8 draft proposing from ids below 600: rows 600-1023 of its table wait in a
+    file, read for the prompts' tokens above 600; the output is the target's as ever."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    pair = model_pair(
+        bf16_args(tie_embeddings=True),
+        "perturbed",
+        0,
+        scale=0.001,
+        dtype=torch.bfloat16,
+        twin_gap=TWIN_GAP,
+        weights="q8",
+    )
+    draft = load_draft(str(pair.draft), "bfloat16", "q8", vocabulary=600)
+    assert isinstance(draft.model.weights.embed, SpilledTable)
+    assert draft.model.weights.lm_head.shape == (600, 512)
+    assert draft.dram_bytes < load_draft(str(pair.draft), "bfloat16", "q8").dram_bytes
+    config = EngineConfig(
+        target=str(pair.target),
+        draft=str(pair.draft),
+        draft_dtype="bfloat16",
+        draft_weights="q8",
+        draft_vocabulary=600,
+        tree="static:4,4",
+    )
+    for prompt in (PROMPTS[1], PROMPTS[4]):  # 902; 611
+        await assert_matches_sequential(config, prompt, 16)

@@ -25,7 +25,7 @@ from lever_actors.bench.modes import EngineMode, EngineSpec, MemoryAR, MemoryARS
 from lever_actors.bench.peer import PeerHF, PeerSpec, hf_export_for
 from lever_actors.bench.results import ModeInfo
 from lever_actors.bench.summary import LLAMACPP_FAMILIES
-from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, DramBudget, EngineConfig
+from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, DRAFT_VOCABULARY, DramBudget, EngineConfig
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import DTYPE_NAMES, MANIFEST_NAME, Manifest, read_manifest
 from lever_actors.draft import DraftModel, load_draft
@@ -387,7 +387,7 @@ def draft_dram_bytes(path: Path, dtype: str) -> int:
     """Bytes the engine's draft holds in DRAM, measured on the draft loaded as the engine
     loads it (a GGUF's classes are rewritten for the kernels: the real draft holds 378 MB
     of its 491 MB file)."""
-    return load_draft(str(path), dtype).dram_bytes
+    return load_draft(str(path), dtype, vocabulary=DRAFT_VOCABULARY).dram_bytes
 
 
 def plan_llamacpp(

@@ -9,9 +9,11 @@ import torch
 
 from lever_actors.model.args import ModelArgs
 from lever_actors.model.quantized import QuantizedRows, QuantizedWeight
+from lever_actors.model.spilled import SpilledTable
 
-# a matrix may be held quantized (model/quantized.py); vectors are plain tensors
-Weight = torch.Tensor | QuantizedWeight | QuantizedRows
+# a matrix may be held quantized (model/quantized.py), a draft's table partly on disk
+# (model/spilled.py); vectors are plain tensors
+Weight = torch.Tensor | QuantizedWeight | QuantizedRows | SpilledTable
 LayerTensors = dict[str, Weight]
 
 
@@ -135,8 +137,9 @@ class ModelWeights:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held, a table shared by embedding and head counted once."""
-        tensors = [self.embed, self.lm_head, self.final_norm]
+        """Bytes held, a table shared by embedding and head counted once (a spilled table's
+        resident rows are its head)."""
+        tensors = [*_held(self.embed), self.lm_head, self.final_norm]
         tensors += [t for layer in self.layers for t in layer.values()]
         return sum({id(t): t.nbytes for t in tensors}.values())
 
@@ -144,6 +147,11 @@ class ModelWeights:
     def quantized(self) -> bool:
         tensors = [self.embed, self.lm_head, *(t for layer in self.layers for t in layer.values())]
         return any(not isinstance(t, torch.Tensor) for t in tensors)
+
+
+def _held(t: Weight) -> tuple:
+    """What a weight holds in DRAM, part by part."""
+    return t.held if isinstance(t, SpilledTable) else (t,)
 
 
 def _cast(t: Weight, dtype: torch.dtype) -> Weight:

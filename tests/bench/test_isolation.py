@@ -268,7 +268,9 @@ def test_a_child_leaves_its_draft_to_the_engines_unit_and_one_process_shares_it(
 def test_planning_loads_the_draft_only_where_a_memory_limit_needs_its_size(tiny_pair, monkeypatch):
     target, draft = tiny_pair
     loads = []
-    monkeypatch.setattr(plan, "load_draft", lambda *a: loads.append(a) or load_draft(*a))
+    monkeypatch.setattr(
+        plan, "load_draft", lambda *a, **kw: loads.append(a) or load_draft(*a, **kw)
+    )
     in_process = BenchOptions(modes=["sd-chain", "lever"], chain=[2], draft_dtype="float32")
     assert plan_modes(in_process, target, draft) and loads == []
     isolated = BenchOptions(
