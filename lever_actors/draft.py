@@ -47,6 +47,7 @@ def load_draft(
         held = replace(held, embed=spilled, lm_head=spilled.resident)
     model = Transformer(draft.args, held).proposing(vocabulary)
     tokenizer = draft.tokenizer
-    del draft, held
-    return_freed_heap()  # the table's rows now in the file
+    if spilled is not None:
+        del draft, held
+        return_freed_heap()  # the whole table, its far rows now in the file
     return DraftModel(model, tokenizer, path)

@@ -31,14 +31,10 @@ def takes(x: torch.Tensor, w: LayerTensors, args: ModelArgs, layer: int) -> bool
         return False
     if args.head_dim % 8 or args.n_heads // args.n_kv_heads > native.ATTEND_GROUP:
         return False
-    return all(_on_our_kernels(w[name]) for name in MATRICES) and all(
-        t.dtype == torch.bfloat16 for name, t in w.items() if name not in MATRICES
-    )
-
-
-def _on_our_kernels(weight) -> bool:
-    # a draft's matrix (not exact) may switch to torch's kernel for few rows, but not on AVX2
-    return isinstance(weight, QuantizedWeight) and native.fits(weight.fmt, weight.shape)
+    rows = x.shape[0]
+    return all(
+        isinstance(w[name], QuantizedWeight) and w[name].on_our_kernels(rows) for name in MATRICES
+    ) and all(t.dtype == torch.bfloat16 for name, t in w.items() if name not in MATRICES)
 
 
 def layer_forward(

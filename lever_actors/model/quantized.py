@@ -130,6 +130,13 @@ class QuantizedWeight:
         """Whether a row's values can be read alone (not in the int4 and q4k packings)."""
         return self.fmt in ROW_MATRIX_FORMATS
 
+    def on_our_kernels(self, rows: int) -> bool:
+        """Whether a call with this many rows multiplies on our kernels (a draft's matrix,
+        not exact, takes torch's below the rows where ours are faster)."""
+        return native.fits(self.fmt, self.shape) and (
+            self.exact or rows >= native.fewest_rows(self.fmt)
+        )
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x: [n, in] -> [n, out] in x's dtype, computed in bf16; each row as if it were alone
         (if `exact`). Our kernels compute each row on its own by construction, so they need no
@@ -137,9 +144,7 @@ class QuantizedWeight:
         if x.dtype != COMPUTE_DTYPE:  # a float32 model (generate --model's default)
             out = self.linear(x.to(COMPUTE_DTYPE)).to(x.dtype)
             return out if bias is None else out + bias
-        if native.fits(self.fmt, self.shape) and (
-            self.exact or len(x) >= native.fewest_rows(self.fmt)
-        ):
+        if self.on_our_kernels(len(x)):
             return _KERNELS[self.fmt](x, self.data, self.scales, bias)
         if self.fmt in K_FORMATS:
             out = row_blocks.linear(x, bf16_values(self))
