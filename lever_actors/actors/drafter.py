@@ -107,12 +107,17 @@ class Drafter:
                 return commits.receive_nowait()
             except trio.WouldBlock:
                 pass
-            may = await growth.grow_ahead(AHEAD_WIDTH, cap, self._run)
+            may = await growth.grow_ahead(AHEAD_WIDTH, cap, self._run_ahead)
         return await commits.receive()
 
     async def _run(self, nodes: list[int]) -> None:
         unit = self.cpu if len(nodes) <= SMALL_BATCH else self.npu
         await unit.run(self.builder.run, nodes)
+
+    async def _run_ahead(self, nodes: list[int]) -> None:
+        """A round ahead gives way, between its layers, to the jobs of the pass it runs
+        beside: a verifier's layer waits for a layer of the draft, not for the round."""
+        await self.cpu.run_yielding(self.builder.run, nodes)
 
     async def draft(self, request: DraftRequest) -> DraftTree:
         started = time.perf_counter()

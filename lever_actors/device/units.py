@@ -1,8 +1,11 @@
 """Compute units: where actors run torch work, never on the event loop.
 
 "npu" is the batched unit (the accelerator if there were one; here a CPU worker thread),
-"cpu" a second worker for small irregular work. Each admits one job at a time through its
-CapacityLimiter, so work on one unit is serialised and the two units run side by side.
+"cpu" a second worker for small irregular work. Each runs its jobs one at a time, in the
+order they came, on its own thread, so the two units run side by side. A job of low
+priority (a draft round ahead) runs with `run_yielding`: at each pause it offers (between
+layers), the unit first runs every job queued since, so that a verifier's layer waits
+for a fraction of a forward, not a whole one.
 
 Each unit owns one OS thread for its whole life, so its products always start the same
 OpenMP team, and the engine loads and profiles on the "npu" unit too. libgomp spins idle
@@ -16,9 +19,9 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import TypeVar
 
 import outcome
@@ -30,10 +33,8 @@ T = TypeVar("T")
 class ComputeUnit:
     def __init__(self, name: str) -> None:
         self.name = name
-        self.limiter = trio.CapacityLimiter(1)
-        self.busy_seconds = 0.0
         self.jobs = 0
-        self.running = 0  # jobs inside the unit's thread right now
+        self.running = 0  # jobs inside the unit's thread right now (a yielding one's included)
         jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._jobs = jobs
         self._thread = threading.Thread(
@@ -45,33 +46,47 @@ class ComputeUnit:
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """Run fn(*args) on the unit's thread; cancellation waits for the job to finish."""
-        async with self.limiter:
-            task = trio.lowlevel.current_task()
-            token = trio.lowlevel.current_trio_token()
-            result: list[outcome.Outcome[T]] = []
+        task = trio.lowlevel.current_task()
+        token = trio.lowlevel.current_trio_token()
+        result: list[outcome.Outcome[T]] = []
 
-            def job() -> None:
-                result.append(outcome.capture(self._timed, fn, *args))
-                token.run_sync_soon(trio.lowlevel.reschedule, task)
+        def job() -> None:
+            result.append(outcome.capture(self._counted, fn, *args))
+            token.run_sync_soon(trio.lowlevel.reschedule, task)
 
-            self._jobs.put(job)
-            await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
-            return result[0].unwrap()
+        self._jobs.put(job)
+        await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
+        return result[0].unwrap()
+
+    async def run_yielding(self, fn: Callable[..., T], *args: object) -> T:
+        """Run fn(*args, pause=...) on the unit's thread, where fn calls pause() wherever the
+        jobs queued meanwhile may run first (on this thread, so in the same OpenMP team)."""
+        return await self.run(partial(fn, pause=self._run_queued), *args)
 
     def close(self) -> None:
         """End the unit's thread once its queued jobs are done (OpenMP frees its team)."""
         self._stop()
         self._thread.join()
 
-    def _timed(self, fn: Callable[..., T], *args: object) -> T:
+    def _counted(self, fn: Callable[..., T], *args: object) -> T:
         self.running += 1
-        started = time.perf_counter()
         try:
             return fn(*args)
         finally:
-            self.busy_seconds += time.perf_counter() - started
             self.jobs += 1
             self.running -= 1
+
+    def _run_queued(self) -> None:
+        """On the unit's thread, inside a yielding job: run the jobs queued so far."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is None:  # closing: the thread's loop ends once this job returns
+                self._jobs.put(None)
+                return
+            job()
 
 
 def _serve(jobs: queue.SimpleQueue[Callable[[], None] | None]) -> None:

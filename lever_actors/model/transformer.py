@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -38,17 +39,24 @@ class Transformer:
 
     @torch.inference_mode()
     def forward(
-        self, tokens: torch.Tensor, cache: KVCache, place: Placement | None = None
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        place: Placement | None = None,
+        pause: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """tokens: [n] -> final hidden states [n, d_model], leaving n pending entries in cache.
 
-        Without `place` the tokens are a chain continuing the committed context.
+        Without `place` the tokens are a chain continuing the committed context. `pause` is
+        called after each layer (a compute unit's other jobs may run there).
         """
         if place is None:
             place = chain_placement(self.rope, cache.length, tokens.shape[0], self.dtype)
         x = embedding(self.weights.embed[tokens], self.args)
         for i, layer in enumerate(self.weights.layers):
             x = layer_forward(x, layer, self.args, cache, i, place)
+            if pause is not None:
+                pause()
         return x
 
     @torch.inference_mode()

@@ -99,9 +99,9 @@ class TreeBuilder:
         builder.children = {renamed[n]: c for n, c in self.children.items() if n in inside}
         return builder
 
-    def run(self, nodes: list[int]) -> None:
+    def run(self, nodes: list[int], pause: Callable[[], None] | None = None) -> None:
         """Blocking: run the draft model on `nodes` (ancestors already run) in one batch;
-        each gets its children's distribution."""
+        each gets its children's distribution. `pause`: as `Transformer.forward`'s."""
         self.rounds.append(len(nodes))
         tree = TokenTree(tuple(self.tokens), tuple(self.parents))
         for node in nodes:
@@ -116,7 +116,7 @@ class TreeBuilder:
         offsets = torch.tensor([self.offsets[n] for n in nodes])
         place = Placement(positions, cos, sin, mask, offsets, len(columns))
         tokens = torch.tensor([self.tokens[n] for n in nodes])
-        hidden = self.model.forward(tokens, self.cache, place)
+        hidden = self.model.forward(tokens, self.cache, place, pause)
         self._rank_children(nodes, hidden, positions)
 
     def run_chain(self, unseen: list[int]) -> None:

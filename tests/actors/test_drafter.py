@@ -275,9 +275,9 @@ def calls_of(monkeypatch, method: str) -> list[int]:
     calls: list[int] = []
     original = getattr(TreeBuilder, method)
 
-    def counted(self, *args):
+    def counted(self, *args, **kwargs):
         calls.append(1)
-        return original(self, *args)
+        return original(self, *args, **kwargs)
 
     monkeypatch.setattr(TreeBuilder, method, counted)
     return calls

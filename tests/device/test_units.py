@@ -56,6 +56,52 @@ async def test_a_jobs_error_is_raised_as_itself():
     unit.close()
 
 
+async def test_a_yielding_job_runs_the_jobs_queued_meanwhile_at_its_pauses():
+    unit = ComputeUnit("npu")
+    started, events = threading.Event(), []
+
+    def low_priority(pause) -> int:
+        started.set()
+        for _ in range(500):  # until the other job has run here, at most 5 s
+            pause()
+            if events:
+                break
+            time.sleep(0.01)
+        events.append("low priority done")
+        return threading.get_ident()
+
+    async with trio.open_nursery() as nursery:
+        thread = []
+
+        async def run_low_priority() -> None:
+            thread.append(await unit.run_yielding(low_priority))
+
+        nursery.start_soon(run_low_priority)
+        await trio.to_thread.run_sync(started.wait)
+        other = await unit.run(lambda: (events.append("other"), threading.get_ident())[1])
+    assert events == ["other", "low priority done"]  # not after the yielding job
+    assert thread == [other]  # on the unit's thread, so in its OpenMP team
+    assert unit.jobs == 2
+    unit.close()
+
+
+async def test_a_job_queued_beside_a_job_that_never_pauses_waits_for_it():
+    unit = ComputeUnit("npu")
+    started, events = threading.Event(), []
+
+    def steady() -> None:
+        started.set()
+        time.sleep(0.05)
+        events.append("steady")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(unit.run, steady)
+        await trio.to_thread.run_sync(started.wait)
+        await unit.run(events.append, "queued")
+    assert events == ["steady", "queued"]
+    unit.close()
+
+
 async def test_cancellation_waits_for_the_running_job():
     unit = ComputeUnit("npu")
     done = []

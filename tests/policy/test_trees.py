@@ -187,3 +187,15 @@ def assert_best_of(children, fresh: torch.Tensor) -> None:
     probs = torch.tensor(children.probs)
     torch.testing.assert_close(probs, fresh[children.tokens], rtol=1e-6, atol=1e-9)
     assert probs[-1] >= torch.topk(fresh, len(probs)).values[-1] - 1e-6
+
+
+def test_a_round_that_pauses_between_layers_drafts_what_one_that_does_not_drafts(draft):
+    """Drafting ahead runs its rounds with a pause after each layer (units.run_yielding)."""
+    paused, steady = Recorded(draft), Recorded(draft)
+    pauses = []
+    for recorded, pause in ((paused, lambda: pauses.append(1)), (steady, None)):
+        first = recorded.builder.children[len(PROMPT) - 1].tokens[:3]
+        nodes = [recorded.builder.add(len(PROMPT) - 1, t, 0.5, r) for r, t in enumerate(first)]
+        recorded.builder.run(nodes, pause=pause)
+    assert len(pauses) == draft.args.n_layers
+    assert paused.builder.children == steady.builder.children
