@@ -363,7 +363,12 @@ class Engine:
         jitter = _jitters(config)
         p = self.policies
         draft_policy = DraftPolicy(
-            p.spec, p.cost, p.calibrator, config.draft_ahead, request.sampling
+            p.spec,
+            p.cost,
+            p.calibrator,
+            ahead=config.draft_ahead,
+            lookup=config.lookup,
+            sampling=request.sampling,
         )
         ahead_room = self.spec.max_nodes if config.draft_ahead else 0
         drafter = Drafter(

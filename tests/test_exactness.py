@@ -8,11 +8,12 @@ Example counts scale with the hypothesis profile (see tests/conftest.py).
 
 from __future__ import annotations
 
+import msgspec
 import trio
 from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
 
-from lever_actors.config import TreeSpec
+from lever_actors.config import EngineConfig, TreeSpec
 from lever_actors.engine import Engine
 from lever_actors.testing import (
     assert_matches_sequential,
@@ -24,6 +25,7 @@ from lever_actors.testing import (
     samplings,
     trees,
 )
+from lever_actors.testing.checkpoints import TINY_ARGS, model_pair
 
 
 def examples(share: float) -> settings:
@@ -36,6 +38,7 @@ def tally(case, result) -> None:
     event(f"tree {case.tree.split(':')[0]}, early exit {case.early_exit}")
     event(f"draft tokens accepted: {any(s.new_tokens > 1 for s in result.steps)}")
     event(f"nodes pruned: {any(s.pruned for s in result.steps)}")
+    event(f"tokens copied from the text: {any(s.copied for s in result.steps)}")
 
 
 @examples(1.5)
@@ -140,3 +143,15 @@ async def test_identical_draft_is_always_accepted(case):
     result = await assert_matches_sequential(case.engine_config(), case.prompt, case.max_new_tokens)
     depth = len(TreeSpec.parse(case.tree).widths)
     assert [s.new_tokens for s in result.steps[:-1]] == [depth + 1] * (len(result.steps) - 1)
+
+
+async def test_trees_that_copy_from_the_text_keep_the_output_exact():
+    """A target that repeats itself: gain-cost trees take tokens copied from the committed
+    text (StepStats.copied), and the output is still sequential greedy's."""
+    pair = model_pair(TINY_ARGS, "perturbed", 0)
+    config = EngineConfig(target=str(pair.target), draft=str(pair.draft), tree="gaincost")
+    result = await assert_matches_sequential(config, [5, 6, 7, 8, 9] * 4, 40)
+    assert any(s.copied for s in result.steps)
+    off = msgspec.structs.replace(config, lookup=False)
+    result = await assert_matches_sequential(off, [5, 6, 7, 8, 9] * 4, 40)
+    assert not any(s.copied for s in result.steps)

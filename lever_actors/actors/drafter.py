@@ -16,6 +16,7 @@ from lever_actors.model.sampling import GREEDY, Chooser, Sampling
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.cost_model import CostModel
+from lever_actors.policy.lookup import ContextIndex
 from lever_actors.policy.trees import GainCostGrowth, TreeBuilder, grow_gain_cost, grow_static
 
 # Draft forwards of at most this many nodes go to the "cpu" unit, wider ones to the batched
@@ -38,6 +39,7 @@ class DraftPolicy:
     cost: CostModel | None = None  # needed by the gain-cost tree
     calibrator: AcceptanceCalibrator | None = None  # needed by the gain-cost tree
     ahead: bool = False  # gain-cost only: draft the next tree while flash paces this one's pass
+    lookup: bool = False  # gain-cost only: leaves go on with tokens copied from the text
     sampling: Sampling = GREEDY  # the request's: the draft draws with the target's noise
 
 
@@ -71,6 +73,7 @@ class Drafter:
         self.growth: GainCostGrowth | None = None  # the last tree's, when gain-cost
         self.carried: TreeBuilder | None = None  # the next tree, when the commit hit a run node
         self.chooser = Chooser(policy.sampling, noise_dtype=torch.float32)  # ranks only
+        self.context = ContextIndex(prompt) if policy.lookup else None  # the committed text
 
     async def run(
         self,
@@ -145,7 +148,12 @@ class Drafter:
         spec = self.policy.spec
         if spec.kind == "gaincost":
             self.growth = await grow_gain_cost(
-                builder, self.policy.cost, self.policy.calibrator, request.max_nodes, self._run
+                builder,
+                self.policy.cost,
+                self.policy.calibrator,
+                request.max_nodes,
+                self._run,
+                self.context,
             )
         else:
             await grow_static(builder, spec.widths, request.max_nodes, self._run)
@@ -164,6 +172,9 @@ class Drafter:
 
     async def commit(self, commit: Commit, tree: DraftTree, max_nodes: int) -> None:
         self.chain = list(commit.next_tokens)
+        if self.context is not None:
+            path = [tree.tokens[n] for n in commit.accepted if n >= tree.n_committed]
+            self.context.extend([*path, *commit.next_tokens])
         if self.model is None:
             return
         if self.policy.calibrator is not None:

@@ -13,6 +13,7 @@ from lever_actors.channels.messages import FinalHidden, StepStats, Verdict
 from lever_actors.device.units import ComputeUnit
 from lever_actors.model.sampling import GREEDY, Chooser, Sampling, logprobs
 from lever_actors.model.tree import TokenTree
+from lever_actors.policy.lookup import LOOKUP_RANK
 
 
 class Projector:
@@ -94,6 +95,7 @@ class Projector:
             false_prunes=len(set(final.would_drop) & set(accepted)),
             projected_nodes=len(chosen),
             drafted_ahead=message.drafted_ahead,
+            copied=message.draft_ranks.count(LOOKUP_RANK),
             draft_rounds=message.draft_rounds,
             draft_seconds=message.draft_seconds,
             io_wait_seconds=final.io_wait_seconds,

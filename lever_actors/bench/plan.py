@@ -42,6 +42,7 @@ ENGINE_FAMILIES = (
     "lever-no-gaincost",
     "lever-no-prune",
     "lever-draft-ahead",
+    "lever-no-lookup",
     "lever-eager",
     "lever-two-units",
     "flash-ar-no-verify",
@@ -166,6 +167,7 @@ def engine_variants(options: BenchOptions, family: str) -> list[tuple[str, str |
         "lever-no-gaincost": [("lever-no-gaincost", static, {**lever, "tree": static})],
         "lever-no-prune": [("lever-no-prune", "gaincost", {"early_exit": "off"})],
         "lever-draft-ahead": [("lever-draft-ahead", "gaincost", {**lever, "draft_ahead": True})],
+        "lever-no-lookup": [("lever-no-lookup", "gaincost", {**lever, "lookup": False})],
         "lever-eager": [("lever-eager", "gaincost", {**lever, "projection": "eager"})],
         "lever-two-units": [("lever-two-units", "gaincost", {**lever, "units": "split"})],
         # the price of checking every flash read

@@ -105,6 +105,7 @@ class StepStats(msgspec.Struct, frozen=True):
     step_seconds: float = 0.0  # request for the tree to the last token emitted
     bytes_read: int = 0  # from flash during the step, by every reader
     read_seconds: float = 0.0  # those reads' own time (summed over the threads reading)
+    copied: int = 0  # tree nodes copied from the committed text, not drafted (policy/lookup.py)
 
 
 class Verdict(Message, frozen=True):

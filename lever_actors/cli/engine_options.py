@@ -44,6 +44,13 @@ def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
         help="draft the next tree while the target verifies this one, beside passes that "
         "flash paces (default: off)",
     )
+    gen.add_argument(
+        "--no-lookup",
+        dest="lookup",
+        action="store_false",
+        help="grow gain-cost trees from the draft alone, without tokens copied from the text "
+        "(default: copies where they pay)",
+    )
     _option(gen, "draft_dtype")
     _option(gen, "draft_weights", help="auto keeps a GGUF draft's precision class")
     gen.add_argument(
@@ -85,6 +92,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         prune_threshold=args.prune_threshold,
         prune_when=args.prune_when,
         draft_ahead=args.draft_ahead,
+        lookup=args.lookup,
         draft_dtype=args.draft_dtype,
         draft_weights=args.draft_weights,
         draft_vocabulary=args.draft_vocabulary,

@@ -20,6 +20,7 @@ from lever_actors.model.transformer import Transformer
 from lever_actors.model.tree import TokenTree
 from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.cost_model import CostModel
+from lever_actors.policy.lookup import LOOKUP_RANK, ContextIndex
 
 SHADOWS = 4  # untaken candidates kept per expanded node, standing for the mass outside the tree
 CANDIDATES = 8  # children considered per expanded node by the gain-cost policy
@@ -193,25 +194,41 @@ class GainCostGrowth:
     nor another round pays for itself, or at `cap` draft nodes. `grow_ahead` goes on below
     the sent tree while the target verifies it, where draft rounds cost no step time.
 
+    With the committed text (`context`), every node not yet run also offers the token that
+    followed its path's end in the text (policy/lookup.py), valued at the rate such copies
+    were accepted. A copy needs no draft forward, so a round may take any number of them
+    and a run of copies goes as deep as it pays; copies stay leaves of the draft (never run).
+
     A builder handed over by `TreeBuilder.rebase` already holds nodes drafted ahead; they
     keep their place and are valued like nodes grown here."""
 
     def __init__(
-        self, builder: TreeBuilder, cost: CostModel, calibrator: AcceptanceCalibrator
+        self,
+        builder: TreeBuilder,
+        cost: CostModel,
+        calibrator: AcceptanceCalibrator,
+        context: ContextIndex | None = None,
     ) -> None:
         self.builder = builder
         self.cost = cost
         self.calibrator = calibrator
+        self.context = context
         self.root = builder.n_chain - 1
         self.path_prob = {self.root: 1.0}
         for node in range(builder.n_chain, len(builder.tokens)):
             parent, rank = builder.parents[node], builder.ranks[node]
-            acceptance = self._acceptances(parent, rank + 1)[rank]
+            if rank == LOOKUP_RANK:
+                acceptance = calibrator.copy_acceptance()
+            else:
+                acceptance = self._acceptances(parent, rank + 1)[rank]
             self.path_prob[node] = self.path_prob[parent] * acceptance
         # (path prob, parent, token, draft prob, rank)
         self.candidates: list[tuple[float, int, int, float, int]] = []
         for node in sorted(builder.children):
             self._offer(node)
+        for node in range(builder.n_chain, len(builder.tokens)):
+            if node not in builder.children:
+                self._offer_copy(node)
         self.sent = len(builder.tokens)  # nodes beyond this were drafted ahead, not sent
 
     def _acceptances(self, node: int, count: int = CANDIDATES) -> list[float]:
@@ -228,12 +245,34 @@ class GainCostGrowth:
                 gain = self.path_prob[node] * acceptance
                 self.candidates.append((gain, node, token, prob, rank))
 
+    def _offer_copy(self, node: int) -> None:
+        """Below a node not run: the token that followed its path's end in the text."""
+        if self.context is None:
+            return
+        for token in self.context.continuation(self._path(node), 1):
+            if token not in self.builder.child_tokens(node):
+                gain = self.path_prob[node] * self.calibrator.copy_acceptance()
+                self.candidates.append((gain, node, token, 0.0, LOOKUP_RANK))
+
+    def _path(self, node: int) -> list[int]:
+        """The draft tokens from below the committed chain down to `node`."""
+        path = []
+        while node > self.root:
+            path.append(self.builder.tokens[node])
+            node = self.builder.parents[node]
+        return path[::-1]
+
     def _take(self, candidate: tuple[float, int, int, float, int]) -> int:
         self.candidates.remove(candidate)
         gain, parent, token, prob, rank = candidate
         node = self.builder.add(parent, token, prob, rank)
         self.path_prob[node] = gain
+        self._offer_copy(node)
         return node
+
+    def _sort_candidates(self) -> None:
+        # best gain first; ties go to the likelier, then the higher-ranked draft token
+        self.candidates.sort(key=lambda c: (c[0], c[3], -c[4]), reverse=True)
 
     def _objective(self, nodes: int, expected: float, rounds: list[int]) -> float:
         tokens = 1 + expected  # the bonus token always comes
@@ -248,33 +287,36 @@ class GainCostGrowth:
         first_choice = self.calibrator.first_choice_rate()
         final = False  # the last round: fill with whatever still pays, no deeper look follows
         while True:
-            # best gain first; ties go to the likelier, then the higher-ranked draft token
-            self.candidates.sort(key=lambda c: (c[0], c[3], -c[4]), reverse=True)
-            added: list[int] = []
+            self._sort_candidates()
+            drafted: list[int] = []  # this round's draft nodes, which its forward runs
             while self.candidates and nodes < cap:
-                gain = self.candidates[0][0]
+                gain, rank = self.candidates[0][0], self.candidates[0][4]
                 # Before the last round, once the round is as wide as costs no more than one
                 # node, leave a candidate for later if a child of a node this round adds
-                # could beat it: depth first where the draft is confident.
-                wide = len(added) >= ROUND_WIDTH
-                if wide and not final and gain < self.path_prob[added[0]] * confident:
+                # could beat it: depth first where the draft is confident. A copy costs no
+                # forward, so it never waits.
+                wide = len(drafted) >= ROUND_WIDTH and rank != LOOKUP_RANK
+                if wide and not final and gain < self.path_prob[drafted[0]] * confident:
                     break
                 score = self._objective(nodes + 1, expected + gain, builder.rounds)
                 if score <= best:
                     break
-                added.append(self._take(self.candidates[0]))
+                node = self._take(self.candidates[0])
+                if rank != LOOKUP_RANK:
+                    drafted.append(node)
                 nodes, expected, best = nodes + 1, expected + gain, score
+                self._sort_candidates()  # the node's copy may come next
             if final or nodes >= cap:
                 break
             # Another round costs a draft forward; it can only pay if a child of the best
             # new node would be worth adding at the rate first choices have been taken.
-            hope = max((self.path_prob[n] for n in added), default=0.0) * first_choice
-            rounds = [*builder.rounds, len(added)]
-            if not added or self._objective(nodes + 1, expected + hope, rounds) <= best:
+            hope = max((self.path_prob[n] for n in drafted), default=0.0) * first_choice
+            rounds = [*builder.rounds, len(drafted)]
+            if not drafted or self._objective(nodes + 1, expected + hope, rounds) <= best:
                 final = True
                 continue
-            await run(added)
-            for node in added:
+            await run(drafted)
+            for node in drafted:
                 self._offer(node)
             best = self._objective(nodes, expected, builder.rounds)  # the round is paid for
         self.sent = len(builder.tokens)
@@ -287,12 +329,12 @@ class GainCostGrowth:
         builder = self.builder
         if len(builder.tokens) - self.sent >= cap:
             return False
-        leaves = [
+        leaves = [  # ones whose parent ran: a copy's may not have
             (self.path_prob[n], n)
             for n in range(self.root + 1, self.sent)
-            if n not in builder.children
+            if n not in builder.children and builder.parents[n] in builder.children
         ]
-        offers = [(c[0], c) for c in self.candidates]
+        offers = [(c[0], c) for c in self.candidates if c[4] != LOOKUP_RANK]  # copies: not run
         room = cap - (len(builder.tokens) - self.sent)
         best = sorted(leaves + offers, key=lambda item: item[0], reverse=True)
         chosen: list[int] = []
@@ -316,8 +358,9 @@ async def grow_gain_cost(
     calibrator: AcceptanceCalibrator,
     cap: int,
     run: RunBatch,
+    context: ContextIndex | None = None,
 ) -> GainCostGrowth:
     """Lever's tree: best-first under the gain-cost objective (see GainCostGrowth)."""
-    growth = GainCostGrowth(builder, cost, calibrator)
+    growth = GainCostGrowth(builder, cost, calibrator, context)
     await growth.grow(cap, run)
     return growth

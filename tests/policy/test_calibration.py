@@ -1,6 +1,7 @@
 import pytest
 
 from lever_actors.policy.calibration import SURE, AcceptanceCalibrator
+from lever_actors.policy.lookup import LOOKUP_RANK
 
 
 def offer(calibrator: AcceptanceCalibrator, prob: float, accepted: bool) -> None:
@@ -29,3 +30,13 @@ def test_a_nodes_children_never_claim_more_than_one_acceptance(probs):
     assert sum(ranked) == pytest.approx(1.0)
     assert ranked[0] == alone[0]  # the best child is never cut
     assert all(0 <= r <= a for r, a in zip(ranked, alone, strict=True))
+
+
+def test_copies_learn_a_rate_of_their_own():
+    calibrator = AcceptanceCalibrator()
+    before = calibrator.acceptance(0.0, 0), calibrator.copy_acceptance()
+    # chain 0, 1; below 1 a drafted node 2 (rejected) and a copied node 3 (accepted)
+    calibrator.observe((-1, 0, 1, 1), (1.0, 1.0, 0.05, 0.0), (0, 0, 0, LOOKUP_RANK), 2, (0, 1, 3))
+    assert calibrator.acceptance(0.0, 0) < before[0]  # the drafted node's bin only
+    assert calibrator.copy_acceptance() > before[1]
+    assert (calibrator.copies_offered, calibrator.copies_accepted) == (1, 1)

@@ -12,6 +12,7 @@ from lever_actors.model.sampling import GREEDY, Chooser
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.cost_model import CostModel, Curve
+from lever_actors.policy.lookup import LOOKUP_RANK, ContextIndex
 from lever_actors.policy.trees import KEPT, GainCostGrowth, TreeBuilder, grow_gain_cost
 from tests.tiny_hf import save_tiny, tiny_model
 
@@ -60,10 +61,11 @@ def grown(
     cost: CostModel,
     cap: int = 64,
     calibrator: AcceptanceCalibrator | None = None,
+    context: ContextIndex | None = None,
 ) -> Recorded:
     recorded = Recorded(model)
     calibrator = calibrator or AcceptanceCalibrator()
-    trio.run(grow_gain_cost, recorded.builder, cost, calibrator, cap, recorded.run)
+    trio.run(grow_gain_cost, recorded.builder, cost, calibrator, cap, recorded.run, context)
     return recorded
 
 
@@ -199,3 +201,46 @@ def test_a_round_that_pauses_between_layers_drafts_what_one_that_does_not_drafts
         recorded.builder.run(nodes, pause=pause)
     assert len(pauses) == draft.args.n_layers
     assert paused.builder.children == steady.builder.children
+
+
+def planted(model: Transformer, run: list[int]) -> ContextIndex:
+    """A committed text ending in PROMPT, in which PROMPT's last two tokens and the draft's
+    first choice after PROMPT occurred before, followed by `run`."""
+    first = int(distribution(model, PROMPT).argmax())
+    return ContextIndex([*PROMPT[-2:], first, *run, *PROMPT])
+
+
+def copies_below(builder: TreeBuilder, node: int) -> list[int]:
+    """The tokens of the run of copies that hangs below `node`."""
+    run = []
+    while True:
+        below = [c for c, p in enumerate(builder.parents) if p == node]
+        copies = [c for c in below if builder.ranks[c] == LOOKUP_RANK]
+        if not copies:
+            return run
+        node = copies[0]
+        run.append(builder.tokens[node])
+
+
+def test_copies_from_the_text_go_deep_without_a_draft_forward(draft):
+    calibrator = AcceptanceCalibrator(copies_offered=100, copies_accepted=95)
+    context = planted(draft, [7, 8, 9, 10, 11])
+    recorded = grown(draft, costs(io=0.5, verify_per_node=0.002), 64, calibrator, context)
+    builder = recorded.builder
+    first = next(n for n in range(len(PROMPT), len(builder.tokens)) if builder.ranks[n] == 0)
+    assert copies_below(builder, first)[:5] == [7, 8, 9, 10, 11]
+    copied = {n for n, r in enumerate(builder.ranks) if r == LOOKUP_RANK}
+    assert copied and not copied & {n for batch in recorded.batches for n in batch}  # never run
+    assert all(builder.probs[n] == 0.0 for n in copied)
+
+
+def test_no_copies_where_they_would_not_pay(draft):
+    calibrator = AcceptanceCalibrator(copies_offered=100, copies_accepted=0)
+    context = planted(draft, [7, 8, 9, 10, 11])
+    recorded = grown(draft, costs(io=0.0, verify_per_node=0.05), 64, calibrator, context)
+    assert LOOKUP_RANK not in recorded.builder.ranks
+
+
+def test_without_the_text_no_copies(draft):
+    recorded = grown(draft, costs(io=0.5, verify_per_node=0.002))
+    assert LOOKUP_RANK not in recorded.builder.ranks

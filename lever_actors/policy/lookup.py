@@ -1,0 +1,37 @@
+"""Proposals copied from the committed text: where a path's last tokens occurred before, the
+tokens that followed them there (prompt lookup). They cost no draft forward, so a gain-cost
+tree can go deeper where the text repeats itself (a list, code quoted back) than its draft
+rounds pay for; the target verifies them like any node, so the output is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+MATCH = 3  # tokens a path's end must share with an earlier place in the text
+LOOKUP_RANK = -1  # a tree node's draft rank when it was copied, not drafted
+LOOKUP_PRIOR = 0.5  # a copied token's acceptance before any was verified
+
+
+class ContextIndex:
+    """The committed tokens, with where each run of MATCH tokens last occurred with at least
+    one token after it."""
+
+    def __init__(self, tokens: Iterable[int] = ()) -> None:
+        self.tokens: list[int] = []
+        self._after: dict[tuple[int, ...], int] = {}  # MATCH tokens -> where the next one is
+        self.extend(tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for token in tokens:
+            at = len(self.tokens)
+            if at >= MATCH:  # the run before `token` now has a token after it
+                self._after[tuple(self.tokens[at - MATCH : at])] = at
+            self.tokens.append(token)
+
+    def continuation(self, path: Sequence[int], limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the last earlier occurrence of the text's end
+        extended by `path` (its last MATCH tokens); none where those never occurred."""
+        end = [*self.tokens[-MATCH:], *path][-MATCH:]
+        at = self._after.get(tuple(end)) if len(end) == MATCH else None
+        return [] if at is None else self.tokens[at : at + limit]
