@@ -237,8 +237,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # gain-cost: draft the next tree while flash paces this pass; off by default, since the
     # rounds took cores the pass needed and were rarely hit (docs/status.md)
     draft_ahead: bool = False
-    # gain-cost: a tree's leaves go on with the tokens that followed their path's end in the
-    # committed text, where those pay (policy/lookup.py); no draft forward is spent on them
+    # gain-cost: nodes not yet run also offer the token that followed their path's end in
+    # the committed text, taken where it pays; copies cost no draft forward (policy/lookup.py)
     lookup: bool = True
     projection: Projection = "on_demand"  # on_demand (cpu unit, accepted path) or eager (npu)
     # single: both units on one thread, one OpenMP team that spins (device/units.py);

@@ -29,9 +29,9 @@ class ContextIndex:
                 self._after[tuple(self.tokens[at - MATCH : at])] = at
             self.tokens.append(token)
 
-    def continuation(self, path: Sequence[int], limit: int) -> list[int]:
-        """Up to `limit` tokens that followed the last earlier occurrence of the text's end
-        extended by `path` (its last MATCH tokens); none where those never occurred."""
+    def follower(self, path: Sequence[int]) -> int | None:
+        """The token that followed the last earlier occurrence of the text's end extended by
+        `path` (its last MATCH tokens); None where those never occurred."""
         end = [*self.tokens[-MATCH:], *path][-MATCH:]
         at = self._after.get(tuple(end)) if len(end) == MATCH else None
-        return [] if at is None else self.tokens[at : at + limit]
+        return None if at is None else self.tokens[at]

@@ -7,6 +7,7 @@ accepted, batch by batch, while expected tokens per second of predicted step tim
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -246,13 +247,12 @@ class GainCostGrowth:
                 self.candidates.append((gain, node, token, prob, rank))
 
     def _offer_copy(self, node: int) -> None:
-        """Below a node not run: the token that followed its path's end in the text."""
-        if self.context is None:
-            return
-        for token in self.context.continuation(self._path(node), 1):
-            if token not in self.builder.child_tokens(node):
-                gain = self.path_prob[node] * self.calibrator.copy_acceptance()
-                self.candidates.append((gain, node, token, 0.0, LOOKUP_RANK))
+        """Below a node not run: the token that followed its path's end in the text, in its
+        place among the candidates."""
+        token = None if self.context is None else self.context.follower(self._path(node))
+        if token is not None and token not in self.builder.child_tokens(node):
+            gain = self.path_prob[node] * self.calibrator.copy_acceptance()
+            bisect.insort(self.candidates, (gain, node, token, 0.0, LOOKUP_RANK), key=_best_first)
 
     def _path(self, node: int) -> list[int]:
         """The draft tokens from below the committed chain down to `node`."""
@@ -270,10 +270,6 @@ class GainCostGrowth:
         self._offer_copy(node)
         return node
 
-    def _sort_candidates(self) -> None:
-        # best gain first; ties go to the likelier, then the higher-ranked draft token
-        self.candidates.sort(key=lambda c: (c[0], c[3], -c[4]), reverse=True)
-
     def _objective(self, nodes: int, expected: float, rounds: list[int]) -> float:
         tokens = 1 + expected  # the bonus token always comes
         return tokens / self.cost.step_seconds(self.root + 1 + nodes, rounds, tokens)
@@ -287,7 +283,7 @@ class GainCostGrowth:
         first_choice = self.calibrator.first_choice_rate()
         final = False  # the last round: fill with whatever still pays, no deeper look follows
         while True:
-            self._sort_candidates()
+            self.candidates.sort(key=_best_first)
             drafted: list[int] = []  # this round's draft nodes, which its forward runs
             while self.candidates and nodes < cap:
                 gain, rank = self.candidates[0][0], self.candidates[0][4]
@@ -305,7 +301,6 @@ class GainCostGrowth:
                 if rank != LOOKUP_RANK:
                     drafted.append(node)
                 nodes, expected, best = nodes + 1, expected + gain, score
-                self._sort_candidates()  # the node's copy may come next
             if final or nodes >= cap:
                 break
             # Another round costs a draft forward; it can only pay if a child of the best
@@ -350,6 +345,12 @@ class GainCostGrowth:
         for node in chosen:
             self._offer(node)
         return True
+
+
+def _best_first(candidate: tuple[float, int, int, float, int]) -> tuple[float, float, int]:
+    """Sort key: best gain first; ties go to the likelier, then the higher-ranked token."""
+    gain, _, _, prob, rank = candidate
+    return -gain, -prob, rank
 
 
 async def grow_gain_cost(
