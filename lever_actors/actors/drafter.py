@@ -39,7 +39,7 @@ class DraftPolicy:
     cost: CostModel | None = None  # needed by the gain-cost tree
     calibrator: AcceptanceCalibrator | None = None  # needed by the gain-cost tree
     ahead: bool = False  # gain-cost only: draft the next tree while flash paces this one's pass
-    lookup: bool = False  # gain-cost only: leaves go on with tokens copied from the text
+    lookup: bool = False  # gain-cost only: nodes not yet run also offer copies of the text
     sampling: Sampling = GREEDY  # the request's: the draft draws with the target's noise
 
 

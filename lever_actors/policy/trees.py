@@ -255,7 +255,7 @@ class GainCostGrowth:
             bisect.insort(self.candidates, (gain, node, token, 0.0, LOOKUP_RANK), key=_best_first)
 
     def _path(self, node: int) -> list[int]:
-        """The draft tokens from below the committed chain down to `node`."""
+        """The tree's tokens from below the committed chain down to `node`."""
         path = []
         while node > self.root:
             path.append(self.builder.tokens[node])
