@@ -21,7 +21,7 @@ from lever_actors.model.transformer import Transformer
 from lever_actors.model.tree import TokenTree
 from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.cost_model import CostModel
-from lever_actors.policy.lookup import LOOKUP_RANK, ContextIndex
+from lever_actors.policy.lookup import LOOKUP_RANK, MATCH, ContextIndex
 
 SHADOWS = 4  # untaken candidates kept per expanded node, standing for the mass outside the tree
 CANDIDATES = 8  # children considered per expanded node by the gain-cost policy
@@ -249,15 +249,16 @@ class GainCostGrowth:
     def _offer_copy(self, node: int) -> None:
         """Below a node not run: the token that followed its path's end in the text, in its
         place among the candidates."""
-        token = None if self.context is None else self.context.follower(self._path(node))
+        token = None if self.context is None else self.context.follower(self._path_end(node))
         if token is not None and token not in self.builder.child_tokens(node):
             gain = self.path_prob[node] * self.calibrator.copy_acceptance()
             bisect.insort(self.candidates, (gain, node, token, 0.0, LOOKUP_RANK), key=_best_first)
 
-    def _path(self, node: int) -> list[int]:
-        """The tree's tokens from below the committed chain down to `node`."""
+    def _path_end(self, node: int) -> list[int]:
+        """The tree's last MATCH tokens (fewer near the chain) on the path down to `node`:
+        all a lookup reads of it."""
         path = []
-        while node > self.root:
+        while node > self.root and len(path) < MATCH:
             path.append(self.builder.tokens[node])
             node = self.builder.parents[node]
         return path[::-1]
