@@ -46,6 +46,7 @@ from lever_actors.model.sequential import sequential_reference
 from lever_actors.model.transformer import Transformer
 from lever_actors.testing.oracle import reference_tokens
 from tests.tiny_hf import save_tiny, tiny_model
+from tests.torch_ops import OpsOnThisThread
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 NEW = 12
@@ -285,11 +286,17 @@ def test_a_model_proposing_from_part_of_the_vocabulary_keeps_those_logits(tiny):
 
 @pytest.mark.parametrize("units", ["split", "single"])
 async def test_an_engine_computes_on_its_units_threads_and_ends_them_when_closed(tiny, units):
-    async with Engine.open(tiny.config(units=units)) as engine:
-        assert (await generate(engine)).tokens == tiny.expected[:NEW]
-        threads = {engine.npu._thread, engine.cpu._thread}
-        assert len(threads) == (2 if units == "split" else 1)
-        assert {t.name for t in threads} <= {"lever-npu", "lever-cpu"}
+    """Never on the event loop's: a product there would start a second OpenMP team, and
+    every team would then sleep after each product (device/units.py)."""
+    config = tiny.config(units=units, tree="gaincost", draft_ahead=True)
+    with OpsOnThisThread() as ops:
+        async with Engine.open(config) as engine:
+            assert (await generate(engine)).tokens == tiny.expected[:NEW]
+            await generate(engine, temperature=0.8, seed=5)
+            threads = {engine.npu._thread, engine.cpu._thread}
+    assert ops.computed == []
+    assert len(threads) == (2 if units == "split" else 1)
+    assert {t.name for t in threads} <= {"lever-npu", "lever-cpu"}
     assert not any(t.is_alive() for t in threads)
 
 

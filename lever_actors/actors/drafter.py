@@ -187,7 +187,8 @@ class Drafter:
             return
         root = self._next_token_drafted(commit, builder) if gain_cost else None
         if root is not None:
-            self.carried = builder.rebase(commit.accepted, root, max_nodes)
+            # on the unit: the cache's copies there start no second OpenMP team (units.py)
+            self.carried = await self.npu.run(builder.rebase, commit.accepted, root, max_nodes)
             return
         # Nodes we ran form a prefix of the accepted path: keep those in the cache; the
         # accepted nodes we never ran (the deepest ones) are committed but still unseen.

@@ -22,6 +22,7 @@ from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.cost_model import CostModel, Curve
 from lever_actors.policy.trees import TreeBuilder
 from tests.tiny_hf import save_tiny, tiny_model
+from tests.torch_ops import OpsOnThisThread
 
 PROMPT = [3, 14, 15, 92, 65]
 TIMEOUT = 20
@@ -311,7 +312,9 @@ async def test_drafting_ahead_only_beside_a_pass_that_flash_paces(
 
 async def test_a_gain_cost_tree_carries_over_without_drafting_ahead(draft, monkeypatch):
     """The target's next token is a node the draft ran below the accepted path's end: the
-    next tree starts from that node's subtree, with no forward to start it."""
+    next tree starts from that node's subtree, with no forward to start it. The cache moves
+    its entries on a unit: an op on the event loop's thread would start a second OpenMP
+    team, and every team would then sleep after each product (device/units.py)."""
     cost = CostModel(  # a dear pass and cheap draft rounds: the tree grows deep
         flash_bandwidth=1e9,
         streamed_bytes=0,
@@ -321,7 +324,7 @@ async def test_a_gain_cost_tree_carries_over_without_drafting_ahead(draft, monke
     )
     wired = gain_cost_drafter(draft, cost, ahead=False)
     chains = calls_of(monkeypatch, "run_chain")
-    with trio.fail_after(TIMEOUT):
+    with trio.fail_after(TIMEOUT), OpsOnThisThread() as ops:
         async with wired.running():
             first = await wired.draft(0, 16)
             # a draft node with children was run; accept the path down to its parent
@@ -336,6 +339,7 @@ async def test_a_gain_cost_tree_carries_over_without_drafting_ahead(draft, monke
             )
             second = await wired.draft(1, 16)
     assert len(chains) == 1  # the first tree's only
+    assert ops.computed == []
     assert second.n_committed == 1 and second.tokens[0] == first.tokens[node]
     assert second.drafted_ahead >= len(below)
     assert {first.tokens[n] for n in below} <= {
