@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from dataclasses import dataclass
 
@@ -11,7 +13,7 @@ import trio
 from lever_actors.actors.jitter import Jitter
 from lever_actors.channels.messages import Commit, DraftRequest, DraftTree
 from lever_actors.config import TreeSpec
-from lever_actors.device.units import ComputeUnit
+from lever_actors.device.units import Abandoned, ComputeUnit
 from lever_actors.model.sampling import GREEDY, Chooser, Sampling
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.calibration import AcceptanceCalibrator
@@ -90,37 +92,47 @@ class Drafter:
                 await self.jitter()
                 tree = await self.draft(request)
                 await outbox.send(tree)
-                try:
-                    commit = await self._commit_drafting_ahead(inbox.commits, request.max_nodes)
-                except trio.EndOfChannel:
+                commit = await self._commit_drafting_ahead(inbox.commits, request.max_nodes)
+                if commit is None:  # no more steps
                     return
                 await self.commit(commit, tree, request.max_nodes)
 
     async def _commit_drafting_ahead(
         self, commits: trio.MemoryReceiveChannel[Commit], cap: int
-    ) -> Commit:
-        """The step's commit; until it comes, draft ahead round by round if we may: only
-        beside a pass that flash paces, which leaves the cores idle. Beside a compute-bound
-        pass the rounds slowed verification more than their hits saved (memory-resident,
-        verification took 1.8x as long)."""
+    ) -> Commit | None:
+        """The step's commit (None once they end); until it comes, draft ahead if we may:
+        only beside a pass that flash paces, which leaves the cores idle. Beside a
+        compute-bound pass the rounds slowed verification more than their hits saved
+        (memory-resident, verification took 1.8x as long). The commit ends the round in
+        flight at its next layer: the next tree waits for no more of it."""
         growth = self.growth
         may = self.policy.ahead and growth is not None and self.policy.cost.io_bound(growth.sent)
-        while may:
+        if not may:
+            return await _next(commits)
+        committed = threading.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._draft_ahead, growth, cap, committed)
             try:
-                return commits.receive_nowait()
-            except trio.WouldBlock:
+                return await _next(commits)
+            finally:
+                committed.set()
+
+    async def _draft_ahead(self, growth: GainCostGrowth, cap: int, until: threading.Event) -> None:
+        """Rounds below the sent tree until there is nothing worth a round or `until` is set;
+        a round abandoned midway leaves its nodes unrun (TreeBuilder.run)."""
+
+        async def run(nodes: list[int]) -> None:
+            # it gives way, between its layers, to the jobs of the pass it runs beside: a
+            # verifier's layer waits for a layer of the draft, not for the round
+            await self.cpu.run_yielding(self.builder.run, nodes, until=until)
+
+        with contextlib.suppress(Abandoned):
+            while not until.is_set() and await growth.grow_ahead(AHEAD_WIDTH, cap, run):
                 pass
-            may = await growth.grow_ahead(AHEAD_WIDTH, cap, self._run_ahead)
-        return await commits.receive()
 
     async def _run(self, nodes: list[int]) -> None:
         unit = self.cpu if len(nodes) <= SMALL_BATCH else self.npu
         await unit.run(self.builder.run, nodes)
-
-    async def _run_ahead(self, nodes: list[int]) -> None:
-        """A round ahead gives way, between its layers, to the jobs of the pass it runs
-        beside: a verifier's layer waits for a layer of the draft, not for the round."""
-        await self.cpu.run_yielding(self.builder.run, nodes)
 
     async def draft(self, request: DraftRequest) -> DraftTree:
         started = time.perf_counter()
@@ -204,4 +216,11 @@ class Drafter:
         for node, parent in enumerate(builder.parents):
             if parent == end and builder.tokens[node] == token and node in builder.offsets:
                 return node
+        return None
+
+
+async def _next(commits: trio.MemoryReceiveChannel[Commit]) -> Commit | None:
+    try:
+        return await commits.receive()
+    except trio.EndOfChannel:
         return None

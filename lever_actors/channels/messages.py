@@ -74,7 +74,7 @@ class FinalHidden(Message, frozen=True):
     nodes: tuple[int, ...]  # live node indices, in order
     hidden: Any  # torch.Tensor [len(nodes), d_model]
     io_wait_seconds: float
-    verify_seconds: float
+    verify_seconds: float  # the pass's compute: its jobs' own time on the unit, not their waits
     pruned: int  # nodes that skipped the layers after the exit layer
     saved_node_layers: int  # node-layer computations pruning saved
     probe_seconds: float  # the pruner's round trip at the exit layer (0: no probe)
@@ -99,7 +99,7 @@ class StepStats(msgspec.Struct, frozen=True):
     draft_rounds: tuple[int, ...]  # nodes in each draft forward
     draft_seconds: float
     io_wait_seconds: float
-    verify_seconds: float
+    verify_seconds: float  # the pass's compute: its jobs' own time on the unit, not their waits
     project_seconds: float
     new_tokens: int = 0  # emitted to the user: accepted draft tokens + the bonus token
     step_seconds: float = 0.0  # request for the tree to the last token emitted

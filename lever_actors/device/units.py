@@ -5,7 +5,8 @@
 order they came, on its own thread, so the two units run side by side. A job of low
 priority (a draft round ahead) runs with `run_yielding`: at each pause it offers (between
 layers), the unit first runs every job queued since, so that a verifier's layer waits
-for a fraction of a forward, not a whole one.
+for a fraction of a forward, not a whole one; and once its caller sets `until`, the job
+ends there with `Abandoned`, so that nothing waits for the rest of a round no longer wanted.
 
 Each unit owns one OS thread for its whole life, so its products always start the same
 OpenMP team, and the engine loads and profiles on the "npu" unit too. libgomp spins idle
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from functools import partial
@@ -28,6 +30,10 @@ import outcome
 import trio
 
 T = TypeVar("T")
+
+
+class Abandoned(Exception):
+    """Raised at a yielding job's pause once its `until` is set: the job stops there."""
 
 
 class ComputeUnit:
@@ -58,10 +64,24 @@ class ComputeUnit:
         await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
         return result[0].unwrap()
 
-    async def run_yielding(self, fn: Callable[..., T], *args: object) -> T:
+    async def run_timed(self, fn: Callable[..., T], *args: object) -> tuple[T, float]:
+        """As `run`, with the seconds fn itself took: not its wait behind the unit's other
+        jobs (a round drafted ahead's layer, when a verifier's layer comes)."""
+        return await self.run(_timed, fn, *args)
+
+    async def run_yielding(
+        self, fn: Callable[..., T], *args: object, until: threading.Event | None = None
+    ) -> T:
         """Run fn(*args, pause=...) on the unit's thread, where fn calls pause() wherever the
-        jobs queued meanwhile may run first (on this thread, so in the same OpenMP team)."""
-        return await self.run(partial(fn, pause=self._run_queued), *args)
+        jobs queued meanwhile may run first (on this thread, so in the same OpenMP team).
+        Once `until` is set, the next pause raises Abandoned instead."""
+
+        def pause() -> None:
+            if until is not None and until.is_set():
+                raise Abandoned
+            self._run_queued()
+
+        return await self.run(partial(fn, pause=pause), *args)
 
     def close(self) -> None:
         """End the unit's thread once its queued jobs are done (OpenMP frees its team)."""
@@ -87,6 +107,12 @@ class ComputeUnit:
                 self._jobs.put(None)
                 return
             job()
+
+
+def _timed(fn: Callable[..., T], *args: object) -> tuple[T, float]:
+    started = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - started
 
 
 def _serve(jobs: queue.SimpleQueue[Callable[[], None] | None]) -> None:

@@ -103,8 +103,8 @@ class TreeBuilder:
 
     def run(self, nodes: list[int], pause: Callable[[], None] | None = None) -> None:
         """Blocking: run the draft model on `nodes` (ancestors already run) in one batch;
-        each gets its children's distribution. `pause`: as `Transformer.forward`'s."""
-        self.rounds.append(len(nodes))
+        each gets its children's distribution. `pause`: as `Transformer.forward`'s; where it
+        raises (units.Abandoned), `nodes` stay unrun and their slots free, the error raised."""
         tree = TokenTree(tuple(self.tokens), tuple(self.parents))
         for node in nodes:
             self.offsets[node] = len(self.offsets)
@@ -118,7 +118,13 @@ class TreeBuilder:
         offsets = torch.tensor([self.offsets[n] for n in nodes])
         place = Placement(positions, cos, sin, mask, offsets, len(columns))
         tokens = torch.tensor([self.tokens[n] for n in nodes])
-        hidden = self.model.forward(tokens, self.cache, place, pause)
+        try:
+            hidden = self.model.forward(tokens, self.cache, place, pause)
+        except BaseException:
+            for node in nodes:  # the last slots given: what they hold is written over later
+                del self.offsets[node]
+            raise
+        self.rounds.append(len(nodes))
         self._rank_children(nodes, hidden, positions)
 
     def run_chain(self, unseen: list[int]) -> None:
@@ -201,7 +207,8 @@ class GainCostGrowth:
     and a run of copies goes as deep as it pays; copies stay leaves of the draft (never run).
 
     A builder handed over by `TreeBuilder.rebase` already holds nodes drafted ahead; they
-    keep their place and are valued like nodes grown here."""
+    keep their place and are valued like nodes grown here, and its best leaves not yet run
+    open the first round."""
 
     def __init__(
         self,
@@ -283,9 +290,9 @@ class GainCostGrowth:
         confident = self.calibrator.acceptance(0.99, 0)
         first_choice = self.calibrator.first_choice_rate()
         final = False  # the last round: fill with whatever still pays, no deeper look follows
+        drafted = self._carried_leaves()  # the first round's draft nodes: those carried first
         while True:
             self.candidates.sort(key=_best_first)
-            drafted: list[int] = []  # this round's draft nodes, which its forward runs
             while self.candidates and nodes < cap:
                 gain, rank = self.candidates[0][0], self.candidates[0][4]
                 # Before the last round, once the round is as wide as costs no more than one
@@ -315,7 +322,22 @@ class GainCostGrowth:
             for node in drafted:
                 self._offer(node)
             best = self._objective(nodes, expected, builder.rounds)  # the round is paid for
+            drafted = []  # the next round's
         self.sent = len(builder.tokens)
+
+    def _carried_leaves(self) -> list[int]:
+        """The best ROUND_WIDTH of a carried tree's leaves that the draft may run (their
+        parent ran; no copy), best first: the subtree's likeliest path ends in one (the
+        sent tree's last round and a round ahead abandoned midway run none of theirs)."""
+        builder = self.builder
+        leaves = [
+            n
+            for n in range(builder.n_chain, len(builder.tokens))
+            if n not in builder.children
+            and builder.ranks[n] != LOOKUP_RANK
+            and builder.parents[n] in builder.children
+        ]
+        return sorted(leaves, key=self.path_prob.__getitem__, reverse=True)[:ROUND_WIDTH]
 
     async def grow_ahead(self, width: int, cap: int, run: RunBatch) -> bool:
         """One round below the sent tree, for the next step: run the `width` most valuable of

@@ -4,6 +4,8 @@ own greedy/top-k continuations of the committed text, whatever it kept from earl
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 
 import pytest
 import torch
@@ -308,6 +310,41 @@ async def test_drafting_ahead_only_beside_a_pass_that_flash_paces(
                 while len(rounds) == sent:
                     await trio.sleep(0.01)
     assert (len(rounds) > sent) == drafts_ahead
+
+
+async def test_the_commit_ends_the_round_drafted_ahead_in_flight(draft, monkeypatch):
+    """The next tree waits for no more of a round ahead than the layer it is in: here a
+    round whose layers would never end."""
+    cost = CostModel(
+        flash_bandwidth=1e9,
+        streamed_bytes=int(0.5e9),  # a pass flash paces: rounds ahead may run
+        verify=Curve([1, 128], [0.002, 0.256]),
+        draft=Curve([1, 64], [0.01, 0.02]),
+        project_seconds=1e-4,
+        contention=0.0,
+    )
+    original, in_flight, layers = TreeBuilder.run, threading.Event(), []
+
+    def endless_ahead(self, nodes, pause=None):
+        if pause is None:  # a round of the tree to send
+            return original(self, nodes)
+        in_flight.set()
+        while len(layers) < 10 * TIMEOUT * 100:  # beyond the test's time
+            pause()
+            layers.append(1)
+            time.sleep(0.001)
+        return original(self, nodes, pause)
+
+    monkeypatch.setattr(TreeBuilder, "run", endless_ahead)
+    wired = gain_cost_drafter(draft, cost, ahead=True)
+    with trio.fail_after(TIMEOUT):
+        async with wired.running():
+            first = await wired.draft(0, 16)
+            await trio.to_thread.run_sync(in_flight.wait)
+            accepted = tuple(range(first.n_committed))
+            await wired.commits.send(Commit(step=0, accepted=accepted, next_tokens=(0,)))
+            second = await wired.draft(1, 16)
+    check_committed_chain(second, [0])
 
 
 async def test_a_gain_cost_tree_carries_over_without_drafting_ahead(draft, monkeypatch):

@@ -9,7 +9,7 @@ import time
 import pytest
 import trio
 
-from lever_actors.device.units import ComputeUnit
+from lever_actors.device.units import Abandoned, ComputeUnit
 
 
 async def test_every_job_runs_on_the_units_own_thread_never_the_event_loops():
@@ -82,6 +82,44 @@ async def test_a_yielding_job_runs_the_jobs_queued_meanwhile_at_its_pauses():
     assert events == ["other", "low priority done"]  # not after the yielding job
     assert thread == [other]  # on the unit's thread, so in its OpenMP team
     assert unit.jobs == 2
+    unit.close()
+
+
+async def test_a_yielding_job_ends_at_its_next_pause_once_told_to():
+    unit = ComputeUnit("npu")
+    until, pauses = threading.Event(), []
+
+    def long_job(pause) -> None:
+        for i in range(500):  # 5 s, unless abandoned
+            if i == 3:
+                until.set()  # as the caller would, from another thread
+            pause()
+            pauses.append(i)
+            time.sleep(0.01)
+
+    with pytest.raises(Abandoned):
+        await unit.run_yielding(long_job, until=until)
+    assert pauses == [0, 1, 2]
+    assert unit.running == 0 and await unit.run(lambda: 7) == 7  # the unit goes on
+    unit.close()
+
+
+async def test_a_timed_job_counts_its_own_time_not_its_wait_behind_another():
+    unit = ComputeUnit("npu")
+    started = threading.Event()
+
+    def ahead() -> None:
+        started.set()
+        time.sleep(0.2)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(unit.run, ahead)
+        await trio.to_thread.run_sync(started.wait)
+        waited = time.perf_counter()
+        result, seconds = await unit.run_timed(time.sleep, 0.01)
+        waited = time.perf_counter() - waited
+    assert result is None
+    assert 0.01 <= seconds < 0.1 <= waited  # it waited for most of the other job
     unit.close()
 
 

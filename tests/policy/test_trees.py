@@ -8,6 +8,7 @@ import torch
 import trio
 
 from lever_actors.checkpoints.hf import load_hf
+from lever_actors.device.units import Abandoned
 from lever_actors.model.sampling import GREEDY, Chooser
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.calibration import AcceptanceCalibrator
@@ -201,6 +202,60 @@ def test_a_round_that_pauses_between_layers_drafts_what_one_that_does_not_drafts
         recorded.builder.run(nodes, pause=pause)
     assert len(pauses) == draft.args.n_layers
     assert paused.builder.children == steady.builder.children
+
+
+def test_a_round_abandoned_midway_leaves_its_nodes_unrun_and_their_slots_free(draft):
+    """A round ahead ends at a pause when the commit comes (units.Abandoned); a later round
+    over the same nodes drafts what it would have drafted."""
+    abandoned, steady = Recorded(draft), Recorded(draft)
+    for recorded in (abandoned, steady):
+        first = recorded.builder.children[len(PROMPT) - 1].tokens[:3]
+        for r, t in enumerate(first):
+            recorded.builder.add(len(PROMPT) - 1, t, 0.5, r)
+    nodes = list(range(len(PROMPT), len(PROMPT) + 3))
+    builder = abandoned.builder
+    offsets, rounds = dict(builder.offsets), list(builder.rounds)
+    pauses = []
+
+    def pause() -> None:
+        pauses.append(1)
+        if len(pauses) == 2:
+            raise Abandoned
+
+    with pytest.raises(Abandoned):
+        builder.run(nodes, pause=pause)
+    assert builder.offsets == offsets and builder.rounds == rounds
+    assert not set(nodes) & set(builder.children)
+    builder.run(nodes)
+    steady.builder.run(nodes)
+    assert builder.children == steady.builder.children
+
+
+def test_a_carried_trees_likeliest_leaf_not_yet_run_opens_the_first_round(draft):
+    """The sent tree's last round runs none of its nodes: once its subtree is carried to
+    the next step, the leaf on the likeliest path there is run, and the tree goes deeper."""
+    recorded = grown(draft, costs(io=0.5, verify_per_node=0.002), cap=16)
+    builder = recorded.builder
+    root = max(builder.children, key=lambda n: len(path_tokens(builder, n)))
+    assert root >= builder.n_chain  # a draft node that ran
+    accepted = list(range(builder.n_chain))
+    node = builder.parents[root]
+    while node >= builder.n_chain:
+        accepted.insert(builder.n_chain, node)
+        node = builder.parents[node]
+    carried = builder.rebase(accepted, root, cap=64)
+    leaves = [n for n in range(1, len(carried.tokens)) if n not in carried.children]
+    assert leaves  # the last round's nodes, never run
+    growth = GainCostGrowth(carried, costs(io=0.5, verify_per_node=0.002), AcceptanceCalibrator())
+    likeliest = max(leaves, key=growth.path_prob.__getitem__)
+    ran: list[list[int]] = []
+
+    async def run(nodes: list[int]) -> None:
+        ran.append(list(nodes))
+        carried.run(nodes)
+
+    trio.run(growth.grow, 64, run)
+    assert ran and likeliest in ran[0]
 
 
 def planted(model: Transformer, run: list[int]) -> ContextIndex:
