@@ -20,9 +20,9 @@ from lever_actors.device.units import ComputeUnit
 from lever_actors.model.sequential import sequential_reference
 from lever_actors.model.transformer import Transformer
 from lever_actors.model.tree import TokenTree
-from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.cost_model import CostModel, Curve
 from lever_actors.policy.trees import TreeBuilder
+from tests.calibrators import learned
 from tests.tiny_hf import save_tiny, tiny_model
 from tests.torch_ops import OpsOnThisThread
 
@@ -268,7 +268,8 @@ async def test_an_error_in_the_draft_model_propagates_from_run(draft, monkeypatc
 
 
 def gain_cost_drafter(model: Transformer, cost: CostModel, *, ahead: bool) -> Wired:
-    policy = DraftPolicy(TreeSpec.parse("gaincost"), cost, AcceptanceCalibrator(), ahead=ahead)
+    """Its calibrator has seen the target follow the draft: rounds ahead would pay."""
+    policy = DraftPolicy(TreeSpec.parse("gaincost"), cost, learned(0.9), ahead=ahead)
     units = (ComputeUnit("cpu"), ComputeUnit("npu"))
     return Wired(Drafter(model, policy, list(PROMPT), len(PROMPT) + 128, units, Jitter(0, 0)))
 

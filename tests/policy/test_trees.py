@@ -15,6 +15,7 @@ from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.cost_model import CostModel, Curve
 from lever_actors.policy.lookup import LOOKUP_RANK, ContextIndex
 from lever_actors.policy.trees import KEPT, GainCostGrowth, TreeBuilder, grow_gain_cost
+from tests.calibrators import learned
 from tests.tiny_hf import save_tiny, tiny_model
 
 PROMPT = [3, 14, 15, 92, 65, 35]
@@ -131,7 +132,7 @@ def test_drafting_ahead_grows_below_the_sent_tree_and_never_touches_it(draft):
     recorded = grown(draft, costs(io=0.5, verify_per_node=0.002))
     builder = recorded.builder
     sent = (tuple(builder.tokens), tuple(builder.parents))
-    growth = GainCostGrowth(builder, costs(io=0.5, verify_per_node=0.002), AcceptanceCalibrator())
+    growth = GainCostGrowth(builder, costs(io=0.5, verify_per_node=0.002), learned(0.9))
     rounds = 0
     while trio.run(growth.grow_ahead, 4, 12, recorded.run):
         rounds += 1
@@ -142,12 +143,22 @@ def test_drafting_ahead_grows_below_the_sent_tree_and_never_touches_it(draft):
         assert len(batch) <= 4
 
 
+def test_no_round_ahead_where_no_node_is_likely_enough_to_be_used(draft):
+    """A round ahead slows the pass beside it: it runs only while its best node may be
+    accepted (AHEAD_WORTH), which a draft the target seldom follows never reaches."""
+    recorded = grown(draft, costs(io=0.5, verify_per_node=0.002))
+    growth = GainCostGrowth(recorded.builder, costs(io=0.5, verify_per_node=0.002), learned(0.1))
+    batches = len(recorded.batches)
+    assert not trio.run(growth.grow_ahead, 4, 20, recorded.run)
+    assert len(recorded.batches) == batches
+
+
 def test_a_subtree_drafted_ahead_becomes_the_next_tree_with_its_cache_intact(draft):
     """Accept a path, take a node drafted below its end as the target's next token: the
     rebased builder's distributions, old and new, equal fresh draft forwards of the text."""
     recorded = grown(draft, costs(io=0.5, verify_per_node=0.002), cap=6)
     builder = recorded.builder
-    growth = GainCostGrowth(builder, costs(io=0.5, verify_per_node=0.002), AcceptanceCalibrator())
+    growth = GainCostGrowth(builder, costs(io=0.5, verify_per_node=0.002), learned(0.9))
     for _ in range(4):
         trio.run(growth.grow_ahead, 4, 20, recorded.run)
     ahead = range(growth.sent, len(builder.tokens))
