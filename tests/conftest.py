@@ -1,4 +1,5 @@
-"""Hypothesis profiles for the property tests, chosen by HYPOTHESIS_PROFILE.
+"""Hypothesis profiles for the property tests, chosen by HYPOTHESIS_PROFILE, and the
+fixtures several test modules share.
 
 ci (the default): reproducible (derandomized) and sized to finish in minutes.
 thorough: ten times the examples, freshly random on every run, failures kept in the
@@ -9,7 +10,11 @@ example database for replay:
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+from lever_actors.policy import cost_model
+from lever_actors.policy import setup as policy_setup
 
 settings.register_profile(
     "ci",
@@ -28,3 +33,19 @@ settings.register_profile(
     database=settings.get_profile("default").database,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def slow_flash(monkeypatch):
+    """The cost model believes flash reads 1 MB/s and never learns otherwise (no pass counts
+    as waiting on flash), so gain-cost trees grow as a phone's would, to their cap, however
+    fast or busy this machine is."""
+    profile = policy_setup.profile_costs
+
+    def profiled(*args, **kwargs):
+        cost = profile(*args, **kwargs)
+        cost.flash_bandwidth = 1e6
+        return cost
+
+    monkeypatch.setattr(policy_setup, "profile_costs", profiled)
+    monkeypatch.setattr(cost_model, "IO_BOUND_WAIT", float("inf"))

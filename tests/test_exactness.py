@@ -14,7 +14,10 @@ from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
 
 from lever_actors.config import EngineConfig, TreeSpec
+from lever_actors.device.budget import minimum_budget
+from lever_actors.device.layout import read_manifest
 from lever_actors.engine import Engine
+from lever_actors.policy import setup as policy_setup
 from lever_actors.testing import (
     assert_matches_sequential,
     early_exits,
@@ -26,6 +29,7 @@ from lever_actors.testing import (
     trees,
 )
 from lever_actors.testing.checkpoints import TINY_ARGS, model_pair
+from tests.calibrators import learned
 
 
 def examples(share: float) -> settings:
@@ -155,3 +159,28 @@ async def test_trees_that_copy_from_the_text_keep_the_output_exact():
     off = msgspec.structs.replace(config, lookup=False)
     result = await assert_matches_sequential(off, [5, 6, 7, 8, 9] * 4, 40)
     assert not any(s.copied for s in result.steps)
+
+
+async def test_trees_drafted_ahead_and_carried_over_keep_the_output_exact(slow_flash, monkeypatch):
+    """A draft equal to the target, a calibrator that has learned so, and passes that
+    flash and jitter make long: rounds ahead run below the sent trees, the commit ends
+    them midway or not, and a target's next token found among their nodes carries its
+    subtree over as the next tree (StepStats.drafted_ahead); the output stays sequential
+    greedy's."""
+    monkeypatch.setattr(policy_setup, "AcceptanceCalibrator", lambda: learned(0.95))
+    pair = model_pair(msgspec.structs.replace(TINY_ARGS, n_layers=6), "identical", 0)
+    config = EngineConfig(
+        target=str(pair.target),
+        draft=str(pair.draft),
+        tree="gaincost",
+        draft_ahead=True,
+        dram_budget=minimum_budget(read_manifest(pair.target)),  # every layer streams
+        throttle="ufs3.1",
+        jitter_seconds=0.05,
+        early_exit="none",
+    )
+    carried = []
+    for prompt in ([5, 6, 7, 8, 9], [1, 2, 3], [10, 11, 7, 30]):
+        result = await assert_matches_sequential(config, prompt, 40)
+        carried += [s.drafted_ahead for s in result.steps]
+    assert any(carried), carried

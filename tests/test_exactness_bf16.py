@@ -22,8 +22,6 @@ from lever_actors.config import EngineConfig
 from lever_actors.device.layout import read_manifest
 from lever_actors.draft import load_draft
 from lever_actors.model.spilled import SpilledTable
-from lever_actors.policy import cost_model
-from lever_actors.policy import setup as policy_setup
 from lever_actors.testing import (
     TWIN_GAP,
     assert_matches_sequential,
@@ -104,22 +102,6 @@ async def test_static_trees_above_32_nodes_equal_sequential_reference_in_bf16(tr
     for prompt in PROMPTS[:3]:
         nodes = await later_trees(config, prompt)
         assert nodes and all(n == config.tree.max_nodes + 1 for n in nodes), nodes
-
-
-@pytest.fixture
-def slow_flash(monkeypatch):
-    """The cost model believes flash reads 1 MB/s and never learns otherwise (no pass counts
-    as waiting on flash), so gain-cost trees grow as a phone's would, to their cap, however
-    fast or busy this machine is."""
-    profile = policy_setup.profile_costs
-
-    def profiled(*args, **kwargs):
-        cost = profile(*args, **kwargs)
-        cost.flash_bandwidth = 1e6
-        return cost
-
-    monkeypatch.setattr(policy_setup, "profile_costs", profiled)
-    monkeypatch.setattr(cost_model, "IO_BOUND_WAIT", float("inf"))
 
 
 @pytest.mark.parametrize("draft_ahead", [False, True])
