@@ -275,8 +275,10 @@ class GainCostGrowth:
         return path[::-1]
 
     def _take(self, candidate: tuple[float, int, int, float, int]) -> int:
-        self.candidates.remove(candidate)
         gain, parent, token, prob, rank = candidate
+        # its twin goes too: a copy offered below a node before it ran, and the draft's own
+        # offer once it did, may hold one token
+        self.candidates = [c for c in self.candidates if (c[1], c[2]) != (parent, token)]
         node = self.builder.add(parent, token, prob, rank)
         self.path_prob[node] = gain
         self._offer_copy(node)

@@ -300,6 +300,22 @@ def test_copies_from_the_text_go_deep_without_a_draft_forward(draft):
     assert all(builder.probs[n] == 0.0 for n in copied)
 
 
+def test_a_token_both_copied_and_drafted_below_a_node_becomes_one_child(draft):
+    """The text's copy below a node, offered before the node ran, and the draft's own offer
+    once it did may hold the same token: whichever is taken first, there is one child."""
+    first = int(distribution(draft, PROMPT).argmax())
+    second = int(distribution(draft, [*PROMPT, first]).argmax())
+    third = int(distribution(draft, [*PROMPT, first, second]).argmax())
+    context = ContextIndex([*PROMPT[-2:], first, second, third, *PROMPT])
+    calibrator = AcceptanceCalibrator(copies_offered=100, copies_accepted=10)
+    for io in (0.2, 0.5, 2.0):
+        builder = grown(draft, costs(io=io, verify_per_node=0.002), 64, calibrator, context).builder
+        below = [
+            (builder.parents[n], builder.tokens[n]) for n in range(len(PROMPT), len(builder.tokens))
+        ]
+        assert len(below) == len(set(below)), io
+
+
 def test_no_copies_where_they_would_not_pay(draft):
     calibrator = AcceptanceCalibrator(copies_offered=100, copies_accepted=0)
     context = planted(draft, [7, 8, 9, 10, 11])
