@@ -296,7 +296,9 @@ class GainCostGrowth:
         confident = self.calibrator.acceptance(0.99, 0)
         first_choice = self.calibrator.first_choice_rate()
         final = False  # the last round: fill with whatever still pays, no deeper look follows
-        drafted = self._carried_leaves()  # the first round's draft nodes: those carried first
+        # the first round's draft nodes: a carried tree's best leaves, where its likeliest path
+        # ends (the sent tree's last round and a round ahead abandoned midway run none)
+        drafted = self._runnable_leaves(len(builder.tokens))[:ROUND_WIDTH]
         while True:
             self.candidates.sort(key=_best_first)
             while self.candidates and nodes < cap:
@@ -331,19 +333,18 @@ class GainCostGrowth:
             drafted = []  # the next round's
         self.sent = len(builder.tokens)
 
-    def _carried_leaves(self) -> list[int]:
-        """The best ROUND_WIDTH of a carried tree's leaves that the draft may run (their
-        parent ran; no copy), best first: the subtree's likeliest path ends in one (the
-        sent tree's last round and a round ahead abandoned midway run none of theirs)."""
+    def _runnable_leaves(self, end: int) -> list[int]:
+        """The draft nodes before `end` that the draft may run next, likeliest first: not
+        run, their parent run, and no copy (copies stay leaves)."""
         builder = self.builder
         leaves = [
             n
-            for n in range(builder.n_chain, len(builder.tokens))
+            for n in range(builder.n_chain, end)
             if n not in builder.children
             and builder.ranks[n] != LOOKUP_RANK
             and builder.parents[n] in builder.children
         ]
-        return sorted(leaves, key=self.path_prob.__getitem__, reverse=True)[:ROUND_WIDTH]
+        return sorted(leaves, key=self.path_prob.__getitem__, reverse=True)
 
     async def grow_ahead(self, width: int, cap: int, run: RunBatch) -> bool:
         """One round below the sent tree, for the next step: run the `width` most valuable of
@@ -353,11 +354,7 @@ class GainCostGrowth:
         builder = self.builder
         if len(builder.tokens) - self.sent >= cap:
             return False
-        leaves = [  # ones whose parent ran: a copy's may not have
-            (self.path_prob[n], n)
-            for n in range(self.root + 1, self.sent)
-            if n not in builder.children and builder.parents[n] in builder.children
-        ]
+        leaves = [(self.path_prob[n], n) for n in self._runnable_leaves(self.sent)]
         offers = [(c[0], c) for c in self.candidates if c[4] != LOOKUP_RANK]  # copies: not run
         room = cap - (len(builder.tokens) - self.sent)
         best = sorted(leaves + offers, key=lambda item: item[0], reverse=True)[:width]
