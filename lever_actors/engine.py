@@ -391,8 +391,6 @@ class Engine:
             next(jitter),
             p.eager_projection,
             request.sampling,
-            p.calibrator,
-            p.cost,
         )
         async with trio.open_nursery() as nursery:
             prefetcher = Prefetcher(target.store, target.plan, target.resident_layers)

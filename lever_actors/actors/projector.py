@@ -9,27 +9,23 @@ import torch
 import trio
 
 from lever_actors.actors.jitter import Jitter
-from lever_actors.channels.messages import DraftTree, FinalHidden, StepStats, Verdict
+from lever_actors.channels.messages import FinalHidden, StepStats, Verdict
 from lever_actors.device.units import ComputeUnit
 from lever_actors.model.sampling import GREEDY, Chooser, Sampling, logprobs
 from lever_actors.model.tree import TokenTree
-from lever_actors.policy.calibration import AcceptanceCalibrator
-from lever_actors.policy.cost_model import CostModel
 from lever_actors.policy.lookup import LOOKUP_RANK
 
 
 class Projector:
     """Walks from the last committed node: project it, choose the target's token (the argmax,
-    or the seeded sample), and if a live child holds that token move to it and repeat;
-    otherwise the chosen token is the bonus token.
+        or the seeded sample), and if a live child holds that token move to it and repeat;
+        otherwise the chosen token is the bonus token.
 
-    On demand, a node is projected together with its predicted descendants (each time the
-    live child the drafter ranked first) in one batch, since one pass over the LM head costs
-    less for a few rows than for each alone. The chain stops above a node the walk is
-    unlikely to reach (`CostModel.row_pays`): a row more costs for sure, a batch of its
-    own only if the walk gets there. LM-head work thus follows the accepted
-    path plus at most the mispredicted rest of one predicted chain, whatever the tree's
-    size. Eager projection instead projects every live node in one batch first: what a head
+        On demand, a node is projected together with its predicted descendants (each time the
+        live child the drafter ranked first) in one batch, since one pass over the LM head
+        costs about the same for a few rows as for one. LM-head work thus follows the accepted
+        path plus at most the mispredicted rest of one predicted chain, whatever the tree's
+        size. Eager projection instead projects every live node in one batch first: what a head
     streamed from flash needs, read once per step."""
 
     def __init__(
@@ -39,18 +35,12 @@ class Projector:
         jitter: Jitter,
         eager: bool = False,
         sampling: Sampling = GREEDY,
-        calibrator: AcceptanceCalibrator | None = None,
-        cost: CostModel | None = None,
     ) -> None:
         self.project = project  # final norm + LM head: hidden [n, d_model] -> logits [n, vocab]
         self.unit = unit  # the "cpu" unit on demand, the batched "npu" unit when eager
         self.jitter = jitter
         self.eager = eager  # project every live node the walk may reach in one batch, then walk
         self.chooser = Chooser(sampling)  # the request's: which token a node's logits choose
-        # a predicted chain stops above the first node too unlikely to be reached for its
-        # row to pay (by both); without them it runs to its leaf
-        self.calibrator = calibrator
-        self.cost = cost
 
     async def run(
         self,
@@ -81,7 +71,7 @@ class Projector:
         from_draft: list[bool] = []
         while True:
             if node not in chosen:
-                chain = self._predicted_chain(tree, message, row, node)
+                chain = _predicted_chain(tree, message.draft_ranks, row, node)
                 self._choose(final, tree, chain, row, chosen, logits)
             token = chosen[node]
             child = next(
@@ -136,21 +126,14 @@ class Projector:
         chosen.update(zip(nodes, self.chooser.choose(rows, positions), strict=True))
         logits.update(zip(nodes, rows, strict=True))
 
-    def _predicted_chain(
-        self, tree: TokenTree, message: DraftTree, row: dict[int, int], node: int
-    ) -> list[int]:
-        """`node` and, below it, each time the live child the drafter ranked best, while the
-        walk is likely enough to reach it."""
-        chain, reach = [node], 1.0
-        while True:
-            live = [c for c in tree.children(chain[-1]) if c in row]
-            if not live:
-                return chain
-            child = min(live, key=lambda c: message.draft_ranks[c])
-            if self.calibrator is not None and self.cost is not None:
-                reach *= self.calibrator.node_acceptance(
-                    message.draft_probs[child], message.draft_ranks[child]
-                )
-                if not self.cost.row_pays(len(chain), reach):
-                    return chain
-            chain.append(child)
+
+def _predicted_chain(
+    tree: TokenTree, ranks: tuple[int, ...], row: dict[int, int], node: int
+) -> list[int]:
+    """`node` and, below it, each time the live child the drafter ranked best."""
+    chain = [node]
+    while True:
+        live = [c for c in tree.children(chain[-1]) if c in row]
+        if not live:
+            return chain
+        chain.append(min(live, key=lambda c: ranks[c]))

@@ -46,12 +46,6 @@ class AcceptanceCalibrator(msgspec.Struct):
         weighted = self.copies_accepted + PRIOR_WEIGHT * LOOKUP_PRIOR
         return weighted / (self.copies_offered + PRIOR_WEIGHT)
 
-    def node_acceptance(self, draft_prob: float, rank: int) -> float:
-        """`acceptance` of a tree node, or `copy_acceptance` where it was copied."""
-        if rank == LOOKUP_RANK:
-            return self.copy_acceptance()
-        return self.acceptance(draft_prob, rank)
-
     def first_choice_rate(self) -> float:
         """How often the target took a node's first-ranked draft, over all offered so far
         (SURE before any): what a round may expect of the best child it will draft."""

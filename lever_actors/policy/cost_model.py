@@ -70,9 +70,6 @@ class CostModel(msgspec.Struct):
     draft: Curve  # one draft-model forward, by nodes in the batch
     project_seconds: float  # final norm + LM head for one node
     head_bytes: int = 0  # a head streamed from flash: read once per step
-    # final norm + LM head by nodes in one batch, over a resident head (None: streamed, where
-    # project_seconds is each node's products beside the head's one read)
-    project_rows: Curve | None = None
     overhead_seconds: float = 0.0  # per step, beyond the parts above (learned online)
     # Verification overlaps its flash reads: a pass takes max(io, verify * (1 + contention)),
     # where io is the streamed bytes over the bandwidth the reads themselves achieve, and
@@ -96,15 +93,6 @@ class CostModel(msgspec.Struct):
     @property
     def head_read_seconds(self) -> float:
         return self.head_bytes / self.flash_bandwidth if self.head_bytes else 0.0
-
-    def row_pays(self, rows: int, reach: float) -> bool:
-        """Whether a batch over the head of `rows` nodes should take one more, which the walk
-        reaches with probability `reach`: in the batch it costs what the batch grows by; left
-        out, a batch of its own if the walk gets there. Always over a streamed head."""
-        if self.project_rows is None:
-            return True
-        head = self.project_rows
-        return reach * head(1) >= head(rows + 1) - head(rows)
 
     def pass_compute_seconds(self, nodes: int) -> float:
         """Verification compute of a pass over `nodes`, slowed by the reads beside it."""

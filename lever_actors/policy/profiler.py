@@ -19,7 +19,6 @@ from lever_actors.target import FlashTarget
 
 VERIFY_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 DRAFT_SIZES = [1, 2, 4, 8, 16, 32]
-PROJECT_SIZES = [1, 2, 4, 8]  # the projector's batches: a predicted chain, rarely longer
 CONTEXT = 64  # committed positions the probe attends to, like a short prompt
 BANDWIDTH_READS = 4
 
@@ -52,16 +51,14 @@ def profile_costs(
         drafting.append(_best_time(lambda n=n: _draft_forward(draft, n)))
         tick("profile draft")
     hidden = torch.zeros(1, target.args.d_model, dtype=target.dtype)
-    sizes = PROJECT_SIZES if target.lm_head is not None else [1, PROJECT_SIZES[-1]]
-    projecting = [_best_time(lambda n=n: target.logits(hidden.expand(n, -1))) for n in sizes]
-    project_rows = Curve(sizes, projecting)
-    project, head_bytes = projecting[0], 0
+    project = _best_time(lambda: target.logits(hidden))
+    head_bytes = 0
     if target.lm_head is None:
         # a streamed head: each pass reads it once, whatever its rows; 8 rows against 1
         # tell the products per node apart from the read
-        project = max((projecting[-1] - projecting[0]) / (sizes[-1] - 1), 0.0)
+        eight = _best_time(lambda: target.logits(hidden.expand(8, -1)))
+        project = max((eight - project) / 7, 0.0)
         head_bytes = target.manifest.extent(head_key(target.manifest)).nbytes
-        project_rows = None
     tick("profile projection")
     streamed = sum(target.manifest.layer(i).nbytes for i in target.plan.streamed_layers)
     return CostModel(
@@ -71,7 +68,6 @@ def profile_costs(
         draft=Curve(list(DRAFT_SIZES), drafting) if draft else Curve([1], [0.0]),
         project_seconds=project,
         head_bytes=head_bytes,
-        project_rows=project_rows,
     )
 
 

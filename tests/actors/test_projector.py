@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 
-import msgspec
 import pytest
 import torch
 import trio
@@ -21,8 +20,6 @@ from lever_actors.model.placement import tree_placement
 from lever_actors.model.sequential import sequential_reference
 from lever_actors.model.transformer import Transformer
 from lever_actors.model.tree import TokenTree
-from lever_actors.policy.calibration import AcceptanceCalibrator
-from lever_actors.policy.cost_model import CostModel, Curve
 from tests.tiny_hf import save_tiny, tiny_model
 
 PROMPT = [3, 14, 15, 92, 65]
@@ -272,43 +269,6 @@ async def test_a_fully_accepted_chain_ends_with_the_bonus_token(model, greedy, m
     assert verdict.from_draft == (True,) * 4 + (False,)
     assert verdict.stats.projected_nodes == spy.rows == 5
     assert len(spy.batches) == 1  # the predicted chain went through the LM head at once
-
-
-async def test_a_predicted_chain_stops_where_its_next_row_would_not_pay(model, greedy, monkeypatch):
-    """Draft nodes each accepted about a third of the time: the walk reaches the second
-    below a node with a probability of about 0.12, too little for a third row (1.4 ms) set
-    against a batch of its own (6 ms); the first below it (0.35) pays for a second row (0.6
-    ms). The verdict is the one the uncut chain gives."""
-    n = len(PROMPT)
-    tree = tree_message(0, PROMPT, [(n - 1 + i, g) for i, g in enumerate(greedy[:4])])
-    tree = msgspec.structs.replace(tree, draft_probs=(1.0,) * n + (0.3,) * 4)
-    final = final_hidden(model, tree)
-    cost = CostModel(
-        flash_bandwidth=1e9,
-        streamed_bytes=0,
-        verify=Curve([1], [0.01]),
-        draft=Curve([1], [0.01]),
-        project_seconds=0.006,
-        project_rows=Curve([1, 2, 4, 8], [0.006, 0.0066, 0.0094, 0.02]),
-    )
-    cutting = Projector(
-        lambda h: model.logits(h),
-        ComputeUnit("cpu"),
-        Jitter(0, 0),
-        calibrator=AcceptanceCalibrator(),
-        cost=cost,
-    )
-    (whole,) = await project(projector(model), final)
-    with spying_lm_head(monkeypatch) as spy:
-        (cut,) = await project(cutting, final)
-    assert (cut.accepted, cut.tokens, cut.from_draft) == (
-        whole.accepted,
-        whole.tokens,
-        whole.from_draft,
-    )
-    assert cut.tokens == tuple(greedy[:5])
-    assert [len(b) for b in spy.batches] == [2, 2, 1]
-    assert spy.nodes(final) == [n - 1, n, n + 1, n + 2, n + 3]
 
 
 @pytest.mark.parametrize(

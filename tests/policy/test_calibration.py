@@ -40,9 +40,3 @@ def test_copies_learn_a_rate_of_their_own():
     assert calibrator.acceptance(0.0, 0) < before[0]  # the drafted node's bin only
     assert calibrator.copy_acceptance() > before[1]
     assert (calibrator.copies_offered, calibrator.copies_accepted) == (1, 1)
-
-
-def test_a_copied_node_is_estimated_as_copies_are_and_a_drafted_one_by_its_bin():
-    calibrator = AcceptanceCalibrator(copies_offered=10.0, copies_accepted=9.0)
-    assert calibrator.node_acceptance(0.0, LOOKUP_RANK) == calibrator.copy_acceptance()
-    assert calibrator.node_acceptance(0.3, 1) == calibrator.acceptance(0.3, 1)

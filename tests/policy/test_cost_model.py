@@ -167,16 +167,3 @@ def test_pruning_pays_only_where_it_can_save_more_than_its_probe():
         cost.observe(step(64, io_wait=0.0, verify=0.4, read=(0, 0.0), probe=0.05))
     assert cost.probe_seconds == pytest.approx(0.05, rel=1e-3)
     assert not cost.pruning_pays(64, share)
-
-
-def test_a_head_batch_takes_a_row_where_its_growth_costs_less_than_the_batch_it_may_save():
-    """A resident head over 1, 2, 4, 8 rows: 6, 6.6, 9.4, 20 ms. A second row (0.6 ms) pays
-    for a node reached a tenth of the time (0.1 x 6 ms); a fifth (2.65 ms) not at 0.4 (2.4
-    ms), at 0.5 (3 ms) it does. A streamed head projects every node anyway."""
-    resident = model(head=0)
-    resident.project_rows = Curve([1, 2, 4, 8], [0.006, 0.0066, 0.0094, 0.02])
-    assert resident.row_pays(1, 0.1)
-    assert not resident.row_pays(1, 0.09)
-    assert not resident.row_pays(4, 0.4)
-    assert resident.row_pays(4, 0.5)
-    assert model().row_pays(7, 0.0)
