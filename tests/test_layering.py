@@ -131,3 +131,10 @@ def test_imports_inside_functions_are_optional_heavy_dependencies_with_a_reason(
         if i.target.split(".")[0] not in OPTIONAL or not reason:
             bad.append(i)
     assert not bad, "imports inside functions:\n" + "\n".join(map(repr, bad))
+
+
+def test_command_line_parsing_lives_in_the_cli():
+    parsing = sorted(
+        {i.module for i in IMPORTS if i.target == "argparse" and unit_of(i.module) != "cli"}
+    )
+    assert not parsing, "argparse outside cli/: " + ", ".join(parsing)

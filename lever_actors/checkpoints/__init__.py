@@ -7,12 +7,13 @@ from pathlib import Path
 import torch
 
 from lever_actors.checkpoints.checkpoint import Checkpoint
-from lever_actors.checkpoints.flash_layout import load_flash_layout
+from lever_actors.checkpoints.flash_layout import layout_tokenizer, load_flash_layout
 from lever_actors.checkpoints.gguf_file import load_gguf
 from lever_actors.checkpoints.hf import load_hf
 from lever_actors.checkpoints.quantize import check_choice, quantize_checkpoint
+from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.config import Weights
-from lever_actors.device.layout import MANIFEST_NAME
+from lever_actors.device.layout import MANIFEST_NAME, read_manifest
 from lever_actors.device.memory import return_freed_heap
 from lever_actors.errors import CheckpointError
 
@@ -40,3 +41,13 @@ def _read(path: Path, dtype: torch.dtype, weights: Weights) -> Checkpoint:
     raise CheckpointError(
         f"{path}: expected an HF checkpoint directory, a .gguf file or a flash layout"
     )
+
+
+def load_tokenizer(path: Path) -> Tokenizer | None:
+    """The tokenizer of a flash layout, an HF directory or a GGUF file, if it has one."""
+    if (path / MANIFEST_NAME).is_file():
+        return layout_tokenizer(path, read_manifest(path))
+    if path.is_dir():
+        tokenizer = path / "tokenizer.json"
+        return Tokenizer.from_file(tokenizer) if tokenizer.is_file() else None
+    return load_checkpoint(path, torch.float32).tokenizer

@@ -1,6 +1,6 @@
 """The `lever-actors` command: generate (cli/generate.py); serve (cli/serve.py);
-fetch-models, convert, export-hf, profile-disk, train-exit (cli/tools.py); bench, report,
-check-exact, build-llamacpp (bench/cli.py).
+fetch-models, convert, export-hf, profile-disk, train-exit, build-llamacpp (cli/tools.py);
+bench (cli/bench.py), report (cli/report.py), check-exact (cli/check_exact.py).
 
 Exit codes: 0 done, 1 a runtime failure, 2 a usage error, 130 interrupted; an expected
 failure prints one line (and its traceback under -v), a bug its traceback."""
@@ -13,14 +13,10 @@ import traceback
 from pathlib import Path
 
 from lever_actors import __version__
-from lever_actors.bench.cli import (
-    add_bench_arguments,
-    add_build_llamacpp_arguments,
-    add_check_exact_arguments,
-    add_report_arguments,
-    apply_config,
-)
+from lever_actors.cli.bench import add_bench_command, apply_config
+from lever_actors.cli.check_exact import add_check_exact_command
 from lever_actors.cli.generate import add_generate_command
+from lever_actors.cli.report import add_report_command
 from lever_actors.cli.serve import add_serve_command
 from lever_actors.cli.tools import add_tool_commands
 from lever_actors.errors import ConfigError, LeverError
@@ -95,26 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     add_serve_command(sub)
     add_tool_commands(sub)
 
-    bench = sub.add_parser("bench", help="measure decoding modes on the real model pair")
-    add_bench_arguments(bench)
-
-    report = sub.add_parser(
-        "report", help="markdown, plots and the README's Results section from a results JSON"
-    )
-    add_report_arguments(report)
-
-    check = sub.add_parser(
-        "check-exact",
-        help="every speculative policy against one-token greedy of the same layout, on real "
-        "prompts; exits 1 on any divergence",
-    )
-    add_check_exact_arguments(check)
-
-    build = sub.add_parser(
-        "build-llamacpp",
-        help="build llama.cpp once into the cache, for the bench's llamacpp-* modes",
-    )
-    add_build_llamacpp_arguments(build)
+    add_bench_command(sub)
+    add_report_command(sub)
+    add_check_exact_command(sub)
 
     for command in sub.choices.values():  # -v after the command too; unset, the top's stands
         command.add_argument(

@@ -1,9 +1,12 @@
-"""The engine's flags, shared by `generate` and `serve`, and the EngineConfig they make."""
+"""The engine's flags, shared by `generate` and `serve`, and the EngineConfig they make; the
+sampling flags, shared by `generate` and `bench`."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+import msgspec
 
 from lever_actors.checkpoints.quantize import WEIGHTS_CHOICES
 from lever_actors.checkpoints.real_pair import (
@@ -12,6 +15,7 @@ from lever_actors.checkpoints.real_pair import (
     real_target_layout,
 )
 from lever_actors.config import EngineConfig, choices_of, default_of
+from lever_actors.model.sampling import Sampling
 from lever_actors.progress import ProgressLine
 
 
@@ -135,3 +139,26 @@ def _option(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
         help=f"{note} (default: {default})".strip(),
         **kwargs,
     )
+
+
+def add_sampling_arguments(group: argparse._ArgumentGroup) -> None:
+    """--temperature, --top-k, --top-p, --min-p: Sampling's fields, with its defaults."""
+    for field in msgspec.structs.fields(Sampling):
+        if field.name != "seed":
+            group.add_argument(
+                "--" + field.name.replace("_", "-"),
+                type=field.type,
+                default=field.default,
+                help=f"(default: {field.default})",
+            )
+
+
+def sampling_of(args: argparse.Namespace, seed: int) -> Sampling:
+    """The Sampling the flags of `add_sampling_arguments` ask for, with `seed`."""
+    fields = {f.name: getattr(args, f.name) for f in msgspec.structs.fields(Sampling)}
+    return Sampling(**(fields | {"seed": seed}))
+
+
+def split(text: str) -> tuple[str, ...]:
+    """A comma-separated flag's parts."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())

@@ -13,12 +13,16 @@ import msgspec
 import torch
 import trio
 
-from lever_actors.bench.cli import add_sampling_arguments, sampling_of
 from lever_actors.channels.messages import FinishReason, TokenEvent
 from lever_actors.channels.stats import decode_phase, decode_rate, per_step
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.tokenizer import Tokenizer, check_messages, user_turn
-from lever_actors.cli.engine_options import add_engine_arguments, engine_config
+from lever_actors.cli.engine_options import (
+    add_engine_arguments,
+    add_sampling_arguments,
+    engine_config,
+    sampling_of,
+)
 from lever_actors.config import (
     DEFAULT_MAX_NEW_TOKENS,
     EngineConfig,

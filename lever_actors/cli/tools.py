@@ -1,4 +1,5 @@
-"""The CLI's model and disk tools: fetch-models, convert, export-hf, profile-disk, train-exit."""
+"""The CLI's model, disk and build tools: fetch-models, convert, export-hf, profile-disk,
+train-exit, build-llamacpp."""
 
 from __future__ import annotations
 
@@ -8,18 +9,20 @@ from pathlib import Path
 import msgspec
 import torch
 
+from lever_actors.bench import llamacpp_build
 from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.export import export_hf
 from lever_actors.checkpoints.fetch import REAL_MODELS, fetch_model
 from lever_actors.checkpoints.prompts import PROMPT_SETS, load_prompts
 from lever_actors.checkpoints.quantize import WEIGHTS_CHOICES
 from lever_actors.device.disk_profile import profile_disk
-from lever_actors.device.layout import MANIFEST_NAME, WEIGHTS_NAME, read_manifest
+from lever_actors.device.layout import DTYPE_NAMES, MANIFEST_NAME, WEIGHTS_NAME, read_manifest
+from lever_actors.errors import ConfigError
 from lever_actors.policy import exit_training as et
 from lever_actors.progress import ProgressLine
 from lever_actors.sizes import format_bytes, parse_bytes
 
-STORE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+STORE_DTYPES = ("bfloat16", "float16", "float32")  # DTYPE_NAMES a layout may store
 
 
 def add_tool_commands(sub: argparse._SubParsersAction) -> None:
@@ -34,14 +37,14 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     conv = sub.add_parser("convert", help="write the flash layout of an HF directory or GGUF file")
     conv.add_argument("src", type=Path)
     conv.add_argument("out", type=Path)
-    conv.add_argument("--dtype", choices=sorted(STORE_DTYPES), default="bf16")
+    conv.add_argument("--dtype", choices=STORE_DTYPES, default="bfloat16")
     conv.add_argument(
         "--weights",
         choices=WEIGHTS_CHOICES,
         default=None,
         help="matrices: auto keeps a GGUF's precision class (Q4_K and Q6_K -> their own "
         "values, other 4-bit -> int4, 8-bit -> int8), q4/q4k/q6/q8 quantize every one, dense "
-        "stores --dtype (default: auto for bf16, else dense)",
+        "stores --dtype (default: auto for bfloat16, else dense)",
     )
     conv.set_defaults(command=run_convert)
 
@@ -74,9 +77,22 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     export.add_argument("src", type=Path, help="GGUF file, flash layout or HF directory")
     export.add_argument("out", type=Path)
     export.add_argument(
-        "--dtype", choices=sorted(STORE_DTYPES), default=None, help="default: a layout's, else bf16"
+        "--dtype",
+        choices=STORE_DTYPES,
+        default=None,
+        help="default: a layout's, else bfloat16",
     )
     export.set_defaults(command=run_export_hf)
+
+    build = sub.add_parser(
+        "build-llamacpp",
+        help="build llama.cpp once into the cache, for the bench's llamacpp-* modes",
+    )
+    build.add_argument("--jobs", type=int, default=2, help="parallel compile jobs (default: 2)")
+    build.add_argument(
+        "--force", action="store_true", help="rebuild even where a matching build is cached"
+    )
+    build.set_defaults(command=run_build_llamacpp_command)
 
 
 def run_fetch_models(args: argparse.Namespace) -> int:
@@ -87,7 +103,7 @@ def run_fetch_models(args: argparse.Namespace) -> int:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    dtype = STORE_DTYPES[args.dtype]
+    dtype = DTYPE_NAMES[args.dtype]
     weights = args.weights or ("auto" if dtype == torch.bfloat16 else "dense")
     manifest = convert(args.src, args.out, dtype, ProgressLine(), weights)
     print(f"{args.out}: {manifest.args.n_layers} layers, {format_bytes(manifest.file_bytes)}")
@@ -96,7 +112,7 @@ def run_convert(args: argparse.Namespace) -> int:
 
 def run_export_hf(args: argparse.Namespace) -> int:
     if args.dtype is not None:
-        dtype = STORE_DTYPES[args.dtype]
+        dtype = DTYPE_NAMES[args.dtype]
     elif (args.src / MANIFEST_NAME).is_file():
         dtype = read_manifest(args.src).torch_dtype
     else:
@@ -139,4 +155,18 @@ def run_train_exit(args: argparse.Namespace) -> int:
     path = et.save_adapter(adapter, args.out or et.predictor_path(args.layout))
     print(msgspec.json.format(msgspec.json.encode(report)).decode())
     print(f"held-out KD loss {report.lens_loss:.4f} (lens) -> {report.trained_loss:.4f}; {path}")
+    return 0
+
+
+def run_build_llamacpp_command(args: argparse.Namespace) -> int:
+    if args.jobs < 1:
+        raise ConfigError("--jobs must be at least 1")
+    cached = None if args.force else llamacpp_build.find_build(args.cache_dir)
+    build = cached or llamacpp_build.build_llamacpp(
+        args.cache_dir, jobs=args.jobs, force=args.force, progress=ProgressLine(unit="")
+    )
+    state = "already built" if cached else "built"
+    print(f"llama.cpp ({llamacpp_build.PACKAGE} {build.version}) {state}: {build.bin_dir}")
+    for name in llamacpp_build.PROGRAMS:
+        print(f"  {build.program(name)}")
     return 0

@@ -11,11 +11,11 @@ import msgspec
 import pytest
 import trio
 
-from lever_actors.bench.cli import apply_config, options_from_args
 from lever_actors.bench.harness import run_bench
 from lever_actors.bench.report import END_MARKER, START_MARKER, ReportError, rewrite_readme
 from lever_actors.bench.results import ResultsError, read_results, write_results
 from lever_actors.cli import main
+from lever_actors.cli.bench import apply_config, options_from_args
 from lever_actors.config import DramBudget
 from lever_actors.errors import ConfigError
 from tests.bench.fakes import SETS, FakeMode, info

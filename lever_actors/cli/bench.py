@@ -1,5 +1,6 @@
-"""`lever-actors bench` (decoding modes side by side on real prompts, results to JSON,
-markdown and PNGs; `--sweep` for the scaling sweep), `report` and `check-exact`."""
+"""`lever-actors bench`: decoding modes side by side on real prompts, results to JSON,
+markdown and PNGs (`--sweep` for the scaling sweep); its options may also come from a TOML
+file."""
 
 from __future__ import annotations
 
@@ -9,22 +10,10 @@ import sys
 import tomllib
 from pathlib import Path
 
-import msgspec
-import torch
-
-from lever_actors.bench import llamacpp_build
-from lever_actors.bench.exactness import POLICIES, audit_prompts, check_exact
 from lever_actors.bench.harness import PromptSet
 from lever_actors.bench.llamacpp import DEFAULT_DRAFT_MAX, DEFAULT_THREADS
 from lever_actors.bench.plan import MODES, NEEDS_DRAFT, BenchOptions
-from lever_actors.bench.plots import write_plots
-from lever_actors.bench.report import (
-    output_paths,
-    readme_section,
-    render_markdown,
-    rewrite_readme,
-)
-from lever_actors.bench.results import BenchResults, read_results
+from lever_actors.bench.report import render_markdown
 from lever_actors.bench.run import (
     SWEEP_BUDGETS,
     SWEEP_FAMILIES,
@@ -33,24 +22,22 @@ from lever_actors.bench.run import (
     bench,
     sweep,
 )
-from lever_actors.checkpoints import load_checkpoint
-from lever_actors.checkpoints.flash_layout import layout_tokenizer
+from lever_actors.checkpoints import load_tokenizer
 from lever_actors.checkpoints.prompts import PROMPT_SETS, load_prompts
 from lever_actors.checkpoints.real_pair import real_model_path, real_target_layout
-from lever_actors.checkpoints.tokenizer import Tokenizer, user_turn
-from lever_actors.config import (
-    DEFAULT_MAX_NEW_TOKENS,
-    DramBudget,
-    check_max_new_tokens,
-    choices_of,
-    default_of,
-)
-from lever_actors.device.layout import MANIFEST_NAME, read_manifest
+from lever_actors.checkpoints.tokenizer import user_turn
+from lever_actors.cli.engine_options import add_sampling_arguments, sampling_of, split
+from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, DramBudget, choices_of, default_of
 from lever_actors.errors import ConfigError
-from lever_actors.model.sampling import Sampling
 from lever_actors.progress import ProgressLine
 
 DEFAULT_MODES = "memory-ar,flash-ar"
+
+
+def add_bench_command(sub: argparse._SubParsersAction) -> None:
+    add_bench_arguments(
+        sub.add_parser("bench", help="measure decoding modes on the real model pair")
+    )
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -241,120 +228,20 @@ def apply_config(parser: argparse.ArgumentParser, path: Path) -> None:
     parser.set_defaults(**defaults)
 
 
-def add_report_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("results", type=Path, help="a results JSON written by `bench`")
-    parser.add_argument(
-        "--readme",
-        type=Path,
-        default=None,
-        help="rewrite this file's section between <!-- results:start --> and "
-        "<!-- results:end --> from the results",
-    )
-    parser.add_argument("--no-plots", action="store_true", help="do not redraw the PNGs")
-    parser.set_defaults(command=run_report_command)
-
-
-def add_check_exact_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--target", type=Path, default=None, help="flash layout (default: the real target's)"
-    )
-    parser.add_argument(
-        "--draft", type=Path, default=None, help="draft model (default: the real 0.5B draft)"
-    )
-    parser.add_argument("--prompts", type=int, default=20, help="prompts to check (default: 20)")
-    parser.add_argument(
-        "--prompt-sets",
-        default=",".join(PROMPT_SETS),
-        help="sets taken in turn with the built-in repetitive prose (default: all)",
-    )
-    parser.add_argument("--max-new-tokens", type=int, default=48, help="(default: 48)")
-    parser.add_argument(
-        "--policies",
-        default=",".join(POLICIES),
-        help=f"comma-separated (default: all): {', '.join(POLICIES)}",
-    )
-    parser.add_argument(
-        "--dram-budget",
-        default="all",
-        help="target weights in DRAM; exactness does not depend on it (default: all)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="picks the prompts")
-    parser.set_defaults(command=run_check_exact_command)
-
-
-def run_check_exact_command(args: argparse.Namespace) -> int:
-    check_max_new_tokens(args.max_new_tokens)
-    budget = DramBudget.parse(args.dram_budget)
-    target = args.target or real_target_layout(args.cache_dir, ProgressLine())
-    draft = args.draft or real_model_path(args.cache_dir, "draft", ProgressLine())
-    tokenizer = _tokenizer(target)
-    if tokenizer is None:
-        raise ConfigError(f"{target} has no tokenizer; check-exact needs one for the prompts")
-    texts = {
-        name: load_prompts(name, args.cache_dir, args.prompts, args.seed)
-        for name in _split(args.prompt_sets)
-    }
-    prompts = audit_prompts(tokenizer, texts, args.prompts)
-    policies = _split(args.policies)
-    divergences = check_exact(
-        target,
-        draft,
-        prompts,
-        policies=policies,
-        max_new_tokens=args.max_new_tokens,
-        dram_budget=budget,
-    )
-    for d in divergences:
-        print(
-            f"DIVERGED {d.prompt} {d.policy}: token {d.position}: one-token greedy "
-            f"{d.expected} {tokenizer.decode(d.expected)!r}, engine {d.got} "
-            f"{tokenizer.decode(d.got)!r}"
-        )
-    runs = len(prompts) * len(policies)
-    print(
-        f"check-exact: {len(prompts)} prompts x {len(policies)} policies = {runs} runs, "
-        f"{args.max_new_tokens} tokens each, target {target.name} "
-        f"({read_manifest(target).dtype}): {len(divergences)} divergences"
-    )
-    return 1 if divergences else 0
-
-
-def add_sampling_arguments(group: argparse._ArgumentGroup) -> None:
-    """--temperature, --top-k, --top-p, --min-p: Sampling's fields, with its defaults."""
-    for field in msgspec.structs.fields(Sampling):
-        if field.name != "seed":
-            group.add_argument(
-                "--" + field.name.replace("_", "-"),
-                type=field.type,
-                default=field.default,
-                help=f"(default: {field.default})",
-            )
-
-
-def sampling_of(args: argparse.Namespace, seed: int) -> Sampling:
-    """The Sampling the flags of `add_sampling_arguments` ask for, with `seed`."""
-    fields = {f.name: getattr(args, f.name) for f in msgspec.structs.fields(Sampling)}
-    return Sampling(**(fields | {"seed": seed}))
-
-
-def _split(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     modes = args.modes or (",".join(SWEEP_FAMILIES) if args.sweep else DEFAULT_MODES)
-    limits = _split(args.limits) if args.limits else ()
+    limits = split(args.limits) if args.limits else ()
     isolate = "all" if limits and args.isolate == "none" else args.isolate  # limits need children
     return BenchOptions(
-        modes=_split(modes),
-        budgets=_split(args.budgets),
+        modes=split(modes),
+        budgets=split(args.budgets),
         throttle=args.throttle,
-        chain=tuple(int(k) for k in _split(args.chain)),
+        chain=tuple(int(k) for k in split(args.chain)),
         static_tree=args.static_tree,
         prune_threshold=args.prune_threshold,
         draft_dtype=args.draft_dtype,
         dtype=args.dtype,
-        prompt_sets=_split(args.prompt_sets),
+        prompt_sets=split(args.prompt_sets),
         prompts=args.prompts,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
@@ -380,7 +267,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     draft = args.draft
     if draft is None and set(options.modes) & set(NEEDS_DRAFT):
         draft = real_model_path(args.cache_dir, "draft", ProgressLine())
-    tokenizer = _tokenizer(target)
+    tokenizer = load_tokenizer(target)
     if tokenizer is None:
         raise ConfigError(f"{target} has no tokenizer; bench needs one to encode the prompts")
     prompt_sets = [
@@ -398,8 +285,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     plots = not args.no_plots
     if args.sweep:
         out = args.out or Path("bench/results/sweep.json")
-        budgets = tuple(DramBudget.parse(b) for b in _split(args.sweep_budgets))
-        throttles = _split(args.sweep_throttles)
+        budgets = tuple(DramBudget.parse(b) for b in split(args.sweep_budgets))
+        throttles = split(args.sweep_throttles)
         results = sweep(
             options,
             workload,
@@ -414,52 +301,4 @@ def run_bench_command(args: argparse.Namespace) -> int:
         results = bench(options, workload, out=out, command=command, plots=plots)
     print(render_markdown(results))
     print(f"results: {out}", file=sys.stderr)
-    return 0
-
-
-def _tokenizer(target: Path) -> Tokenizer | None:
-    if (target / MANIFEST_NAME).is_file():
-        return layout_tokenizer(target, read_manifest(target))
-    if target.is_dir():
-        path = target / "tokenizer.json"
-        return Tokenizer.from_file(path) if path.is_file() else None
-    return load_checkpoint(target, torch.float32).tokenizer
-
-
-def add_build_llamacpp_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs (default: 2)")
-    parser.add_argument(
-        "--force", action="store_true", help="rebuild even where a matching build is cached"
-    )
-    parser.set_defaults(command=run_build_llamacpp_command)
-
-
-def run_build_llamacpp_command(args: argparse.Namespace) -> int:
-    if args.jobs < 1:
-        raise ConfigError("--jobs must be at least 1")
-    cached = None if args.force else llamacpp_build.find_build(args.cache_dir)
-    build = cached or llamacpp_build.build_llamacpp(
-        args.cache_dir, jobs=args.jobs, force=args.force, progress=ProgressLine(unit="")
-    )
-    state = "already built" if cached else "built"
-    print(f"llama.cpp ({llamacpp_build.PACKAGE} {build.version}) {state}: {build.bin_dir}")
-    for name in llamacpp_build.PROGRAMS:
-        print(f"  {build.program(name)}")
-    return 0
-
-
-def run_report_command(args: argparse.Namespace) -> int:
-    results = read_results(args.results)
-    if not args.no_plots:
-        for path in write_plots(results, args.results):
-            print(f"plot: {path}", file=sys.stderr)
-    markdown = render_markdown(results)
-    output_paths(args.results)["markdown"].write_text(markdown)
-    if args.readme is not None:
-        if not isinstance(results, BenchResults):
-            raise ConfigError(f"{args.results} holds sweep results; --readme takes a bench run's")
-        rewrite_readme(args.readme, readme_section(results, args.readme, args.results))
-        print(f"rewrote the results section of {args.readme}", file=sys.stderr)
-    else:
-        print(markdown)
     return 0
