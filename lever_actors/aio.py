@@ -15,9 +15,9 @@ cancels the request at once; the engine then serves the next one.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import NamedTuple, Unpack
 
 import trio
 
@@ -27,8 +27,17 @@ from lever_actors.draft import DraftModel
 from lever_actors.engine import Engine, GenerationResult
 from lever_actors.errors import EngineClosedError
 from lever_actors.progress import Progress
+from lever_actors.request import GenerationKeywords, GenerationOptions, options_of
 
 _END = object()  # the trio side's answer when a stream has no more events
+
+
+class _Asked(NamedTuple):
+    """One request as the asyncio side took it, checked, for the trio side to serve."""
+
+    prompt: str | Sequence[int] | None
+    messages: Sequence[Mapping[str, str]] | None
+    options: GenerationOptions
 
 
 class _Guest:
@@ -122,11 +131,17 @@ class AsyncEngine:
             await asyncio.shield(finished)
 
     async def stream(
-        self, prompt: str | Sequence[int] | None = None, **options: Any
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        options: GenerationOptions | None = None,
+        **keywords: Unpack[GenerationKeywords],
     ) -> AsyncIterator[TokenEvent]:
-        """`Engine.stream` with the same arguments (`messages=`, `max_new_tokens=`, `stop=`,
-        the sampling options). Leaving the loop or cancelling the task cancels the request."""
-        asks, scope = self._start(self._serve_stream, prompt, options)
+        """`Engine.stream` with the same arguments. Leaving the loop or cancelling the task
+        cancels the request."""
+        request = _Asked(prompt, messages, options_of(options, keywords))
+        asks, scope = self._start(self._serve_stream, request)
         try:
             while True:
                 answer: asyncio.Future = self._loop.create_future()
@@ -139,10 +154,16 @@ class AsyncEngine:
             self._guest.call(scope.cancel)
 
     async def generate(
-        self, prompt: str | Sequence[int] | None = None, **options: Any
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        options: GenerationOptions | None = None,
+        **keywords: Unpack[GenerationKeywords],
     ) -> GenerationResult:
         """`Engine.generate` with the same arguments."""
-        asks, scope = self._start(self._serve_generate, prompt, options)
+        request = _Asked(prompt, messages, options_of(options, keywords))
+        asks, scope = self._start(self._serve_generate, request)
         answer: asyncio.Future[GenerationResult] = self._loop.create_future()
         self._guest.call(asks.send_nowait, answer)
         try:
@@ -153,11 +174,10 @@ class AsyncEngine:
     def _start(
         self,
         serve: Callable[..., Awaitable[None]],
-        prompt: str | Sequence[int] | None,
-        options: dict[str, Any],
+        request: _Asked,
     ) -> tuple[trio.MemorySendChannel[asyncio.Future], trio.CancelScope]:
-        """A trio task running `serve(asks, prompt, options)` in a scope of its own; each
-        future sent to `asks` is answered by it."""
+        """A trio task running `serve(asks, request)` in a scope of its own; each future sent
+        to `asks` is answered by it."""
         if self._closed:
             raise EngineClosedError("this engine was closed; open another")
         asks, receive = trio.open_memory_channel[asyncio.Future](1)
@@ -165,13 +185,15 @@ class AsyncEngine:
 
         async def task() -> None:
             with scope, receive:
-                await serve(receive, prompt, options)
+                await serve(receive, request)
 
         self._guest.call(self._nursery.start_soon, task)
         return asks, scope
 
-    async def _serve_stream(self, asks, prompt, options) -> None:
-        events = self.engine.stream(prompt, **options)
+    async def _serve_stream(self, asks, request: _Asked) -> None:
+        events = self.engine.stream(
+            request.prompt, messages=request.messages, options=request.options
+        )
         try:
             async for answer in asks:
                 try:
@@ -186,10 +208,13 @@ class AsyncEngine:
         finally:
             await events.aclose()  # ends the request if the consumer left early
 
-    async def _serve_generate(self, asks, prompt, options) -> None:
+    async def _serve_generate(self, asks, request: _Asked) -> None:
         answer = await asks.receive()
         try:
-            _resolve(answer, await self.engine.generate(prompt, **options))
+            result = await self.engine.generate(
+                request.prompt, messages=request.messages, options=request.options
+            )
+            _resolve(answer, result)
         except Exception as error:  # handed to the caller, who raises it
             _fail(answer, error)
 

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Unpack
 
 import msgspec
 import trio
@@ -39,21 +40,18 @@ from lever_actors.channels.messages import (
 )
 from lever_actors.channels.stats import DecodePhase, decode_phase, decode_rate, per_step
 from lever_actors.checkpoints.tokenizer import Tokenizer
-from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, EngineConfig, check_request_size
+from lever_actors.config import EngineConfig, check_request_size
 from lever_actors.device.layout import read_manifest
 from lever_actors.device.memory import map_large_blocks, peak_rss_bytes, return_freed_heap
 from lever_actors.device.units import ComputeUnit
 from lever_actors.draft import DraftModel, load_draft
 from lever_actors.errors import ConfigError, EngineClosedError
-from lever_actors.logs import get_logger
-from lever_actors.model.sampling import Sampling, seed_or_drawn
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.pruning import keep_everything
 from lever_actors.policy.setup import Policies, build_policies
 from lever_actors.progress import Progress
+from lever_actors.request import GenerationKeywords, GenerationOptions, options_of
 from lever_actors.target import FlashTarget, residency
-
-log = get_logger(__name__)
 
 
 class GenerationResult(msgspec.Struct, frozen=True):
@@ -86,9 +84,7 @@ class GenerationResult(msgspec.Struct, frozen=True):
 @dataclass
 class _Request:
     prompt: list[int]
-    max_new_tokens: int
-    stop: tuple[str, ...]
-    sampling: Sampling
+    options: GenerationOptions
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     created: float = field(default_factory=time.perf_counter)
     error: BaseException | None = None
@@ -208,20 +204,13 @@ class Engine:
         prompt: str | Sequence[int] | None = None,
         *,
         messages: Sequence[Mapping[str, str]] | None = None,
-        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-        stop: Sequence[str] = (),
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        seed: int | None = None,
+        options: GenerationOptions | None = None,
+        **keywords: Unpack[GenerationKeywords],
     ) -> GenerationResult:
         """Run one request to the end (see `stream` for the arguments); the result carries
         the text, per-token log-probabilities and per-step statistics."""
         events: list[TokenEvent] = []
-        request = self._request(
-            prompt, messages, max_new_tokens, stop, temperature, top_k, top_p, min_p, seed
-        )
+        request = self._request(prompt, messages, options_of(options, keywords))
         async for event in self._events(request):
             events.append(event)
         decode_tokens, decode_seconds = decode_phase(events)
@@ -232,7 +221,7 @@ class Engine:
             steps=request.steps,
             finish_reason=events[-1].finish_reason if events else None,
             prompt_tokens=len(request.prompt),
-            seed=request.sampling.reported_seed,
+            seed=request.options.sampling.reported_seed,
             prefill_seconds=events[0].elapsed_seconds if events else 0.0,
             decode_tokens=decode_tokens,
             decode_seconds=decode_seconds,
@@ -244,13 +233,8 @@ class Engine:
         prompt: str | Sequence[int] | None = None,
         *,
         messages: Sequence[Mapping[str, str]] | None = None,
-        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-        stop: Sequence[str] = (),
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        seed: int | None = None,
+        options: GenerationOptions | None = None,
+        **keywords: Unpack[GenerationKeywords],
     ) -> AsyncIterator[TokenEvent]:
         """Yield each token as it is accepted. Leaving the loop early cancels the request.
 
@@ -258,18 +242,18 @@ class Engine:
         conversation of {"role": "system" | "user" | "assistant", "content": str} that the
         model's chat template renders, ending with the assistant's prompt.
 
-        Generation ends after `max_new_tokens` ("length"), or ("stop") after one of the
-        tokenizer's end tokens (`tokenizer.eos_ids`: end of text and end of turn), whose
-        text is not emitted, or after the token that completes one of the `stop` strings,
-        which stays in the text.
+        `options` (request.py) says how many tokens, where to stop and how to choose them;
+        or give its fields as keywords: `max_new_tokens`, `stop`, `temperature`, `top_k`,
+        `top_p`, `min_p`, `seed`. Generation ends after `max_new_tokens` ("length"), or
+        ("stop") after one of the tokenizer's end tokens (`tokenizer.eos_ids`: end of text
+        and end of turn), whose text is not emitted, or after the token that completes one
+        of the `stop` strings, which stays in the text.
 
         temperature 0 is greedy decoding. Above 0 tokens are sampled from the target's
         softmax at that temperature, after top-k, top-p (nucleus) and min-p filtering; the
         output equals sequential sampling with the same `seed`, whatever the tree. Without
         a seed one is drawn: `GenerationResult.seed` and the log report it."""
-        request = self._request(
-            prompt, messages, max_new_tokens, stop, temperature, top_k, top_p, min_p, seed
-        )
+        request = self._request(prompt, messages, options_of(options, keywords))
         async for event in self._events(request):
             yield event
 
@@ -277,13 +261,7 @@ class Engine:
         self,
         prompt: str | Sequence[int] | None,
         messages: Sequence[Mapping[str, str]] | None,
-        max_new_tokens: int,
-        stop: Sequence[str],
-        temperature: float,
-        top_k: int,
-        top_p: float,
-        min_p: float,
-        seed: int | None,
+        options: GenerationOptions,
     ) -> _Request:
         """Check everything about a request before any work starts."""
         if self._closed:
@@ -295,23 +273,13 @@ class Engine:
         if isinstance(prompt, str):
             ids = self._need_tokenizer().encode(prompt)
         else:
+            assert prompt is not None  # one of the two, checked above
             ids = [int(t) for t in prompt]
-        check_request_size(len(ids), max_new_tokens, self.target.args.max_seq_len)
+        check_request_size(len(ids), options.max_new_tokens, self.target.args.max_seq_len)
         vocab = self.target.args.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
-        if isinstance(stop, str):
-            raise ConfigError("stop must be a list of strings, not one string")
-        sampling = Sampling(
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            seed=seed_or_drawn(seed),
-        )
-        if seed is None and not sampling.greedy:
-            log.info("sampling seed drawn", seed=sampling.seed)
-        return _Request(ids, max_new_tokens, tuple(stop), sampling)
+        return _Request(ids, options)
 
     def _need_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
@@ -359,7 +327,7 @@ class Engine:
         draft_commits = ch.open("draft_commits", Commit, sizes.commits)
         verify_commits = ch.open("verify_commits", Commit, sizes.commits)
 
-        capacity = len(request.prompt) + request.max_new_tokens + self.spec.max_nodes + 2
+        capacity = len(request.prompt) + request.options.max_new_tokens + self.spec.max_nodes + 2
         jitter = _jitters(config)
         p = self.policies
         draft_policy = DraftPolicy(
@@ -368,7 +336,7 @@ class Engine:
             p.calibrator,
             ahead=config.draft_ahead,
             lookup=config.lookup,
-            sampling=request.sampling,
+            sampling=request.options.sampling,
         )
         ahead_room = self.spec.max_nodes if config.draft_ahead else 0
         drafter = Drafter(
@@ -390,7 +358,7 @@ class Engine:
             self.npu if p.eager_projection else self.cpu,
             next(jitter),
             p.eager_projection,
-            request.sampling,
+            request.options.sampling,
         )
         async with trio.open_nursery() as nursery:
             prefetcher = Prefetcher(target.store, target.plan, target.resident_layers)
@@ -429,7 +397,7 @@ class Engine:
         generated = 0
         phase = DecodePhase()
         reads = self.target.store.stats
-        for step in range(request.max_new_tokens):
+        for step in range(request.options.max_new_tokens):
             step_started = time.perf_counter()
             bytes_before, read_seconds_before = reads.bytes_read, reads.read_seconds
             await requests.send(DraftRequest(step=step, max_nodes=self.spec.max_nodes))
@@ -443,9 +411,9 @@ class Engine:
                 generated += 1
                 delta = decoder.push(token) if decoder else ""
                 text += delta
-                if token in stop_ids or any(s in text for s in request.stop):
+                if token in stop_ids or any(s in text for s in request.options.stop):
                     finish = "stop"
-                elif generated >= request.max_new_tokens:
+                elif generated >= request.options.max_new_tokens:
                     finish = "length"
                 if finish is not None and decoder:
                     delta += decoder.flush()  # a character still held back ends here

@@ -21,6 +21,7 @@ LAYERS = (
     ("target", "draft"),
     ("checkpoints",),
     ("device",),
+    ("request",),
     ("model", "channels", "config"),
     ("progress", "sizes", "paths", "threads"),
     ("errors", "logs"),

@@ -22,6 +22,7 @@ from lever_actors.engine import Engine
 from lever_actors.model.sampling import Sampling
 from lever_actors.model.sequential import sequential_stream
 from lever_actors.model.transformer import Transformer
+from lever_actors.request import GenerationOptions
 
 
 @dataclass
@@ -124,8 +125,8 @@ class EngineMode:
         stats = self.engine.target.store.stats
         before = stats.bytes_read
         steps = []
-        request = msgspec.structs.asdict(sampling)
-        async for event in self.engine.stream(prompt, max_new_tokens=max_new_tokens, **request):
+        options = GenerationOptions(max_new_tokens=max_new_tokens, sampling=sampling)
+        async for event in self.engine.stream(prompt, options=options):
             decoded.add(event.token)
             steps.append(event.step)
         decoded.bytes_read = stats.bytes_read - before

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import msgspec
-import torch
 import trio
 
 from lever_actors.channels.messages import FinishReason, TokenEvent
@@ -26,20 +25,21 @@ from lever_actors.cli.engine_options import (
 from lever_actors.config import (
     DEFAULT_MAX_NEW_TOKENS,
     EngineConfig,
-    check_max_new_tokens,
     check_prompt,
     check_request_size,
 )
+from lever_actors.device.layout import DTYPE_NAMES
 from lever_actors.device.memory import peak_rss_bytes
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError
-from lever_actors.model.sampling import Sampling, seed_or_drawn
+from lever_actors.model.sampling import seed_or_drawn
 from lever_actors.model.sequential import sequential_stream
 from lever_actors.model.transformer import Transformer
 from lever_actors.progress import ProgressLine
+from lever_actors.request import GenerationOptions
 from lever_actors.sizes import format_bytes
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DTYPES = ("float32", "bfloat16", "float64")  # --model computes in one of these DTYPE_NAMES
 DEFAULT_CHAT = "Write a Python function that returns the n-th Fibonacci number."
 
 
@@ -56,7 +56,7 @@ def add_generate_command(sub: argparse._SubParsersAction) -> None:
     )
     gen.add_argument(
         "--dtype",
-        choices=sorted(DTYPES),
+        choices=DTYPES,
         default="float32",
         help="compute dtype with --model (default: float32)",
     )
@@ -133,8 +133,9 @@ class Summary(msgspec.Struct, omit_defaults=True):
 
 def run_generate(args: argparse.Namespace) -> int:
     # everything the request can be checked for without a tokenizer, before models load
-    check_max_new_tokens(args.max_new_tokens)
-    sampling = sampling_of(args, seed_or_drawn(args.seed))
+    options = GenerationOptions(
+        max_new_tokens=args.max_new_tokens, sampling=sampling_of(args, seed_or_drawn(args.seed))
+    )
     prompt, messages = _what_to_continue(args)
     if prompt is not None:
         check_prompt(len(prompt))
@@ -143,9 +144,9 @@ def run_generate(args: argparse.Namespace) -> int:
             raise ConfigError(
                 "--model runs a model held in DRAM; --target/--draft run the pipeline"
             )
-        summary = _generate_in_memory(args, prompt, messages, sampling)
+        summary = _generate_in_memory(args, prompt, messages, options)
     else:
-        summary = _generate_with_engine(args, prompt, messages, sampling)
+        summary = _generate_with_engine(args, prompt, messages, options)
     if args.stats == "json":
         print(msgspec.json.encode(summary).decode(), file=sys.stderr)
     else:
@@ -194,21 +195,26 @@ def _text(flag: str, value: str, *, stdin: bool = True) -> str:
 
 
 def _generate_in_memory(
-    args: argparse.Namespace, prompt: str | None, messages: list[dict] | None, sampling: Sampling
+    args: argparse.Namespace,
+    prompt: str | None,
+    messages: list[dict] | None,
+    options: GenerationOptions,
 ) -> Summary:
     started = time.perf_counter()
-    checkpoint = load_checkpoint(args.model, DTYPES[args.dtype])
+    checkpoint = load_checkpoint(args.model, DTYPE_NAMES[args.dtype])
     tokenizer = checkpoint.tokenizer
     if tokenizer is None:
         raise ConfigError(f"{args.model} has no tokenizer; generate needs one to encode text")
     ids = tokenizer.encode(prompt if messages is None else tokenizer.apply_chat_template(messages))
-    check_request_size(len(ids), args.max_new_tokens, checkpoint.args.max_seq_len)
+    check_request_size(len(ids), options.max_new_tokens, checkpoint.args.max_seq_len)
     model = Transformer(checkpoint.args, checkpoint.weights)
     print(f"loaded {args.model.name} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     printer = _TextPrinter(tokenizer, ids)
     started = first = time.perf_counter()
     tokens: list[int] = []
-    stream = sequential_stream(model, ids, args.max_new_tokens, tokenizer.eos_ids, sampling)
+    stream = sequential_stream(
+        model, ids, options.max_new_tokens, tokenizer.eos_ids, options.sampling
+    )
     for token in stream:
         if not tokens:
             first = time.perf_counter()
@@ -223,24 +229,26 @@ def _generate_in_memory(
         first_token_seconds=first - started,
         decode_tokens_per_second=decode_rate(len(tokens) - 1, time.perf_counter() - first),
         peak_rss_bytes=peak_rss_bytes(),
-        seed=sampling.reported_seed,
+        seed=options.sampling.reported_seed,
     )
 
 
 def _generate_with_engine(
-    args: argparse.Namespace, prompt: str | None, messages: list[dict] | None, sampling: Sampling
+    args: argparse.Namespace,
+    prompt: str | None,
+    messages: list[dict] | None,
+    options: GenerationOptions,
 ) -> Summary:
     """The pipeline: the target streamed from flash, the draft in DRAM."""
     config = engine_config(args)
-    return trio.run(_stream_from_engine, config, args, prompt, messages, sampling)
+    return trio.run(_stream_from_engine, config, prompt, messages, options)
 
 
 async def _stream_from_engine(
     config: EngineConfig,
-    args: argparse.Namespace,
     prompt: str | None,
     messages: list[dict] | None,
-    sampling: Sampling,
+    options: GenerationOptions,
 ) -> Summary:
     started = time.perf_counter()
     async with Engine.open(config, progress=ProgressLine(unit="")) as engine:
@@ -256,12 +264,7 @@ async def _stream_from_engine(
         )
         before = target.store.stats.bytes_read
         events: list[TokenEvent] = []
-        stream = engine.stream(
-            prompt,
-            messages=messages,
-            max_new_tokens=args.max_new_tokens,
-            **msgspec.structs.asdict(sampling),
-        )
+        stream = engine.stream(prompt, messages=messages, options=options)
         async for event in stream:
             events.append(event)
             sys.stdout.write(event.text)
@@ -277,7 +280,7 @@ async def _stream_from_engine(
         first_token_seconds=events[0].elapsed_seconds,
         decode_tokens_per_second=decode_rate(*decode_phase(events)),
         peak_rss_bytes=peak_rss_bytes(),
-        seed=sampling.reported_seed,
+        seed=options.sampling.reported_seed,
         steps=steps,
         tokens_per_step=per_step(len(events), steps),
         from_draft=sum(e.from_draft for e in events),

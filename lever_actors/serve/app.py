@@ -133,7 +133,7 @@ class _Routes:
 
     async def chat_completions(self, request: Request) -> Response:
         parsed = await self._parse(request, ChatRequest)
-        return await self._answer(parsed, Reply(True, self.model_name), None)
+        return await self._answer(parsed, Reply(True, self.model_name), None, parsed.conversation())
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -154,19 +154,28 @@ class _Routes:
                 400, f"the body is not valid JSON: {e}", "invalid_request_error"
             ) from None
 
-    async def _answer(self, parsed: Sampled, reply: Reply, prompt: Any) -> Response:
-        options = parsed.engine_options(self.default_max_tokens)
+    async def _answer(
+        self,
+        parsed: Sampled,
+        reply: Reply,
+        prompt: str | list[int] | None,
+        messages: list[dict[str, str]] | None = None,
+    ) -> Response:
+        try:
+            options = parsed.options(self.default_max_tokens)
+        except ConfigError as e:
+            raise ApiError(400, str(e), "invalid_request_error") from None
         ticket = self.admission.enter()
         if not parsed.stream:
             try:
-                result = await self.engine.generate(prompt, **options)
+                result = await self.engine.generate(prompt, messages=messages, options=options)
             except ConfigError as e:
                 raise ApiError(400, str(e), "invalid_request_error") from None
             finally:
                 ticket.release()
             use = usage(result.prompt_tokens, result.generated_tokens)
             return _JSON(reply.whole(result.text, result.finish_reason, use))
-        events = self.engine.stream(prompt, **options)
+        events = self.engine.stream(prompt, messages=messages, options=options)
         try:  # the first token before the headers: a bad request is still a 400
             first = await events.__anext__()
         except BaseException as e:

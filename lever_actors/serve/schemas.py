@@ -13,6 +13,7 @@ from typing import Any, Literal
 import msgspec
 
 from lever_actors.channels.messages import FinishReason
+from lever_actors.request import GenerationOptions, generation_options
 
 Role = Literal["system", "user", "assistant"]
 
@@ -34,16 +35,19 @@ class Sampled(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, unused
 
-    def engine_options(self, default_max_tokens: int) -> dict[str, Any]:
-        """Keyword arguments for Engine.stream / generate."""
+    def options(self, default_max_tokens: int) -> GenerationOptions:
+        """What the request asks of Engine.stream / generate; ConfigError if it is wrong."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
-        return {
-            "max_new_tokens": default_max_tokens if self.max_tokens is None else self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "stop": stop,
-        }
+        return generation_options(
+            max_new_tokens=self._max_tokens(default_max_tokens),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            stop=stop,
+        )
+
+    def _max_tokens(self, default: int) -> int:
+        return default if self.max_tokens is None else self.max_tokens
 
 
 class CompletionRequest(Sampled, forbid_unknown_fields=True, kw_only=True):
@@ -59,11 +63,14 @@ class ChatRequest(Sampled, forbid_unknown_fields=True, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # the newer name of max_tokens
 
-    def engine_options(self, default_max_tokens: int) -> dict[str, Any]:
-        options = super().engine_options(default_max_tokens)
+    def _max_tokens(self, default: int) -> int:
         if self.max_completion_tokens is not None:
-            options["max_new_tokens"] = self.max_completion_tokens
-        return options | {"messages": [msgspec.structs.asdict(m) for m in self.messages]}
+            return self.max_completion_tokens
+        return super()._max_tokens(default)
+
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages as Engine.stream takes them."""
+        return [msgspec.structs.asdict(m) for m in self.messages]
 
 
 class Usage(msgspec.Struct):

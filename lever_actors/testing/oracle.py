@@ -19,6 +19,7 @@ from lever_actors.engine import Engine, GenerationResult
 from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.model.sequential import sequential_reference
 from lever_actors.model.transformer import Transformer
+from lever_actors.request import GenerationOptions
 
 _references: OrderedDict[Path, tuple[Transformer, Tokenizer | None]] = OrderedDict()
 
@@ -82,9 +83,8 @@ async def assert_matches_sequential(
     """
     expected = reference_tokens(Path(engine_config.target), prompt, n, stop, sampling)
     async with Engine.open(engine_config, draft=draft) as engine:
-        result = await engine.generate(
-            list(prompt), max_new_tokens=n, stop=stop, **msgspec.structs.asdict(sampling)
-        )
+        options = GenerationOptions(max_new_tokens=n, stop=stop, sampling=sampling)
+        result = await engine.generate(list(prompt), options=options)
     got = list(result.tokens)
     if got != expected:
         raise AssertionError(

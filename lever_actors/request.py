@@ -1,0 +1,84 @@
+"""What a request asks for beside its prompt: how many tokens, where to stop, how to choose
+them. Built and checked once, by the CLI, the server or `Engine.stream`'s keywords, and
+passed whole to the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypedDict, Unpack
+
+import msgspec
+
+from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, check_max_new_tokens
+from lever_actors.errors import ConfigError
+from lever_actors.logs import get_logger
+from lever_actors.model.sampling import GREEDY, Sampling, seed_or_drawn
+
+log = get_logger(__name__)
+
+
+class GenerationOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """Generation ends after `max_new_tokens` ("length"), after one of the tokenizer's end
+    tokens ("stop"; its text is not emitted), or after the token that completes one of the
+    `stop` strings ("stop"; it stays in the text)."""
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    stop: Sequence[str] = ()  # kept as a tuple
+    sampling: Sampling = GREEDY
+
+    def __post_init__(self) -> None:
+        check_max_new_tokens(self.max_new_tokens)
+        if isinstance(self.stop, str):
+            raise ConfigError("stop must be a list of strings, not one string")
+        if not all(isinstance(s, str) for s in self.stop):
+            raise ConfigError("stop must be a list of strings")
+        msgspec.structs.force_setattr(self, "stop", tuple(self.stop))
+
+
+DEFAULTS = GenerationOptions()
+
+
+class GenerationKeywords(TypedDict, total=False):
+    """`GenerationOptions` spelled flat, as `Engine.stream` takes it; what is left out takes
+    the options' default."""
+
+    max_new_tokens: int
+    stop: Sequence[str]
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int | None  # None: drawn where sampling needs one, and logged
+
+
+def options_of(
+    options: GenerationOptions | None, keywords: GenerationKeywords
+) -> GenerationOptions:
+    """`options` as given, or the options its keywords spell out; not both."""
+    if options is not None:
+        if keywords:
+            raise ConfigError(f"give options or {', '.join(keywords)}, not both")
+        return options
+    unknown = set(keywords) - set(GenerationKeywords.__annotations__)
+    if unknown:  # a TypedDict checks its keys only for a type checker
+        raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(unknown))}")
+    seed = keywords.get("seed")
+    sampling = Sampling(
+        temperature=keywords.get("temperature", GREEDY.temperature),
+        top_k=keywords.get("top_k", GREEDY.top_k),
+        top_p=keywords.get("top_p", GREEDY.top_p),
+        min_p=keywords.get("min_p", GREEDY.min_p),
+        seed=seed_or_drawn(seed),
+    )
+    if seed is None and not sampling.greedy:
+        log.info("sampling seed drawn", seed=sampling.seed)
+    return GenerationOptions(
+        max_new_tokens=keywords.get("max_new_tokens", DEFAULTS.max_new_tokens),
+        stop=keywords.get("stop", DEFAULTS.stop),
+        sampling=sampling,
+    )
+
+
+def generation_options(**keywords: Unpack[GenerationKeywords]) -> GenerationOptions:
+    """The options the keywords spell out (see `GenerationKeywords`)."""
+    return options_of(None, keywords)
