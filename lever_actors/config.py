@@ -23,7 +23,9 @@ MAX_TREE_NODES = 1024  # draft nodes one tree may have: a pass verifies them all
 MAX_STATIC_WIDTH = 64  # children per node a static tree may ask for
 DEFAULT_MAX_NEW_TOKENS = 128
 
-EarlyExit = Literal["auto", "lens", "trained", "none", "off"]
+# auto: trained where one is saved, else lens; probe_only: probes sent, nothing pruned (a
+# probe's cost without its gain); off: no probes
+EarlyExit = Literal["auto", "lens", "trained", "probe_only", "off"]
 PruneWhen = Literal["compute_bound", "always"]
 Projection = Literal["on_demand", "eager"]
 Units = Literal["single", "split"]
@@ -214,6 +216,8 @@ class ChannelSizes(msgspec.Struct, frozen=True):
         _check_fields(self, "channel ")
 
 
+# the tree of a config that names a draft and no tree (an EngineConfig's default)
+DEFAULT_TREE = TreeSpec("gaincost", cap=DEFAULT_GAINCOST_CAP)
 DRAFT_VOCABULARY = 65536  # the ids a draft proposes from by default (EngineConfig)
 
 
@@ -223,7 +227,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # target weights in DRAM: all, a share ("25%") or a size ("1.5GiB", bytes)
     dram_budget: DramBudget = DramBudget("all")
     ring_slots: Annotated[int, msgspec.Meta(ge=2)] = 2  # one slot read while one computes
-    tree: TreeSpec = TreeSpec("gaincost", cap=DEFAULT_GAINCOST_CAP)  # or "chain:4", ...
+    # or "chain:4", "none", ...; left out: DEFAULT_TREE where a draft is named, else none
+    tree: TreeSpec = DEFAULT_TREE
     early_exit: EarlyExit = "auto"  # auto: trained if one is saved beside the target, else lens
     exit_layer: Annotated[int, msgspec.Meta(ge=0)] | None = None  # default: 7/8 of the target
     # drop a child scoring below this within its candidate set
@@ -262,6 +267,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if isinstance(self.tree, str):
             msgspec.structs.force_setattr(self, "tree", TreeSpec.parse(self.tree))
+        elif self.tree is DEFAULT_TREE and self.draft is None:  # a target alone decodes
+            msgspec.structs.force_setattr(self, "tree", TreeSpec("none"))
         if isinstance(self.dram_budget, str | int):
             msgspec.structs.force_setattr(self, "dram_budget", DramBudget.parse(self.dram_budget))
         _check_fields(self)

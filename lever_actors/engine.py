@@ -41,6 +41,7 @@ from lever_actors.channels.messages import (
 from lever_actors.channels.stats import DecodePhase, decode_phase, decode_rate, per_step
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.config import EngineConfig, check_request_size
+from lever_actors.device.budget import ResidencyPlan
 from lever_actors.device.layout import read_manifest
 from lever_actors.device.memory import map_large_blocks, peak_rss_bytes, return_freed_heap
 from lever_actors.device.units import ComputeUnit
@@ -132,15 +133,15 @@ class Engine:
         drafting = config.tree.kind != "none"
         if drafting and draft is None and config.draft is None:
             raise ConfigError(f"tree {str(config.tree)!r} needs a draft model; set draft")
-        manifest = read_manifest(Path(config.target))
-        if residency(manifest, config.dram_budget, config.ring_slots).streams:
+        plan = residency(read_manifest(Path(config.target)), config.dram_budget, config.ring_slots)
+        if plan.streams:
             map_large_blocks()  # short of memory: a step's temporaries go back as they are freed
         # loading and profiling on the "npu" unit's thread too: no other thread of ours
         # starts an OpenMP team (units.py)
         npu = ComputeUnit("npu")
         units = (npu, ComputeUnit("cpu") if config.units == "split" else npu)
         try:
-            async with cls._serving(config, draft, drafting, units, progress) as engine:
+            async with cls._serving(config, plan, draft, drafting, units, progress) as engine:
                 yield engine
         finally:
             for unit in set(units):
@@ -151,6 +152,7 @@ class Engine:
     async def _serving(
         cls,
         config: EngineConfig,
+        plan: ResidencyPlan,
         draft: DraftModel | None,
         drafting: bool,
         units: tuple[ComputeUnit, ComputeUnit],
@@ -167,7 +169,7 @@ class Engine:
                 config.draft_weights,
                 config.draft_vocabulary,
             )
-        target = await npu.run(_open_target, config)
+        target = await npu.run(_open_target, config, plan)
         try:
             model = None
             if draft is not None and drafting:
@@ -515,11 +517,7 @@ def _spelled(token: str | None) -> str:
     return "no token" if token is None else repr(token)
 
 
-def _open_target(config: EngineConfig) -> FlashTarget:
+def _open_target(config: EngineConfig, plan: ResidencyPlan) -> FlashTarget:
     return FlashTarget(
-        Path(config.target),
-        config.dram_budget,
-        ring_slots=config.ring_slots,
-        throttle=config.throttle,
-        verify=config.verify_checksums,
+        Path(config.target), plan, throttle=config.throttle, verify=config.verify_checksums
     )

@@ -25,26 +25,27 @@ from lever_actors.model.weights import Weight
 
 def residency(manifest: Manifest, dram_budget: DramBudget, ring_slots: int = 2) -> ResidencyPlan:
     """What a target of this manifest holds and streams under these settings."""
-    return plan_residency(manifest, dram_budget.bytes_of(manifest.file_bytes), ring_slots)
+    return plan_residency(manifest, budget_in_bytes(manifest, dram_budget), ring_slots)
+
+
+def budget_in_bytes(manifest: Manifest, dram_budget: DramBudget) -> int:
+    """The budget in bytes for this target: the plan's `budget`, without checking that a
+    plan fits in it (the bench records it for modes it may never run)."""
+    return dram_budget.bytes_of(manifest.file_bytes)
 
 
 class FlashTarget:
     """Holds the resident extents the plan chose, reads the rest through a Prefetcher."""
 
     def __init__(
-        self,
-        directory: Path,
-        dram_budget: DramBudget,
-        *,
-        ring_slots: int = 2,
-        throttle: str = "none",
-        verify: bool = True,
+        self, directory: Path, plan: ResidencyPlan, *, throttle: str = "none", verify: bool = True
     ) -> None:
+        """`plan`: the `residency` of this layout's manifest, made once by the caller."""
         self.store = FlashStore(directory, throttle=throttle, verify=verify)
         self.manifest = self.store.manifest
         self.args = self.manifest.args
         self.dtype = self.manifest.torch_dtype
-        self.plan = residency(self.manifest, dram_budget, ring_slots)
+        self.plan = plan
         resident = {
             key: self.store.load_extent(self.manifest.extent(key)) for key in self.plan.resident
         }

@@ -102,7 +102,7 @@ class Models:
             draft_dtype="float64",
             dram_budget=self.budget,
             tree="chain:3",
-            early_exit="none",
+            early_exit="probe_only",
         )
         return EngineConfig(**(settings | overrides))
 
@@ -177,7 +177,7 @@ async def test_generate_returns_tokens_text_and_step_statistics(tiny):
     for s in steps[1:]:
         assert s.tree_nodes == 1 + 3  # last step's bonus token, then chain:3
     for s in steps:
-        assert s.live_nodes == s.tree_nodes and s.pruned == 0  # early_exit none keeps all
+        assert s.live_nodes == s.tree_nodes and s.pruned == 0  # early_exit probe_only keeps all
         assert 1 <= s.new_tokens <= 4
         for seconds in (s.draft_seconds, s.io_wait_seconds, s.verify_seconds, s.project_seconds):
             assert seconds >= 0

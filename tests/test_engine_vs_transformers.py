@@ -24,7 +24,7 @@ SETTINGS = {
     "chain-1": dict(tree="chain:1", budget="all", early_exit="off"),
     "chain-4": dict(tree="chain:4", budget="least", early_exit="off"),
     "chain-4-lens": dict(tree="chain:4", budget=0.5, early_exit="lens", prune_threshold=0.3),
-    "static-3-2-1": dict(tree="static:3,2,1", budget="least", early_exit="none"),
+    "static-3-2-1": dict(tree="static:3,2,1", budget="least", early_exit="probe_only"),
     "static-2-2-2-lens": dict(
         tree="static:2,2,2", budget="all", early_exit="lens", prune_threshold=0.2
     ),

@@ -59,7 +59,7 @@ drafting = trees(kinds=("chain", "static", "gaincost"))
 @given(
     case=engine_cases(
         tree_shapes=drafting,
-        predictors=early_exits(("lens", "trained", "none")),
+        predictors=early_exits(("lens", "trained", "probe_only")),
         jitter=jitters(always=True),
     )
 )
@@ -137,7 +137,7 @@ async def test_requests_on_one_engine_each_equal_sequential_reference(case, data
     case=engine_cases(
         relations=st.just("identical"),
         tree_shapes=trees(kinds=("chain", "static")),
-        predictors=early_exits(("off", "none")),
+        predictors=early_exits(("off", "probe_only")),
     )
 )
 async def test_identical_draft_is_always_accepted(case):
@@ -177,7 +177,7 @@ async def test_trees_drafted_ahead_and_carried_over_keep_the_output_exact(slow_f
         dram_budget=minimum_budget(read_manifest(pair.target)),  # every layer streams
         throttle="ufs3.1",
         jitter_seconds=0.05,
-        early_exit="none",
+        early_exit="probe_only",
     )
     carried = []
     for prompt in ([5, 6, 7, 8, 9], [1, 2, 3], [10, 11, 7, 30]):

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import torch
 
-from lever_actors.config import DramBudget, EngineConfig
+from lever_actors.config import EngineConfig
 from lever_actors.device.budget import head_resident_budget, minimum_budget, plan_residency
 from lever_actors.device.flash import AlignedBuffer, FlashStore
 from lever_actors.device.layout import read_manifest
@@ -132,8 +132,8 @@ async def test_each_step_reads_the_head_once(monkeypatch):
 def test_logits_from_a_streamed_head_equal_a_resident_one():
     layout = streamed_pair("q8").target
     manifest = read_manifest(layout)
-    streamed = FlashTarget(layout, DramBudget.parse(minimum_budget(manifest)))
-    resident = FlashTarget(layout, DramBudget.parse("all"))
+    streamed = FlashTarget(layout, plan_residency(manifest, minimum_budget(manifest)))
+    resident = FlashTarget(layout, plan_residency(manifest, manifest.file_bytes))
     hidden = torch.randn(5, manifest.args.d_model, generator=torch.Generator().manual_seed(0))
     hidden = hidden.to(torch.bfloat16)
     assert streamed.lm_head is None and resident.lm_head is not None

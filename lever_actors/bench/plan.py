@@ -33,6 +33,7 @@ from lever_actors.errors import ConfigError
 from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.paths import default_cache_dir
 from lever_actors.sizes import compact_bytes, parse_bytes
+from lever_actors.target import budget_in_bytes
 
 ENGINE_FAMILIES = (
     "flash-ar",
@@ -257,7 +258,7 @@ def plan_modes(options: BenchOptions, target: Path, draft: Path | None) -> list[
             for budget in options.budgets:
                 name = f"{family}@{budget}"
                 offload = cache / "peer-offload" / f"{export.name}-{name.replace('%', 'pct')}"
-                budget_bytes = budget.bytes_of(manifest.file_bytes)
+                budget_bytes = budget_in_bytes(manifest, budget)
                 spec = PeerSpec(
                     str(export),
                     manifest.dtype,
@@ -278,7 +279,7 @@ def plan_modes(options: BenchOptions, target: Path, draft: Path | None) -> list[
                     mode = info(
                         f"{name}@{budget}",
                         family,
-                        budget.bytes_of(manifest.file_bytes),
+                        budget_in_bytes(manifest, budget),
                         tree=tree,
                         budget=str(budget),
                         throttle=options.throttle,
@@ -333,7 +334,7 @@ def _plan_under_limits(
                     family=family,
                     tree=tree,
                     budget=str(budget),
-                    budget_bytes=budget.bytes_of(manifest.file_bytes),
+                    budget_bytes=budget_in_bytes(manifest, budget),
                     throttle=options.throttle,
                     **under,
                 )

@@ -41,6 +41,7 @@ from lever_actors.device.disk_profile import DiskProfile, profile_disk
 from lever_actors.device.layout import MANIFEST_NAME, WEIGHTS_NAME, read_manifest
 from lever_actors.draft import DraftModel
 from lever_actors.model import native
+from lever_actors.target import budget_in_bytes
 
 DISK_PROFILE_BYTES = 2**30  # read at most this much of the layout to measure the raw disk
 SWEEP_FAMILIES = ("flash-ar", "sd-chain", "sd-static", "lever")
@@ -128,7 +129,7 @@ def sweep(
                 SweepPoint(
                     throttle=throttle,
                     budget=str(budget),
-                    budget_bytes=budget.bytes_of(manifest.file_bytes),
+                    budget_bytes=budget_in_bytes(manifest, budget),
                     target_bytes=manifest.file_bytes,
                     results=run_modes(modes, workload, point_options, command, log),
                 )

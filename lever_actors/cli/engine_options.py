@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
 from lever_actors.checkpoints.quantize import WEIGHTS_CHOICES
 from lever_actors.checkpoints.real_pair import (
+    REAL_PAIR_DEFAULTS,
     REAL_TARGET_WEIGHTS,
     real_model_path,
     real_target_layout,
@@ -25,7 +27,7 @@ def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
         "--target-weights",
         choices=WEIGHTS_CHOICES,
         default=REAL_TARGET_WEIGHTS,
-        help="without --target: the real target's layout, its matrices dense (bf16) or "
+        help="without --target: the real target's layout, its matrices dense (bfloat16) or "
         f"quantized (see `convert --weights`) (default: {REAL_TARGET_WEIGHTS})",
     )
     gen.add_argument("--draft", type=Path, help="draft model: HF dir, GGUF file or flash layout")
@@ -68,8 +70,9 @@ def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
     _option(gen, "units", help="split: small work on a second unit beside the batched one")
     gen.add_argument(
         "--dram-budget",
-        help="target weights held in DRAM: 25%%, 1.5GiB or all (default: 25%% for the real "
-        "pair, else all)",
+        help="target weights held in DRAM: 25%%, 1.5GiB or all (default: "
+        f"{_escaped(REAL_PAIR_DEFAULTS['dram_budget'])} for the real pair, else "
+        f"{default_of('dram_budget')})",
     )
     _option(gen, "throttle", help="emulated phone flash")
     gen.add_argument(
@@ -83,12 +86,8 @@ def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The config the flags ask for. Without --target, the real pair (fetched and converted
-    on first use), with a 25% DRAM budget."""
-    real = args.target is None
-    tree = args.tree or ("gaincost" if real or args.draft else "none")
-    flags = dict(
-        tree=tree,
-        dram_budget=args.dram_budget or ("25%" if real else "all"),
+    on first use), with its defaults (REAL_PAIR_DEFAULTS) where a flag is not given."""
+    flags: dict[str, Any] = dict(
         throttle=args.throttle,
         verify_checksums=args.verify,
         early_exit=args.early_exit,
@@ -104,16 +103,23 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         units=args.units,
         trace=str(args.trace) if args.trace else None,
     )
-    if real:
+    # left out, these take EngineConfig's defaults (the tree: one with a draft, else none)
+    given = {"tree": args.tree, "dram_budget": args.dram_budget}
+    flags |= {name: value for name, value in given.items() if value is not None}
+    if args.target is None:
+        flags = REAL_PAIR_DEFAULTS | flags
         # the flags are checked before the pair is fetched and converted (minutes, once)
         EngineConfig(target="the real target", draft="the real draft", **flags)
         target = real_target_layout(args.cache_dir, ProgressLine(), args.target_weights)
-        draft = real_model_path(args.cache_dir, "draft", ProgressLine())
+        draft: Path | None = real_model_path(args.cache_dir, "draft", ProgressLine())
     else:
         target, draft = args.target, args.draft
-    return EngineConfig(
-        target=str(target), draft=str(draft) if draft and tree != "none" else None, **flags
-    )
+    return EngineConfig(target=str(target), draft=str(draft) if draft else None, **flags)
+
+
+def _escaped(help_text: str) -> str:
+    """argparse formats help with %: a literal one is written twice."""
+    return help_text.replace("%", "%%")
 
 
 def _vocabulary(text: str) -> int | None:

@@ -1,5 +1,6 @@
-"""Weights kept quantized: 4-bit and 8-bit matrices multiplied by torch's weight-only kernels,
-and a 4-bit embedding table read a row at a time.
+"""Weights kept quantized: 4-, 6- and 8-bit matrices multiplied by our kernels (model/native.py)
+where this CPU has them, else by torch's weight-only kernels, and a 4-bit embedding table
+read a row at a time.
 
 Formats (what a flash layout stores, and what DRAM holds):
 - "int4": groups of GROUP inputs share a bf16 scale and zero, w = (q - 8) * scale + zero,

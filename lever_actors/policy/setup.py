@@ -32,7 +32,7 @@ class Policies:
     exit_layer: int | None  # None: the verifier sends no probes
     prune: PrunePolicy
     probe_when: ProbeWhen  # for a tree of n nodes, whether to consult the pruner
-    predictor: str  # which exit predictor prunes: off, none, lens or trained
+    predictor: str  # which exit predictor prunes: off, probe_only, lens or trained
     eager_projection: bool
 
 

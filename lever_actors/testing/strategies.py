@@ -195,7 +195,7 @@ def jitters(*, always: bool = False) -> st.SearchStrategy[float]:
     return some if always else st.one_of(st.just(0.0), some)
 
 
-EARLY_EXITS = ("lens", "trained", "none", "off")  # pruning ones first: more often drawn
+EARLY_EXITS = ("lens", "trained", "probe_only", "off")  # pruning ones first: more often drawn
 
 
 def early_exits(kinds: Sequence[str] = EARLY_EXITS) -> st.SearchStrategy[str]:

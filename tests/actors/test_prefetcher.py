@@ -9,8 +9,7 @@ import trio
 from lever_actors.actors.prefetcher import Prefetcher
 from lever_actors.channels.messages import LayerWeights, SlotRelease
 from lever_actors.checkpoints.convert import convert
-from lever_actors.config import DramBudget
-from lever_actors.device.budget import minimum_budget
+from lever_actors.device.budget import minimum_budget, plan_residency
 from lever_actors.device.layout import read_manifest
 from lever_actors.target import FlashTarget
 from tests.tiny_hf import save_tiny, tiny_model
@@ -28,7 +27,7 @@ def layout(tmp_path_factory):
 async def test_slow_consumer_never_sees_more_slots_than_the_ring(layout, ring_slots):
     manifest = read_manifest(layout)
     budget = minimum_budget(manifest, ring_slots) + manifest.layer(0).nbytes
-    target = FlashTarget(layout, DramBudget.parse(budget), ring_slots=ring_slots)
+    target = FlashTarget(layout, plan_residency(manifest, budget, ring_slots))
     prefetcher = Prefetcher(target.store, target.plan, target.resident_layers)
     layers_send, layers_recv = trio.open_memory_channel[LayerWeights](ring_slots)
     release_send, release_recv = trio.open_memory_channel[SlotRelease](ring_slots)
@@ -58,7 +57,8 @@ async def test_slow_consumer_never_sees_more_slots_than_the_ring(layout, ring_sl
 
 
 async def test_closing_the_consumer_end_stops_the_prefetcher(layout):
-    target = FlashTarget(layout, DramBudget.parse(minimum_budget(read_manifest(layout))))
+    manifest = read_manifest(layout)
+    target = FlashTarget(layout, plan_residency(manifest, minimum_budget(manifest)))
     prefetcher = Prefetcher(target.store, target.plan, target.resident_layers)
     layers_send, layers_recv = trio.open_memory_channel[LayerWeights](2)
     release_send, release_recv = trio.open_memory_channel[SlotRelease](2)

@@ -1,4 +1,4 @@
-// Weight-only quantized matrix products on AMX tiles, built by model/amx.py.
+// Weight-only quantized matrix products on AMX tiles, built by model/native.py.
 //
 // Every output is a fixed sequence of tile products and fused multiply-adds over the inputs
 // in order; a row of x takes part in no other row's sums. So a row's result is the same
