@@ -240,7 +240,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # every n-th step runs pruned nodes anyway, to count false prunes (0: never)
     audit_every: Annotated[int, msgspec.Meta(ge=0)] = 10
     # gain-cost: draft the next tree while flash paces this pass; off by default, since the
-    # rounds took cores the pass needed and were rarely hit (docs/status.md)
+    # rounds took cores the pass needed and were rarely hit (docs/benchmarks.md)
     draft_ahead: bool = False
     # gain-cost: nodes not yet run also offer the token that followed their path's end in
     # the committed text, taken where it pays; copies cost no draft forward (policy/lookup.py)
@@ -248,7 +248,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     projection: Projection = "on_demand"  # on_demand (cpu unit, accepted path) or eager (npu)
     # single: both units on one thread, one OpenMP team that spins (device/units.py);
     # split: small work on a "cpu" unit beside the "npu", each team sleeping when idle.
-    # One team decoded 1.4x as fast resident and as fast or faster streamed (docs/status.md)
+    # One team decoded 1.4x as fast resident and as fast or faster streamed (docs/benchmarks.md)
     units: Units = "single"
     draft_dtype: DraftDtype = "bfloat16"
     draft_weights: Weights = "auto"  # auto: a GGUF draft stays in its own precision class

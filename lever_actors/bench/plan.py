@@ -88,7 +88,7 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     # runs under each, in a child (isolate "all"), ours with the DRAM budget that fits
     # beside the draft and --limit-overhead; the budgets above are then unused
     limits: tuple[str, ...] = ()
-    limit_overhead: str = "400MiB"  # memory beside budget and draft, measured (docs/status.md)
+    limit_overhead: str = "400MiB"  # memory beside budget and draft, measured (docs/benchmarks.md)
     cache_dir: str = ""  # where the peer's HF exports and offload folders go
     # llama.cpp (bench/llamacpp.py): drafted tokens per step of llamacpp-spec, threads, a
     # directory holding its programs (default: the cache's build), and the GGUFs it runs

@@ -10,7 +10,7 @@ Q4_K and Q6_K blocks keep their values (q4k in our packing, q6k as stored), and 
 to int4 without requantizing (its 32-input groups are int4's; only the scales round to bf16);
 other types are dequantized and rounded to nearest. The other 4- and 5-bit types take q4k,
 not int4, for speed: the real draft's Q5_0 matrices (896 inputs, a last block half padded)
-multiplied 2-8 rows 1.4-2x as fast on AVX2 (docs/status.md); int4's AMX tiles are faster
+multiplied 2-8 rows 1.4-2x as fast on AVX2 (docs/benchmarks.md); int4's AMX tiles are faster
 for big trees, which `--weights q4` keeps.
 """
 

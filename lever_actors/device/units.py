@@ -13,7 +13,7 @@ OpenMP team, and the engine loads and profiles on the "npu" unit too. libgomp sp
 team threads between products only while it manages no more threads than there are
 cores; each further thread that ever started a team (a trio cache thread, the event
 loop's thread) makes every team sleep after each product instead: the real target's
-memory-resident loop decoded 15-25% slower with a second team alive (docs/status.md).
+memory-resident loop decoded 15-25% slower with a second team alive (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def test_a_killed_convert_leaves_nothing_loadable_and_the_next_run_cleans_up(tmp
     partial = out.with_name(f".layout.partial-{child.pid}")
     assert partial.is_dir() and not out.exists()  # the half-written weights under a hidden name
 
-    assert main(["convert", str(src), str(out), "--dtype", "fp32"]) == 0
+    assert main(["convert", str(src), str(out), "--dtype", "float32"]) == 0
     assert sorted(p.name for p in out.parent.iterdir()) == ["layout"]
     assert load_checkpoint(out, torch.float32).args == TINY_ARGS
 
