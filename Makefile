@@ -30,6 +30,7 @@ test: $(DEV)
 
 lint: $(DEV)
 	$(VENV)/bin/ruff check lever_actors tests bench
+	$(VENV)/bin/mypy
 
 bench: $(DEV)
 	$(VENV)/bin/lever-actors bench $(ARGS)

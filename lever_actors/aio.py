@@ -15,7 +15,7 @@ cancels the request at once; the engine then serves the next one.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import NamedTuple, Unpack
 
@@ -137,7 +137,7 @@ class AsyncEngine:
         messages: Sequence[Mapping[str, str]] | None = None,
         options: GenerationOptions | None = None,
         **keywords: Unpack[GenerationKeywords],
-    ) -> AsyncIterator[TokenEvent]:
+    ) -> AsyncGenerator[TokenEvent, None]:
         """`Engine.stream` with the same arguments. Leaving the loop or cancelling the task
         cancels the request."""
         request = _Asked(prompt, messages, options_of(options, keywords))

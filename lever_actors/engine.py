@@ -8,7 +8,7 @@ channels with it and the next request starts clean. Requests are served one at a
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -237,7 +237,7 @@ class Engine:
         messages: Sequence[Mapping[str, str]] | None = None,
         options: GenerationOptions | None = None,
         **keywords: Unpack[GenerationKeywords],
-    ) -> AsyncIterator[TokenEvent]:
+    ) -> AsyncGenerator[TokenEvent, None]:
         """Yield each token as it is accepted. Leaving the loop early cancels the request.
 
         Give either `prompt`, raw text (no chat template) or token ids, or `messages`, a
@@ -489,8 +489,9 @@ def _check_same_vocabulary(target: FlashTarget, draft: DraftModel) -> None:
     """The target verifies the draft's token ids: both models must have as many tokens and,
     where both tokenizers are known, spell each id the same."""
     sizes = draft.model.args.vocab_size, target.args.vocab_size
-    both = draft.tokenizer is not None and target.tokenizer is not None
-    difference = _first_difference(draft.tokenizer, target.tokenizer) if both else ""
+    difference = ""  # compared where both tokenizers are known
+    if draft.tokenizer is not None and target.tokenizer is not None:
+        difference = _first_difference(draft.tokenizer, target.tokenizer)
     if sizes[0] != sizes[1] or difference:
         raise ConfigError(
             f"draft {draft.source} has {sizes[0]} tokens, the target {sizes[1]}{difference}: "

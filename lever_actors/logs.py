@@ -8,6 +8,7 @@ import logging
 import sys
 
 import structlog
+from structlog.typing import EventDict
 
 PACKAGE = "lever_actors"
 
@@ -19,7 +20,7 @@ def get_logger(name: str) -> structlog.stdlib.BoundLogger:
     )
 
 
-def _line(_logger, _method: str, event: dict) -> str:
+def _line(_logger, _method: str, event: EventDict) -> str:
     """'what happened key=value ...' as the message the logging record carries."""
     what = event.pop("event")
     return " ".join([what, *(f"{key}={value}" for key, value in event.items())])

@@ -20,7 +20,7 @@ from lever_actors.model.layers import (
     rms_norm,
 )
 from lever_actors.model.rope import Rope
-from lever_actors.model.weights import Weight
+from lever_actors.model.weights import Weight, dense
 
 
 def residency(manifest: Manifest, dram_budget: DramBudget, ring_slots: int = 2) -> ResidencyPlan:
@@ -53,7 +53,7 @@ class FlashTarget:
         # None where the budget streams the head (`logits` then reads it each pass)
         self.lm_head: Weight | None = resident[head][head] if head in resident else None
         self._head_buffer = AlignedBuffer(self.plan.head_buffer_bytes)
-        self.final_norm = resident["final_norm"]["final_norm"]
+        self.final_norm = dense(resident["final_norm"]["final_norm"])
         self.embed_table = resident["embed"]["embed"] if "embed" in resident else None
         self.resident_layers = {
             i: resident[layer_key(i)] for i in range(self.args.n_layers) if layer_key(i) in resident

@@ -105,9 +105,11 @@ class Drafter:
         compute-bound pass the rounds slowed verification more than their hits saved
         (memory-resident, verification took 1.8x as long). The commit ends the round in
         flight at its next layer: the next tree waits for no more of it."""
-        growth = self.growth
-        may = self.policy.ahead and growth is not None and self.policy.cost.io_bound(growth.sent)
-        if not may:
+        growth, cost = self.growth, self.policy.cost
+        if not self.policy.ahead or growth is None:
+            return await _next(commits)
+        assert cost is not None  # a gain-cost tree's growth: it has its cost model
+        if not cost.io_bound(growth.sent):
             return await _next(commits)
         committed = threading.Event()
         async with trio.open_nursery() as nursery:
@@ -124,6 +126,7 @@ class Drafter:
         async def run(nodes: list[int]) -> None:
             # it gives way, between its layers, to the jobs of the pass it runs beside: a
             # verifier's layer waits for a layer of the draft, not for the round
+            assert self.builder is not None  # the sent tree's
             await self.cpu.run_yielding(self.builder.run, nodes, until=until)
 
         with contextlib.suppress(Abandoned):
@@ -132,6 +135,7 @@ class Drafter:
 
     async def _run(self, nodes: list[int]) -> None:
         unit = self.cpu if len(nodes) <= SMALL_BATCH else self.npu
+        assert self.builder is not None  # the tree being drafted
         await unit.run(self.builder.run, nodes)
 
     async def draft(self, request: DraftRequest) -> DraftTree:
@@ -152,6 +156,7 @@ class Drafter:
         builder = self.carried
         self.carried = None
         if builder is None:
+            assert self.model is not None  # only a tree of kind "none" needs no draft
             builder = TreeBuilder(self.model, self.cache, self.chain, self.chooser)
             await self.npu.run(builder.run_chain, self.backlog)
             self.backlog = []
@@ -159,10 +164,12 @@ class Drafter:
         self.builder = builder
         spec = self.policy.spec
         if spec.kind == "gaincost":
+            cost, calibrator = self.policy.cost, self.policy.calibrator
+            assert cost is not None and calibrator is not None  # a gain-cost tree needs them
             self.growth = await grow_gain_cost(
                 builder,
-                self.policy.cost,
-                self.policy.calibrator,
+                cost,
+                calibrator,
                 request.max_nodes,
                 self._run,
                 self.context,

@@ -13,6 +13,7 @@ from lever_actors.channels.messages import LayerWeights, SlotRelease
 from lever_actors.device.budget import ResidencyPlan
 from lever_actors.device.flash import AlignedBuffer, FlashStore
 from lever_actors.device.layout import layer_key
+from lever_actors.model.weights import LayerTensors
 
 
 @dataclass
@@ -30,7 +31,7 @@ class Prefetcher:
     and sent only once checked."""
 
     def __init__(
-        self, store: FlashStore, plan: ResidencyPlan, resident_layers: dict[int, dict]
+        self, store: FlashStore, plan: ResidencyPlan, resident_layers: dict[int, LayerTensors]
     ) -> None:
         self.store = store
         self.plan = plan

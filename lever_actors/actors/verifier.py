@@ -98,7 +98,8 @@ class Verifier:
         target = self.target
         n_layers = target.args.n_layers
         tree = TokenTree(message.tokens, message.parents)
-        x = place = None  # set by the pass's first job
+        x: torch.Tensor  # x and place: set by the pass's first job
+        place: Placement
         context = 0
         live = list(range(len(tree)))
         probes = (
@@ -106,20 +107,22 @@ class Verifier:
             and len(tree) > message.n_committed
             and self.probe_when(len(tree))
         )
-        audit, would_drop = False, ()
+        probe_at = self.exit_layer if probes else None  # the layer this pass probes at
+        audit = False
+        would_drop: tuple[int, ...] = ()
         io_wait = compute = probe_seconds = 0.0
         layer = 0
         while layer < n_layers:
             # up to the exit layer first when this pass probes there: the pruner's verdict
             # decides which nodes go on
-            last = self.exit_layer if probes and layer <= self.exit_layer else n_layers - 1
+            last = probe_at if probe_at is not None and layer <= probe_at else n_layers - 1
             waited = time.perf_counter()
             arrived = await self._layers_arrived(inbox.layers, message.step, layer, last)
             started = time.perf_counter()
             tensors = [weights.tensors for weights in arrived]
             # the jobs' own time: a wait behind a round drafted ahead on the unit is no cost
             # of the tree's nodes
-            if x is None:  # one job, not three: each hands over between threads (units.py)
+            if layer == 0:  # one job, not three: each hands over between threads (units.py)
                 (x, place, context), seconds = await self.unit.run_timed(
                     _first_layers, target, tree, cache, kept, tensors
                 )
@@ -133,7 +136,7 @@ class Verifier:
                 if weights.slot is not None:
                     await outbox.releases.send(SlotRelease(step=message.step, slot=weights.slot))
             layer += len(arrived)
-            if probes and layer - 1 == self.exit_layer:
+            if layer - 1 == probe_at:
                 asked = time.perf_counter()
                 kept = await self._prune(message, tree, live, x, layer - 1, inbox, outbox)
                 probe_seconds = time.perf_counter() - asked

@@ -9,13 +9,14 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import trio
 
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.tokenizer import Tokenizer, user_turn
-from lever_actors.config import DramBudget, EngineConfig
+from lever_actors.config import DraftDtype, DramBudget, EngineConfig
 from lever_actors.device.layout import read_manifest
 from lever_actors.draft import DraftModel, load_draft
 from lever_actors.engine import Engine
@@ -25,7 +26,7 @@ from lever_actors.model.transformer import Transformer
 
 # name -> EngineConfig fields; static:8,8 (72 nodes) and gain-cost trees go past every row
 # count at which a BLAS kernel may switch
-POLICIES: dict[str, dict[str, object]] = {
+POLICIES: dict[str, dict[str, Any]] = {
     "chain-4": {"tree": "chain:4"},
     "static-4-2-2-1": {"tree": "static:4,2,2,1"},
     "static-8-8": {"tree": "static:8,8"},
@@ -84,7 +85,7 @@ def check_exact(
     policies: Sequence[str],
     max_new_tokens: int,
     dram_budget: DramBudget,
-    draft_dtype: str = "bfloat16",
+    draft_dtype: DraftDtype = "bfloat16",
 ) -> list[Divergence]:
     """Run every policy on every prompt; -> the divergences from one-token greedy."""
     unknown = set(policies) - set(POLICIES)

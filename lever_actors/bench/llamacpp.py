@@ -32,6 +32,7 @@ import hashlib
 import math
 import mmap
 import os
+import resource
 import shlex
 import signal
 import struct
@@ -366,7 +367,9 @@ class _Capture:
         self.file.close()
 
 
-def _wait_polling_peak(process: subprocess.Popen) -> tuple[int, object, int | None]:
+def _wait_polling_peak(
+    process: subprocess.Popen,
+) -> tuple[int, resource.struct_rusage, int | None]:
     """Wait for `process`, reading its VmHWM until it exits: (exit code, its rusage, peak
     RSS bytes). Killed past RUN_TIMEOUT_S."""
     status_file = Path(f"/proc/{process.pid}/status")

@@ -53,7 +53,7 @@ class PeerHF:
         self.assistant_path = Path(spec.assistant) if spec.assistant else None
         self.assistant_dtype = DTYPE_NAMES[spec.assistant_dtype or spec.dtype]
         self.evict = [Path(p) for p in spec.evict]
-        self.assistant = None
+        self.assistant: torch.nn.Module | None = None
 
     async def open(self, stack: AsyncExitStack) -> None:
         await trio.to_thread.run_sync(self._load)
@@ -97,7 +97,9 @@ class PeerHF:
         evict_from_page_cache(self.evict)
         stamps = _StampingStreamer()
         stops = sorted(stop_ids)
-        extra = {"assistant_model": self.assistant} if self.assistant is not None else {}
+        extra: dict[str, torch.nn.Module] = (
+            {"assistant_model": self.assistant} if self.assistant is not None else {}
+        )
         read_before = storage_read_bytes()
         with torch.inference_mode():
             out = self.model.generate(

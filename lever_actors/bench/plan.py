@@ -10,6 +10,7 @@ import math
 import struct
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import gguf
 import msgspec
@@ -25,7 +26,14 @@ from lever_actors.bench.modes import EngineMode, EngineSpec, MemoryAR, MemoryARS
 from lever_actors.bench.peer import PeerHF, PeerSpec, hf_export_for
 from lever_actors.bench.results import ModeInfo
 from lever_actors.bench.summary import LLAMACPP_FAMILIES
-from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, DRAFT_VOCABULARY, DramBudget, EngineConfig
+from lever_actors.config import (
+    DEFAULT_MAX_NEW_TOKENS,
+    DRAFT_VOCABULARY,
+    DraftDtype,
+    DramBudget,
+    EngineConfig,
+    Throttle,
+)
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import DTYPE_NAMES, MANIFEST_NAME, Manifest, read_manifest
 from lever_actors.draft import DraftModel, load_draft
@@ -66,11 +74,11 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     modes: tuple[str, ...] = ("memory-ar", "flash-ar")  # the first is the agreement reference
     # DRAM budgets of flash modes ("25%" and "1.5GiB" are read); the first is the headline
     budgets: tuple[DramBudget, ...] = (DramBudget.parse("25%"),)
-    throttle: str = "none"
+    throttle: Throttle = "none"
     chain: tuple[int, ...] = (4,)
     static_tree: str = "4,2,2,1"
     prune_threshold: float | None = None  # for the Lever modes; None: the engine's default
-    draft_dtype: str = "bfloat16"
+    draft_dtype: DraftDtype = "bfloat16"
     dtype: str | None = None  # compute dtype of memory-resident modes (default: the layout's)
     prompt_sets: tuple[str, ...] = ("humaneval",)
     prompts: int = 5
@@ -157,7 +165,7 @@ def engine_variants(options: BenchOptions, family: str) -> list[tuple[str, str |
     conventional = {"early_exit": "off", "projection": "on_demand", "units": "single"}
     static = f"static:{options.static_tree}"
     lever = {} if options.prune_threshold is None else {"prune_threshold": options.prune_threshold}
-    variants = {
+    variants: dict[str, list[tuple[str, str | None, dict]]] = {
         "flash-ar": [("flash-ar", None, {"tree": "none", "early_exit": "off"})],
         "sd-chain": [
             (f"sd-chain:{k}", f"chain:{k}", {"tree": f"chain:{k}", **conventional})
@@ -214,6 +222,7 @@ def plan_modes(options: BenchOptions, target: Path, draft: Path | None) -> list[
     cache = Path(options.cache_dir) if options.cache_dir else target.parent
     full_bytes = 0
     if ours:
+        assert dtype is not None  # checked above
         full_bytes = manifest.file_bytes if manifest else weight_bytes(target, dtype)
     overhead = parse_bytes(options.memory_overhead)
     one_limit = None if options.memory_limit is None else parse_bytes(options.memory_limit)
@@ -312,7 +321,7 @@ def _plan_under_limits(
     for text in options.limits:
         limit = parse_bytes(text)
         label = compact_bytes(limit)
-        under = {"memory_limit_bytes": limit, "limit": label, "isolated": True}
+        under: dict[str, Any] = {"memory_limit_bytes": limit, "limit": label, "isolated": True}
         for family in options.modes:
             if family in MEMORY_RESIDENT:
                 continue
@@ -353,6 +362,7 @@ def fitted_budget(manifest: Manifest, room: int) -> DramBudget:
 def _memory_resident(
     family: str, target: Path, manifest: Manifest | None, dtype: str | None, cache: Path
 ) -> ModeSpec:
+    assert dtype is not None  # plan_modes checked our modes have one
     if family == "memory-ar":
         return MemoryARSpec(str(target), dtype)
     if family == "memory-ar-dense":

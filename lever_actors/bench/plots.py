@@ -40,7 +40,9 @@ def throughput_data(results: BenchResults) -> dict[str, dict[str, float | None]]
     for info in results.modes:
         data[info.name] = {}
         for p in results.prompt_sets:
-            ours, theirs = rate.get((info.name, p)), rate.get((lever[p], p))
+            mode = lever[p]
+            ours = rate.get((info.name, p))
+            theirs = rate.get((mode, p)) if mode is not None else None
             data[info.name][p] = ours / theirs if ours is not None and theirs else None
     return data
 

@@ -156,11 +156,8 @@ def markdown_table(results: BenchResults) -> str:
     lever = {p: _lever_rate(results, p) for p in results.prompt_sets}
     for s in results.summaries:
         info = results.info(s.mode)
-        ratio = (
-            s.decode_tok_s / lever[s.prompt_set]
-            if s.decode_tok_s is not None and lever[s.prompt_set]
-            else None
-        )
+        theirs = lever[s.prompt_set]
+        ratio = s.decode_tok_s / theirs if s.decode_tok_s is not None and theirs else None
         limit = _gib(info.memory_limit_bytes)
         if info.memory_limit_bytes is not None:
             limit += " (enforced)" if info.limit_enforced else " (not enforced)"

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 import trio
@@ -42,6 +43,8 @@ from lever_actors.device.layout import MANIFEST_NAME, WEIGHTS_NAME, read_manifes
 from lever_actors.draft import DraftModel
 from lever_actors.model import native
 from lever_actors.target import budget_in_bytes
+
+R = TypeVar("R", BenchResults, SweepResults)  # either kind of results, as it came
 
 DISK_PROFILE_BYTES = 2**30  # read at most this much of the layout to measure the raw disk
 SWEEP_FAMILIES = ("flash-ar", "sd-chain", "sd-static", "lever")
@@ -212,7 +215,7 @@ def measure_disk(target: Path) -> DiskProfile | None:
     return profile_disk(target / WEIGHTS_NAME, layer_bytes, DISK_PROFILE_BYTES)
 
 
-def with_disk(results: AnyResults, profiles: list[DiskProfile | None]) -> AnyResults:
+def with_disk(results: R, profiles: list[DiskProfile | None]) -> R:
     """`results` with the raw disk profiles of the run and their mean."""
     measured = [p for p in profiles if p is not None]
     bandwidth = sum(p.bandwidth for p in measured) / len(measured) if measured else None

@@ -5,6 +5,7 @@ scaling sweep. Nothing here runs a model or writes a file."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
@@ -66,7 +67,7 @@ def summarise(mode: str, prompt_set: str, runs: list[PromptRun]) -> ModeSummary:
     ok = [r for r in mine if r.failed is None]
     peaks = [r.peak_rss_bytes for r in mine if r.peak_rss_bytes is not None]
     cgroup_peaks = [r.cgroup_peak_bytes for r in mine if r.cgroup_peak_bytes is not None]
-    memory = {
+    memory: dict[str, Any] = {  # ModeSummary's keywords
         "peak_rss_bytes": max(peaks) if peaks else None,
         "cgroup_peak_bytes": max(cgroup_peaks) if cgroup_peaks else None,
     }
@@ -124,7 +125,7 @@ def compute_summary(
     compared: dict[str, dict[str, str]] = {}
     for prompt_set in prompt_sets:
         lever_rate = rate(lever, prompt_set) if lever else None
-        if lever_rate is None:
+        if lever is None or lever_rate is None:
             continue
         baselines = {
             "flash_ar": _fastest(at_budget(["flash-ar"]), prompt_set, rate),
@@ -180,8 +181,8 @@ def limit_summary(
 
     def fastest(limit: str | None, families: Sequence[str]) -> float | None:
         rates = [rate(m.name) for m in modes if m.limit == limit and m.family in families]
-        rates = [r for r in rates if r is not None]
-        return max(rates) if rates else None
+        found = [r for r in rates if r is not None]
+        return max(found) if found else None
 
     def peaks_gib(limit: str, field: str) -> dict[str, float]:
         """Mode -> its highest `field` (bytes) over the prompt sets, in GiB."""
@@ -231,7 +232,7 @@ def sweep_rates(
     out = {}
     for point in results.points:
         r = point.results
-        row = {}
+        row: dict[str, tuple[float | None, str | None, str | None]] = {}
         for line, families in _LINE_FAMILIES.items():
             candidates = []
             failure = None

@@ -30,10 +30,10 @@ class ChannelSet:
     def open(self, name: str, message_type: type, capacity: int) -> Channel:
         if capacity < 1:
             raise ValueError(f"channel {name} needs a capacity of at least 1, got {capacity}")
-        send, receive = trio.open_memory_channel[message_type](capacity)
-        if self.tracer is not None:
-            send = self.tracer.wrap(name, send)
-        channel = Channel(name, message_type, send, receive)
+        # message_type is known only at run time: to the type checker, any message
+        send, receive = trio.open_memory_channel[Any](capacity)
+        traced = send if self.tracer is None else self.tracer.wrap(name, send)
+        channel = Channel(name, message_type, traced, receive)
         self.channels[name] = channel
         return channel
 

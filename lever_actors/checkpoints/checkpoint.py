@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,9 @@ def file_inside(directory: Path, name: object, what: str) -> Path:
     return directory / name
 
 
-def check_layer_count(names: object, prefix: tuple[str, ...], n_layers: int, field: str) -> None:
+def check_layer_count(
+    names: Iterable[object], prefix: tuple[str, ...], n_layers: int, field: str
+) -> None:
     """No tensor name `prefix + (i, ...)` (split at dots) may have a layer i past the
     `n_layers` the metadata's `field` ("FILE: KEY") declares: a file with more layers than
     its metadata says is corrupt, not a smaller model."""

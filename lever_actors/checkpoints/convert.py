@@ -29,7 +29,7 @@ from lever_actors.device.layout import (
 )
 from lever_actors.errors import CheckpointError
 from lever_actors.model.quantized import Format, QuantizedRows, QuantizedWeight
-from lever_actors.model.weights import Weight, layer_tensor_names
+from lever_actors.model.weights import StoredWeight, Weight, layer_tensor_names, stored
 from lever_actors.progress import Progress
 
 TENSOR_ALIGNMENT = 64  # tensors inside an extent start on cache-line boundaries
@@ -69,7 +69,7 @@ def convert(
     return manifest
 
 
-def _extent_tensors(checkpoint: Checkpoint) -> Iterator[tuple[str, list[tuple[str, torch.Tensor]]]]:
+def _extent_tensors(checkpoint: Checkpoint) -> Iterator[tuple[str, list[tuple[str, Weight]]]]:
     """Extents in file order: embedding, layers, final norm, then the LM head unless tied."""
     w = checkpoint.weights
     yield "embed", [("embed", w.embed)]
@@ -92,7 +92,7 @@ def _write_weights(checkpoint: Checkpoint, path: Path, progress: Progress | None
             entries = []
             for name, tensor in tensors:
                 f.write(bytes(-(f.tell() - start) % TENSOR_ALIGNMENT))
-                data = _bytes(tensor)
+                data = _bytes(stored(tensor))
                 entries.append(
                     TensorEntry(
                         name=name,
@@ -124,7 +124,7 @@ def _format(tensor: Weight) -> Format:
     return "int4rows" if isinstance(tensor, QuantizedRows) else "dense"
 
 
-def _bytes(tensor: Weight) -> bytes:
+def _bytes(tensor: StoredWeight) -> bytes:
     if isinstance(tensor, torch.Tensor):
         return tensor.contiguous().view(torch.uint8).numpy().tobytes()
     return tensor.to_bytes()

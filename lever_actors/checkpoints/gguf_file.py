@@ -33,6 +33,7 @@ from lever_actors.model.quantized import from_q4k_blocks, from_q6k_blocks
 from lever_actors.model.weights import (
     ModelWeights,
     Weight,
+    dense,
     expected_shapes,
     layer_tensor_names,
     stored_tensors,
@@ -123,12 +124,14 @@ def load_gguf(path: Path, dtype: torch.dtype, weights: Weights = "dense") -> Che
         heads = _permuted_heads(args, ours)
         kept = {"q6k": QType.Q6_K, "q4k": QType.Q4_K}.get(fmt) == t.tensor_type
         if kept or (fmt in ("int4", "int4rows") and t.tensor_type == QType.Q4_K):
+            assert len(shape) == 2  # tensor_format quantizes matrices only
             rows = torch.from_numpy(np.array(t.data)).view(shape[0], -1)  # a row's blocks
             rows = rows if heads is None else unpermute_qk(rows, heads)
             if kept:
                 return (from_q6k_blocks if fmt == "q6k" else from_q4k_blocks)(rows, shape)
             return q4k_to_int4(rows, shape, fmt)
         if fmt in ROW_WISE_FORMATS and heads is None:
+            assert len(shape) == 2  # as above
             return quantize_by_rows(_row_chunks(t, path), fmt, shape)
         values = _tensor(t, path)
         values = values if heads is None else unpermute_qk(values, heads)
@@ -144,7 +147,7 @@ def load_gguf(path: Path, dtype: torch.dtype, weights: Weights = "dense") -> Che
         args=args,
         weights=ModelWeights(
             embed=embed,
-            final_norm=load("final_norm"),
+            final_norm=dense(load("final_norm")),
             lm_head=lm_head,
             layers=[
                 {name: load(name, i) for name in layer_tensor_names(args)}
@@ -224,7 +227,7 @@ def _meta(
             raise CheckpointError(f"{path}: GGUF metadata lacks {key!r}")
         return default
     try:
-        value = msgspec.convert(field.contents(), kind)
+        value: Any = msgspec.convert(field.contents(), kind)  # a `kind`, known at run time
     except (msgspec.ValidationError, *_READER_ERRORS) as cause:
         raise CheckpointError(
             f"{path}: GGUF metadata {key!r} is unreadable as {kind.__name__} "

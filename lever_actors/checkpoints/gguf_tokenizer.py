@@ -222,7 +222,7 @@ def _unknown_token(meta: _Metadata, vocab: _Vocab) -> str | None:
 
 
 def _bpe(
-    meta: _Metadata, ids: dict[str, int], merges: list[tuple[str, ...]], **options: Any
+    meta: _Metadata, ids: dict[str, int], merges: list[tuple[str, str]], **options: Any
 ) -> tokenizers.Tokenizer:
     try:
         return tokenizers.Tokenizer(models.BPE(vocab=ids, merges=merges, **options))

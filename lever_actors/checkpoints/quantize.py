@@ -40,7 +40,7 @@ from lever_actors.model.quantized import (
     quantize_q4k,
     quantize_q6k,
 )
-from lever_actors.model.weights import ModelWeights, Weight, is_norm
+from lever_actors.model.weights import ModelWeights, Weight, dense, is_norm
 
 SAMPLED_ROWS = 64  # of an embedding table, compared with an LM head's
 
@@ -128,7 +128,8 @@ def quantize_checkpoint(checkpoint: Checkpoint, choice: Weights) -> Checkpoint:
     """A checkpoint loaded in float (an HF one) with its matrices in `choice`'s formats."""
     args, w = checkpoint.args, checkpoint.weights
 
-    def convert(ours: str, t: torch.Tensor) -> Weight:
+    def convert(ours: str, t: Weight) -> Weight:
+        t = dense(t)  # loaded in float
         return quantize_tensor(t, tensor_format(choice, ours, tuple(t.shape)), COMPUTE_DTYPE)
 
     embed = convert("embed", w.embed)

@@ -14,6 +14,7 @@ from lever_actors.bench.harness import PromptSet
 from lever_actors.bench.llamacpp import DEFAULT_DRAFT_MAX, DEFAULT_THREADS
 from lever_actors.bench.plan import MODES, NEEDS_DRAFT, BenchOptions
 from lever_actors.bench.report import render_markdown
+from lever_actors.bench.results import AnyResults
 from lever_actors.bench.run import (
     SWEEP_BUDGETS,
     SWEEP_FAMILIES,
@@ -234,7 +235,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     isolate = "all" if limits and args.isolate == "none" else args.isolate  # limits need children
     return BenchOptions(
         modes=split(modes),
-        budgets=split(args.budgets),
+        budgets=tuple(DramBudget.parse(b) for b in split(args.budgets)),
         throttle=args.throttle,
         chain=tuple(int(k) for k in split(args.chain)),
         static_tree=args.static_tree,
@@ -283,6 +284,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     workload = Workload(target, draft, prompt_sets, tokenizer.eos_ids)
     command = shlex.join(["lever-actors", *sys.argv[1:]])
     plots = not args.no_plots
+    results: AnyResults
     if args.sweep:
         out = args.out or Path("bench/results/sweep.json")
         budgets = tuple(DramBudget.parse(b) for b in split(args.sweep_budgets))

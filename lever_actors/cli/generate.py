@@ -189,7 +189,7 @@ def _text(flag: str, value: str, *, stdin: bool = True) -> str:
     try:
         text = sys.stdin.read() if stdin and value == "-" else value
         text.encode()  # strict: a surrogate raises
-    except UnicodeError as cause:
+    except (UnicodeEncodeError, UnicodeDecodeError) as cause:
         raise ConfigError(f"{flag}: not valid UTF-8 text (at position {cause.start})") from None
     return text
 
@@ -205,7 +205,9 @@ def _generate_in_memory(
     tokenizer = checkpoint.tokenizer
     if tokenizer is None:
         raise ConfigError(f"{args.model} has no tokenizer; generate needs one to encode text")
-    ids = tokenizer.encode(prompt if messages is None else tokenizer.apply_chat_template(messages))
+    text = prompt if messages is None else tokenizer.apply_chat_template(messages)
+    assert text is not None  # _what_to_continue gives a prompt or messages
+    ids = tokenizer.encode(text)
     check_request_size(len(ids), options.max_new_tokens, checkpoint.args.max_seq_len)
     model = Transformer(checkpoint.args, checkpoint.weights)
     print(f"loaded {args.model.name} in {time.perf_counter() - started:.1f} s", file=sys.stderr)

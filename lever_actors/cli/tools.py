@@ -15,6 +15,7 @@ from lever_actors.checkpoints.export import export_hf
 from lever_actors.checkpoints.fetch import REAL_MODELS, fetch_model
 from lever_actors.checkpoints.prompts import PROMPT_SETS, load_prompts
 from lever_actors.checkpoints.quantize import WEIGHTS_CHOICES
+from lever_actors.config import Weights
 from lever_actors.device.disk_profile import profile_disk
 from lever_actors.device.layout import DTYPE_NAMES, MANIFEST_NAME, WEIGHTS_NAME, read_manifest
 from lever_actors.errors import ConfigError
@@ -104,7 +105,7 @@ def run_fetch_models(args: argparse.Namespace) -> int:
 
 def run_convert(args: argparse.Namespace) -> int:
     dtype = DTYPE_NAMES[args.dtype]
-    weights = args.weights or ("auto" if dtype == torch.bfloat16 else "dense")
+    weights: Weights = args.weights or ("auto" if dtype == torch.bfloat16 else "dense")
     manifest = convert(args.src, args.out, dtype, ProgressLine(), weights)
     print(f"{args.out}: {manifest.args.n_layers} layers, {format_bytes(manifest.file_bytes)}")
     return 0

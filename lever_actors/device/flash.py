@@ -199,7 +199,7 @@ class FlashStore:
             hi = min(lo + rows_per_read, out)
             part = self._read_exact(extent, entry, lo * row_bytes, hi * row_bytes, buffer, at)
             if hasher is not None:
-                hasher.update(memoryview(part.numpy()))
+                hasher.update(part.numpy().data)  # .data: the array's memoryview
             return part
 
         starts = range(0, out, rows_per_read)
@@ -221,7 +221,7 @@ class FlashStore:
         finally:  # a caller that stops early must not find a read still filling its buffer
             pending.exception()
         if hasher is not None:
-            hasher.update(memoryview(scales.numpy()))
+            hasher.update(scales.numpy().data)
             if hasher.intdigest() != entry.checksum:
                 raise CorruptLayoutError(
                     f"{self.path}: checksum mismatch in tensor {entry.name!r}, {entry.nbytes} "
@@ -250,7 +250,7 @@ class FlashStore:
         for at in range(first, end, CHUNK_BYTES):
             chunk = chunks[at - first : min(at + CHUNK_BYTES, entry.nbytes) - first]
             expected = entry.chunk_checksums[at // CHUNK_BYTES]
-            self._check(memoryview(chunk.numpy()), expected, entry, tensor_start + at)
+            self._check(chunk.numpy().data, expected, entry, tensor_start + at)
         return chunks[lo - first : hi - first]
 
     def _read_exact(

@@ -9,6 +9,8 @@ build); AMX's int8 kernel takes its rows in another layout, so there layers stay
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from lever_actors.model import native
@@ -33,7 +35,7 @@ def takes(x: torch.Tensor, w: LayerTensors, args: ModelArgs, layer: int) -> bool
         return False
     rows = x.shape[0]
     return all(
-        isinstance(w[name], QuantizedWeight) and w[name].on_our_kernels(rows) for name in MATRICES
+        isinstance(m := w[name], QuantizedWeight) and m.on_our_kernels(rows) for name in MATRICES
     ) and all(t.dtype == torch.bfloat16 for name, t in w.items() if name not in MATRICES)
 
 
@@ -45,7 +47,7 @@ def layer_forward(
     n = x.shape[0]
     span = place.span if place.span is not None else n
     cache.room_for(span)
-    matrices = [w[name] for name in MATRICES]
+    matrices = cast(list[QuantizedWeight], [w[name] for name in MATRICES])  # `takes` checked each
     return native.decoder_layer(
         x.contiguous(),
         [w["attn_norm"], w["ffn_norm"]],

@@ -45,7 +45,9 @@ class KVCache:
         self.keys[layer, :, slots] = k
         self.values[layer, :, slots] = v
         if positions is None:  # a chain: each token's position is its slot
-            positions = torch.arange(self.length, self.length + n) if offsets is None else slots
+            positions = (
+                torch.arange(self.length, self.length + n) if isinstance(slots, slice) else slots
+            )
         self.positions[slots] = positions
         return self.keys[layer, :, :end], self.values[layer, :, :end]
 

@@ -12,7 +12,7 @@ from lever_actors.model.masks import within_window
 from lever_actors.model.placement import Placement
 from lever_actors.model.rope import apply_rope
 from lever_actors.model.row_blocks import linear
-from lever_actors.model.weights import LayerTensors, Weight, cuts_into_rows, row_range
+from lever_actors.model.weights import LayerTensors, Weight, cuts_into_rows, dense, row_range
 
 # Every reduction below gives a row the same result whatever rows and columns come with it
 # (matrix products through row_blocks.linear; attention and norms on our row kernels in bf16,
@@ -72,10 +72,15 @@ def project_qkv(
         q, k, v = linear(x, w["wqkv"]).split([args.n_heads * args.head_dim, kv, kv], dim=-1)
         return q, k, v
     return (
-        linear(x, w["wq"], w.get("bq")),
-        linear(x, w["wk"], w.get("bk")),
-        linear(x, w["wv"], w.get("bv")),
+        linear(x, w["wq"], _bias(w, "bq")),
+        linear(x, w["wk"], _bias(w, "bk")),
+        linear(x, w["wv"], _bias(w, "bv")),
     )
+
+
+def _bias(w: LayerTensors, name: str) -> torch.Tensor | None:
+    bias = w.get(name)
+    return None if bias is None else dense(bias)
 
 
 def attention(
@@ -93,8 +98,8 @@ def attention(
     k = k.view(n, args.n_kv_heads, args.head_dim).transpose(0, 1)
     v = v.view(n, args.n_kv_heads, args.head_dim).transpose(0, 1)
     if args.qk_norm:
-        q = rms_norm(q, w["q_norm"], args.norm_eps)
-        k = rms_norm(k, w["k_norm"], args.norm_eps)
+        q = rms_norm(q, dense(w["q_norm"]), args.norm_eps)
+        k = rms_norm(k, dense(w["k_norm"]), args.norm_eps)
     q, k = apply_rope(q, place.cos, place.sin), apply_rope(k, place.cos, place.sin)
     keys, values = cache.write(layer, k, v, place.offsets, place.span, place.positions)
     mask, window = place.mask, args.window(layer)
@@ -126,13 +131,13 @@ def layer_forward(
     if fused.takes(x, w, args, layer):  # the same ops in one call of our kernels
         return fused.layer_forward(x, w, args, cache, layer, place)
     eps = args.norm_eps
-    h = attention(rms_norm(x, w["attn_norm"], eps), w, args, cache, layer, place)
+    h = attention(rms_norm(x, dense(w["attn_norm"]), eps), w, args, cache, layer, place)
     if args.gemma:
-        h = rms_norm(h, w["post_attn_norm"], eps)
+        h = rms_norm(h, dense(w["post_attn_norm"]), eps)
     x = x + h
-    h = feed_forward(rms_norm(x, w["ffn_norm"], eps), w, args)
+    h = feed_forward(rms_norm(x, dense(w["ffn_norm"]), eps), w, args)
     if args.gemma:
-        h = rms_norm(h, w["post_ffn_norm"], eps)
+        h = rms_norm(h, dense(w["post_ffn_norm"]), eps)
     return x + h
 
 

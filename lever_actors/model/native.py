@@ -257,6 +257,7 @@ def _isa() -> Isa:
 
 
 def _load() -> Isa | None:
+    why: str | None  # None once the kernels load
     isa, why = _supported()
     if isa is not None:
         try:

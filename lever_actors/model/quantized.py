@@ -279,7 +279,9 @@ def from_q6k_blocks(blocks: torch.Tensor, shape: tuple[int, int]) -> QuantizedWe
     return QuantizedWeight("q6k", shape, data, d)
 
 
-def q4k_blocks(blocks: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+def q4k_blocks(
+    blocks: torch.Tensor, shape: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """GGUF Q4_K blocks of an [out, in] matrix, blocks: [out, in / 256 * 144] uint8 (a row's
     blocks in order), as their parts: q [out, in] uint8, sc and m [out, in / 256, 8] uint8,
     d and dmin [out, in / 256] float16. A block is its d and dmin, 12 bytes of 6-bit scales
@@ -541,6 +543,7 @@ def _probe(fmt: str, n_out: int, n_in: int):
     stands for does not)."""
     x, weight = row_blocks.probe_inputs(COMPUTE_DTYPE, row_blocks.probe_features(n_out, n_in), n_in)
     quantized = quantize_int4(weight) if fmt == "int4" else quantize_int8(weight)
+    assert isinstance(quantized, QuantizedWeight)  # int4, not int4rows
     return x, quantized._on_torch
 
 

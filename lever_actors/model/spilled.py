@@ -49,6 +49,7 @@ class SpilledTable:
         raw = torch.from_numpy(np.ascontiguousarray(self.spilled[far.numpy()]))
         if isinstance(self.resident, torch.Tensor):
             return raw.view(self.resident.dtype)
+        assert self.spilled_scales is not None  # a quantized table's
         rows = replace(
             self.resident,
             shape=(len(far), self.shape[1]),
@@ -92,7 +93,7 @@ def spill_rows(table, kept: int | None) -> SpilledTable | None:
 def _file_of(rows: np.ndarray) -> str:
     """A file in the cache holding these bytes, written once: named by their content, so a
     file that exists holds them."""
-    key = hashlib.sha256(rows).hexdigest()[:24]
+    key = hashlib.sha256(rows.data).hexdigest()[:24]  # .data: the array's memoryview
     path = default_cache_dir() / "spilled-rows" / f"{key}.bin"
     if not path.exists() or path.stat().st_size != rows.nbytes:
         path.parent.mkdir(parents=True, exist_ok=True)

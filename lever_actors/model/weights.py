@@ -13,8 +13,23 @@ from lever_actors.model.spilled import SpilledTable
 
 # a matrix may be held quantized (model/quantized.py), a draft's table partly on disk
 # (model/spilled.py); vectors are plain tensors
-Weight = torch.Tensor | QuantizedWeight | QuantizedRows | SpilledTable
+StoredWeight = torch.Tensor | QuantizedWeight | QuantizedRows  # as a checkpoint holds it
+Weight = StoredWeight | SpilledTable
 LayerTensors = dict[str, Weight]
+
+
+def dense(weight: Weight) -> torch.Tensor:
+    """A weight that is a plain tensor by what it is: a vector (a norm, a bias), or any
+    weight of a checkpoint loaded in float."""
+    assert isinstance(weight, torch.Tensor), f"a {type(weight).__name__}, not a plain tensor"
+    return weight
+
+
+def stored(weight: Weight) -> StoredWeight:
+    """A weight of a checkpoint: never a spilled table, which only a draft's DRAM holds
+    (draft.py)."""
+    assert not isinstance(weight, SpilledTable), "a spilled table is not a stored weight"
+    return weight
 
 
 def cuts_into_rows(weight: Weight) -> bool:
@@ -29,7 +44,7 @@ def row_range(weight: Weight, lo: int, hi: int) -> Weight:
     """Rows lo:hi of a matrix that `cuts_into_rows`, as views."""
     if isinstance(weight, torch.Tensor):
         return weight[lo:hi]
-    if cuts_into_rows(weight):
+    if isinstance(weight, QuantizedWeight) and weight.rows_readable:  # as cuts_into_rows
         shape = (hi - lo, weight.shape[1])
         return replace(weight, shape=shape, data=weight.data[lo:hi], scales=weight.scales[lo:hi])
     raise ValueError(f"rows of a {type(weight).__name__} cannot be taken apart")

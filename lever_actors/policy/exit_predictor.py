@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from lever_actors.channels.messages import ExitProbe
 from lever_actors.errors import CheckpointError
 from lever_actors.model.layers import rms_norm
-from lever_actors.model.weights import Weight
+from lever_actors.model.quantized import QuantizedWeight
 
 PREDICTOR_FILE = "exit_predictor.safetensors"
 
@@ -62,7 +62,7 @@ class LensPredictor:
     def __init__(
         self,
         final_norm: torch.Tensor,
-        lm_head: Weight,
+        lm_head: torch.Tensor | QuantizedWeight,
         eps: float,
         threshold: float,
         adapter: LowRankAdapter | None = None,

@@ -54,6 +54,7 @@ from lever_actors.model.layers import embedding, layer_forward, output_logits, r
 from lever_actors.model.placement import Placement
 from lever_actors.model.quantized import dense_values
 from lever_actors.model.rope import Rope
+from lever_actors.model.weights import stored
 from lever_actors.policy.exit_predictor import PREDICTOR_FILE, LowRankAdapter
 from lever_actors.progress import Progress
 
@@ -167,7 +168,7 @@ def train_exit_predictor(
     held_ids, train_ids = sorted(order[:n_held]), sorted(order[n_held:])
     weights = model.weights
     # rows of the head are picked per candidate: a quantized head is unpacked once
-    lm_head = dense_values(weights.lm_head).to(weights.final_norm.dtype)
+    lm_head = dense_values(stored(weights.lm_head)).to(weights.final_norm.dtype)
     kd = {
         name: kd_set(
             torch.cat([exits[i] for i in ids]),
@@ -321,7 +322,7 @@ class _PackedBatch:
         self.slot_seqs: list[int] = []
 
     def run(
-        self, tokens: list[int], seqs: list[int], positions: list[int], exit_layer: int
+        self, tokens: Sequence[int], seqs: list[int], positions: list[int], exit_layer: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens, seqs, positions: [n] each -> hidden after `exit_layer` and after the last
         layer, [n, d_model] each; the n tokens are then committed to the cache."""

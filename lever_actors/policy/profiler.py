@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -13,6 +14,7 @@ from lever_actors.device.layout import layer_key
 from lever_actors.model.layers import layer_forward
 from lever_actors.model.placement import chain_placement
 from lever_actors.model.transformer import Transformer
+from lever_actors.model.weights import LayerTensors
 from lever_actors.policy.cost_model import CostModel, Curve
 from lever_actors.progress import Progress
 from lever_actors.target import FlashTarget
@@ -42,14 +44,13 @@ def profile_costs(
     tick("profile flash")
     verify = []
     for n in VERIFY_SIZES:
-        verify.append(
-            _best_time(lambda n=n: _target_layer(target, layer, n)) * target.args.n_layers
-        )
+        verify.append(_best_time(partial(_target_layer, target, layer, n)) * target.args.n_layers)
         tick("profile verify")
     drafting = []
-    for n in DRAFT_SIZES if draft else []:
-        drafting.append(_best_time(lambda n=n: _draft_forward(draft, n)))
-        tick("profile draft")
+    if draft:
+        for n in DRAFT_SIZES:
+            drafting.append(_best_time(partial(_draft_forward, draft, n)))
+            tick("profile draft")
     hidden = torch.zeros(1, target.args.d_model, dtype=target.dtype)
     project = _best_time(lambda: target.logits(hidden))
     head_bytes = 0
@@ -71,7 +72,7 @@ def profile_costs(
     )
 
 
-def _one_layer(target: FlashTarget) -> tuple[dict[str, torch.Tensor], float]:
+def _one_layer(target: FlashTarget) -> tuple[LayerTensors, float]:
     """A layer's weights to compute with, and the bandwidth seen reading a few streamed
     layers back to back from flash (one read alone is too noisy to trust)."""
     streamed = target.plan.streamed_layers
@@ -86,7 +87,7 @@ def _one_layer(target: FlashTarget) -> tuple[dict[str, torch.Tensor], float]:
     return weights, sum(e.nbytes for e in extents) / seconds
 
 
-def _target_layer(target: FlashTarget, weights: dict[str, torch.Tensor], n: int) -> None:
+def _target_layer(target: FlashTarget, weights: LayerTensors, n: int) -> None:
     cache = target.new_cache(CONTEXT + n)
     cache.commit(CONTEXT)
     x = torch.zeros(n, target.args.d_model, dtype=target.dtype)

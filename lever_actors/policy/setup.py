@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from lever_actors.config import EngineConfig, TreeSpec, default_exit_layer
 from lever_actors.device.budget import head_resident_budget
 from lever_actors.errors import ConfigError
+from lever_actors.model.quantized import QuantizedWeight
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.cost_model import CostModel
@@ -73,9 +76,11 @@ def build_policies(
     prune: PrunePolicy = keep_everything
     probe_when: ProbeWhen = always
     if predictor in ("lens", "trained"):
+        head = target.lm_head  # resident: a streamed one turned the predictor off above
+        assert isinstance(head, torch.Tensor | QuantizedWeight)  # a head: never a row table
         prune = LensPredictor(
             target.final_norm,
-            target.lm_head,
+            head,
             target.args.norm_eps,
             config.prune_threshold,
             adapter if predictor == "trained" else None,

@@ -163,7 +163,7 @@ class TreeBuilder:
         taken_below: dict[int, set[int]] = {}  # node -> its children's tokens
         for node, parent in enumerate(self.parents):
             taken_below.setdefault(parent, set()).add(self.tokens[node])
-        out = []
+        out: list[tuple[int, ...]] = []
         for node in range(len(self.tokens)):
             best = self.children.get(node)
             if best is None:
@@ -268,7 +268,7 @@ class GainCostGrowth:
     def _path_end(self, node: int) -> list[int]:
         """The tree's last MATCH tokens (fewer near the chain) on the path down to `node`:
         all a lookup reads of it."""
-        path = []
+        path: list[int] = []
         while node > self.root and len(path) < MATCH:
             path.append(self.builder.tokens[node])
             node = self.builder.parents[node]
@@ -357,7 +357,9 @@ class GainCostGrowth:
         leaves = [(self.path_prob[n], n) for n in self._runnable_leaves(self.sent)]
         offers = [(c[0], c) for c in self.candidates if c[4] != LOOKUP_RANK]  # copies: not run
         room = cap - (len(builder.tokens) - self.sent)
-        best = sorted(leaves + offers, key=lambda item: item[0], reverse=True)[:width]
+        # by value: a leaf to run, or a candidate to take
+        ranked: list[tuple[float, int | tuple[float, int, int, float, int]]] = [*leaves, *offers]
+        best = sorted(ranked, key=lambda item: item[0], reverse=True)[:width]
         if not best or best[0][0] < AHEAD_WORTH:
             return False
         chosen: list[int] = []

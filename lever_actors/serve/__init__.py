@@ -42,4 +42,5 @@ async def serve(
         settings = hypercorn.config.Config()
         settings.bind = [f"{host}:{port}"]
         settings.accesslog = None
-        await hypercorn.trio.serve(app, settings, task_status=task_status)
+        # hypercorn types an ASGI app narrower than Starlette's (pgjones/hypercorn#353)
+        await hypercorn.trio.serve(app, settings, task_status=task_status)  # type: ignore[arg-type]

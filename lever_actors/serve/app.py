@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import secrets
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import msgspec
@@ -193,7 +193,7 @@ class _Routes:
 async def _sse(
     reply: Reply,
     first: TokenEvent,
-    events: AsyncIterator[TokenEvent],
+    events: AsyncGenerator[TokenEvent, None],
     include_usage: bool,
     ticket: _Ticket,
 ) -> AsyncIterator[bytes]:
@@ -218,10 +218,12 @@ def _event(body: dict[str, Any]) -> bytes:
     return b"data: " + msgspec.json.encode(body) + b"\n\n"
 
 
-async def _http_error(request: Request, exc: HTTPException) -> Response:
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)  # the handler of HTTPException (build_app)
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
     return _JSON(error_body(exc.detail, kind), status_code=exc.status_code)
 
 
-async def _api_error(request: Request, exc: ApiError) -> Response:
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)  # the handler of ApiError (build_app)
     return exc.response()

@@ -298,7 +298,7 @@ def model_pair(
     and its matrices as `weights` says; with `twin_gap` every model's vocabulary comes in
     near-tied twins (`random_hf_tensors`).
     """
-    tok = dict(tokenizer=tokenizer, eos_id=eos_id, twin_gap=twin_gap)
+    tok: dict[str, Any] = dict(tokenizer=tokenizer, eos_id=eos_id, twin_gap=twin_gap)
     if relation == "identical":
         draft = target = tiny_checkpoint(args, seed, **tok)
     elif relation == "perturbed":

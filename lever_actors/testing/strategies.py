@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -17,7 +18,17 @@ except ImportError as missing:
         "pip install 'lever-actors[dev]' or pip install hypothesis"
     ) from missing
 
-from lever_actors.config import ChannelSizes, EngineConfig, TreeSpec, Weights
+from lever_actors.config import (
+    ChannelSizes,
+    DramBudget,
+    EarlyExit,
+    EngineConfig,
+    Projection,
+    PruneWhen,
+    Throttle,
+    TreeSpec,
+    Weights,
+)
 from lever_actors.model.args import SUPPORTED_ARCHITECTURES, ModelArgs, RopeScaling
 from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.testing.checkpoints import (
@@ -195,10 +206,11 @@ def jitters(*, always: bool = False) -> st.SearchStrategy[float]:
     return some if always else st.one_of(st.just(0.0), some)
 
 
-EARLY_EXITS = ("lens", "trained", "probe_only", "off")  # pruning ones first: more often drawn
+# pruning ones first: more often drawn
+EARLY_EXITS: tuple[EarlyExit, ...] = ("lens", "trained", "probe_only", "off")
 
 
-def early_exits(kinds: Sequence[str] = EARLY_EXITS) -> st.SearchStrategy[str]:
+def early_exits(kinds: Sequence[EarlyExit] = EARLY_EXITS) -> st.SearchStrategy[EarlyExit]:
     """The pruner's predictor. "trained" runs a random low-rank adapter (see
     `with_exit_predictor`): exactness cannot depend on how good the predictor is."""
     return st.sampled_from(kinds)
@@ -240,19 +252,19 @@ class EngineCase:
     tree: str
     budget: float | str
     ring_slots: int
-    early_exit: str
+    early_exit: EarlyExit
     exit_layer: int | None
     prune_threshold: float
-    prune_when: str
+    prune_when: PruneWhen
     audit_every: int
     draft_ahead: bool
-    projection: str
+    projection: Projection
     channels: ChannelSizes
     jitter_seconds: float
     seed: int
     dtype: torch.dtype = torch.float64  # the target layout's, which the engine computes in
     twin_gap: float | None = None  # see `random_hf_tensors`
-    throttle: str = "none"  # emulated flash
+    throttle: Throttle = "none"  # emulated flash
     sampling: Sampling = GREEDY  # the request's
     weights: Weights = "dense"  # the target layout's matrices, and the draft's
 
@@ -282,9 +294,9 @@ class EngineCase:
         return EngineConfig(
             target=str(pair.target),
             draft=str(pair.draft),
-            dram_budget=budget_bytes(pair.target, self.budget, self.ring_slots),
+            dram_budget=DramBudget.parse(budget_bytes(pair.target, self.budget, self.ring_slots)),
             ring_slots=self.ring_slots,
-            tree=self.tree,
+            tree=TreeSpec.parse(self.tree),
             early_exit=self.early_exit,
             exit_layer=self.exit_layer,
             prune_threshold=self.prune_threshold,
@@ -292,7 +304,7 @@ class EngineCase:
             audit_every=self.audit_every,
             draft_ahead=self.draft_ahead,
             projection=self.projection,
-            draft_dtype=str(self.dtype).removeprefix("torch."),
+            draft_dtype=str(self.dtype).removeprefix("torch."),  # type: ignore[arg-type]  # a layout dtype, a DraftDtype
             draft_weights=self.weights,
             throttle=self.throttle,
             channels=self.channels,
@@ -317,11 +329,11 @@ def engine_cases(
     new_tokens: st.SearchStrategy[int] | None = None,
     tree_shapes: st.SearchStrategy[str] | None = None,
     dram_budgets: st.SearchStrategy[float | str] | None = None,
-    predictors: st.SearchStrategy[str] | None = None,
-    projections: st.SearchStrategy[str] | None = None,
+    predictors: st.SearchStrategy[EarlyExit] | None = None,
+    projections: st.SearchStrategy[Projection] | None = None,
     channels: st.SearchStrategy[ChannelSizes] | None = None,
     jitter: st.SearchStrategy[float] | None = None,
-    throttles: st.SearchStrategy[str] | None = None,
+    throttles: st.SearchStrategy[Throttle] | None = None,
     sampling: st.SearchStrategy[Sampling] | None = None,
     weights: st.SearchStrategy[str] | None = None,
     dtype: torch.dtype = torch.float64,
@@ -374,7 +386,7 @@ BF16_MAX_SEQUENCE = 32
 BF16_PROMPT = 8  # the longest prompt
 
 
-def bf16_engine_cases(**narrower: object) -> st.SearchStrategy[EngineCase]:
+def bf16_engine_cases(**narrower: Any) -> st.SearchStrategy[EngineCase]:
     """`engine_cases` for exactness in bf16, where near-ties are likely and rounding decides
     them: bf16 targets (`bf16_args`) whose vocabularies come in near-tied twins (`TWIN_GAP`),
     drafts they are close copies of (noise of 0.001-0.003, or none), repetitive prompts of
@@ -383,7 +395,7 @@ def bf16_engine_cases(**narrower: object) -> st.SearchStrategy[EngineCase]:
     gain-cost trees grow large too), target and draft dense or quantized to 4 or 8 bits, and
     a few model seeds, so that examples share checkpoints. Keywords narrow it as in
     `engine_cases`."""
-    defaults: dict[str, object] = dict(
+    defaults: dict[str, Any] = dict(  # engine_cases's keywords
         models=bf16_model_args(),
         relations=st.sampled_from(["perturbed", "identical"]),
         model_seeds=st.integers(0, 2),
