@@ -36,7 +36,7 @@ from lever_actors.channels.messages import (
 from lever_actors.channels.trace import TraceRecord, read_trace
 from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.hf import load_hf
-from lever_actors.config import ChannelSizes, EngineConfig
+from lever_actors.config import DEFAULT_TREE, ChannelSizes, EngineConfig, TreeSpec
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import read_manifest
 from lever_actors.engine import Engine
@@ -44,7 +44,7 @@ from lever_actors.errors import ConfigError
 from lever_actors.model.sampling import Sampling
 from lever_actors.model.sequential import sequential_reference
 from lever_actors.model.transformer import Transformer
-from lever_actors.testing.oracle import reference_tokens
+from lever_actors.testing.oracle import assert_matches_sequential, reference_tokens
 from tests.tiny_hf import save_tiny, tiny_model
 from tests.torch_ops import OpsOnThisThread
 
@@ -684,3 +684,12 @@ async def test_the_trace_of_a_request_left_early_is_complete_and_closed(tiny, tm
         verdict_steps = [r.message.step for r in records if type(r.message) is Verdict]
         # every step whose tokens the consumer saw is in the trace
         assert verdict_steps[: seen[-1].step + 1] == list(range(seen[-1].step + 1))
+
+
+async def test_a_target_alone_decodes_one_token_per_pass(tiny):
+    config = EngineConfig(target=str(tiny.layout))  # no draft, no tree named
+    assert config.tree == TreeSpec("none")
+    assert EngineConfig(target="t", draft="d").tree == DEFAULT_TREE
+    with trio.fail_after(TIMEOUT):
+        result = await assert_matches_sequential(config, PROMPT, 6)
+    assert result.mean_accepted == 1.0
