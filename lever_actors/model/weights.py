@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import TypeGuard
 
 import torch
 
@@ -32,7 +33,7 @@ def stored(weight: Weight) -> StoredWeight:
     return weight
 
 
-def cuts_into_rows(weight: Weight) -> bool:
+def cuts_into_rows(weight: Weight) -> TypeGuard[torch.Tensor | QuantizedWeight]:
     """Whether `row_range` takes this matrix's rows apart: a dense, int8 or q6k one (a 4-bit
     packed matrix's rows cannot be cut apart; a row-read table is not multiplied)."""
     return isinstance(weight, torch.Tensor) or (
@@ -42,9 +43,9 @@ def cuts_into_rows(weight: Weight) -> bool:
 
 def row_range(weight: Weight, lo: int, hi: int) -> Weight:
     """Rows lo:hi of a matrix that `cuts_into_rows`, as views."""
-    if isinstance(weight, torch.Tensor):
-        return weight[lo:hi]
-    if isinstance(weight, QuantizedWeight) and weight.rows_readable:  # as cuts_into_rows
+    if cuts_into_rows(weight):
+        if isinstance(weight, torch.Tensor):
+            return weight[lo:hi]
         shape = (hi - lo, weight.shape[1])
         return replace(weight, shape=shape, data=weight.data[lo:hi], scales=weight.scales[lo:hi])
     raise ValueError(f"rows of a {type(weight).__name__} cannot be taken apart")
