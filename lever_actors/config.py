@@ -22,6 +22,8 @@ DEFAULT_GAINCOST_CAP = 64
 MAX_TREE_NODES = 1024  # draft nodes one tree may have: a pass verifies them all at once
 MAX_STATIC_WIDTH = 64  # children per node a static tree may ask for
 DEFAULT_MAX_NEW_TOKENS = 128
+# finished requests' KV kept for later ones: the real pair's 40 KiB a token, about 6,500 tokens
+DEFAULT_PROMPT_CACHE = 256 * 2**20
 
 # auto: trained where one is saved, else lens; probe_only: probes sent, nothing pruned (a
 # probe's cost without its gain); off: no probes
@@ -256,6 +258,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # rows alone (BPE ids grow as merges grow rare: the real pair's first 65,536 cover about
     # 98% of prompt tokens, and the head cost a third of a draft round); None: every id
     draft_vocabulary: Annotated[int, msgspec.Meta(gt=0)] | None = DRAFT_VOCABULARY
+    # bytes of finished requests' KV (target and draft) kept, so that a later request that
+    # starts with the same tokens prefills only the rest ("256MiB", bytes; 0: none)
+    prompt_cache: Annotated[int, msgspec.Meta(ge=0)] = DEFAULT_PROMPT_CACHE
     throttle: Throttle = "none"
     verify_checksums: bool = True  # every flash read, before its bytes are used
     channels: ChannelSizes = ChannelSizes()
@@ -271,6 +276,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             msgspec.structs.force_setattr(self, "tree", TreeSpec("none"))
         if isinstance(self.dram_budget, str | int):
             msgspec.structs.force_setattr(self, "dram_budget", DramBudget.parse(self.dram_budget))
+        if isinstance(self.prompt_cache, str):
+            msgspec.structs.force_setattr(self, "prompt_cache", parse_bytes(self.prompt_cache))
         _check_fields(self)
 
 

@@ -2,7 +2,8 @@
 
 Each request runs its actors in a nursery of its own, inside the engine's nursery, so that
 a request that ends early (break, cancellation, an error) takes all its actors and
-channels with it and the next request starts clean. Requests are served one at a time.
+channels with it and the next request starts clean. Requests are served one at a time;
+what a finished one leaves is its text's KV, in the prefix cache (prefix_cache.py).
 """
 
 from __future__ import annotations
@@ -47,9 +48,11 @@ from lever_actors.device.memory import map_large_blocks, peak_rss_bytes, return_
 from lever_actors.device.units import ComputeUnit
 from lever_actors.draft import DraftModel, load_draft
 from lever_actors.errors import ConfigError, EngineClosedError
+from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.pruning import keep_everything
 from lever_actors.policy.setup import Policies, build_policies
+from lever_actors.prefix_cache import NO_REUSE, PrefixCache, Reuse
 from lever_actors.progress import Progress
 from lever_actors.request import GenerationKeywords, GenerationOptions, options_of
 from lever_actors.target import FlashTarget, residency
@@ -62,6 +65,7 @@ class GenerationResult(msgspec.Struct, frozen=True):
     steps: list[StepStats]
     finish_reason: FinishReason | None  # None only when no token was generated
     prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose KV an earlier request left (prefix cache)
     seed: int | None  # the sampling seed, given or drawn; None when greedy
     prefill_seconds: float  # request start to the first token
     decode_tokens: int  # tokens after the first step, which comes with the prefill
@@ -90,6 +94,13 @@ class _Request:
     created: float = field(default_factory=time.perf_counter)
     error: BaseException | None = None
     steps: list[StepStats] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # emitted so far
+    reuse: Reuse = NO_REUSE  # what it starts from, claimed when it starts running
+
+    @property
+    def text_tokens(self) -> list[int]:
+        """The prompt and what it has emitted: the text its KV caches hold a prefix of."""
+        return [*self.prompt, *self.tokens]
 
 
 class Engine:
@@ -111,6 +122,7 @@ class Engine:
         self.npu, self.cpu = units
         self._nursery = nursery
         self._one_at_a_time = trio.Lock()
+        self.prefixes = PrefixCache(config.prompt_cache)
         self._closed = False
         self.channels: ChannelSet | None = None  # those of the latest request, for statistics
 
@@ -199,6 +211,7 @@ class Engine:
         it then holds none of its weights (an engine of the real pair at 1 GiB kept 420 MB)."""
         self.draft = None
         self.policies.prune = keep_everything  # the lens shares the target's LM head
+        self.prefixes = PrefixCache(0)
         self.target.close()
 
     async def generate(
@@ -223,6 +236,7 @@ class Engine:
             steps=request.steps,
             finish_reason=events[-1].finish_reason if events else None,
             prompt_tokens=len(request.prompt),
+            cached_tokens=request.reuse.tokens,
             seed=request.options.sampling.reported_seed,
             prefill_seconds=events[0].elapsed_seconds if events else 0.0,
             decode_tokens=decode_tokens,
@@ -329,7 +343,7 @@ class Engine:
         draft_commits = ch.open("draft_commits", Commit, sizes.commits)
         verify_commits = ch.open("verify_commits", Commit, sizes.commits)
 
-        capacity = len(request.prompt) + request.options.max_new_tokens + self.spec.max_nodes + 2
+        caches = await self.npu.run(self._caches, request)  # units.py: copies start a team
         jitter = _jitters(config)
         p = self.policies
         draft_policy = DraftPolicy(
@@ -340,17 +354,23 @@ class Engine:
             lookup=config.lookup,
             sampling=request.options.sampling,
         )
-        ahead_room = self.spec.max_nodes if config.draft_ahead else 0
         drafter = Drafter(
             self.draft,
             draft_policy,
             request.prompt,
-            capacity + ahead_room,
+            caches[1],
             (self.cpu, self.npu),
             next(jitter),
+            cached=request.reuse.tokens,
         )
         verifier = Verifier(
-            target, capacity, p.exit_layer, self.npu, next(jitter), config.audit_every, p.probe_when
+            target,
+            caches[0],
+            p.exit_layer,
+            self.npu,
+            next(jitter),
+            config.audit_every,
+            p.probe_when,
         )
         # the verifier's unit, idle while it awaits the verdict (the other may be drafting
         # ahead, on a pass flash paces)
@@ -385,6 +405,21 @@ class Engine:
                     verdicts.receive,
                     (draft_commits.send, verify_commits.send),
                 )
+        # the actors have ended, so the caches hold what they kept: the text's prefix
+        await self.npu.run(self.prefixes.store, request.text_tokens, *caches)
+
+    def _caches(self, request: _Request) -> tuple[KVCache, KVCache | None]:
+        """The request's KV caches, target's and draft's, sized for its prompt, new tokens
+        and a tree, and started from the longest prefix the prefix cache holds."""
+        request.reuse = self.prefixes.claim(request.prompt)
+        room = len(request.prompt) + request.options.max_new_tokens + self.spec.max_nodes + 2
+        target = self.target.new_cache(room)
+        draft = None
+        if self.draft is not None:
+            ahead_room = self.spec.max_nodes if self.config.draft_ahead else 0
+            draft = self.draft.new_cache(room + ahead_room)
+        request.reuse.restore(target, draft)
+        return target, draft
 
     async def _steps(self, request, events, requests, verdicts, commits) -> None:
         """The engine's own loop: ask for a tree, take the verdict, emit, commit."""
@@ -396,7 +431,6 @@ class Engine:
         )
         stop_ids = self.tokenizer.eos_ids if self.tokenizer else frozenset()
         text = ""
-        generated = 0
         phase = DecodePhase()
         reads = self.target.store.stats
         for step in range(request.options.max_new_tokens):
@@ -410,12 +444,12 @@ class Engine:
                 verdict.tokens, verdict.from_draft, verdict.logprobs, strict=True
             ):
                 emitted += 1
-                generated += 1
+                request.tokens.append(token)
                 delta = decoder.push(token) if decoder else ""
                 text += delta
                 if token in stop_ids or any(s in text for s in request.options.stop):
                     finish = "stop"
-                elif generated >= request.options.max_new_tokens:
+                elif len(request.tokens) >= request.options.max_new_tokens:
                     finish = "length"
                 if finish is not None and decoder:
                     delta += decoder.flush()  # a character still held back ends here
@@ -428,7 +462,8 @@ class Engine:
                     from_draft=from_draft,
                     logprob=logprob,
                     prompt_tokens=len(request.prompt),
-                    generated_tokens=generated,
+                    cached_tokens=request.reuse.tokens,
+                    generated_tokens=len(request.tokens),
                     elapsed_seconds=elapsed,
                     tokens_per_second=phase.rate,
                     finish_reason=finish,
@@ -449,11 +484,11 @@ class Engine:
             request.steps.append(stats)
             if self.policies.cost is not None:
                 self.policies.cost.observe(stats)
+            commit = Commit(step=step, accepted=verdict.accepted, next_tokens=verdict.tokens[-1:])
+            for channel in commits:  # the last step's too: both caches keep its path
+                await channel.send(commit)
             if finish is not None:
                 return
-            commit = Commit(step=step, accepted=verdict.accepted, next_tokens=verdict.tokens[-1:])
-            for channel in commits:
-                await channel.send(commit)
             if self.target.plan.streams:
                 # the step's freed temporaries (~150 MB held at steady state) back to the
                 # kernel: short of memory they would crowd out the page cache. About a

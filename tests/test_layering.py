@@ -16,7 +16,7 @@ LAYERS = (
     ("cli",),
     ("bench", "testing", "aio", "serve"),
     ("engine",),
-    ("actors",),
+    ("actors", "prefix_cache"),
     ("policy",),
     ("target", "draft"),
     ("checkpoints",),

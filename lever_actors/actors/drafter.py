@@ -14,6 +14,7 @@ from lever_actors.actors.jitter import Jitter
 from lever_actors.channels.messages import Commit, DraftRequest, DraftTree
 from lever_actors.config import TreeSpec
 from lever_actors.device.units import Abandoned, ComputeUnit
+from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.sampling import GREEDY, Chooser, Sampling
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.calibration import AcceptanceCalibrator
@@ -46,8 +47,9 @@ class DraftPolicy:
 
 
 class Drafter:
-    """Keeps its own KV cache of the committed text. Each step it first runs the committed
-    tokens it has not seen, then grows the tree below the last one by its policy.
+    """Keeps its own KV cache of the committed text (the request's, which may start from a
+    reused prefix of the prompt). Each step it first runs the committed tokens it has not
+    seen, then grows the tree below the last one by its policy.
 
     A gain-cost tree's nodes it ran are kept until the commit: when the target's next token
     is one of them, below the accepted path's end, the subtree below it is the next tree
@@ -60,17 +62,21 @@ class Drafter:
         model: Transformer | None,
         policy: DraftPolicy,
         prompt: list[int],
-        capacity: int,
+        cache: KVCache | None,
         units: tuple[ComputeUnit, ComputeUnit],
         jitter: Jitter,
+        *,
+        cached: int = 0,
     ) -> None:
+        """`cache`: the draft's (None without a draft model); `cached`: the prompt's first
+        tokens whose KV the target's cache, and `cache`, already hold."""
         self.model = model
         self.policy = policy
         self.cpu, self.npu = units
         self.jitter = jitter
-        self.capacity = capacity
+        self.cache = cache
         self.backlog: list[int] = []  # committed, seen by the target but not by us
-        self.chain: list[int] = list(prompt)  # committed tokens the target has not seen yet
+        self.chain: list[int] = prompt[cached:]  # committed tokens the target has not seen yet
         self.builder: TreeBuilder | None = None  # the last tree's
         self.growth: GainCostGrowth | None = None  # the last tree's, when gain-cost
         self.carried: TreeBuilder | None = None  # the next tree, when the commit hit a run node
@@ -85,8 +91,6 @@ class Drafter:
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         with inbox.requests, inbox.commits, outbox:
-            if self.model is not None:
-                self.cache = await self.npu.run(self.model.new_cache, self.capacity)  # units.py
             task_status.started()
             async for request in inbox.requests:
                 await self.jitter()
@@ -156,7 +160,8 @@ class Drafter:
         builder = self.carried
         self.carried = None
         if builder is None:
-            assert self.model is not None  # only a tree of kind "none" needs no draft
+            # only a tree of kind "none" needs no draft
+            assert self.model is not None and self.cache is not None
             builder = TreeBuilder(self.model, self.cache, self.chain, self.chooser)
             await self.npu.run(builder.run_chain, self.backlog)
             self.backlog = []
@@ -194,7 +199,7 @@ class Drafter:
         if self.context is not None:
             path = [tree.tokens[n] for n in commit.accepted if n >= tree.n_committed]
             self.context.extend([*path, *commit.next_tokens])
-        if self.model is None:
+        if self.model is None or self.cache is None:
             return
         if self.policy.calibrator is not None:
             self.policy.calibrator.observe(

@@ -19,6 +19,7 @@ from lever_actors.channels.messages import (
     SlotRelease,
 )
 from lever_actors.device.units import ComputeUnit
+from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.layers import layer_forward
 from lever_actors.model.placement import Placement, tree_placement
 from lever_actors.model.tree import TokenTree
@@ -45,12 +46,13 @@ class Verifier:
     """One tree per step: the layers are applied to the live nodes as they arrive (those
     already queued in one job) and a layer's slot released as soon as it is applied. At
     the exit layer the pruner may drop nodes; they and their descendants skip the
-    remaining layers. The target's KV cache keeps the accepted path."""
+    remaining layers. The target's KV cache (the request's, which may start from a reused
+    prefix) keeps the accepted path."""
 
     def __init__(
         self,
         target: FlashTarget,
-        capacity: int,
+        cache: KVCache,
         exit_layer: int | None,
         unit: ComputeUnit,
         jitter: Jitter,
@@ -58,7 +60,7 @@ class Verifier:
         probe_when: ProbeWhen = always,
     ) -> None:
         self.target = target
-        self.capacity = capacity
+        self.cache = cache
         self.exit_layer = exit_layer  # None: no probes, the pruner is out of the loop
         self.probe_when = probe_when  # tree nodes -> whether this pass probes at exit_layer
         self.unit = unit
@@ -74,28 +76,28 @@ class Verifier:
     ) -> None:
         with inbox.trees, inbox.layers, inbox.prune_verdicts, inbox.commits:
             with outbox.releases, outbox.probes, outbox.finals:
-                cache = await self.unit.run(self.target.new_cache, self.capacity)  # units.py
                 task_status.started()
                 kept: list[int] | None = None  # the last step's accepted path, not yet kept
                 async for message in inbox.trees:
                     await self.jitter()
-                    final = await self._verify(message, cache, kept, inbox, outbox)
+                    final = await self._verify(message, kept, inbox, outbox)
                     await outbox.finals.send(final)
                     try:
                         commit = await inbox.commits.receive()
                     except trio.EndOfChannel:
                         return
                     kept = list(commit.accepted)  # kept in the next pass's first job
+                if kept is not None:  # the last step's too, for the prefix cache
+                    await self.unit.run(self.cache.keep, kept)
 
     async def _verify(
         self,
         message: DraftTree,
-        cache,
         kept: list[int] | None,
         inbox: VerifierInbox,
         outbox: VerifierOutbox,
     ):
-        target = self.target
+        target, cache = self.target, self.cache
         n_layers = target.args.n_layers
         tree = TokenTree(message.tokens, message.parents)
         x: torch.Tensor  # x and place: set by the pass's first job

@@ -137,6 +137,7 @@ class TokenEvent(msgspec.Struct, frozen=True):
     from_draft: bool
     logprob: float  # the target's log-probability of this token (before temperature, filters)
     prompt_tokens: int
+    cached_tokens: int  # of the prompt's, those whose KV an earlier request left
     generated_tokens: int  # so far, this one included
     elapsed_seconds: float  # since the request started
     tokens_per_second: float | None  # decode rate so far after the first step; None during it

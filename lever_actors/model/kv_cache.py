@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -75,8 +76,48 @@ class KVCache:
             self.positions[dst] = self.positions[src]
         self.length += len(offsets)
 
+    def prefix(self, length: int) -> KVPrefix:
+        """A compact copy of the first `length` committed positions."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"a cache of length {self.length} has no prefix of {length}")
+        return KVPrefix(
+            self.keys[:, :, :length].clone(),
+            self.values[:, :, :length].clone(),
+            self.positions[:length].clone(),
+        )
+
+    def restore(self, prefix: KVPrefix, length: int) -> None:
+        """Start this empty cache from the first `length` positions of `prefix`."""
+        if self.length:
+            raise ValueError("only an empty cache starts from a prefix")
+        if not 0 <= length <= prefix.length:
+            raise ValueError(f"a prefix of length {prefix.length} has no first {length}")
+        self.room_for(length)
+        self.keys[:, :, :length] = prefix.keys[:, :, :length]
+        self.values[:, :, :length] = prefix.values[:, :, :length]
+        self.positions[:length] = prefix.positions[:length]
+        self.length = length
+
     def truncate(self, length: int) -> None:
         """Roll back to the first `length` committed positions."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
         self.length = length
+
+
+@dataclass(frozen=True)
+class KVPrefix:
+    """The committed positions of a KVCache, copied out of it (`KVCache.prefix`): keys and
+    values [n_layers, n_kv_heads, length, head_dim], positions [length]."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.keys, self.values, self.positions))

@@ -64,7 +64,8 @@ class Wired:
 def drafter(model, spec: str, prompt=PROMPT) -> Drafter:
     policy = DraftPolicy(TreeSpec.parse(spec))
     units = (ComputeUnit("cpu"), ComputeUnit("npu"))
-    return Drafter(model, policy, list(prompt), len(prompt) + 64, units, Jitter(0, 0))
+    cache = model.new_cache(len(prompt) + 64) if model else None
+    return Drafter(model, policy, list(prompt), cache, units, Jitter(0, 0))
 
 
 def distribution(model: Transformer, tokens: list[int]) -> torch.Tensor:
@@ -271,7 +272,8 @@ def gain_cost_drafter(model: Transformer, cost: CostModel, *, ahead: bool) -> Wi
     """Its calibrator has seen the target follow the draft: rounds ahead would pay."""
     policy = DraftPolicy(TreeSpec.parse("gaincost"), cost, learned(0.9), ahead=ahead)
     units = (ComputeUnit("cpu"), ComputeUnit("npu"))
-    return Wired(Drafter(model, policy, list(PROMPT), len(PROMPT) + 128, units, Jitter(0, 0)))
+    cache = model.new_cache(len(PROMPT) + 128)
+    return Wired(Drafter(model, policy, list(PROMPT), cache, units, Jitter(0, 0)))
 
 
 def calls_of(monkeypatch, method: str) -> list[int]:

@@ -115,7 +115,13 @@ class Wired:
     ):
         self.target = target
         self.verifier = Verifier(
-            target, 64, exit_layer, ComputeUnit("npu"), Jitter(0, 0), audit_every, probe_when
+            target,
+            target.new_cache(64),
+            exit_layer,
+            ComputeUnit("npu"),
+            Jitter(0, 0),
+            audit_every,
+            probe_when,
         )
         self.trees, trees = trio.open_memory_channel[DraftTree](1)
         self.layers, layers = trio.open_memory_channel[LayerWeights](N_LAYERS)
@@ -204,8 +210,8 @@ async def test_layers_that_have_arrived_go_in_one_job_up_to_the_exit_layer(targe
             final = await wired.finals.receive()
 
     assert probe.layer == EXIT
-    # the cache; the embedding with layers 0..EXIT; the rest
-    assert wired.verifier.unit.jobs == 3
+    # the embedding with layers 0..EXIT; the rest
+    assert wired.verifier.unit.jobs == 2
     torch.testing.assert_close(final.hidden, direct(reference, [], tree), rtol=1e-10, atol=1e-10)
 
 
@@ -214,7 +220,7 @@ async def test_a_layer_in_a_ring_slot_goes_alone_so_the_other_slot_can_fill(targ
     with trio.fail_after(TIMEOUT):
         async with wired.running():
             await wired.verify(draft_tree(0, PROMPT))  # every layer queued, each in a slot
-    assert wired.verifier.unit.jobs == 1 + N_LAYERS  # the cache, each layer (the first embeds)
+    assert wired.verifier.unit.jobs == N_LAYERS  # each layer (the first embeds)
 
 
 async def test_the_next_step_after_a_commit_sees_exactly_the_accepted_path(target, reference):
