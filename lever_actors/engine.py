@@ -39,7 +39,13 @@ from lever_actors.channels.messages import (
     TokenEvent,
     Verdict,
 )
-from lever_actors.channels.stats import DecodePhase, decode_phase, decode_rate, per_step
+from lever_actors.channels.stats import (
+    DecodePhase,
+    decode_phase,
+    decode_rate,
+    per_step,
+    prefill_rate,
+)
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.config import EngineConfig, check_request_size
 from lever_actors.device.budget import ResidencyPlan
@@ -68,6 +74,7 @@ class GenerationResult(msgspec.Struct, frozen=True):
     cached_tokens: int  # prompt tokens whose KV an earlier request left (prefix cache)
     seed: int | None  # the sampling seed, given or drawn; None when greedy
     prefill_seconds: float  # request start to the first token
+    prefill_tokens_per_second: float | None  # prompt tokens not cached, over prefill_seconds
     decode_tokens: int  # tokens after the first step, which comes with the prefill
     decode_seconds: float  # the end of the first step to the last token
     peak_rss_bytes: int  # this process's high-water mark of resident memory so far
@@ -239,6 +246,7 @@ class Engine:
             cached_tokens=request.reuse.tokens,
             seed=request.options.sampling.reported_seed,
             prefill_seconds=events[0].elapsed_seconds if events else 0.0,
+            prefill_tokens_per_second=prefill_rate(events[0]) if events else None,
             decode_tokens=decode_tokens,
             decode_seconds=decode_seconds,
             peak_rss_bytes=peak_rss_bytes(),

@@ -81,6 +81,27 @@ async def test_the_openai_client_gets_exact_text_streamed_and_whole(config):
     assert [m.id for m in models.data] == ["lever"]
 
 
+async def test_a_conversations_next_turn_reuses_its_prefix_and_reports_it(config):
+    """The history resent, as chat UIs do: the second request prefills only its new part,
+    says so in usage.prompt_tokens_details, and its text is a cold start's."""
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            api = client(await start(nursery, config))
+            first = await api.completions.create(
+                model="lever", prompt="t3 t1 t4", max_tokens=NEW, temperature=0
+            )
+            history = "t3 t1 t4" + first.choices[0].text + " t5"
+            second = await api.completions.create(
+                model="lever", prompt=history, max_tokens=NEW, temperature=0
+            )
+            nursery.cancel_scope.cancel()
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    prompt = [int(word[1:]) for word in history.split()]
+    assert second.usage.prompt_tokens == len(prompt)
+    assert second.usage.prompt_tokens_details.cached_tokens >= 3  # the first prompt at least
+    assert second.choices[0].text == text_of(config, prompt)
+
+
 async def test_raw_http_streams_server_sent_events_and_health(config):
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
@@ -105,7 +126,12 @@ async def test_raw_http_streams_server_sent_events_and_health(config):
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == text_of(config, [3, 1, 4])
-    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": NEW, "total_tokens": 13}
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": NEW,
+        "total_tokens": 13,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 @pytest.mark.parametrize("queue", [8, 2])

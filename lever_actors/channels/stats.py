@@ -12,6 +12,12 @@ def decode_rate(tokens: int, seconds: float) -> float | None:
     return tokens / seconds if tokens > 0 and seconds > 0 else None
 
 
+def prefill_rate(first: TokenEvent) -> float | None:
+    """Prompt tokens prefilled (those not cached) per second, from a request's first event:
+    the wait for the first token, which the prefill's pass gives."""
+    return decode_rate(first.prompt_tokens - first.cached_tokens, first.elapsed_seconds)
+
+
 def per_step(tokens: int, steps: int) -> float | None:
     """New tokens per target pass; None without a pass."""
     return tokens / steps if steps > 0 else None

@@ -16,9 +16,10 @@ from lever_actors.checkpoints.real_pair import (
     real_model_path,
     real_target_layout,
 )
-from lever_actors.config import EngineConfig, choices_of, default_of
+from lever_actors.config import DEFAULT_PROMPT_CACHE, EngineConfig, choices_of, default_of
 from lever_actors.model.sampling import Sampling
 from lever_actors.progress import ProgressLine
+from lever_actors.sizes import compact_bytes
 
 
 def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
@@ -74,6 +75,13 @@ def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
         f"{_escaped(REAL_PAIR_DEFAULTS['dram_budget'])} for the real pair, else "
         f"{default_of('dram_budget')})",
     )
+    gen.add_argument(
+        "--prompt-cache",
+        metavar="SIZE",
+        default=compact_bytes(DEFAULT_PROMPT_CACHE),
+        help="finished requests' KV kept for later ones that start with the same tokens, "
+        f"a size or 0 for none (default: {compact_bytes(DEFAULT_PROMPT_CACHE)})",
+    )
     _option(gen, "throttle", help="emulated phone flash")
     gen.add_argument(
         "--no-verify",
@@ -101,6 +109,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         draft_vocabulary=args.draft_vocabulary,
         projection=args.projection,
         units=args.units,
+        prompt_cache=args.prompt_cache,
         trace=str(args.trace) if args.trace else None,
     )
     # left out, these take EngineConfig's defaults (the tree: one with a draft, else none)

@@ -13,7 +13,7 @@ import msgspec
 import trio
 
 from lever_actors.channels.messages import FinishReason, TokenEvent
-from lever_actors.channels.stats import decode_phase, decode_rate, per_step
+from lever_actors.channels.stats import decode_phase, decode_rate, per_step, prefill_rate
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.tokenizer import Tokenizer, check_messages, user_turn
 from lever_actors.cli.engine_options import (
@@ -100,6 +100,7 @@ class Summary(msgspec.Struct, omit_defaults=True):
     generated_tokens: int
     finish_reason: FinishReason | None
     first_token_seconds: float
+    prefill_tokens_per_second: float | None  # the prompt's tokens over first_token_seconds
     decode_tokens_per_second: float | None
     peak_rss_bytes: int
     seed: int | None
@@ -120,7 +121,8 @@ class Summary(msgspec.Struct, omit_defaults=True):
                 f"{self.from_draft} from the draft)"
             )
         parts += [
-            f"first token after {self.first_token_seconds:.2f} s",
+            f"first token after {self.first_token_seconds:.2f} s"
+            + _rate_of(self.prefill_tokens_per_second, " (prefill {:.1f} tok/s)"),
             "decode " + ("-" if rate is None else f"{rate:.2f} tok/s"),
         ]
         if self.bytes_read_per_token is not None:
@@ -229,6 +231,7 @@ def _generate_in_memory(
         generated_tokens=len(tokens),
         finish_reason="stop" if stopped else "length",
         first_token_seconds=first - started,
+        prefill_tokens_per_second=decode_rate(len(ids), first - started),
         decode_tokens_per_second=decode_rate(len(tokens) - 1, time.perf_counter() - first),
         peak_rss_bytes=peak_rss_bytes(),
         seed=options.sampling.reported_seed,
@@ -280,6 +283,7 @@ async def _stream_from_engine(
         generated_tokens=last.generated_tokens,
         finish_reason=last.finish_reason,
         first_token_seconds=events[0].elapsed_seconds,
+        prefill_tokens_per_second=prefill_rate(events[0]),
         decode_tokens_per_second=decode_rate(*decode_phase(events)),
         peak_rss_bytes=peak_rss_bytes(),
         seed=options.sampling.reported_seed,
@@ -288,6 +292,10 @@ async def _stream_from_engine(
         from_draft=sum(e.from_draft for e in events),
         bytes_read_per_token=read // len(events),
     )
+
+
+def _rate_of(rate: float | None, template: str) -> str:
+    return "" if rate is None else template.format(rate)
 
 
 class _TextPrinter:

@@ -173,7 +173,7 @@ class _Routes:
                 raise ApiError(400, str(e), "invalid_request_error") from None
             finally:
                 ticket.release()
-            use = usage(result.prompt_tokens, result.generated_tokens)
+            use = usage(result.prompt_tokens, result.generated_tokens, result.cached_tokens)
             return _JSON(reply.whole(result.text, result.finish_reason, use))
         events = self.engine.stream(prompt, messages=messages, options=options)
         try:  # the first token before the headers: a bad request is still a 400
@@ -207,7 +207,8 @@ async def _sse(
             last = event
             yield _event(reply.chunk(event.text, event.finish_reason))
         if include_usage:
-            yield _event(reply.usage_chunk(usage(last.prompt_tokens, last.generated_tokens)))
+            use = usage(last.prompt_tokens, last.generated_tokens, last.cached_tokens)
+            yield _event(reply.usage_chunk(use))
         yield b"data: [DONE]\n\n"
     finally:
         ticket.release()

@@ -73,14 +73,19 @@ class ChatRequest(Sampled, forbid_unknown_fields=True, kw_only=True):
         return [msgspec.structs.asdict(m) for m in self.messages]
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int  # whose KV an earlier request left (the prefix cache)
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
-    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+def usage(prompt: int, completion: int, cached: int) -> Usage:
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
 
 
 class Reply:
