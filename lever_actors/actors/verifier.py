@@ -20,7 +20,7 @@ from lever_actors.channels.messages import (
 )
 from lever_actors.device.units import ComputeUnit
 from lever_actors.model.kv_cache import KVCache
-from lever_actors.model.layers import layer_forward
+from lever_actors.model.layers import layers_forward
 from lever_actors.model.placement import Placement, tree_placement
 from lever_actors.model.tree import TokenTree
 from lever_actors.policy.pruning import ProbeWhen, always
@@ -237,8 +237,7 @@ def _apply_layers(x, index, layers, args, cache, first, place) -> torch.Tensor:
     rows = x if everyone else x[index]
     if not everyone:  # the whole tree keeps its placement: cache writes stay slices
         place = place.rows(index)
-    for offset, weights in enumerate(layers):
-        rows = layer_forward(rows, weights, args, cache, first + offset, place)
+    rows = layers_forward(rows, layers, args, cache, first, place)
     if everyone:
         return rows
     out = x.clone()

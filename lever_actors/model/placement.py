@@ -37,6 +37,18 @@ class Placement:
             self.positions[index], self.cos[index], self.sin[index], mask, offsets, span
         )
 
+    def chunk(self, lo: int, hi: int) -> Placement:
+        """Tokens lo..hi-1 of a whole block placed at offsets 0..n-1 (a chain's or a tree's),
+        seeing no pending slot from hi on: none of them attends there, since a token's
+        ancestors come before it."""
+        assert self.offsets is None and self.span is None  # a whole block's placement
+        index = torch.arange(lo, hi)
+        mask = None
+        if self.mask is not None:
+            context = self.mask.shape[1] - self.cos.shape[0]
+            mask = self.mask[lo:hi, : context + hi]
+        return Placement(self.positions[lo:hi], self.cos[lo:hi], self.sin[lo:hi], mask, index, hi)
+
 
 def chain_placement(rope: Rope, context: int, n: int, dtype: torch.dtype) -> Placement:
     """n tokens continuing the committed context, each seeing the ones before it."""

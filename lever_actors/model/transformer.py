@@ -9,7 +9,7 @@ import torch
 
 from lever_actors.model.args import ModelArgs
 from lever_actors.model.kv_cache import KVCache
-from lever_actors.model.layers import embedding, layer_forward, output_logits
+from lever_actors.model.layers import embedding, layers_forward, output_logits
 from lever_actors.model.placement import Placement, chain_placement
 from lever_actors.model.rope import Rope
 from lever_actors.model.weights import ModelWeights, cuts_into_rows, row_range
@@ -54,7 +54,7 @@ class Transformer:
             place = chain_placement(self.rope, cache.length, tokens.shape[0], self.dtype)
         x = embedding(self.weights.embed[tokens], self.args)
         for i, layer in enumerate(self.weights.layers):
-            x = layer_forward(x, layer, self.args, cache, i, place)
+            x = layers_forward(x, [layer], self.args, cache, i, place)
             if pause is not None:
                 pause()
         return x

@@ -386,7 +386,7 @@ async def test_an_error_survives_a_peer_failing_while_the_verifier_closes(target
     def broken(*args):
         raise LayerBroke("layer 0 broke")
 
-    monkeypatch.setattr(verifier_module, "layer_forward", broken)
+    monkeypatch.setattr(verifier_module, "layers_forward", broken)
     wired = Wired(target)
 
     async def peer():  # stands for the projector and the engine behind it
