@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
 
 from lever_actors.checkpoints import load_checkpoint
+from lever_actors.checkpoints.checkpoint import Checkpoint
+from lever_actors.checkpoints.snapshot import load_via_snapshot, snapshot_key
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.config import Weights
 from lever_actors.device.layout import DTYPE_NAMES
@@ -12,6 +16,7 @@ from lever_actors.device.memory import return_freed_heap
 from lever_actors.model.quantized import COMPUTE_DTYPE
 from lever_actors.model.spilled import spill_rows
 from lever_actors.model.transformer import Transformer
+from lever_actors.paths import default_cache_dir
 
 
 @dataclass
@@ -40,7 +45,7 @@ def load_draft(
     torch_dtype = DTYPE_NAMES[dtype]
     if weights == "auto" and torch_dtype != COMPUTE_DTYPE:
         weights = "dense"
-    draft = load_checkpoint(path, torch_dtype, weights)
+    draft = _load_checkpoint(Path(path), dtype, weights)
     held = draft.weights.for_drafting()
     spilled = spill_rows(held.embed, vocabulary) if held.embed is held.lm_head else None
     if spilled is not None:  # one table, rows past `vocabulary`: they go to the file
@@ -51,3 +56,12 @@ def load_draft(
         del draft, held
         return_freed_heap()  # the whole table, its far rows now in the file
     return DraftModel(model, tokenizer, path)
+
+
+def _load_checkpoint(path: Path, dtype: str, weights: Weights) -> Checkpoint:
+    """A file (a GGUF) is converted to our formats on load: its snapshot keeps the result."""
+    load = partial(load_checkpoint, path, DTYPE_NAMES[dtype], weights)
+    if not path.is_file():
+        return load()
+    key = snapshot_key(path, dtype, weights)
+    return load_via_snapshot(default_cache_dir() / "snapshots", key, load, path)
