@@ -93,6 +93,23 @@ class GenerationResult(msgspec.Struct, frozen=True):
         return per_step(len(self.tokens), len(self.steps))
 
 
+class LoadTimes(msgspec.Struct, frozen=True):
+    """Where an engine's start went, in seconds (`Engine.load_times`)."""
+
+    draft: float  # loading the draft (a snapshot's read, or a GGUF's conversion)
+    target: float  # opening the layout and reading its resident weights
+    policies: float  # the cost model's start (measured once per machine), the predictor
+
+    @property
+    def total(self) -> float:
+        return self.draft + self.target + self.policies
+
+    def __str__(self) -> str:
+        return (
+            f"draft {self.draft:.1f} s, target {self.target:.1f} s, policies {self.policies:.1f} s"
+        )
+
+
 @dataclass
 class _Request:
     prompt: list[int]
@@ -119,8 +136,10 @@ class Engine:
         policies: Policies,
         units: tuple[ComputeUnit, ComputeUnit],
         nursery: trio.Nursery,
+        load_times: LoadTimes | None = None,
     ) -> None:
         self.config = config
+        self.load_times = load_times
         self.target = target
         self.tokenizer: Tokenizer | None = target.tokenizer
         self.draft = draft
@@ -178,6 +197,7 @@ class Engine:
         progress: Progress | None,
     ) -> AsyncIterator[Engine]:
         npu = units[0]
+        started = time.perf_counter()
         # the draft first: its loading peak (several hundred MB of temporaries) then comes
         # before the target's resident weights, not on top of them
         if draft is None and drafting:
@@ -188,7 +208,9 @@ class Engine:
                 config.draft_weights,
                 config.draft_vocabulary,
             )
+        draft_loaded = time.perf_counter()
         target = await npu.run(_open_target, config, plan)
+        target_opened = time.perf_counter()
         try:
             model = None
             if draft is not None and drafting:
@@ -196,10 +218,15 @@ class Engine:
                 model = draft.model.proposing(config.draft_vocabulary)
             policies = await npu.run(build_policies, config, target, model, progress)
             return_freed_heap()  # the start-up profiling's temporaries
+            times = LoadTimes(
+                draft=draft_loaded - started,
+                target=target_opened - draft_loaded,
+                policies=time.perf_counter() - target_opened,
+            )
             engine: Engine | None = None
             try:
                 async with trio.open_nursery() as nursery:
-                    engine = cls(config, target, model, policies, units, nursery)
+                    engine = cls(config, target, model, policies, units, nursery, times)
                     try:
                         yield engine
                     finally:

@@ -85,7 +85,7 @@ def runs_two_units(argv: list[str]) -> bool:
 def _flag(argv: list[str], name: str) -> str | None:
     """The value of `name VALUE` or `name=VALUE` in argv (the last one), else None."""
     value = None
-    for arg, following in zip(argv, [*argv[1:], None], strict=True):
+    for arg, following in zip(argv, [*argv[1:], None], strict=False):  # none when argv is empty
         if arg == name:
             value = following
         elif arg.startswith(name + "="):

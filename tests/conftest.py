@@ -40,12 +40,12 @@ def slow_flash(monkeypatch):
     """The cost model believes flash reads 1 MB/s and never learns otherwise (no pass counts
     as waiting on flash), so gain-cost trees grow as a phone's would, to their cap, however
     fast or busy this machine is."""
-    profile = policy_setup.profile_costs
+    profile = policy_setup.machine_costs
 
     def profiled(*args, **kwargs):
         cost = profile(*args, **kwargs)
         cost.flash_bandwidth = 1e6
         return cost
 
-    monkeypatch.setattr(policy_setup, "profile_costs", profiled)
+    monkeypatch.setattr(policy_setup, "machine_costs", profiled)
     monkeypatch.setattr(cost_model, "IO_BOUND_WAIT", float("inf"))

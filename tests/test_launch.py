@@ -53,6 +53,11 @@ def test_one_team_on_an_idle_machine_keeps_torchs_default():
     assert thread_policy({}, free=2, cores=2, argv=[*PIPELINE, "--units=single"]) == {}
 
 
+def test_no_arguments_at_all_get_no_policy():
+    """`lever-actors` alone prints its usage: nothing to set up for."""
+    assert thread_policy({}, free=2, cores=2, argv=[]) == {}
+
+
 def test_two_units_and_a_bench_sleep_idle_threads():
     two = {"OMP_WAIT_POLICY": "PASSIVE", PIPELINE_ONLY: "OMP_WAIT_POLICY"}
     assert thread_policy({}, free=2, cores=2, argv=["serve", "l", "--units=split"]) == two

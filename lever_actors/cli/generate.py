@@ -108,6 +108,7 @@ class Summary(msgspec.Struct, omit_defaults=True):
     tokens_per_step: float | None = None
     from_draft: int | None = None
     bytes_read_per_token: int | None = None
+    load_seconds: float | None = None  # the engine's start, models and policies
 
     def line(self) -> str:
         rate = self.decode_tokens_per_second
@@ -260,8 +261,9 @@ async def _stream_from_engine(
         target, plan = engine.target, engine.target.plan
         if engine.tokenizer is None:
             raise ConfigError(f"{config.target} has no tokenizer; generate needs one")
+        loaded = time.perf_counter() - started
         print(
-            f"loaded in {time.perf_counter() - started:.1f} s: tree {config.tree}, "
+            f"loaded in {loaded:.1f} s ({engine.load_times}): tree {config.tree}, "
             f"{len(plan.streamed_layers)}/{target.args.n_layers} target layers streamed "
             f"({target.store.mode}), {format_bytes(plan.used(target.manifest))} of target "
             "weights in DRAM",
@@ -291,6 +293,7 @@ async def _stream_from_engine(
         tokens_per_step=per_step(len(events), steps),
         from_draft=sum(e.from_draft for e in events),
         bytes_read_per_token=read // len(events),
+        load_seconds=loaded,
     )
 
 

@@ -31,26 +31,26 @@ def profile_costs(
     total = len(VERIFY_SIZES) + (len(DRAFT_SIZES) if draft else 0) + 2
     done = 0
 
-    def tick(label: str) -> None:
+    def tick() -> None:
         nonlocal done
         done += 1
-        if progress:
-            progress(done, total, label)
+        if progress:  # measured once per machine, layout and draft (profile_cache.py)
+            progress(done, total, "measuring this machine's step costs (once)")
 
     layer, bandwidth = _one_layer(target)
     _target_layer(target, layer, 2)  # the first call pays one-off set-up costs
     if draft:
         _draft_forward(draft, 2)
-    tick("profile flash")
+    tick()
     verify = []
     for n in VERIFY_SIZES:
         verify.append(_best_time(partial(_target_layer, target, layer, n)) * target.args.n_layers)
-        tick("profile verify")
+        tick()
     drafting = []
     if draft:
         for n in DRAFT_SIZES:
             drafting.append(_best_time(partial(_draft_forward, draft, n)))
-            tick("profile draft")
+            tick()
     hidden = torch.zeros(1, target.args.d_model, dtype=target.dtype)
     project = _best_time(lambda: target.logits(hidden))
     head_bytes = 0
@@ -60,7 +60,7 @@ def profile_costs(
         eight = _best_time(lambda: target.logits(hidden.expand(8, -1)))
         project = max((eight - project) / 7, 0.0)
         head_bytes = target.manifest.extent(head_key(target.manifest)).nbytes
-    tick("profile projection")
+    tick()
     streamed = sum(target.manifest.layer(i).nbytes for i in target.plan.streamed_layers)
     return CostModel(
         flash_bandwidth=bandwidth,

@@ -11,9 +11,11 @@ from lever_actors.device.budget import head_resident_budget
 from lever_actors.errors import ConfigError
 from lever_actors.model.quantized import QuantizedWeight
 from lever_actors.model.transformer import Transformer
+from lever_actors.paths import default_cache_dir
 from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.cost_model import CostModel
 from lever_actors.policy.exit_predictor import LensPredictor, LowRankAdapter
+from lever_actors.policy.profile_cache import cached_costs, profile_key
 from lever_actors.policy.profiler import profile_costs
 from lever_actors.policy.pruning import (
     ProbeWhen,
@@ -39,6 +41,19 @@ class Policies:
     eager_projection: bool
 
 
+def machine_costs(
+    config: EngineConfig,
+    target: FlashTarget,
+    draft: Transformer | None,
+    progress: Progress | None = None,
+) -> CostModel:
+    """The cost model's start: this layout, plan and draft measured on this machine once,
+    then read from the cache (policy/profile_cache.py)."""
+    directory = default_cache_dir() / "profiles"
+    key = profile_key(config, target)
+    return cached_costs(directory, key, lambda: profile_costs(target, draft, progress))
+
+
 def build_policies(
     config: EngineConfig,
     target: FlashTarget,
@@ -47,7 +62,7 @@ def build_policies(
 ) -> Policies:
     """Blocking: may profile the machine (a second or two) and load a trained predictor."""
     spec = config.tree
-    cost = profile_costs(target, draft, progress) if spec.kind == "gaincost" else None
+    cost = machine_costs(config, target, draft, progress) if spec.kind == "gaincost" else None
     n_layers = target.args.n_layers
     exit_layer = default_exit_layer(n_layers) if config.exit_layer is None else config.exit_layer
     if not 0 <= exit_layer < n_layers:

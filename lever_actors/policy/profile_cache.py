@@ -1,0 +1,91 @@
+"""The start-up profile (profiler.py) kept per target layout, residency plan, draft and
+machine, so that an engine opens without measuring again: on the real pair the profile
+took 1.7 s of a start-up that should take a few. Any change to one of them (another CPU,
+torch or lever_actors version, a new layout or draft file, another budget) measures anew;
+the cost model still learns from every step as before."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import torch
+
+import lever_actors
+from lever_actors.config import EngineConfig
+from lever_actors.logs import get_logger
+from lever_actors.policy.cost_model import CostModel
+from lever_actors.target import FlashTarget
+
+log = get_logger(__name__)
+
+
+def profile_key(config: EngineConfig, target: FlashTarget) -> str:
+    """Names the profile of this target, its plan and the config's draft on this machine."""
+    plan = target.plan
+    parts = {
+        "machine": machine_identity(),
+        "target": _file_identity(target.store.directory / "manifest.json"),
+        "streamed": list(plan.streamed_layers),
+        "head_streamed": target.lm_head is None,
+        "draft": _file_identity(Path(config.draft)) if config.draft else None,
+        "draft_formats": [config.draft_dtype, config.draft_weights, config.draft_vocabulary],
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def machine_identity() -> str:
+    """The CPU (model and flags), its cores and torch's threads, torch and our versions."""
+    model = flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not model:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = value.strip()
+    except OSError:
+        model = platform.processor()
+    return "|".join(
+        [
+            model,
+            hashlib.sha256(flags.encode()).hexdigest()[:16],
+            str(os.cpu_count()),
+            str(torch.get_num_threads()),
+            torch.__version__,
+            lever_actors.__version__,
+        ]
+    )
+
+
+def cached_costs(directory: Path, key: str, profile: Callable[[], CostModel]) -> CostModel:
+    """The profile saved as `key` in `directory`, else `profile()`, saved for next time."""
+    path = directory / f"{key}.msgpack"  # not JSON: a resident plan's bandwidth is inf
+    try:
+        return msgspec.msgpack.decode(path.read_bytes(), type=CostModel)
+    except FileNotFoundError:
+        pass
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as error:
+        log.warning("profile.unreadable", path=str(path), error=str(error))
+    cost = profile()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        partial.write_bytes(msgspec.msgpack.encode(cost))
+        os.replace(partial, path)  # whole or not at all
+    except OSError as error:
+        log.warning("profile.not_saved", path=str(path), error=str(error))
+    return cost
+
+
+def _file_identity(path: Path) -> list[str | int]:
+    try:
+        stat = path.stat()
+    except OSError:
+        return [str(path)]
+    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
