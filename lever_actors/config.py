@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from lever_actors.errors import ConfigError
+from lever_actors.errors import ConfigError, ContextLengthError
 from lever_actors.sizes import compact_bytes, parse_bytes
 
 DEFAULT_GAINCOST_CAP = 64
@@ -57,14 +57,19 @@ def check_prompt(length: int) -> None:
         raise ConfigError("the prompt is empty")
 
 
-def check_request_size(prompt_tokens: int, max_new_tokens: int, context: int) -> None:
-    """A request must have a prompt, and it and its new tokens must fit the model's context."""
+def check_request_size(
+    prompt_tokens: int, max_new_tokens: int, context: int, why: str = "the model's context"
+) -> None:
+    """A request must have a prompt, and it and its new tokens must fit the context (`why`
+    names where its size comes from)."""
     check_prompt(prompt_tokens)
     check_max_new_tokens(max_new_tokens)
     if prompt_tokens + max_new_tokens > context:
-        raise ConfigError(
-            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-            f"model's context of {context} tokens"
+        raise ContextLengthError(
+            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+            f"{why} of {context} tokens",
+            prompt_tokens,
+            context,
         )
 
 
@@ -258,6 +263,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # rows alone (BPE ids grow as merges grow rare: the real pair's first 65,536 cover about
     # 98% of prompt tokens, and the head cost a third of a draft round); None: every id
     draft_vocabulary: Annotated[int, msgspec.Meta(gt=0)] | None = DRAFT_VOCABULARY
+    # tokens a request's prompt and new ones may fill; None: the model's context, or less
+    # where the memory left after loading holds less KV (context.py)
+    ctx_size: Annotated[int, msgspec.Meta(gt=0)] | None = None
     # bytes of finished requests' KV (target and draft) kept, so that a later request that
     # starts with the same tokens prefills only the rest ("256MiB", bytes; 0: none)
     prompt_cache: Annotated[int, msgspec.Meta(ge=0)] = DEFAULT_PROMPT_CACHE

@@ -48,13 +48,20 @@ from lever_actors.channels.stats import (
 )
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.config import EngineConfig, check_request_size
+from lever_actors.context import Context, plan_context
 from lever_actors.device.budget import ResidencyPlan
 from lever_actors.device.layout import read_manifest
-from lever_actors.device.memory import map_large_blocks, peak_rss_bytes, return_freed_heap
+from lever_actors.device.memory import (
+    map_large_blocks,
+    memory_limit_bytes,
+    peak_rss_bytes,
+    return_freed_heap,
+    rss_bytes,
+)
 from lever_actors.device.units import ComputeUnit
 from lever_actors.draft import DraftModel, load_draft
 from lever_actors.errors import ConfigError, EngineClosedError
-from lever_actors.model.kv_cache import KVCache
+from lever_actors.model.kv_cache import KVCache, position_bytes
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.pruning import keep_everything
 from lever_actors.policy.setup import Policies, build_policies
@@ -136,9 +143,11 @@ class Engine:
         policies: Policies,
         units: tuple[ComputeUnit, ComputeUnit],
         nursery: trio.Nursery,
+        context: Context,
         load_times: LoadTimes | None = None,
     ) -> None:
         self.config = config
+        self.context = context  # how many tokens a request may fill, and why
         self.load_times = load_times
         self.target = target
         self.tokenizer: Tokenizer | None = target.tokenizer
@@ -148,7 +157,7 @@ class Engine:
         self.npu, self.cpu = units
         self._nursery = nursery
         self._one_at_a_time = trio.Lock()
-        self.prefixes = PrefixCache(config.prompt_cache)
+        self.prefixes = PrefixCache(min(config.prompt_cache, context.cache_bytes))
         self._closed = False
         self.channels: ChannelSet | None = None  # those of the latest request, for statistics
 
@@ -218,6 +227,13 @@ class Engine:
                 model = draft.model.proposing(config.draft_vocabulary)
             policies = await npu.run(build_policies, config, target, model, progress)
             return_freed_heap()  # the start-up profiling's temporaries
+            context = plan_context(
+                config.ctx_size,
+                target.args.max_seq_len,
+                _kv_bytes_per_token(target, model),
+                memory_limit_bytes(),
+                rss_bytes(),
+            )
             times = LoadTimes(
                 draft=draft_loaded - started,
                 target=target_opened - draft_loaded,
@@ -226,7 +242,7 @@ class Engine:
             engine: Engine | None = None
             try:
                 async with trio.open_nursery() as nursery:
-                    engine = cls(config, target, model, policies, units, nursery, times)
+                    engine = cls(config, target, model, policies, units, nursery, context, times)
                     try:
                         yield engine
                     finally:
@@ -326,7 +342,7 @@ class Engine:
         else:
             assert prompt is not None  # one of the two, checked above
             ids = [int(t) for t in prompt]
-        check_request_size(len(ids), options.max_new_tokens, self.target.args.max_seq_len)
+        check_request_size(len(ids), options.max_new_tokens, self.context.tokens, self.context.why)
         vocab = self.target.args.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
@@ -586,6 +602,12 @@ def _first_difference(draft: Tokenizer, target: Tokenizer) -> str:
 
 def _spelled(token: str | None) -> str:
     return "no token" if token is None else repr(token)
+
+
+def _kv_bytes_per_token(target: FlashTarget, draft: Transformer | None) -> int:
+    """What a token costs in the request's KV caches, target's and draft's."""
+    draft_bytes = position_bytes(draft.args, draft.dtype) if draft is not None else 0
+    return position_bytes(target.args, target.dtype) + draft_bytes
 
 
 def _open_target(config: EngineConfig, plan: ResidencyPlan) -> FlashTarget:

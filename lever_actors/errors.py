@@ -21,5 +21,14 @@ class ConfigError(LeverError, ValueError):
     """A configuration value is invalid."""
 
 
+class ContextLengthError(ConfigError):
+    """A request's prompt and new tokens do not fit the context."""
+
+    def __init__(self, message: str, prompt_tokens: int, context_tokens: int) -> None:
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.context_tokens = context_tokens
+
+
 class EngineClosedError(LeverError, RuntimeError):
     """A request came after its engine's `open` block had ended."""

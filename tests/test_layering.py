@@ -22,7 +22,7 @@ LAYERS = (
     ("checkpoints",),
     ("device",),
     ("request",),
-    ("model", "channels", "config"),
+    ("model", "channels", "config", "context"),
     ("progress", "sizes", "paths", "threads"),
     ("errors", "logs"),
 )

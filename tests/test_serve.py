@@ -9,6 +9,7 @@ from functools import partial
 from pathlib import Path
 
 import httpx
+import msgspec
 import openai
 import pytest
 import trio
@@ -215,3 +216,21 @@ async def test_bad_requests_get_4xx_with_an_openai_error_body(
     assert response.status_code == status
     assert fragment in response.json()["error"]["message"]
     assert missing.status_code == 404 and "error" in missing.json()
+
+
+async def test_a_prompt_beyond_the_context_gets_context_length_exceeded(config):
+    small = msgspec.structs.replace(config, ctx_size=12)
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            base = await start(nursery, small)
+            auth = {"Authorization": f"Bearer {KEY}"}
+            async with httpx.AsyncClient(base_url=base, headers=auth) as http:
+                body = {"model": "lever", "prompt": "t1 t2 t3 t4", "max_tokens": 9}
+                response = await http.post("/v1/completions", json=body)
+                health = await http.get("/health")
+            nursery.cancel_scope.cancel()
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert (error["n_prompt_tokens"], error["n_ctx"]) == (4, 12)
+    assert health.json()["n_ctx"] == 12

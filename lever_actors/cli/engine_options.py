@@ -76,6 +76,13 @@ def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
         f"{default_of('dram_budget')})",
     )
     gen.add_argument(
+        "--ctx-size",
+        type=int,
+        metavar="TOKENS",
+        help="tokens a request's prompt and new ones may fill (default: the model's context, "
+        "or less where the memory left after loading holds less KV)",
+    )
+    gen.add_argument(
         "--prompt-cache",
         metavar="SIZE",
         default=compact_bytes(DEFAULT_PROMPT_CACHE),
@@ -110,6 +117,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         projection=args.projection,
         units=args.units,
         prompt_cache=args.prompt_cache,
+        ctx_size=args.ctx_size,
         trace=str(args.trace) if args.trace else None,
     )
     # left out, these take EngineConfig's defaults (the tree: one with a draft, else none)

@@ -263,7 +263,8 @@ async def _stream_from_engine(
             raise ConfigError(f"{config.target} has no tokenizer; generate needs one")
         loaded = time.perf_counter() - started
         print(
-            f"loaded in {loaded:.1f} s ({engine.load_times}): tree {config.tree}, "
+            f"loaded in {loaded:.1f} s ({engine.load_times}); {engine.context}; "
+            f"tree {config.tree}, "
             f"{len(plan.streamed_layers)}/{target.args.n_layers} target layers streamed "
             f"({target.store.mode}), {format_bytes(plan.used(target.manifest))} of target "
             "weights in DRAM",

@@ -1,4 +1,4 @@
-"""This process's own memory figures."""
+"""This process's own memory figures, and the memory it may use."""
 
 from __future__ import annotations
 
@@ -19,13 +19,8 @@ OWN_MAPPING_BYTES = 4 << 20
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process: VmHWM, the high-water mark of its own memory.
     Not getrusage's ru_maxrss, which a child inherits from the parent it was forked from."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    peak = _status_field("VmHWM:")
+    return peak or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def return_freed_heap() -> None:
@@ -47,3 +42,63 @@ def map_large_blocks(threshold: int = OWN_MAPPING_BYTES) -> None:
     if _libc is not None and hasattr(_libc, "mallopt"):
         _libc.mallopt(M_MMAP_THRESHOLD, threshold)
         _libc.mallopt(M_TRIM_THRESHOLD, threshold)
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (VmRSS)."""
+    return _status_field("VmRSS:")
+
+
+def memory_limit_bytes(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> int:
+    """What this process may hold in all: the tightest memory limit of its cgroups (v2
+    memory.max, v1 memory.limit_in_bytes, each up to the hierarchy's root), and at most
+    what the machine has free beside what we hold (MemAvailable + our RSS)."""
+    limits = [_available_bytes(proc) + rss_bytes()]
+    try:
+        memberships = (proc / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        memberships = []
+    for line in memberships:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            limits += _limits_up(cgroups / "unified", path, "memory.max")
+            limits += _limits_up(cgroups, path, "memory.max")
+        elif "memory" in controllers.split(","):
+            limits += _limits_up(cgroups / "memory", path, "memory.limit_in_bytes")
+    return min(limits)
+
+
+def _limits_up(root: Path, path: str, name: str) -> list[int]:
+    """The limits `name` sets on cgroup `path` and each cgroup above it under `root`."""
+    found = []
+    directory = root / path.lstrip("/")
+    while True:
+        try:
+            text = (directory / name).read_text().strip()
+        except OSError:
+            text = "max"
+        if text != "max":
+            found.append(int(text))
+        if directory == root or root not in directory.parents:
+            return found
+        directory = directory.parent
+
+
+def _available_bytes(proc: Path) -> int:
+    try:
+        for line in (proc / "meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 1 << 62  # not known: no bound from it
+
+
+def _status_field(name: str) -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(name):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0

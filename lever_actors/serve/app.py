@@ -23,7 +23,7 @@ from starlette.routing import Route
 from lever_actors.channels.messages import TokenEvent
 from lever_actors.config import DEFAULT_MAX_NEW_TOKENS
 from lever_actors.engine import Engine
-from lever_actors.errors import ConfigError
+from lever_actors.errors import ConfigError, ContextLengthError
 from lever_actors.serve.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -46,13 +46,31 @@ class _JSON(JSONResponse):
 class ApiError(Exception):
     """Answered as an OpenAI-style error body with this status."""
 
-    def __init__(self, status: int, message: str, kind: str, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str,
+        code: str | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.code = status, message, kind, code
+        self.details = details or {}  # more fields of the error object
+
+    @classmethod
+    def bad_request(cls, error: ConfigError) -> ApiError:
+        """A 400 for a request the engine refused; one too long for the context says so
+        as llama-server does, with its prompt's and the context's sizes."""
+        if isinstance(error, ContextLengthError):
+            details = {"n_prompt_tokens": error.prompt_tokens, "n_ctx": error.context_tokens}
+            return cls(400, str(error), "invalid_request_error", "context_length_exceeded", details)
+        return cls(400, str(error), "invalid_request_error")
 
     def response(self) -> Response:
         headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if self.status == 429 else None
         body = error_body(self.message, self.kind, self.code)
+        body["error"] |= self.details
         return _JSON(body, status_code=self.status, headers=headers)
 
 
@@ -120,7 +138,8 @@ class _Routes:
         self.default_max_tokens = default_max_tokens
 
     async def health(self, request: Request) -> Response:
-        return _JSON({"status": "ok", "requests": self.admission.inside})
+        n_ctx = self.engine.context.tokens
+        return _JSON({"status": "ok", "requests": self.admission.inside, "n_ctx": n_ctx})
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
@@ -170,7 +189,7 @@ class _Routes:
             try:
                 result = await self.engine.generate(prompt, messages=messages, options=options)
             except ConfigError as e:
-                raise ApiError(400, str(e), "invalid_request_error") from None
+                raise ApiError.bad_request(e) from None
             finally:
                 ticket.release()
             use = usage(result.prompt_tokens, result.generated_tokens, result.cached_tokens)
@@ -182,7 +201,7 @@ class _Routes:
             ticket.release()
             await events.aclose()
             if isinstance(e, ConfigError):
-                raise ApiError(400, str(e), "invalid_request_error") from None
+                raise ApiError.bad_request(e) from None
             raise
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         body = _sse(reply, first, events, include_usage, ticket)
