@@ -121,6 +121,7 @@ class LoadTimes(msgspec.Struct, frozen=True):
 class _Request:
     prompt: list[int]
     options: GenerationOptions
+    progress: Progress | None  # of its prefill
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     created: float = field(default_factory=time.perf_counter)
     error: BaseException | None = None
@@ -270,12 +271,13 @@ class Engine:
         *,
         messages: Sequence[Mapping[str, str]] | None = None,
         options: GenerationOptions | None = None,
+        progress: Progress | None = None,
         **keywords: Unpack[GenerationKeywords],
     ) -> GenerationResult:
         """Run one request to the end (see `stream` for the arguments); the result carries
         the text, per-token log-probabilities and per-step statistics."""
         events: list[TokenEvent] = []
-        request = self._request(prompt, messages, options_of(options, keywords))
+        request = self._request(prompt, messages, options_of(options, keywords), progress)
         async for event in self._events(request):
             events.append(event)
         decode_tokens, decode_seconds = decode_phase(events)
@@ -301,6 +303,7 @@ class Engine:
         *,
         messages: Sequence[Mapping[str, str]] | None = None,
         options: GenerationOptions | None = None,
+        progress: Progress | None = None,
         **keywords: Unpack[GenerationKeywords],
     ) -> AsyncGenerator[TokenEvent, None]:
         """Yield each token as it is accepted. Leaving the loop early cancels the request.
@@ -329,6 +332,7 @@ class Engine:
         prompt: str | Sequence[int] | None,
         messages: Sequence[Mapping[str, str]] | None,
         options: GenerationOptions,
+        progress: Progress | None = None,
     ) -> _Request:
         """Check everything about a request before any work starts."""
         if self._closed:
@@ -346,7 +350,7 @@ class Engine:
         vocab = self.target.args.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
-        return _Request(ids, options)
+        return _Request(ids, options, progress)
 
     def _need_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
@@ -422,6 +426,7 @@ class Engine:
             next(jitter),
             config.audit_every,
             p.probe_when,
+            request.progress,
         )
         # the verifier's unit, idle while it awaits the verdict (the other may be drafting
         # ahead, on a pass flash paces)

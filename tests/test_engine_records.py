@@ -15,13 +15,14 @@ import pytest
 import torch
 import trio
 
+from lever_actors.actors import verifier as verifier_module
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.config import EngineConfig
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError, EngineClosedError
 from lever_actors.model.sampling import Sampling
 from lever_actors.model.transformer import Transformer
-from lever_actors.testing import TINY_ARGS, model_pair, reference_tokens
+from lever_actors.testing import TINY_ARGS, budget_bytes, model_pair, reference_tokens
 
 PROMPT = [3, 1, 4, 1, 5]
 NEW = 16
@@ -203,3 +204,23 @@ async def test_a_request_after_the_engine_closed_is_refused():
         pass
     with pytest.raises(EngineClosedError, match="this engine was closed; open another"):
         await engine.generate(PROMPT, max_new_tokens=2)
+
+
+async def test_a_long_prefill_reports_its_progress_through_the_layers(monkeypatch):
+    monkeypatch.setattr(verifier_module, "PREFILL_SHOWN", 8)
+    pair = model_pair(msgspec.structs.replace(TINY_ARGS, n_layers=4), "perturbed", 0)
+    config = EngineConfig(
+        target=str(pair.target), draft=str(pair.draft), dram_budget=budget_bytes(pair.target, 0.0)
+    )
+    heard: list[tuple[int, int, str]] = []
+    prompt = list(range(1, 13))
+    async with Engine.open(config) as engine:
+        await engine.generate(prompt, max_new_tokens=3, progress=lambda *p: heard.append(p))
+        await engine.generate([*prompt, 5], max_new_tokens=3, progress=lambda *p: heard.append(p))
+    # the first prompt's pass, layer by layer as they stream; the second's was cached
+    assert heard == [
+        (3, 12, "prefill"),
+        (6, 12, "prefill"),
+        (9, 12, "prefill"),
+        (12, 12, "prefill"),
+    ]

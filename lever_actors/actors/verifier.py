@@ -24,7 +24,11 @@ from lever_actors.model.layers import layers_forward
 from lever_actors.model.placement import Placement, tree_placement
 from lever_actors.model.tree import TokenTree
 from lever_actors.policy.pruning import ProbeWhen, always
+from lever_actors.progress import Progress
 from lever_actors.target import FlashTarget
+
+# committed tokens from which a pass counts as a prefill that reports progress
+PREFILL_SHOWN = 256
 
 
 @dataclass
@@ -58,6 +62,7 @@ class Verifier:
         jitter: Jitter,
         audit_every: int = 0,
         probe_when: ProbeWhen = always,
+        progress: Progress | None = None,
     ) -> None:
         self.target = target
         self.cache = cache
@@ -66,6 +71,7 @@ class Verifier:
         self.unit = unit
         self.jitter = jitter
         self.audit_every = audit_every  # every n-th step the pruner's drops still run in full
+        self.progress = progress  # hears of a long prefill's layers, as prompt tokens done
 
     async def run(
         self,
@@ -138,6 +144,9 @@ class Verifier:
                 if weights.slot is not None:
                     await outbox.releases.send(SlotRelease(step=message.step, slot=weights.slot))
             layer += len(arrived)
+            if self.progress is not None and message.n_committed >= PREFILL_SHOWN:
+                done = message.n_committed * layer // n_layers
+                self.progress(done, message.n_committed, "prefill")
             if layer - 1 == probe_at:
                 asked = time.perf_counter()
                 kept = await self._prune(message, tree, live, x, layer - 1, inbox, outbox)

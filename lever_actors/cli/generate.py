@@ -272,7 +272,8 @@ async def _stream_from_engine(
         )
         before = target.store.stats.bytes_read
         events: list[TokenEvent] = []
-        stream = engine.stream(prompt, messages=messages, options=options)
+        prefill = ProgressLine(unit=" tokens")
+        stream = engine.stream(prompt, messages=messages, options=options, progress=prefill)
         async for event in stream:
             events.append(event)
             sys.stdout.write(event.text)
