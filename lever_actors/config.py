@@ -58,16 +58,16 @@ def check_prompt(length: int) -> None:
 
 
 def check_request_size(
-    prompt_tokens: int, max_new_tokens: int, context: int, why: str = "the model's context"
+    prompt_tokens: int, max_new_tokens: int, context: int, why: str = "the model's"
 ) -> None:
     """A request must have a prompt, and it and its new tokens must fit the context (`why`
-    names where its size comes from)."""
+    says where its size comes from)."""
     check_prompt(prompt_tokens)
     check_max_new_tokens(max_new_tokens)
     if prompt_tokens + max_new_tokens > context:
         raise ContextLengthError(
             f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-            f"{why} of {context} tokens",
+            f"the context of {context} tokens ({why})",
             prompt_tokens,
             context,
         )

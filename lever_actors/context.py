@@ -33,15 +33,15 @@ class Context(msgspec.Struct, frozen=True):
 
     @property
     def why(self) -> str:
-        """What bounds it, for an error message."""
+        """Where its size comes from, for an error message."""
         if self.asked:
-            return "the context (ctx_size)"
+            return "ctx_size"
         if self.tokens < self.model_tokens:
             return (
-                f"the context that the memory left ({format_bytes(self.free_bytes)} of a "
-                f"{format_bytes(self.limit_bytes)} limit) holds; set ctx_size for another"
+                f"what the {format_bytes(self.free_bytes)} left of a "
+                f"{format_bytes(self.limit_bytes)} memory limit holds; set ctx_size for more"
             )
-        return "the model's context"
+        return "the model's"
 
     def __str__(self) -> str:
         kv = f"{format_bytes(self.kv_bytes_per_token)} of KV a token"

@@ -52,11 +52,11 @@ from lever_actors.context import Context, plan_context
 from lever_actors.device.budget import ResidencyPlan
 from lever_actors.device.layout import read_manifest
 from lever_actors.device.memory import (
+    anonymous_rss_bytes,
     map_large_blocks,
     memory_limit_bytes,
     peak_rss_bytes,
     return_freed_heap,
-    rss_bytes,
 )
 from lever_actors.device.units import ComputeUnit
 from lever_actors.draft import DraftModel, load_draft
@@ -233,7 +233,7 @@ class Engine:
                 target.args.max_seq_len,
                 _kv_bytes_per_token(target, model),
                 memory_limit_bytes(),
-                rss_bytes(),
+                anonymous_rss_bytes(),
             )
             times = LoadTimes(
                 draft=draft_loaded - started,

@@ -108,7 +108,7 @@ def test_bad_input_exits_2_with_a_clear_message(
     ("flags", "message"),
     [
         (["--prompt", ""], "the prompt is empty"),
-        (["--prompt", "t1", "--max-new-tokens", "1000"], r"exceeds the model's context of 256"),
+        (["--prompt", "t1", "--max-new-tokens", "1000"], r"exceeds the context of 256 tokens"),
     ],
 )
 def test_both_paths_check_requests_alike(capsys, pair, model, flags, message):

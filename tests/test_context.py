@@ -10,7 +10,7 @@ import pytest
 from lever_actors import engine as engine_module
 from lever_actors.config import EngineConfig
 from lever_actors.context import CACHE_SHARE, KV_SHARE, plan_context
-from lever_actors.device.memory import memory_limit_bytes, rss_bytes
+from lever_actors.device.memory import anonymous_rss_bytes, memory_limit_bytes
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError, ContextLengthError
 from lever_actors.model.kv_cache import position_bytes
@@ -25,9 +25,9 @@ def test_the_context_is_the_models_what_was_asked_or_what_the_memory_holds():
     tight = plan_context(None, 32768, 40 * 1024, limit=1 << 30, held=(1 << 30) - 100 * MiB)
     assert tight.tokens == int(100 * MiB * KV_SHARE) // (40 * 1024)  # 1,280
     assert "what 100.0 MiB free of 1.00 GiB holds" in str(tight)
-    assert "set ctx_size for another" in tight.why
+    assert "set ctx_size for more" in tight.why
     asked = plan_context(4096, 32768, 40 * 1024, limit=1 << 30, held=(1 << 30) - 100 * MiB)
-    assert asked.tokens == 4096 and asked.why == "the context (ctx_size)"
+    assert asked.tokens == 4096 and asked.why == "ctx_size"
     with pytest.raises(ConfigError, match="ctx_size 40000 exceeds the model's context of 32768"):
         plan_context(40000, 32768, 1, limit=1 << 40, held=0)
 
@@ -57,7 +57,7 @@ def test_the_memory_limit_is_the_tightest_cgroup_limit_above_us(tmp_path):
     )
     assert memory_limit_bytes(*v1) == 900 * MiB
     free = fake_system(tmp_path / "none", "0::/\n", {})
-    assert memory_limit_bytes(*free) == 4000000 * 1024 + rss_bytes()
+    assert memory_limit_bytes(*free) == 4000000 * 1024 + anonymous_rss_bytes()
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +74,13 @@ async def test_a_request_beyond_ctx_size_is_refused_with_its_sizes(config):
             await engine.generate([1, 2, 3, 4], max_new_tokens=9)
     assert (refused.value.prompt_tokens, refused.value.context_tokens) == (4, 12)
     assert str(refused.value) == (
-        "prompt (4 tokens) + max_new_tokens (9) exceeds the context (ctx_size) of 12 tokens"
+        "prompt (4 tokens) + max_new_tokens (9) exceeds the context of 12 tokens (ctx_size)"
     )
 
 
 async def test_a_context_the_memory_bounds_says_so(config, monkeypatch):
     room = 10_000  # bytes left after loading
-    monkeypatch.setattr(engine_module, "rss_bytes", lambda: 0)
+    monkeypatch.setattr(engine_module, "anonymous_rss_bytes", lambda: 0)
     monkeypatch.setattr(engine_module, "memory_limit_bytes", lambda: room)
     async with Engine.open(config) as engine:
         target, draft = engine.target, engine.draft
@@ -91,7 +91,9 @@ async def test_a_context_the_memory_bounds_says_so(config, monkeypatch):
         assert engine.context.kv_bytes_per_token == per_token
         assert engine.context.tokens == int(room * KV_SHARE) // per_token
         assert engine.prefixes.capacity_bytes == int(room * CACHE_SHARE)
-        with pytest.raises(ContextLengthError, match="the memory left .* holds; set ctx_size"):
+        with pytest.raises(
+            ContextLengthError, match=r"left of a .* memory limit holds; set ctx_size for more"
+        ):
             await engine.generate([1, 2, 3], max_new_tokens=engine.context.tokens)
 
 

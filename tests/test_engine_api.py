@@ -447,8 +447,8 @@ async def test_an_actor_error_surfaces_as_itself_and_leaves_nothing_running(
     [
         pytest.param([], NEW, "the prompt is empty", id="empty-ids"),
         pytest.param("", NEW, "the prompt is empty", id="empty-text"),
-        pytest.param(list(range(97)) * 3, 1, "exceeds the model's context of 256", id="too-long"),
-        pytest.param([1] * 250, 7, "exceeds the model's context of 256", id="too-long-with-new"),
+        pytest.param(list(range(97)) * 3, 1, "exceeds the context of 256 tokens", id="too-long"),
+        pytest.param([1] * 250, 7, "exceeds the context of 256 tokens", id="too-long-with-new"),
         pytest.param(PROMPT, 0, "max_new_tokens must be positive", id="zero-new"),
         pytest.param(PROMPT, -3, "max_new_tokens must be positive", id="negative-new"),
         pytest.param([1, 97], NEW, r"token ids must be in \[0, 97\)", id="id-too-big"),

@@ -44,16 +44,17 @@ def map_large_blocks(threshold: int = OWN_MAPPING_BYTES) -> None:
         _libc.mallopt(M_TRIM_THRESHOLD, threshold)
 
 
-def rss_bytes() -> int:
-    """This process's resident memory now (VmRSS)."""
-    return _status_field("VmRSS:")
+def anonymous_rss_bytes() -> int:
+    """This process's resident memory now that the kernel cannot reclaim under a limit
+    (RssAnon: its heap, the weights it read; not the file pages of its libraries)."""
+    return _status_field("RssAnon:")
 
 
 def memory_limit_bytes(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> int:
     """What this process may hold in all: the tightest memory limit of its cgroups (v2
     memory.max, v1 memory.limit_in_bytes, each up to the hierarchy's root), and at most
-    what the machine has free beside what we hold (MemAvailable + our RSS)."""
-    limits = [_available_bytes(proc) + rss_bytes()]
+    what the machine has free beside what we hold (MemAvailable + our anonymous RSS)."""
+    limits = [_available_bytes(proc) + anonymous_rss_bytes()]
     try:
         memberships = (proc / "self" / "cgroup").read_text().splitlines()
     except OSError:
