@@ -86,6 +86,8 @@ def test_errors_reach_asyncio_as_themselves(config):
         async with AsyncEngine.open(config) as engine:
             with pytest.raises(ConfigError, match="temperature = -1.0: expected >= 0"):
                 await engine.generate(PROMPT, temperature=-1.0)
+            with pytest.raises(ConfigError, match="temperature = 1e-300: expected 0 \\(greedy\\)"):
+                await engine.generate(PROMPT, temperature=1e-300)
             with pytest.raises(ConfigError, match="the prompt is empty"):
                 async for _ in engine.stream([]):
                     pass

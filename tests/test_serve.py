@@ -196,6 +196,8 @@ async def test_a_client_that_leaves_mid_stream_cancels_its_request(config):
         ({"prompt": "t1", "n": 2}, None, 400, "unknown field `n`"),
         ({"prompt": "t1", "max_tokens": 0}, None, 400, "max_new_tokens"),
         ({"prompt": "t1", "temperature": -1}, None, 400, "temperature = -1"),
+        ({"prompt": "t1", "temperature": 1e-300}, None, 400, "temperature = 1e-300: expected 0"),
+        ({"prompt": "t1", "temperature": 5e-324}, None, 400, "temperature = 5e-324: expected 0"),
         ({"prompt": 5}, None, 400, "Expected `str | array`"),
         ({"prompt": "t1"}, {"Authorization": "Bearer wrong"}, 401, "incorrect API key"),
         ({"prompt": "t1"}, {}, 401, "incorrect API key"),

@@ -24,6 +24,10 @@ import torch
 from lever_actors.errors import ConfigError
 
 _MASK64 = (1 << 64) - 1
+# the least temperature above 0 (greedy): below it a drafter's float32 logits / T drown its
+# noise (sampling is greedy in effect), and far below it logits / T overflow to NaN
+MIN_TEMPERATURE = 1e-6
+_AT_LEAST_MIN = f"0 (greedy) or at least {MIN_TEMPERATURE}"
 NUCLEUS_HEAD = 1024  # tokens sorted for top-p when they hold its mass
 
 
@@ -39,6 +43,7 @@ class Sampling(msgspec.Struct, frozen=True):
     def __post_init__(self) -> None:
         checks = (
             ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, ">= 0"),
+            ("temperature", self.greedy or self.temperature >= MIN_TEMPERATURE, _AT_LEAST_MIN),
             ("top_k", self.top_k >= 0, ">= 0"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("min_p", 0 <= self.min_p < 1, "in [0, 1)"),
@@ -98,7 +103,9 @@ class Chooser:
         token the draft would draw."""
         if self.sampling.greedy:
             return logits
-        scores = logits.float() / self.sampling.temperature
+        widened = logits.float()
+        # less the row's top first: no finite logit / T then overflows float32 (ranks as before)
+        scores = (widened - widened.amax(-1, keepdim=True)) / self.sampling.temperature
         for row, noise in zip(scores, self._rows(positions, logits.shape[-1]), strict=True):
             row += noise
         return scores

@@ -15,6 +15,7 @@ from lever_actors.checkpoints.hf import load_hf
 from lever_actors.errors import ConfigError
 from lever_actors.model.sampling import (
     GREEDY,
+    MIN_TEMPERATURE,
     NUCLEUS_HEAD,
     Chooser,
     Sampling,
@@ -61,6 +62,8 @@ def test_greedy_takes_each_dtypes_own_argmax():
     [
         (dict(temperature=-0.1), "temperature = -0.1: expected >= 0"),
         (dict(temperature=math.nan), "temperature = nan: expected >= 0"),
+        (dict(temperature=1e-300), "temperature = 1e-300: expected 0 (greedy) or at least 1e-06"),
+        (dict(temperature=5e-324), "temperature = 5e-324: expected 0 (greedy) or at least 1e-06"),
         (dict(top_k=-1), "top_k = -1: expected >= 0"),
         (dict(top_p=0.0), "top_p = 0.0: expected in (0, 1]"),
         (dict(top_p=1.5), "top_p = 1.5: expected in (0, 1]"),
@@ -72,6 +75,14 @@ def test_bad_settings_are_refused_by_name(fields, message):
     with pytest.raises(ConfigError) as raised:
         Sampling(**fields)
     assert str(raised.value) == message
+
+
+def test_the_least_temperature_overflows_nothing_even_at_bf16s_largest_logits():
+    logits = torch.tensor([[-3e38, 0.0, 3e38, 1e38]], dtype=torch.bfloat16)
+    chooser = Chooser(Sampling(temperature=MIN_TEMPERATURE, seed=1))
+    assert chooser.choose(logits, torch.tensor([0])) == [2]
+    probs = torch.softmax(chooser.draft_scores(logits, torch.tensor([0])), dim=-1)
+    assert probs.tolist() == [[0.0, 0.0, 1.0, 0.0]]  # no NaN: logits / T stay in float32
 
 
 def test_a_seed_is_drawn_only_when_none_is_given():

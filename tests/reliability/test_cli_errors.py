@@ -152,6 +152,7 @@ def test_a_bad_flag_is_argparses_usage_error(capsys):
         (["--prompt", ""], "the prompt is empty"),
         (["--max-new-tokens", "0"], "max_new_tokens must be positive, got 0"),
         (["--temperature", "nan"], "temperature = nan: expected >= 0"),
+        (["--temperature", "1e-300"], "temperature = 1e-300: expected 0 (greedy) or at least"),
         (["--messages", "m.json"], "--messages m.json: messages[0].role = 'robot'"),
     ],
 )
