@@ -1,8 +1,12 @@
-"""Where the library keeps what it fetches, converts and builds."""
+"""Where the library keeps what it fetches, converts and builds, and the lock that lets one
+process at a time make each of them."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -12,3 +16,22 @@ def default_cache_dir() -> Path:
     # the XDG spec says to ignore a relative value
     base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
     return base / "lever_actors"
+
+
+@contextmanager
+def exclusive(directory: Path, on_wait: Callable[[], object] = lambda: None) -> Iterator[None]:
+    """Hold the lock of `directory` (made if missing) for the block: another process's block
+    on it waits until this one ends, calling `on_wait` first. The lock is an flock on the
+    directory itself, so it leaves no file behind, and the kernel drops it however its
+    holder dies."""
+    directory.mkdir(parents=True, exist_ok=True)
+    held = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait()
+            fcntl.flock(held, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(held)  # releases the lock

@@ -1,7 +1,8 @@
 """Our kernels for the 4- and 8-bit matrices: csrc/amx.cpp on a CPU with AMX, csrc/avx2.cpp on
 one with AVX2 and FMA (with AVX512-VNNI's byte products where the CPU has them). Built once
-per machine with the system's C++ compiler into the cache, loaded as torch ops, used for
-every int4 and int8 matrix they fit.
+per machine with the system's C++ compiler into the cache (stamped with the library's size
+and hash, and rebuilt where the file does not match), loaded as torch ops, used for every
+int4 and int8 matrix they fit.
 
 torch's weight-only kernels cost about as much per row as one-token decoding, so a tree of
 64 nodes costs nearly 64 passes, and they round a row differently by how many rows share the
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 from lever_actors.logs import get_logger
-from lever_actors.paths import default_cache_dir
+from lever_actors.paths import default_cache_dir, exclusive
 
 log = get_logger(__name__)
 
@@ -289,32 +290,87 @@ def _supported() -> tuple[Isa | None, str]:
 
 
 def _built(isa: Isa) -> Path:
-    """The kernels' shared library for this source, torch and compiler (built if missing)."""
-    compiler = subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout
-    flags = ("-O3", "-std=c++20", "-fPIC", *isa.compile_flags)
-    texts = [path.read_text() for path in (isa.source, *isa.headers)]
-    stamp = "\n".join((*texts, torch.__version__, compiler, *flags))
-    key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
-    library = default_cache_dir() / "kernels" / f"{isa.name}-{key}.so"
-    if library.exists():
+    """The kernels' shared library for this source, torch and compiler: built if missing, and
+    rebuilt if it is not the file its stamp describes (mapping a truncated library kills the
+    process with SIGBUS). One process builds at a time; the others wait and take its library."""
+    library = _library_path(isa)
+    if _intact(library):
         return library
-    library.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive(library.parent, lambda: log.info("waiting for another process's build")):
+        if not _intact(library):  # unless the process we waited for built it
+            _rebuild(isa, library)
+    return library
+
+
+def _library_path(isa: Isa) -> Path:
+    compiler = subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout
+    texts = [path.read_text() for path in (isa.source, *isa.headers)]
+    stamp = "\n".join((*texts, torch.__version__, compiler, *_flags(isa)))
+    key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
+    return default_cache_dir() / "kernels" / f"{isa.name}-{key}.so"
+
+
+def _flags(isa: Isa) -> tuple[str, ...]:
+    return ("-O3", "-std=c++20", "-fPIC", *isa.compile_flags)
+
+
+def _stamp_path(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _digest(path: Path) -> bytes:
+    """A stamp's text: the file's size and sha256."""
+    data = path.read_bytes()
+    return f"{len(data)} {hashlib.sha256(data).hexdigest()}\n".encode()
+
+
+def _intact(library: Path) -> bool:
+    """Whether `library` and its stamp exist and agree."""
+    try:
+        return _stamp_path(library).read_bytes() == _digest(library)
+    except FileNotFoundError:
+        return False
+
+
+def _rebuild(isa: Isa, library: Path) -> None:
+    """Build `library` under a temporary name, put it on disk, rename it, then stamp it: a
+    crash at any point leaves no stamp that vouches for a partial file."""
+    if library.exists():
+        why = "not the file their stamp describes"
+        log.warning(f"rebuilding the cached kernels: {why}", library=str(library))
     log.info(f"building the {isa.name} kernels (once per machine)", library=str(library))
     partial = library.with_suffix(f".{os.getpid()}.partial")
-    objects = partial.with_suffix(".o")
+    try:
+        _compile(isa, partial)
+        _synced(partial)
+        partial.replace(library)  # whole or absent, whoever builds beside us
+    finally:
+        partial.unlink(missing_ok=True)
+    stamp = _stamp_path(library).with_suffix(f".{os.getpid()}.partial")
+    stamp.write_bytes(_digest(library))
+    _synced(stamp)
+    stamp.replace(_stamp_path(library))
+
+
+def _compile(isa: Isa, out: Path) -> None:
+    """Compile and link `isa`'s kernels into the shared library `out`."""
+    objects = out.with_suffix(".o")
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     home = Path(torch.__file__).parent  # torch's headers and libraries, as a wheel lays them out
     includes, libraries = [f"-I{home / 'include'}"], [f"-L{home / 'lib'}"]
     try:
         # OpenMP at compile time only: the library then uses torch's own OpenMP runtime
-        _run(["g++", *flags, "-fopenmp", abi, *includes, "-c", str(isa.source), "-o", str(objects)])
-        link = [*libraries, "-lc10", "-ltorch_cpu"]
-        _run(["g++", "-shared", str(objects), "-o", str(partial), *link])
-        partial.replace(library)  # whole or absent, whoever builds beside us
+        flags = [*_flags(isa), "-fopenmp", abi, *includes]
+        _run(["g++", *flags, "-c", str(isa.source), "-o", str(objects)])
+        _run(["g++", "-shared", str(objects), "-o", str(out), *libraries, "-lc10", "-ltorch_cpu"])
     finally:
         objects.unlink(missing_ok=True)
-        partial.unlink(missing_ok=True)
-    return library
+
+
+def _synced(path: Path) -> None:
+    """Flush `path`'s data to disk, so that a rename after it never names a partial file."""
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
 
 
 def _run(command: list[str]) -> None:
