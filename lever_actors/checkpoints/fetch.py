@@ -18,6 +18,7 @@ from typing import IO, Protocol
 from lever_actors.checkpoints.new_directory import partial_path, remove_stale_partials
 from lever_actors.errors import FetchError
 from lever_actors.logs import get_logger
+from lever_actors.paths import exclusive
 from lever_actors.progress import Progress
 
 log = get_logger(__name__)
@@ -119,12 +120,19 @@ def fetch_model(
 ) -> Path:
     """Return the verified file for `model` in `cache_dir`, downloading and assembling if
     needed. A cached file is hashed when its stamp does not vouch for it, or always with
-    `verify`."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    `verify`. One process at a time fetches into `cache_dir`; another waits, then takes the
+    file it fetched."""
     final = cache_dir / model.file_name
-    remove_stale_partials(final)
-    if _verified(model, final, progress, rehash=verify):
-        return final
+    waiting = f"waiting for another process fetching {final.name}"
+    with exclusive(cache_dir, lambda: print(waiting, file=sys.stderr)):
+        remove_stale_partials(final)
+        if not _verified(model, final, progress, rehash=verify):
+            _fetch(model, final, download, progress)
+    return final
+
+
+def _fetch(model: RealModel, final: Path, download: Download, progress: Progress | None) -> None:
+    """Download and assemble `model` into `final`, checked against its pin, and stamp it."""
     final.unlink(missing_ok=True)  # a wrong file must not stay under the final name
     _stamp_path(final).unlink(missing_ok=True)
     partial = partial_path(final)
@@ -142,7 +150,6 @@ def fetch_model(
         partial.unlink(missing_ok=True)  # no-op after a successful replace
     _write_stamp(final, sha)
     log.info("fetch_model.done", model=model.key, path=str(final))
-    return final
 
 
 def _assemble(

