@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 from lever_actors import __version__
@@ -46,12 +47,32 @@ def main(argv: list[str] | None = None) -> int:
             args = parser.parse_args(argv)  # so that flags on the command line still win
         args.cache_dir = args.cache_dir or default_cache_dir()
         return args.command(args)
-    except KeyboardInterrupt:
-        _report("interrupted", args.verbose)
-        return INTERRUPTED
-    except _EXPECTED as e:
-        _report(f"error: {_message(e)}", args.verbose)
-        return _exit_code(e)
+    except BaseException as raised:  # trio hands failures on in exception groups: see _sole
+        error = _sole(raised)
+        if isinstance(error, KeyboardInterrupt):
+            _report("interrupted", args.verbose)
+            return INTERRUPTED
+        if isinstance(error, _EXPECTED):
+            _report(f"error: {_message(error)}", args.verbose)
+            return _exit_code(error)
+        raise
+
+
+def _sole(error: BaseException) -> BaseException:
+    """What failed, out of any exception groups around it: an interrupt among their
+    exceptions, else their only one; `error` itself where it holds several (a bug's
+    traceback shows them all)."""
+    leaves = list(_leaves(error))
+    interrupt = next((e for e in leaves if isinstance(e, KeyboardInterrupt)), None)
+    return interrupt or (leaves[0] if len(leaves) == 1 else error)
+
+
+def _leaves(error: BaseException) -> Iterator[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield error
 
 
 def _exit_code(error: Exception) -> int:

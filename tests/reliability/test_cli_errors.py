@@ -129,6 +129,15 @@ def test_an_interrupt_exits_130(capsys, tmp_path, monkeypatch):
     assert capsys.readouterr().err == "lever-actors: interrupted\n"
 
 
+def test_an_interrupt_inside_trios_exception_groups_exits_130(capsys, tmp_path, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise BaseExceptionGroup("from a nursery", [BaseExceptionGroup("", [KeyboardInterrupt()])])
+
+    monkeypatch.setattr("lever_actors.cli.tools.profile_disk", interrupted)
+    assert main(["profile-disk", str(tmp_path / "data.bin")]) == 130
+    assert capsys.readouterr().err == "lever-actors: interrupted\n"
+
+
 def test_a_real_bug_keeps_its_traceback(tmp_path, monkeypatch):
     def bug(*args, **kwargs):
         raise AttributeError("a bug")
@@ -188,3 +197,9 @@ def test_engine_flags_are_checked_before_the_real_pair_is_fetched(
     monkeypatch.setattr("lever_actors.cli.engine_options.real_model_path", fetch)
     assert main(["--cache-dir", str(tmp_path), "generate", *flags]) == 2
     assert message in one_line(capsys)
+
+
+def test_a_failure_inside_serves_trio_run_is_one_line(capsys, tmp_path):
+    missing = tmp_path / "missing"  # the engine fails to open, inside trio's exception groups
+    assert main(["serve", "--target", str(missing), "--port", "0"]) == 1
+    assert one_line(capsys) == f"{PREFIX}{missing}: not a flash layout (no manifest.json)\n"
