@@ -1,10 +1,21 @@
 """`serve` on a tiny model at 127.0.0.1, driven by the official `openai` client and by raw
 HTTP: exact text streamed and whole, concurrent clients, the queue's 429, a client that
-leaves mid-stream, and bad requests answered 4xx with OpenAI's error body."""
+leaves mid-stream, bad requests answered 4xx with OpenAI's error body, client errors
+logged in one line, and SIGTERM draining (streams cut with a last chunk, new requests
+503); Ctrl-C and SIGTERM from the command line."""
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import aclosing
 from functools import partial
 from pathlib import Path
 
@@ -15,11 +26,13 @@ import pytest
 import trio
 
 from lever_actors.config import EngineConfig
+from lever_actors.engine import Engine
 from lever_actors.model.sampling import Sampling
 from lever_actors.serve import serve
 from lever_actors.testing import TINY_ARGS, model_pair, reference_tokens
 
 KEY = "sk-test"
+AUTHORIZED = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 NEW = 10
 TIMEOUT = 60
 
@@ -199,6 +212,8 @@ async def test_a_client_that_leaves_mid_stream_cancels_its_request(config):
         ({"prompt": "t1", "temperature": 1e-300}, None, 400, "temperature = 1e-300: expected 0"),
         ({"prompt": "t1", "temperature": 5e-324}, None, 400, "temperature = 5e-324: expected 0"),
         ({"prompt": 5}, None, 400, "Expected `str | array`"),
+        ({"prompt": "t1", "stop": [""]}, None, 400, "stop = ['']: expected no empty string"),
+        ({"prompt": "t1", "stop": ""}, None, 400, "stop = ['']: expected no empty string"),
         ({"prompt": "t1"}, {"Authorization": "Bearer wrong"}, 401, "incorrect API key"),
         ({"prompt": "t1"}, {}, 401, "incorrect API key"),
     ],
@@ -209,7 +224,7 @@ async def test_bad_requests_get_4xx_with_an_openai_error_body(
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
             base = await start(nursery, config)
-            sent_headers = {"Authorization": f"Bearer {KEY}"} if headers is None else headers
+            sent_headers = AUTHORIZED if headers is None else headers
             content = body if isinstance(body, str) else json.dumps(body)
             async with httpx.AsyncClient(base_url=base, headers=sent_headers) as http:
                 response = await http.post("/v1/completions", content=content)
@@ -236,3 +251,159 @@ async def test_a_prompt_beyond_the_context_gets_context_length_exceeded(config):
     assert error["code"] == "context_length_exceeded"
     assert (error["n_prompt_tokens"], error["n_ctx"]) == (4, 12)
     assert health.json()["n_ctx"] == 12
+
+
+async def test_a_bug_is_a_500_with_an_openai_error_body(config, monkeypatch):
+    async def bug(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(Engine, "generate", bug)
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            base = await start(nursery, config)
+            async with httpx.AsyncClient(base_url=base, headers=AUTHORIZED) as http:
+                response = await http.post("/v1/completions", json={"prompt": "t1"})
+            nursery.cancel_scope.cancel()
+    assert response.status_code == 500
+    assert response.json()["error"] == {
+        "message": "the server failed; see its log",
+        "type": "server_error",
+        "param": None,
+        "code": None,
+    }
+
+
+def slowed(monkeypatch, seconds: float) -> None:
+    """Engine.stream with `seconds` before each event, and Engine.generate a minute late:
+    requests that last."""
+    stream, generate = Engine.stream, Engine.generate
+
+    async def slow_stream(self, *args, **kwargs):
+        async with aclosing(stream(self, *args, **kwargs)) as events:
+            async for event in events:
+                await trio.sleep(seconds)
+                yield event
+
+    async def slow_generate(self, *args, **kwargs):
+        await trio.sleep(60)
+        return await generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "stream", slow_stream)
+    monkeypatch.setattr(Engine, "generate", slow_generate)
+
+
+async def test_sigterm_cuts_requests_after_the_grace_and_refuses_new_ones(config, monkeypatch):
+    slowed(monkeypatch, 0.1)
+    streamed = {"prompt": "t3 t1 t4", "max_tokens": 50, "temperature": 0, "stream": True}
+    whole = streamed | {"stream": False}
+    answers = {}
+
+    async def ask_whole(http):
+        answers["whole"] = await http.post("/v1/completions", json=whole)
+
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:  # ends when serve returns by itself
+            base = await start(nursery, config, grace=0.5)
+            async with httpx.AsyncClient(base_url=base, headers=AUTHORIZED) as http:
+                async with http.stream("POST", "/v1/completions", json=streamed) as response:
+                    lines = response.aiter_lines()
+                    first = await anext(lines)
+                    nursery.start_soon(ask_whole, http)
+                    while (await http.get("/health")).json()["requests"] < 2:
+                        await trio.sleep(0.01)
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    await trio.sleep(0.1)
+                    refused = await http.post("/v1/completions", json=whole)
+                    rest = [line async for line in lines if line]
+    chunks = [json.loads(line.removeprefix("data: ")) for line in [first, *rest[:-1]]]
+    assert rest[-1] == "data: [DONE]"
+    assert chunks[-1]["choices"][0] == {
+        "index": 0,
+        "text": "",
+        "logprobs": None,
+        "finish_reason": "length",
+    }
+    assert 2 <= len(chunks) < 50  # cut after half a second, not run to its end
+    assert refused.status_code == 503
+    assert refused.json()["error"]["message"] == "the server is shutting down"
+    assert answers["whole"].status_code == 503
+    assert answers["whole"].json()["error"]["message"] == "the server shut down first"
+
+
+async def test_client_errors_are_logged_in_one_line(config, caplog, monkeypatch):
+    caplog.set_level(logging.INFO)
+    accept, failures = trio.SocketListener.accept, [OSError(errno.EMFILE, "Too many open files")]
+
+    async def out_of_files(self):  # once: trio waits 0.1 s and accepts again
+        if failures:
+            raise failures.pop()
+        return await accept(self)
+
+    monkeypatch.setattr(trio.SocketListener, "accept", out_of_files)
+    left = "a client left during its request's body path=/v1/completions"
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            base = await start(nursery, config)
+            port = int(base.rsplit(":", 1)[1])
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            head = (
+                f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+                "Content-Length: 1000\r\n\r\n"
+            )
+            await stream.send_all(head.encode() + b'{"prompt": ')
+            await stream.aclose()  # gone before the rest of its body
+            while left not in caplog.messages:
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    assert (
+        "accept returned EMFILE (Too many open files); retrying in 0.1 seconds" in caplog.messages
+    )
+    assert [r.exc_info for r in caplog.records] == [None] * len(caplog.records)  # no traceback
+
+
+DRAINING = "lever_actors.serve: SIGTERM: shutting down"
+LAUNCH = "import sys; from lever_actors.launch import main; sys.exit(main())"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def until_listening(child: subprocess.Popen, port: int) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while child.poll() is None and time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError("serve never listened")
+
+
+@pytest.mark.parametrize(
+    ("sent", "code", "last_line"),
+    [
+        (signal.SIGINT, 130, "lever-actors: interrupted"),
+        (
+            signal.SIGTERM,
+            0,
+            "WARNING lever_actors.serve: SIGTERM: shutting down grace_seconds=10.0",
+        ),
+    ],
+)
+def test_the_command_ends_in_one_line_on_ctrl_c_and_shuts_down_on_sigterm(
+    config, sent, code, last_line
+):
+    port = free_port()
+    flags = ["--target", config.target, "--draft", config.draft, "--tree", "chain:3"]
+    command = [sys.executable, "-c", LAUNCH, "serve", *flags, "--port", str(port)]
+    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True) as child:
+        until_listening(child, port)
+        child.send_signal(sent)
+        _, err = child.communicate(timeout=TIMEOUT)
+    assert child.returncode == code, err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1] == last_line

@@ -11,7 +11,7 @@ import trio
 from lever_actors.cli.engine_options import add_engine_arguments, engine_config
 from lever_actors.config import DEFAULT_MAX_NEW_TOKENS
 from lever_actors.progress import ProgressLine
-from lever_actors.serve import serve
+from lever_actors.serve import DRAIN_SECONDS, check_address, serve
 
 
 def add_serve_command(sub: argparse._SubParsersAction) -> None:
@@ -24,7 +24,17 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--port", type=int, default=8000, help="(default: 8000)")
     parser.add_argument("--api-key", help="required as 'Authorization: Bearer KEY' when given")
     parser.add_argument(
-        "--queue", type=int, default=8, help="requests that may wait; more get 429 (default: 8)"
+        "--queue",
+        type=count,
+        default=8,
+        help="requests that may wait; more get 429 (default: 8)",
+    )
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=DRAIN_SECONDS,
+        help="seconds running requests get to finish after SIGTERM, before they are cut "
+        f"(default: {DRAIN_SECONDS:g})",
     )
     parser.add_argument("--model-name", default="lever", help="the id /v1/models lists")
     parser.add_argument(
@@ -36,7 +46,16 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(command=run_serve)
 
 
+def count(text: str) -> int:
+    """A flag's count: a whole number, 0 or more."""
+    n = int(text)  # argparse reports a ValueError as an invalid value
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {n}")
+    return n
+
+
 def run_serve(args: argparse.Namespace) -> int:
+    check_address(args.host, args.port)  # before the real pair is fetched (minutes)
     config = engine_config(args)
     run = partial(
         serve,
@@ -47,6 +66,7 @@ def run_serve(args: argparse.Namespace) -> int:
         queue=args.queue,
         api_key=args.api_key,
         default_max_tokens=args.max_tokens,
+        grace=args.grace,
         progress=ProgressLine(unit=""),
     )
 

@@ -7,14 +7,29 @@ handler awaits the engine directly.
 
 from __future__ import annotations
 
+import logging
+import signal
+import socket
+from collections.abc import AsyncIterator, Collection, Iterator
+from contextlib import contextmanager
+from functools import partial
+
 import hypercorn.config
 import hypercorn.trio
 import trio
 
 from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, EngineConfig
 from lever_actors.engine import Engine
+from lever_actors.errors import ConfigError
+from lever_actors.logs import get_logger
 from lever_actors.progress import Progress
-from lever_actors.serve.app import build_app
+from lever_actors.serve.app import Admission, build_app, check_queue
+
+log = get_logger(__name__)
+
+DRAIN_SECONDS = 10.0  # what requests still running at SIGTERM get before they are cut
+# trio logs each accept that finds no file descriptor left (EMFILE) with a traceback
+ACCEPT_LOGGER = logging.getLogger("trio.serve_listeners")
 
 
 async def serve(
@@ -26,11 +41,18 @@ async def serve(
     queue: int = 8,
     api_key: str | None = None,
     default_max_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    drain_on: Collection[signal.Signals] = (signal.SIGTERM,),
+    grace: float = DRAIN_SECONDS,
     progress: Progress | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Open the engine and serve it until cancelled; `task_status.started` gets the bound
-    addresses ("http://127.0.0.1:8000"; port 0 binds a free one)."""
+    """Open the engine and serve it until cancelled, or until one of `drain_on` arrives (the
+    main thread's trio run alone can take signals; give none elsewhere): then new requests
+    get 503, those inside `grace` seconds to finish before they are cut, and serve returns.
+    `task_status.started` gets the bound addresses ("http://127.0.0.1:8000"; port 0 binds a
+    free one)."""
+    check_address(host, port)  # before the engine loads, which can take minutes
+    check_queue(queue)
     async with Engine.open(config, progress=progress) as engine:
         app = build_app(
             engine,
@@ -42,5 +64,72 @@ async def serve(
         settings = hypercorn.config.Config()
         settings.bind = [f"{host}:{port}"]
         settings.accesslog = None
-        # hypercorn types an ASGI app narrower than Starlette's (pgjones/hypercorn#353)
-        await hypercorn.trio.serve(app, settings, task_status=task_status)  # type: ignore[arg-type]
+        with _receiver(drain_on) as received, _one_line(ACCEPT_LOGGER):
+            # the receiver opens before the port does: no signal is missed
+            drained = partial(_drain_on_signal, received, app.state.admission, grace)
+            # hypercorn types an ASGI app narrower than Starlette's (pgjones/hypercorn#353)
+            await hypercorn.trio.serve(
+                app,  # type: ignore[arg-type]
+                settings,
+                shutdown_trigger=drained,
+                task_status=task_status,
+            )
+
+
+def check_address(host: str, port: int) -> None:
+    """Refuse an address serve could not listen on, in one line: a port out of range or a
+    malformed host (ConfigError); a host that does not resolve or is not this machine's, or
+    a port taken (OSError naming the address)."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"port {port}: expected 0 to 65535")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as hypercorn chooses
+    where = f"{host}:{port}"
+    try:
+        address = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)[0][4]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as hypercorn binds
+            probe.bind(address)
+    except UnicodeError:  # the IDNA codec's, for a name no DNS could hold ("a..b")
+        raise ConfigError(f"host {host!r}: not a host name") from None
+    except OSError as error:
+        raise OSError(error.errno, error.strerror, where) from None
+
+
+class _WithoutTraceback(logging.Filter):
+    """A record as one line: a client-side condition the server rides out (it retries)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+@contextmanager
+def _one_line(logger: logging.Logger) -> Iterator[None]:
+    """`logger`'s records without their tracebacks while the block runs."""
+    without = _WithoutTraceback()
+    logger.addFilter(without)
+    try:
+        yield
+    finally:
+        logger.removeFilter(without)
+
+
+@contextmanager
+def _receiver(signals: Collection[signal.Signals]) -> Iterator[AsyncIterator[int] | None]:
+    """The signals' receiver while the block runs; None where there are none to take."""
+    if not signals:
+        yield None
+        return
+    with trio.open_signal_receiver(*signals) as received:
+        yield received
+
+
+async def _drain_on_signal(
+    received: AsyncIterator[int] | None, admission: Admission, grace: float
+) -> None:
+    """Return, for hypercorn to close, once a signal has come and the requests have left."""
+    if received is None:
+        await trio.sleep_forever()
+    number = await anext(received)
+    log.warning(f"{signal.Signals(number).name}: shutting down", grace_seconds=grace)
+    await admission.drain(grace)

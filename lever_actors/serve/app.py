@@ -3,27 +3,31 @@
 The engine serves one request at a time; `Admission` lets `queue` more wait and answers
 the rest 429 with Retry-After. A streamed response is server-sent events; a client that
 disconnects mid-stream cancels its request (Starlette cancels the body's iteration, which
-closes the engine's stream).
+closes the engine's stream). `Admission.drain` shuts the doors: new requests get 503, and
+those inside are cut after a grace period, a stream with a last chunk.
 """
 
 from __future__ import annotations
 
 import secrets
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import msgspec
+import trio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from lever_actors.channels.messages import TokenEvent
+from lever_actors.channels.messages import FinishReason, TokenEvent
 from lever_actors.config import DEFAULT_MAX_NEW_TOKENS
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError, ContextLengthError
+from lever_actors.logs import get_logger
 from lever_actors.serve.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -33,7 +37,11 @@ from lever_actors.serve.schemas import (
     usage,
 )
 
+log = get_logger(__name__)
+
 RETRY_AFTER_SECONDS = 5
+CUT_REASON: FinishReason = "length"  # a stream the shutdown cut: its text ends short
+DRAIN_POLL_SECONDS = 0.05  # how often a drain looks whether the last request has left
 
 
 class _JSON(JSONResponse):
@@ -75,20 +83,82 @@ class ApiError(Exception):
 
 
 class Admission:
-    """Requests inside the server: one running, at most `queue` waiting. Runs on the event
-    loop's single thread, so a plain count suffices."""
+    """Requests inside the server: one running, at most `queue` waiting, none once it
+    drains. Runs on the event loop's single thread, so plain counts suffice."""
 
     def __init__(self, queue: int) -> None:
-        self.limit = queue + 1
+        self.limit = check_queue(queue) + 1
         self.inside = 0
+        self.draining = False
+        self._cut = False
+        self._scopes: set[trio.CancelScope] = set()
 
     def enter(self) -> _Ticket:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", "server_error", "shutting_down")
         if self.inside >= self.limit:
             raise ApiError(
                 429, "the server is busy: try again shortly", "rate_limit_exceeded", "busy"
             )
         self.inside += 1
         return _Ticket(self)
+
+    @contextmanager
+    def cuttable(self) -> Iterator[trio.CancelScope]:
+        """A scope that the end of a drain cancels (at once, if it has ended)."""
+        scope = trio.CancelScope()
+        if self._cut:
+            scope.cancel()
+        self._scopes.add(scope)
+        try:
+            with scope:
+                yield scope
+        finally:
+            self._scopes.discard(scope)
+
+    async def until_cut(
+        self, events: AsyncGenerator[TokenEvent, None]
+    ) -> AsyncGenerator[TokenEvent, None]:
+        """`events` until they end, or until a drain cuts them (then `Cut`)."""
+        try:
+            while True:
+                with self.cuttable() as scope:  # around each wait: never around a yield
+                    event = await anext(events, None)
+                if scope.cancelled_caught:
+                    raise Cut
+                if event is None:
+                    return
+                yield event
+        finally:
+            await events.aclose()
+
+    async def drain(self, grace: float) -> None:
+        """Refuse new requests (503), let those inside finish for `grace` seconds, then cut
+        the rest, and return once all have left."""
+        self.draining = True
+        log.info("draining", requests=self.inside, grace_seconds=grace)
+        with trio.move_on_after(grace):
+            await self._emptied()
+        self._cut = True
+        for scope in list(self._scopes):
+            scope.cancel()
+        await self._emptied()
+
+    async def _emptied(self) -> None:
+        # polled: a ticket may be released by a finalizer, outside any trio task
+        while self.inside:
+            await trio.sleep(DRAIN_POLL_SECONDS)
+
+
+def check_queue(queue: int) -> int:
+    """`queue`, the requests that may wait, refused where negative (each would get 429)."""
+    if queue < 0:
+        raise ConfigError(f"queue = {queue}: expected >= 0")
+    return queue
+
+
+class Cut(Exception):
+    """A drain ended this request before the engine did."""
 
 
 class _Ticket:
@@ -109,17 +179,25 @@ def build_app(
     api_key: str | None = None,
     default_max_tokens: int = DEFAULT_MAX_NEW_TOKENS,
 ) -> Starlette:
-    """The application serving `engine` under `model_name`."""
-    routes = _Routes(engine, model_name, Admission(queue), api_key, default_max_tokens)
-    return Starlette(
+    """The application serving `engine` under `model_name`; its `state.admission` drains it."""
+    admission = Admission(queue)
+    routes = _Routes(engine, model_name, admission, api_key, default_max_tokens)
+    app = Starlette(
         routes=[
             Route("/health", routes.health, methods=["GET"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
         ],
-        exception_handlers={HTTPException: _http_error, ApiError: _api_error},
+        exception_handlers={
+            HTTPException: _http_error,
+            ApiError: _api_error,
+            ClientDisconnect: _client_gone,
+            Exception: _server_error,
+        },
     )
+    app.state.admission = admission
+    return app
 
 
 class _Routes:
@@ -187,14 +265,18 @@ class _Routes:
         ticket = self.admission.enter()
         if not parsed.stream:
             try:
-                result = await self.engine.generate(prompt, messages=messages, options=options)
+                with self.admission.cuttable() as scope:
+                    result = await self.engine.generate(prompt, messages=messages, options=options)
             except ConfigError as e:
                 raise ApiError.bad_request(e) from None
             finally:
                 ticket.release()
+            if scope.cancelled_caught:
+                raise _shut_down()
             use = usage(result.prompt_tokens, result.generated_tokens, result.cached_tokens)
             return _JSON(reply.whole(result.text, result.finish_reason, use))
-        events = self.engine.stream(prompt, messages=messages, options=options)
+        stream = self.engine.stream(prompt, messages=messages, options=options)
+        events = self.admission.until_cut(stream)
         try:  # the first token before the headers: a bad request is still a 400
             first = await events.__anext__()
         except BaseException as e:
@@ -202,6 +284,8 @@ class _Routes:
             await events.aclose()
             if isinstance(e, ConfigError):
                 raise ApiError.bad_request(e) from None
+            if isinstance(e, Cut):
+                raise _shut_down() from None
             raise
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         body = _sse(reply, first, events, include_usage, ticket)
@@ -216,15 +300,19 @@ async def _sse(
     include_usage: bool,
     ticket: _Ticket,
 ) -> AsyncIterator[bytes]:
-    """Server-sent events: one chunk per token, the finish reason on the last, [DONE]."""
+    """Server-sent events: one chunk per token, the finish reason on the last (CUT_REASON on
+    a chunk of its own where a drain cut the stream), [DONE]."""
     try:
         if reply.chat:
             yield _event(reply.chunk(None, first=True))
         last = first
         yield _event(reply.chunk(first.text, first.finish_reason))
-        async for event in events:
-            last = event
-            yield _event(reply.chunk(event.text, event.finish_reason))
+        try:
+            async for event in events:
+                last = event
+                yield _event(reply.chunk(event.text, event.finish_reason))
+        except Cut:
+            yield _event(reply.chunk(None, CUT_REASON))
         if include_usage:
             use = usage(last.prompt_tokens, last.generated_tokens, last.cached_tokens)
             yield _event(reply.usage_chunk(use))
@@ -232,6 +320,10 @@ async def _sse(
     finally:
         ticket.release()
         await events.aclose()  # a client gone mid-stream cancels the request here
+
+
+def _shut_down() -> ApiError:
+    return ApiError(503, "the server shut down first", "server_error", "shutting_down")
 
 
 def _event(body: dict[str, Any]) -> bytes:
@@ -247,3 +339,14 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)  # the handler of ApiError (build_app)
     return exc.response()
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """A client that left while sending its body: one line in the log, not a traceback."""
+    log.info("a client left during its request's body", path=request.url.path)
+    return Response(status_code=400)  # written to no one
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    """A bug: still OpenAI's error body (the server logs the traceback)."""
+    return _JSON(error_body("the server failed; see its log", "server_error"), status_code=500)

@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -199,7 +200,45 @@ def test_engine_flags_are_checked_before_the_real_pair_is_fetched(
     assert message in one_line(capsys)
 
 
+@pytest.fixture
+def taken_port():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        yield taken.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("flags", "code", "message"),
+    [
+        (["--port", "99999"], 2, "port 99999: expected 0 to 65535"),
+        (["--port", "-1"], 2, "port -1: expected 0 to 65535"),
+        (["--host", "a..b"], 2, "host 'a..b': not a host name"),
+        (["--host", "no-such-host.invalid"], 1, "no-such-host.invalid:8000: "),
+        (["--host", "192.0.2.1"], 1, "192.0.2.1:8000: Cannot assign requested address"),
+        (["--port", "TAKEN"], 1, "127.0.0.1:TAKEN: Address already in use"),
+    ],
+)
+def test_an_address_serve_cannot_listen_on_is_one_line_before_anything_loads(
+    capsys, tmp_path, monkeypatch, taken_port, flags, code, message
+):
+    def fetch(*args, **kwargs):
+        raise AssertionError("the real pair was fetched before the address was checked")
+
+    monkeypatch.setattr("lever_actors.cli.engine_options.real_target_layout", fetch)
+    flags = [flag.replace("TAKEN", str(taken_port)) for flag in flags]
+    assert main(["--cache-dir", str(tmp_path), "serve", *flags]) == code
+    assert one_line(capsys).startswith(PREFIX + message.replace("TAKEN", str(taken_port)))
+
+
 def test_a_failure_inside_serves_trio_run_is_one_line(capsys, tmp_path):
     missing = tmp_path / "missing"  # the engine fails to open, inside trio's exception groups
     assert main(["serve", "--target", str(missing), "--port", "0"]) == 1
     assert one_line(capsys) == f"{PREFIX}{missing}: not a flash layout (no manifest.json)\n"
+
+
+def test_a_negative_queue_is_refused_as_the_flags_are_parsed(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["serve", "--target", "layout", "--queue", "-1"])
+    assert exit.value.code == 2
+    assert "argument --queue: expected 0 or more, got -1" in capsys.readouterr().err
