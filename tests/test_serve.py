@@ -1,8 +1,8 @@
 """`serve` on a tiny model at 127.0.0.1, driven by the official `openai` client and by raw
 HTTP: exact text streamed and whole, concurrent clients, the queue's 429, a client that
-leaves mid-stream, bad requests answered 4xx with OpenAI's error body, client errors
-logged in one line, and SIGTERM draining (streams cut with a last chunk, new requests
-503); Ctrl-C and SIGTERM from the command line."""
+leaves mid-stream, bad requests answered 4xx with OpenAI's error body, bodies only as
+JSON, Host checked against rebinding, and SIGTERM draining (streams cut with a last chunk,
+new requests 503); Ctrl-C and SIGTERM from the command line."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import trio
 
 from lever_actors.config import EngineConfig
 from lever_actors.engine import Engine
+from lever_actors.errors import CheckpointError
 from lever_actors.model.sampling import Sampling
 from lever_actors.serve import serve
 from lever_actors.testing import TINY_ARGS, model_pair, reference_tokens
@@ -216,6 +217,20 @@ async def test_a_client_that_leaves_mid_stream_cancels_its_request(config):
         ({"prompt": "t1", "stop": ""}, None, 400, "stop = ['']: expected no empty string"),
         ({"prompt": "t1"}, {"Authorization": "Bearer wrong"}, 401, "incorrect API key"),
         ({"prompt": "t1"}, {}, 401, "incorrect API key"),
+        *[  # what a web page may post to a local server without asking first
+            (
+                {"prompt": "t1"},
+                {"Authorization": f"Bearer {KEY}"} | media,
+                415,
+                f"send the body as Content-Type: application/json, not {name}",
+            )
+            for media, name in [
+                ({"Content-Type": "text/plain"}, "text/plain"),
+                ({"Content-Type": "application/x-www-form-urlencoded"}, "application/x-www-"),
+                ({"Content-Type": "multipart/form-data; boundary=x"}, "multipart/form-data"),
+                ({}, "none"),
+            ]
+        ],
     ],
 )
 async def test_bad_requests_get_4xx_with_an_openai_error_body(
@@ -251,6 +266,42 @@ async def test_a_prompt_beyond_the_context_gets_context_length_exceeded(config):
     assert error["code"] == "context_length_exceeded"
     assert (error["n_prompt_tokens"], error["n_ctx"]) == (4, 12)
     assert health.json()["n_ctx"] == 12
+
+
+@pytest.mark.parametrize(
+    ("host", "allowed", "status"),
+    [
+        ("evil.example:8000", None, 421),  # a page's own name, rebound to 127.0.0.1
+        ("localhost:8000", None, 200),
+        ("127.0.0.1", None, 200),
+        ("[::1]:8000", None, 200),
+        ("", None, 421),
+        ("lever.lan:8000", ["lever.lan"], 200),
+        ("localhost:8000", ["lever.lan"], 421),
+    ],
+)
+async def test_a_loopback_server_answers_only_its_own_host_names(config, host, allowed, status):
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            base = await start(nursery, config, allowed_hosts=allowed)
+            async with httpx.AsyncClient(base_url=base, headers=AUTHORIZED) as http:
+                health = await http.get("/health", headers={"Host": host})
+                models = await http.get("/v1/models", headers={"Host": host})
+            nursery.cancel_scope.cancel()
+    assert (health.status_code, models.status_code) == (status, status)
+    if status == 421:
+        error = models.json()["error"]
+        assert error["message"] == f"Host {host!r} is not one this server answers to"
+        assert error["code"] == "host_not_allowed"
+
+
+async def test_a_keyless_server_off_loopback_is_warned_about(config, caplog, tmp_path):
+    missing = msgspec.structs.replace(config, target=str(tmp_path / "missing"))
+    for host in ("127.0.0.1", "0.0.0.0"):  # the engine fails to open: nothing ever listens
+        with pytest.raises(CheckpointError):
+            await serve(missing, host=host, port=0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["serving 0.0.0.0 without an API key: whoever reaches it can use it"]
 
 
 async def test_a_bug_is_a_500_with_an_openai_error_body(config, monkeypatch):

@@ -24,6 +24,14 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--port", type=int, default=8000, help="(default: 8000)")
     parser.add_argument("--api-key", help="required as 'Authorization: Bearer KEY' when given")
     parser.add_argument(
+        "--allowed-host",
+        action="append",
+        dest="allowed_hosts",
+        metavar="NAME",
+        help="a name the Host header may give, others get 421; repeatable (default: the "
+        "loopback names where --host is loopback, else any)",
+    )
+    parser.add_argument(
         "--queue",
         type=count,
         default=8,
@@ -66,6 +74,7 @@ def run_serve(args: argparse.Namespace) -> int:
         queue=args.queue,
         api_key=args.api_key,
         default_max_tokens=args.max_tokens,
+        allowed_hosts=args.allowed_hosts,
         grace=args.grace,
         progress=ProgressLine(unit=""),
     )

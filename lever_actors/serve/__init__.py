@@ -7,6 +7,7 @@ handler awaits the engine directly.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import signal
 import socket
@@ -28,6 +29,7 @@ from lever_actors.serve.app import Admission, build_app, check_queue
 log = get_logger(__name__)
 
 DRAIN_SECONDS = 10.0  # what requests still running at SIGTERM get before they are cut
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 # trio logs each accept that finds no file descriptor left (EMFILE) with a traceback
 ACCEPT_LOGGER = logging.getLogger("trio.serve_listeners")
 
@@ -41,6 +43,7 @@ async def serve(
     queue: int = 8,
     api_key: str | None = None,
     default_max_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    allowed_hosts: Collection[str] | None = None,
     drain_on: Collection[signal.Signals] = (signal.SIGTERM,),
     grace: float = DRAIN_SECONDS,
     progress: Progress | None = None,
@@ -50,9 +53,14 @@ async def serve(
     main thread's trio run alone can take signals; give none elsewhere): then new requests
     get 503, those inside `grace` seconds to finish before they are cut, and serve returns.
     `task_status.started` gets the bound addresses ("http://127.0.0.1:8000"; port 0 binds a
-    free one)."""
+    free one). `allowed_hosts`: the names a request's Host header may give; by default the
+    loopback names where `host` is loopback, else any."""
     check_address(host, port)  # before the engine loads, which can take minutes
     check_queue(queue)
+    if api_key is None and not is_loopback(host):
+        log.warning(f"serving {host} without an API key: whoever reaches it can use it")
+    if allowed_hosts is None and is_loopback(host):
+        allowed_hosts = (*LOOPBACK_NAMES, host)
     async with Engine.open(config, progress=progress) as engine:
         app = build_app(
             engine,
@@ -60,6 +68,7 @@ async def serve(
             queue=queue,
             api_key=api_key,
             default_max_tokens=default_max_tokens,
+            allowed_hosts=allowed_hosts,
         )
         settings = hypercorn.config.Config()
         settings.bind = [f"{host}:{port}"]
@@ -93,6 +102,14 @@ def check_address(host: str, port: int) -> None:
         raise ConfigError(f"host {host!r}: not a host name") from None
     except OSError as error:
         raise OSError(error.errno, error.strerror, where) from None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine's loopback interface alone."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host.lower() == "localhost"
 
 
 class _WithoutTraceback(logging.Filter):

@@ -5,23 +5,31 @@ the rest 429 with Retry-After. A streamed response is server-sent events; a clie
 disconnects mid-stream cancels its request (Starlette cancels the body's iteration, which
 closes the engine's stream). `Admission.drain` shuts the doors: new requests get 503, and
 those inside are cut after a grace period, a stream with a last chunk.
+
+Bodies must be sent as application/json (415 otherwise): a web page can post text/plain
+or a form to a local server without asking, but not JSON. Where `allowed_hosts` is given,
+a request naming another Host gets 421, so that a page whose name was rebound to 127.0.0.1
+cannot read the answers.
 """
 
 from __future__ import annotations
 
 import secrets
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Collection, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import msgspec
 import trio
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lever_actors.channels.messages import FinishReason, TokenEvent
 from lever_actors.config import DEFAULT_MAX_NEW_TOKENS
@@ -178,10 +186,13 @@ def build_app(
     queue: int = 8,
     api_key: str | None = None,
     default_max_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    allowed_hosts: Collection[str] | None = None,
 ) -> Starlette:
-    """The application serving `engine` under `model_name`; its `state.admission` drains it."""
+    """The application serving `engine` under `model_name`; its `state.admission` drains it.
+    `allowed_hosts`: the names a request's Host may give (None: any)."""
     admission = Admission(queue)
     routes = _Routes(engine, model_name, admission, api_key, default_max_tokens)
+    hosts = [] if allowed_hosts is None else [Middleware(_AllowedHosts, names=allowed_hosts)]
     app = Starlette(
         routes=[
             Route("/health", routes.health, methods=["GET"]),
@@ -189,6 +200,7 @@ def build_app(
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
         ],
+        middleware=hosts,
         exception_handlers={
             HTTPException: _http_error,
             ApiError: _api_error,
@@ -198,6 +210,31 @@ def build_app(
     )
     app.state.admission = admission
     return app
+
+
+class _AllowedHosts:
+    """Answers 421 to a request whose Host header names none of `names` (any port)."""
+
+    def __init__(self, app: ASGIApp, names: Collection[str]) -> None:
+        self.app = app
+        self.names = {name.lower() for name in names}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        given = Headers(scope=scope).get("host", "") if scope["type"] == "http" else None
+        if given is not None and host_name(given) not in self.names:
+            message = f"Host {given!r} is not one this server answers to"
+            body = error_body(message, "invalid_request_error", "host_not_allowed")
+            await _JSON(body, status_code=421)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def host_name(header: str) -> str:
+    """A Host header's name without its port: 'localhost:8000' -> 'localhost',
+    '[::1]:8000' -> '::1'."""
+    if header.startswith("["):
+        return header[1:].partition("]")[0].lower()
+    return header.partition(":")[0].lower()
 
 
 class _Routes:
@@ -241,6 +278,14 @@ class _Routes:
 
     async def _parse(self, request: Request, schema: type[Sampled]) -> Any:
         self._authorize(request)
+        media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media != "application/json":
+            raise ApiError(
+                415,
+                f"send the body as Content-Type: application/json, not {media or 'none'}",
+                "invalid_request_error",
+                "unsupported_media_type",
+            )
         body = await request.body()
         try:
             return msgspec.json.decode(body, type=schema)
