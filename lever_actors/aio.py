@@ -9,7 +9,8 @@ run on the loop's own thread, between asyncio's callbacks, so events are handed 
 they are, never copied between threads. A stream is pulled: each event the asyncio consumer
 asks for is one event the trio side takes from `Engine.stream`, so a slow consumer slows
 production exactly as under trio. Cancelling the asyncio task, or leaving the loop early,
-cancels the request at once; the engine then serves the next one.
+cancels the request at once; the engine then serves the next one. A request still running
+when the block ends fails with `EngineClosedError`.
 """
 
 from __future__ import annotations
@@ -50,9 +51,13 @@ class _Guest:
         self.cancel_at_start = False
 
     def call(self, fn: Callable[..., object], *args: object) -> None:
-        """Run `fn(*args)` inside trio, soon (it must not block)."""
+        """Run `fn(*args)` inside trio, soon (it must not block); nothing once the run has
+        ended, which ended every request with it."""
         assert self.token is not None, "the guest run has not started"
-        self.token.run_sync_soon(fn, *args)
+        try:
+            self.token.run_sync_soon(fn, *args)
+        except trio.RunFinishedError:
+            pass
 
     def cancel(self) -> None:
         """End the guest run, whether or not it has started."""
@@ -71,6 +76,7 @@ class AsyncEngine:
         self._guest = guest
         self._loop = asyncio.get_running_loop()
         self._closed = False
+        self._waiting: set[asyncio.Future] = set()  # answers the trio side owes
 
     @classmethod
     @asynccontextmanager
@@ -128,7 +134,10 @@ class AsyncEngine:
         finally:
             engine._closed = True
             guest.cancel()  # requests still running end with the block
-            await asyncio.shield(finished)
+            try:
+                await asyncio.shield(finished)
+            finally:
+                engine._fail_waiting()
 
     async def stream(
         self,
@@ -144,9 +153,7 @@ class AsyncEngine:
         asks, scope = self._start(self._serve_stream, request)
         try:
             while True:
-                answer: asyncio.Future = self._loop.create_future()
-                self._guest.call(asks.send_nowait, answer)
-                event = await answer
+                event = await self._ask(asks)
                 if event is _END:
                     return
                 yield event
@@ -164,12 +171,26 @@ class AsyncEngine:
         """`Engine.generate` with the same arguments."""
         request = _Asked(prompt, messages, options_of(options, keywords))
         asks, scope = self._start(self._serve_generate, request)
-        answer: asyncio.Future[GenerationResult] = self._loop.create_future()
-        self._guest.call(asks.send_nowait, answer)
         try:
-            return await answer
+            return await self._ask(asks)
         finally:
             self._guest.call(scope.cancel)
+
+    def _ask(self, asks: trio.MemorySendChannel[asyncio.Future]) -> asyncio.Future:
+        """A future for the trio side to answer, sent to it: failed with EngineClosedError
+        if the engine closes first."""
+        if self._closed:
+            raise _closed_mid_request()
+        answer = self._loop.create_future()
+        self._waiting.add(answer)
+        answer.add_done_callback(self._waiting.discard)
+        self._guest.call(asks.send_nowait, answer)
+        return answer
+
+    def _fail_waiting(self) -> None:
+        """The block has ended and the trio run with it: nothing will answer these."""
+        for answer in list(self._waiting):
+            _fail(answer, _closed_mid_request())
 
     def _start(
         self,
@@ -217,6 +238,10 @@ class AsyncEngine:
             _resolve(answer, result)
         except Exception as error:  # handed to the caller, who raises it
             _fail(answer, error)
+
+
+def _closed_mid_request() -> EngineClosedError:
+    return EngineClosedError("the engine closed before this request finished")
 
 
 def _resolve(future: asyncio.Future, value: object) -> None:

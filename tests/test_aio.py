@@ -1,6 +1,6 @@
 """The engine under asyncio (`lever_actors.aio`): exact output through stream and generate,
-cancellation by break and by task cancel, errors raised as themselves, and requests after
-the block refused."""
+cancellation by break and by task cancel, errors raised as themselves, requests after the
+block refused, and requests still running when it ends failed."""
 
 from __future__ import annotations
 
@@ -97,6 +97,32 @@ def test_errors_reach_asyncio_as_themselves(config):
         return ok
 
     assert run(main).tokens == expected(config)
+
+
+def test_requests_still_running_when_the_block_ends_fail_with_engine_closed(config):
+    seen = []
+
+    async def consume(engine):  # slowly: 200 tokens would take seconds
+        async for event in engine.stream(PROMPT, max_new_tokens=200):
+            seen.append(event)
+            await asyncio.sleep(0.01)
+
+    async def main():
+        async with AsyncEngine.open(config) as engine:
+            streamed = asyncio.create_task(consume(engine))
+            while not seen:  # the stream holds the engine; the others wait behind it
+                await asyncio.sleep(0.001)
+            whole = asyncio.create_task(engine.generate(PROMPT, max_new_tokens=200))
+            cancelled = asyncio.create_task(engine.generate(PROMPT, max_new_tokens=200))
+            await asyncio.sleep(0.01)
+        cancelled.cancel()  # after the trio run has finished: nothing to call into
+        return await asyncio.gather(whole, streamed, cancelled, return_exceptions=True)
+
+    whole, streamed, cancelled = run(main)
+    for error in (whole, streamed):
+        assert isinstance(error, EngineClosedError)
+        assert str(error) == "the engine closed before this request finished"
+    assert isinstance(cancelled, asyncio.CancelledError)
 
 
 def test_an_engine_that_cannot_open_raises_its_error(config, tmp_path):
