@@ -27,7 +27,7 @@ import trio
 
 from lever_actors.config import EngineConfig
 from lever_actors.engine import Engine
-from lever_actors.errors import CheckpointError
+from lever_actors.errors import CheckpointError, ConfigError
 from lever_actors.model.sampling import Sampling
 from lever_actors.serve import serve
 from lever_actors.testing import TINY_ARGS, model_pair, reference_tokens
@@ -293,6 +293,28 @@ async def test_a_loopback_server_answers_only_its_own_host_names(config, host, a
         error = models.json()["error"]
         assert error["message"] == f"Host {host!r} is not one this server answers to"
         assert error["code"] == "host_not_allowed"
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(queue=-1), "queue = -1: expected >= 0"),
+        (dict(grace=-1.0), "grace = -1.0: expected >= 0 seconds"),
+        (dict(default_max_tokens=0), "max_new_tokens must be positive, got 0"),
+        (dict(port=99999), "port 99999: expected 0 to 65535"),
+        (dict(host="a..b"), "host 'a..b': not a host name"),
+    ],
+)
+async def test_bad_settings_are_refused_before_the_engine_opens(
+    config, monkeypatch, settings, message
+):
+    def opened(*args, **kwargs):
+        raise AssertionError("the engine opened before the settings were checked")
+
+    monkeypatch.setattr(Engine, "open", opened)
+    with pytest.raises(ConfigError) as raised:
+        await serve(config, **({"port": 0} | settings))
+    assert str(raised.value) == message
 
 
 async def test_a_keyless_server_off_loopback_is_warned_about(config, caplog, tmp_path):

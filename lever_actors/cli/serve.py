@@ -39,7 +39,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--grace",
-        type=float,
+        type=seconds,
         default=DRAIN_SECONDS,
         help="seconds running requests get to finish after SIGTERM, before they are cut "
         f"(default: {DRAIN_SECONDS:g})",
@@ -47,18 +47,35 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--model-name", default="lever", help="the id /v1/models lists")
     parser.add_argument(
         "--max-tokens",
-        type=int,
+        type=positive,
         default=DEFAULT_MAX_NEW_TOKENS,
         help=f"when a request gives none (default: {DEFAULT_MAX_NEW_TOKENS})",
     )
     parser.set_defaults(command=run_serve)
 
 
+# argparse types; each one's ValueError argparse reports as an invalid value
 def count(text: str) -> int:
-    """A flag's count: a whole number, 0 or more."""
-    n = int(text)  # argparse reports a ValueError as an invalid value
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 or more, got {n}")
+    """A whole number, 0 or more."""
+    return _at_least(int(text), 0)
+
+
+def positive(text: str) -> int:
+    """A whole number, 1 or more."""
+    return _at_least(int(text), 1)
+
+
+def seconds(text: str) -> float:
+    """A duration: 0 or more seconds (inf: no end)."""
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"expected 0 or more seconds, got {text}")
+    return value
+
+
+def _at_least(n: int, least: int) -> int:
+    if n < least:
+        raise argparse.ArgumentTypeError(f"expected {least} or more, got {n}")
     return n
 
 

@@ -19,7 +19,7 @@ import hypercorn.config
 import hypercorn.trio
 import trio
 
-from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, EngineConfig
+from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, EngineConfig, check_max_new_tokens
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError
 from lever_actors.logs import get_logger
@@ -57,6 +57,9 @@ async def serve(
     loopback names where `host` is loopback, else any."""
     check_address(host, port)  # before the engine loads, which can take minutes
     check_queue(queue)
+    check_max_new_tokens(default_max_tokens)
+    if not grace >= 0:  # NaN too
+        raise ConfigError(f"grace = {grace!r}: expected >= 0 seconds")
     if api_key is None and not is_loopback(host):
         log.warning(f"serving {host} without an API key: whoever reaches it can use it")
     if allowed_hosts is None and is_loopback(host):

@@ -237,8 +237,17 @@ def test_a_failure_inside_serves_trio_run_is_one_line(capsys, tmp_path):
     assert one_line(capsys) == f"{PREFIX}{missing}: not a flash layout (no manifest.json)\n"
 
 
-def test_a_negative_queue_is_refused_as_the_flags_are_parsed(capsys):
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--queue", "-1"], "argument --queue: expected 0 or more, got -1"),
+        (["--max-tokens", "0"], "argument --max-tokens: expected 1 or more, got 0"),
+        (["--grace", "-1"], "argument --grace: expected 0 or more seconds, got -1"),
+        (["--grace", "nan"], "argument --grace: expected 0 or more seconds, got nan"),
+    ],
+)
+def test_serves_negative_counts_are_refused_as_the_flags_are_parsed(capsys, flags, message):
     with pytest.raises(SystemExit) as exit:
-        main(["serve", "--target", "layout", "--queue", "-1"])
+        main(["serve", "--target", "layout", *flags])
     assert exit.value.code == 2
-    assert "argument --queue: expected 0 or more, got -1" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
