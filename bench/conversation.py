@@ -123,7 +123,7 @@ def main() -> int:
                 f"token {ttft} s, cached {cached_tokens}",
                 flush=True,
             )
-        same = [a["text"] == b["text"] for a, b in zip(cached["turns"], cold["turns"])]
+        same = [a["text"] == b["text"] for a, b in zip(cached["turns"], cold["turns"], strict=True)]
         print(f"same text with and without the cache, turn by turn: {same}")
     if args.out:
         record = {"machine": msgspec.to_builtins(Machine.here()), "tokens": args.tokens}

@@ -32,6 +32,8 @@ class GenerationOptions(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError("stop must be a list of strings, not one string")
         if not all(isinstance(s, str) for s in self.stop):
             raise ConfigError("stop must be a list of strings")
+        if "" in self.stop:  # every text contains it: each generation would end at once
+            raise ConfigError(f"stop = {list(self.stop)!r}: expected no empty string")
         msgspec.structs.force_setattr(self, "stop", tuple(self.stop))
 
 

@@ -44,6 +44,7 @@ def test_an_unknown_keyword_is_a_type_error():
         ({"max_new_tokens": 0}, "max_new_tokens must be positive"),
         ({"stop": "x"}, "stop must be a list of strings, not one string"),
         ({"stop": ["x", 3]}, "stop must be a list of strings"),
+        ({"stop": ["x", ""]}, "expected no empty string"),
     ],
 )
 def test_bad_options_are_refused_when_built(fields, message):

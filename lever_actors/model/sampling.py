@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import secrets
 from collections import OrderedDict
-from collections.abc import Sequence
 
 import msgspec
 import torch
@@ -65,13 +64,6 @@ class Sampling(msgspec.Struct, frozen=True):
 
 
 GREEDY = Sampling()
-
-
-def check_stop(stop: Sequence[str]) -> None:
-    """Refuse an empty stop string, which every text contains: it would end each generation
-    after its first token. (A request's other stop checks are GenerationOptions'.)"""
-    if "" in stop:
-        raise ConfigError(f"stop = {list(stop)!r}: expected no empty string")
 
 
 def seed_or_drawn(seed: int | None) -> int:

@@ -13,7 +13,6 @@ from typing import Any, Literal
 import msgspec
 
 from lever_actors.channels.messages import FinishReason
-from lever_actors.model.sampling import check_stop
 from lever_actors.request import GenerationOptions, generation_options
 
 Role = Literal["system", "user", "assistant"]
@@ -39,7 +38,6 @@ class Sampled(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def options(self, default_max_tokens: int) -> GenerationOptions:
         """What the request asks of Engine.stream / generate; ConfigError if it is wrong."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
-        check_stop(stop)
         return generation_options(
             max_new_tokens=self._max_tokens(default_max_tokens),
             temperature=self.temperature,
