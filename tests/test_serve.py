@@ -480,3 +480,36 @@ def test_the_command_ends_in_one_line_on_ctrl_c_and_shuts_down_on_sigterm(
     assert child.returncode == code, err
     assert "Traceback" not in err
     assert err.splitlines()[-1] == last_line
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_client_that_leaves_before_its_answer_cancels_its_request(config, caplog, stream):
+    """Whole, or streamed before its first token (a prefill): the engine is free again at
+    once, not after the generation the client no longer waits for."""
+    caplog.set_level(logging.INFO, logger="lever_actors")
+    slow = msgspec.structs.replace(config, jitter_seconds=0.2)  # steps of up to a second
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            base = await start(nursery, slow)
+            port = int(base.rsplit(":", 1)[1])
+            body = json.dumps(
+                {"model": "lever", "prompt": "t1 t2", "max_tokens": 200, "stream": stream}
+            )
+            head = (
+                f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            )
+            client = await trio.open_tcp_stream("127.0.0.1", port)
+            await client.send_all(head.encode() + body.encode())
+            async with httpx.AsyncClient(base_url=base) as http:
+                while (await http.get("/health")).json()["requests"] == 0:
+                    await trio.sleep(0.01)
+                await client.aclose()  # gone, the answer not begun
+                left = trio.current_time()
+                while (await http.get("/health")).json()["requests"]:
+                    await trio.sleep(0.01)
+                freed = trio.current_time() - left
+            nursery.cancel_scope.cancel()
+    assert freed < 3  # 200 steps of up to a second each would take minutes
+    assert "a client left before its answer; its request was cancelled" in " ".join(caplog.messages)

@@ -18,6 +18,7 @@ import secrets
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Collection, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -36,6 +37,7 @@ from lever_actors.config import DEFAULT_MAX_NEW_TOKENS
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError, ContextLengthError
 from lever_actors.logs import get_logger
+from lever_actors.serve.departures import ClientLeft, unless_gone
 from lever_actors.serve.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -205,6 +207,7 @@ def build_app(
             HTTPException: _http_error,
             ApiError: _api_error,
             ClientDisconnect: _client_gone,
+            ClientLeft: _client_left,
             Exception: _server_error,
         },
     )
@@ -263,11 +266,12 @@ class _Routes:
 
     async def completions(self, request: Request) -> Response:
         parsed = await self._parse(request, CompletionRequest)
-        return await self._answer(parsed, Reply(False, self.model_name), parsed.prompt)
+        return await self._answer(request, parsed, Reply(False, self.model_name), parsed.prompt)
 
     async def chat_completions(self, request: Request) -> Response:
         parsed = await self._parse(request, ChatRequest)
-        return await self._answer(parsed, Reply(True, self.model_name), None, parsed.conversation())
+        reply = Reply(True, self.model_name)
+        return await self._answer(request, parsed, reply, None, parsed.conversation())
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -298,6 +302,7 @@ class _Routes:
 
     async def _answer(
         self,
+        request: Request,
         parsed: Sampled,
         reply: Reply,
         prompt: str | list[int] | None,
@@ -309,9 +314,10 @@ class _Routes:
             raise ApiError(400, str(e), "invalid_request_error") from None
         ticket = self.admission.enter()
         if not parsed.stream:
+            whole = partial(self.engine.generate, prompt, messages=messages, options=options)
             try:
                 with self.admission.cuttable() as scope:
-                    result = await self.engine.generate(prompt, messages=messages, options=options)
+                    result = await unless_gone(request, whole)
             except ConfigError as e:
                 raise ApiError.bad_request(e) from None
             finally:
@@ -323,7 +329,7 @@ class _Routes:
         stream = self.engine.stream(prompt, messages=messages, options=options)
         events = self.admission.until_cut(stream)
         try:  # the first token before the headers: a bad request is still a 400
-            first = await events.__anext__()
+            first = await unless_gone(request, events.__anext__)
         except BaseException as e:
             ticket.release()
             await events.aclose()
@@ -390,6 +396,12 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
     """A client that left while sending its body: one line in the log, not a traceback."""
     log.info("a client left during its request's body", path=request.url.path)
     return Response(status_code=400)  # written to no one
+
+
+async def _client_left(request: Request, exc: Exception) -> Response:
+    """A client that left before its answer: its request was cancelled; one line."""
+    log.info("a client left before its answer; its request was cancelled", path=request.url.path)
+    return Response(status_code=499)  # written to no one
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
