@@ -60,7 +60,7 @@ from lever_actors.device.memory import (
 )
 from lever_actors.device.units import ComputeUnit
 from lever_actors.draft import DraftModel, load_draft
-from lever_actors.errors import ConfigError, EngineClosedError
+from lever_actors.errors import ConfigError, ContextLengthError, EngineClosedError
 from lever_actors.model.kv_cache import KVCache, position_bytes
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.pruning import keep_everything
@@ -277,7 +277,7 @@ class Engine:
         """Run one request to the end (see `stream` for the arguments); the result carries
         the text, per-token log-probabilities and per-step statistics."""
         events: list[TokenEvent] = []
-        request = self._request(prompt, messages, options_of(options, keywords), progress)
+        request = await self._request(prompt, messages, options_of(options, keywords), progress)
         async for event in self._events(request):
             events.append(event)
         decode_tokens, decode_seconds = decode_phase(events)
@@ -322,12 +322,19 @@ class Engine:
         temperature 0 is greedy decoding. Above 0 tokens are sampled from the target's
         softmax at that temperature, after top-k, top-p (nucleus) and min-p filtering; the
         output equals sequential sampling with the same `seed`, whatever the tree. Without
-        a seed one is drawn: `GenerationResult.seed` and the log report it."""
-        request = self._request(prompt, messages, options_of(options, keywords))
+        a seed one is drawn: `GenerationResult.seed` and the log report it.
+
+        `progress(done, total, "prefill")` hears how many of a long prompt's tokens (256 or
+        more, not cached) the prefill's pass has taken through the target's layers.
+
+        The text is rendered and tokenized on a worker thread, so that a long one holds up
+        no other task of the event loop; one that cannot fit the context is refused from its
+        length alone."""
+        request = await self._request(prompt, messages, options_of(options, keywords), progress)
         async for event in self._events(request):
             yield event
 
-    def _request(
+    async def _request(
         self,
         prompt: str | Sequence[int] | None,
         messages: Sequence[Mapping[str, str]] | None,
@@ -339,10 +346,9 @@ class Engine:
             raise EngineClosedError("this engine was closed; open another")
         if (prompt is None) == (messages is None):
             raise ConfigError("give either prompt or messages")
-        if messages is not None:
-            prompt = self._need_tokenizer().apply_chat_template(messages)
-        if isinstance(prompt, str):
-            ids = self._need_tokenizer().encode(prompt)
+        if messages is not None or isinstance(prompt, str):
+            tokenizer = self._need_tokenizer()  # text: not a torch op, so a worker thread
+            ids = await trio.to_thread.run_sync(self._tokens, tokenizer, prompt, messages, options)
         else:
             assert prompt is not None  # one of the two, checked above
             ids = [int(t) for t in prompt]
@@ -351,6 +357,30 @@ class Engine:
         if any(not 0 <= t < vocab for t in ids):
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
         return _Request(ids, options, progress)
+
+    def _tokens(
+        self,
+        tokenizer: Tokenizer,
+        prompt: str | Sequence[int] | None,
+        messages: Sequence[Mapping[str, str]] | None,
+        options: GenerationOptions,
+    ) -> list[int]:
+        """Blocking (a worker thread): the text rendered and encoded, unless its length
+        alone shows that it cannot fit the context (then ContextLengthError, at once)."""
+        text = tokenizer.apply_chat_template(messages) if messages is not None else prompt
+        assert isinstance(text, str)  # text, or messages rendered (_request)
+        room = self.context.tokens - options.max_new_tokens
+        if len(text.encode()) > room:  # only then can the bound below exceed the room
+            least = tokenizer.fewest_tokens(text)
+            if least > room:
+                raise ContextLengthError(
+                    f"prompt (at least {least} tokens: {len(text):,} characters) + "
+                    f"max_new_tokens ({options.max_new_tokens}) exceeds the context of "
+                    f"{self.context.tokens} tokens ({self.context.why})",
+                    least,
+                    self.context.tokens,
+                )
+        return tokenizer.encode(text)
 
     def _need_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:

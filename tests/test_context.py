@@ -99,3 +99,20 @@ async def test_a_context_the_memory_bounds_says_so(config, monkeypatch):
 
 def _fields(config: EngineConfig) -> dict:
     return {f: getattr(config, f) for f in config.__struct_fields__}
+
+
+async def test_a_text_too_long_for_the_context_is_refused_from_its_length(monkeypatch):
+    pair = model_pair(TINY_ARGS, "identical", 0, tokenizer=True)
+    config = EngineConfig(target=str(pair.target), ctx_size=64)
+    encoded: list[int] = []
+    async with Engine.open(config) as engine:
+        tokenizer = engine.tokenizer
+        assert tokenizer is not None
+        encode = tokenizer.encode
+        monkeypatch.setattr(tokenizer, "encode", lambda text: encoded.append(1) or encode(text))
+        with pytest.raises(ContextLengthError, match=r"prompt \(at least \d+ tokens: 40,000 char"):
+            await engine.generate("t1" * 20_000, max_new_tokens=4)
+        assert encoded == []  # refused before tokenizing
+        fits = "t1 " * 30  # longer in bytes than the room, shorter in tokens
+        assert len((await engine.generate(fits, max_new_tokens=4)).tokens) == 4
+        assert encoded == [1]

@@ -513,3 +513,24 @@ async def test_a_client_that_leaves_before_its_answer_cancels_its_request(config
             nursery.cancel_scope.cancel()
     assert freed < 3  # 200 steps of up to a second each would take minutes
     assert "a client left before its answer; its request was cancelled" in " ".join(caplog.messages)
+
+
+@pytest.mark.parametrize("declared", [True, False])
+async def test_a_body_over_the_limit_gets_413_before_it_is_read_whole(config, declared):
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            base = await start(nursery, config, max_body=1000)
+            body = json.dumps({"model": "lever", "prompt": "t1 " * 500}).encode()
+
+            async def chunks():  # no Content-Length: sent as it comes
+                yield body
+
+            auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+            async with httpx.AsyncClient(base_url=base, headers=auth) as http:
+                content = body if declared else chunks()
+                response = await http.post("/v1/completions", content=content)
+                small = await http.post("/v1/completions", json={"prompt": "t1", "max_tokens": 2})
+            nursery.cancel_scope.cancel()
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
+    assert small.status_code == 200

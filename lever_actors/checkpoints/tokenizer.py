@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -96,6 +97,18 @@ class Tokenizer:
         ids = self.backend.encode(text).ids
         doubled = self._adds_bos and len(ids) > 1 and ids[1] == self.bos_id
         return ids[1:] if doubled else ids
+
+    def fewest_tokens(self, text: str) -> int:
+        """At most as many tokens as `encode(text)` gives, from its length alone: its UTF-8
+        bytes over the most any token's text takes (a byte-level token's text takes at
+        least as many as the bytes it stands for)."""
+        return -(-len(text.encode()) // self._longest_token_bytes)
+
+    @functools.cached_property
+    def _longest_token_bytes(self) -> int:
+        backend = self.backend  # id by id: no dict of the vocabulary (tens of MB)
+        tokens = (backend.id_to_token(i) or "" for i in range(self.vocab_size))
+        return max(1, *(len(t.encode()) for t in tokens))
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special)

@@ -12,6 +12,8 @@ from lever_actors.cli.engine_options import add_engine_arguments, engine_config
 from lever_actors.config import DEFAULT_MAX_NEW_TOKENS
 from lever_actors.progress import ProgressLine
 from lever_actors.serve import DRAIN_SECONDS, check_address, serve
+from lever_actors.serve.app import DEFAULT_MAX_BODY
+from lever_actors.sizes import compact_bytes, parse_bytes
 
 
 def add_serve_command(sub: argparse._SubParsersAction) -> None:
@@ -43,6 +45,13 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
         default=DRAIN_SECONDS,
         help="seconds running requests get to finish after SIGTERM, before they are cut "
         f"(default: {DRAIN_SECONDS:g})",
+    )
+    parser.add_argument(
+        "--max-body",
+        type=parse_bytes,
+        default=DEFAULT_MAX_BODY,
+        metavar="SIZE",
+        help=f"larger request bodies get 413 (default: {compact_bytes(DEFAULT_MAX_BODY)})",
     )
     parser.add_argument("--model-name", default="lever", help="the id /v1/models lists")
     parser.add_argument(
@@ -93,6 +102,7 @@ def run_serve(args: argparse.Namespace) -> int:
         default_max_tokens=args.max_tokens,
         allowed_hosts=args.allowed_hosts,
         grace=args.grace,
+        max_body=args.max_body,
         progress=ProgressLine(unit=""),
     )
 

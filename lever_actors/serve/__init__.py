@@ -24,7 +24,7 @@ from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError
 from lever_actors.logs import get_logger
 from lever_actors.progress import Progress
-from lever_actors.serve.app import Admission, build_app, check_queue
+from lever_actors.serve.app import DEFAULT_MAX_BODY, Admission, build_app, check_queue
 
 log = get_logger(__name__)
 
@@ -46,6 +46,7 @@ async def serve(
     allowed_hosts: Collection[str] | None = None,
     drain_on: Collection[signal.Signals] = (signal.SIGTERM,),
     grace: float = DRAIN_SECONDS,
+    max_body: int = DEFAULT_MAX_BODY,
     progress: Progress | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -54,7 +55,8 @@ async def serve(
     get 503, those inside `grace` seconds to finish before they are cut, and serve returns.
     `task_status.started` gets the bound addresses ("http://127.0.0.1:8000"; port 0 binds a
     free one). `allowed_hosts`: the names a request's Host header may give; by default the
-    loopback names where `host` is loopback, else any."""
+    loopback names where `host` is loopback, else any. A body over `max_body` bytes gets
+    413 before it is read whole."""
     check_address(host, port)  # before the engine loads, which can take minutes
     check_queue(queue)
     check_max_new_tokens(default_max_tokens)
@@ -72,6 +74,7 @@ async def serve(
             api_key=api_key,
             default_max_tokens=default_max_tokens,
             allowed_hosts=allowed_hosts,
+            max_body=max_body,
         )
         settings = hypercorn.config.Config()
         settings.bind = [f"{host}:{port}"]
