@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Unpack
 
@@ -60,14 +60,14 @@ from lever_actors.device.memory import (
 )
 from lever_actors.device.units import ComputeUnit
 from lever_actors.draft import DraftModel, load_draft
-from lever_actors.errors import ConfigError, ContextLengthError, EngineClosedError
-from lever_actors.model.kv_cache import KVCache, position_bytes
+from lever_actors.errors import ConfigError, EngineClosedError
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.pruning import keep_everything
 from lever_actors.policy.setup import Policies, build_policies
-from lever_actors.prefix_cache import NO_REUSE, PrefixCache, Reuse
+from lever_actors.prefix_cache import PrefixCache
 from lever_actors.progress import Progress
 from lever_actors.request import GenerationKeywords, GenerationOptions, options_of
+from lever_actors.sequences import Request, kv_bytes_per_token, new_caches, tokens_of
 from lever_actors.target import FlashTarget, residency
 
 
@@ -107,32 +107,10 @@ class LoadTimes(msgspec.Struct, frozen=True):
     target: float  # opening the layout and reading its resident weights
     policies: float  # the cost model's start (measured once per machine), the predictor
 
-    @property
-    def total(self) -> float:
-        return self.draft + self.target + self.policies
-
     def __str__(self) -> str:
         return (
             f"draft {self.draft:.1f} s, target {self.target:.1f} s, policies {self.policies:.1f} s"
         )
-
-
-@dataclass
-class _Request:
-    prompt: list[int]
-    options: GenerationOptions
-    progress: Progress | None  # of its prefill
-    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
-    created: float = field(default_factory=time.perf_counter)
-    error: BaseException | None = None
-    steps: list[StepStats] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)  # emitted so far
-    reuse: Reuse = NO_REUSE  # what it starts from, claimed when it starts running
-
-    @property
-    def text_tokens(self) -> list[int]:
-        """The prompt and what it has emitted: the text its KV caches hold a prefix of."""
-        return [*self.prompt, *self.tokens]
 
 
 class Engine:
@@ -231,7 +209,7 @@ class Engine:
             context = plan_context(
                 config.ctx_size,
                 target.args.max_seq_len,
-                _kv_bytes_per_token(target, model),
+                kv_bytes_per_token(target, model),
                 memory_limit_bytes(),
                 anonymous_rss_bytes(),
             )
@@ -340,7 +318,7 @@ class Engine:
         messages: Sequence[Mapping[str, str]] | None,
         options: GenerationOptions,
         progress: Progress | None = None,
-    ) -> _Request:
+    ) -> Request:
         """Check everything about a request before any work starts."""
         if self._closed:
             raise EngineClosedError("this engine was closed; open another")
@@ -348,7 +326,8 @@ class Engine:
             raise ConfigError("give either prompt or messages")
         if messages is not None or isinstance(prompt, str):
             tokenizer = self._need_tokenizer()  # text: not a torch op, so a worker thread
-            ids = await trio.to_thread.run_sync(self._tokens, tokenizer, prompt, messages, options)
+            encode = partial(tokens_of, tokenizer, prompt, messages, options, self.context)
+            ids = await trio.to_thread.run_sync(encode)
         else:
             assert prompt is not None  # one of the two, checked above
             ids = [int(t) for t in prompt]
@@ -356,38 +335,14 @@ class Engine:
         vocab = self.target.args.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
-        return _Request(ids, options, progress)
-
-    def _tokens(
-        self,
-        tokenizer: Tokenizer,
-        prompt: str | Sequence[int] | None,
-        messages: Sequence[Mapping[str, str]] | None,
-        options: GenerationOptions,
-    ) -> list[int]:
-        """Blocking (a worker thread): the text rendered and encoded, unless its length
-        alone shows that it cannot fit the context (then ContextLengthError, at once)."""
-        text = tokenizer.apply_chat_template(messages) if messages is not None else prompt
-        assert isinstance(text, str)  # text, or messages rendered (_request)
-        room = self.context.tokens - options.max_new_tokens
-        if len(text.encode()) > room:  # only then can the bound below exceed the room
-            least = tokenizer.fewest_tokens(text)
-            if least > room:
-                raise ContextLengthError(
-                    f"prompt (at least {least} tokens: {len(text):,} characters) + "
-                    f"max_new_tokens ({options.max_new_tokens}) exceeds the context of "
-                    f"{self.context.tokens} tokens ({self.context.why})",
-                    least,
-                    self.context.tokens,
-                )
-        return tokenizer.encode(text)
+        return Request(ids, options, progress)
 
     def _need_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise ConfigError("this target has no tokenizer: pass the prompt as token ids")
         return self.tokenizer
 
-    async def _events(self, request: _Request) -> AsyncIterator[TokenEvent]:
+    async def _events(self, request: Request) -> AsyncIterator[TokenEvent]:
         send, receive = trio.open_memory_channel[TokenEvent](self.config.channels.events)
         self._nursery.start_soon(self._serve, request, send)
         try:
@@ -399,7 +354,7 @@ class Engine:
         if request.error is not None:
             raise request.error
 
-    async def _serve(self, request: _Request, events: trio.MemorySendChannel[TokenEvent]) -> None:
+    async def _serve(self, request: Request, events: trio.MemorySendChannel[TokenEvent]) -> None:
         with events:
             async with self._one_at_a_time:
                 with request.scope:
@@ -409,7 +364,7 @@ class Engine:
                         request.error = _original(error)
 
     async def _run_actors(
-        self, request: _Request, events: trio.MemorySendChannel[TokenEvent]
+        self, request: Request, events: trio.MemorySendChannel[TokenEvent]
     ) -> None:
         config, target = self.config, self.target
         sizes = config.channels
@@ -428,7 +383,9 @@ class Engine:
         draft_commits = ch.open("draft_commits", Commit, sizes.commits)
         verify_commits = ch.open("verify_commits", Commit, sizes.commits)
 
-        caches = await self.npu.run(self._caches, request)  # units.py: copies start a team
+        caches = await self.npu.run(  # units.py: copies start a team
+            new_caches, request, self.prefixes, self.target, self.draft, self.config
+        )
         jitter = _jitters(config)
         p = self.policies
         draft_policy = DraftPolicy(
@@ -493,19 +450,6 @@ class Engine:
                 )
         # the actors have ended, so the caches hold what they kept: the text's prefix
         await self.npu.run(self.prefixes.store, request.text_tokens, *caches)
-
-    def _caches(self, request: _Request) -> tuple[KVCache, KVCache | None]:
-        """The request's KV caches, target's and draft's, sized for its prompt, new tokens
-        and a tree, and started from the longest prefix the prefix cache holds."""
-        request.reuse = self.prefixes.claim(request.prompt)
-        room = len(request.prompt) + request.options.max_new_tokens + self.spec.max_nodes + 2
-        target = self.target.new_cache(room)
-        draft = None
-        if self.draft is not None:
-            ahead_room = self.spec.max_nodes if self.config.draft_ahead else 0
-            draft = self.draft.new_cache(room + ahead_room)
-        request.reuse.restore(target, draft)
-        return target, draft
 
     async def _steps(self, request, events, requests, verdicts, commits) -> None:
         """The engine's own loop: ask for a tree, take the verdict, emit, commit."""
@@ -637,12 +581,6 @@ def _first_difference(draft: Tokenizer, target: Tokenizer) -> str:
 
 def _spelled(token: str | None) -> str:
     return "no token" if token is None else repr(token)
-
-
-def _kv_bytes_per_token(target: FlashTarget, draft: Transformer | None) -> int:
-    """What a token costs in the request's KV caches, target's and draft's."""
-    draft_bytes = position_bytes(draft.args, draft.dtype) if draft is not None else 0
-    return position_bytes(target.args, target.dtype) + draft_bytes
 
 
 def _open_target(config: EngineConfig, plan: ResidencyPlan) -> FlashTarget:

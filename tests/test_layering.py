@@ -16,6 +16,7 @@ LAYERS = (
     ("cli",),
     ("bench", "testing", "aio", "serve"),
     ("engine",),
+    ("sequences",),
     ("actors", "prefix_cache"),
     ("policy",),
     ("target", "draft"),

@@ -82,13 +82,17 @@ async def serve(
         with _receiver(drain_on) as received, _one_line(ACCEPT_LOGGER):
             # the receiver opens before the port does: no signal is missed
             drained = partial(_drain_on_signal, received, app.state.admission, grace)
-            # hypercorn types an ASGI app narrower than Starlette's (pgjones/hypercorn#353)
-            await hypercorn.trio.serve(
-                app,  # type: ignore[arg-type]
-                settings,
-                shutdown_trigger=drained,
-                task_status=task_status,
-            )
+            async with trio.open_nursery() as nursery:
+                if drain_on:  # the main thread's run: it may take signals
+                    nursery.start_soon(_interrupted)
+                # hypercorn types an ASGI app narrower than Starlette's (pgjones/hypercorn#353)
+                await hypercorn.trio.serve(
+                    app,  # type: ignore[arg-type]
+                    settings,
+                    shutdown_trigger=drained,
+                    task_status=task_status,
+                )
+                nursery.cancel_scope.cancel()
 
 
 def check_address(host: str, port: int) -> None:
@@ -145,6 +149,14 @@ def _receiver(signals: Collection[signal.Signals]) -> Iterator[AsyncIterator[int
         return
     with trio.open_signal_receiver(*signals) as received:
         yield received
+
+
+async def _interrupted() -> None:
+    """Ctrl-C as a KeyboardInterrupt of our own: trio raises it wherever the run is, and
+    inside hypercorn's tasks hypercorn takes it for a shutdown (the command then exited 0)."""
+    with trio.open_signal_receiver(signal.SIGINT) as received:
+        await anext(received)
+    raise KeyboardInterrupt
 
 
 async def _drain_on_signal(
