@@ -269,6 +269,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # bytes of finished requests' KV (target and draft) kept, so that a later request that
     # starts with the same tokens prefills only the rest ("256MiB", bytes; 0: none)
     prompt_cache: Annotated[int, msgspec.Meta(ge=0)] = DEFAULT_PROMPT_CACHE
+    # a request whose consumer takes no token for this long, its buffer full, is ended
+    # (ConsumerStalledError), so that a stalled reader cannot hold the engine; None: never
+    stall_seconds: Annotated[float, msgspec.Meta(gt=0)] | None = 60.0
     throttle: Throttle = "none"
     verify_checksums: bool = True  # every flash read, before its bytes are used
     channels: ChannelSizes = ChannelSizes()

@@ -8,6 +8,7 @@ what a finished one leaves is its text's KV, in the prefix cache (prefix_cache.p
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -60,7 +61,7 @@ from lever_actors.device.memory import (
 )
 from lever_actors.device.units import ComputeUnit
 from lever_actors.draft import DraftModel, load_draft
-from lever_actors.errors import ConfigError, EngineClosedError
+from lever_actors.errors import ConfigError, ConsumerStalledError, EngineClosedError
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.pruning import keep_everything
 from lever_actors.policy.setup import Policies, build_policies
@@ -499,9 +500,15 @@ class Engine:
                     finish_reason=finish,
                 )
                 try:
-                    await events.send(event)
+                    with trio.fail_after(self.config.stall_seconds or math.inf):
+                        await events.send(event)
                 except trio.BrokenResourceError:
                     return  # the consumer stopped listening: the request ends here
+                except trio.TooSlowError:
+                    raise ConsumerStalledError(
+                        f"no token was taken for {self.config.stall_seconds:g} s: the request "
+                        "was ended, so that the next could run"
+                    ) from None
                 if finish is not None:
                     break
             stats = msgspec.structs.replace(

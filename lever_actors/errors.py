@@ -30,5 +30,10 @@ class ContextLengthError(ConfigError):
         self.context_tokens = context_tokens
 
 
+class ConsumerStalledError(LeverError, RuntimeError):
+    """A request's consumer took no token for `EngineConfig.stall_seconds` while its buffer
+    was full: the engine ended the request, so that the requests behind it could run."""
+
+
 class EngineClosedError(LeverError, RuntimeError):
     """A request came after its engine's `open` block had ended."""

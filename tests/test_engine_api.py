@@ -40,10 +40,11 @@ from lever_actors.config import DEFAULT_TREE, ChannelSizes, EngineConfig, TreeSp
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import read_manifest
 from lever_actors.engine import Engine
-from lever_actors.errors import ConfigError
+from lever_actors.errors import ConfigError, ConsumerStalledError
 from lever_actors.model.sampling import Sampling
 from lever_actors.model.sequential import sequential_reference
 from lever_actors.model.transformer import Transformer
+from lever_actors.testing import TINY_ARGS, model_pair
 from lever_actors.testing.oracle import assert_matches_sequential, reference_tokens
 from tests.tiny_hf import save_tiny, tiny_model
 from tests.torch_ops import OpsOnThisThread
@@ -693,3 +694,31 @@ async def test_a_target_alone_decodes_one_token_per_pass(tiny):
     with trio.fail_after(TIMEOUT):
         result = await assert_matches_sequential(config, PROMPT, 6)
     assert result.mean_accepted == 1.0
+
+
+async def test_a_stalled_consumer_is_ended_and_the_next_request_runs():
+    """A stream whose reader stops taking tokens (its buffer full) holds the engine for
+    `stall_seconds` at most; the reader, back, hears why its request ended."""
+    pair = model_pair(TINY_ARGS, "perturbed", 0)
+    config = EngineConfig(
+        target=str(pair.target),
+        draft=str(pair.draft),
+        tree="chain:2",
+        stall_seconds=0.5,
+        channels=ChannelSizes(events=1),
+        jitter_seconds=0.05,  # 200 tokens: tens of seconds
+    )
+    taken = []
+    with trio.fail_after(60):
+        async with Engine.open(config) as engine:
+            stalled = engine.stream([1, 2, 3], max_new_tokens=200)
+            taken.append(await anext(stalled))  # then it takes no more for a while
+            started = trio.current_time()
+            after = await engine.generate([4, 5], max_new_tokens=3)
+            waited = trio.current_time() - started
+            with pytest.raises(ConsumerStalledError, match="no token was taken for 0.5 s"):
+                async for event in stalled:
+                    taken.append(event)
+    assert len(after.tokens) == 3
+    assert waited < 5  # the stall, and the second request's own run
+    assert len(taken) <= 1 + 2  # what the buffer and the step held when it was ended

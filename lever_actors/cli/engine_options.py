@@ -89,6 +89,14 @@ def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
         help="finished requests' KV kept for later ones that start with the same tokens, "
         f"a size or 0 for none (default: {compact_bytes(DEFAULT_PROMPT_CACHE)})",
     )
+    gen.add_argument(
+        "--stall-seconds",
+        type=float,
+        default=default_of("stall_seconds"),
+        metavar="S",
+        help="a request whose reader takes no token for S seconds is ended, so that it cannot "
+        f"hold the engine (default: {default_of('stall_seconds')})",
+    )
     _option(gen, "throttle", help="emulated phone flash")
     gen.add_argument(
         "--no-verify",
@@ -118,6 +126,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         units=args.units,
         prompt_cache=args.prompt_cache,
         ctx_size=args.ctx_size,
+        stall_seconds=args.stall_seconds,
         trace=str(args.trace) if args.trace else None,
     )
     # left out, these take EngineConfig's defaults (the tree: one with a draft, else none)

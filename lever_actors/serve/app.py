@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from lever_actors.channels.messages import FinishReason, TokenEvent
 from lever_actors.config import DEFAULT_MAX_NEW_TOKENS
 from lever_actors.engine import Engine
-from lever_actors.errors import ConfigError, ContextLengthError
+from lever_actors.errors import ConfigError, ConsumerStalledError, ContextLengthError
 from lever_actors.logs import get_logger
 from lever_actors.serve.departures import ClientLeft, unless_gone
 from lever_actors.serve.schemas import (
@@ -389,6 +389,9 @@ async def _sse(
                 yield _event(reply.chunk(event.text, event.finish_reason))
         except Cut:
             yield _event(reply.chunk(None, CUT_REASON))
+        except ConsumerStalledError as stalled:  # a reader that came back too late
+            log.info("a stalled reader's request was ended", reason=str(stalled))
+            return
         if include_usage:
             use = usage(last.prompt_tokens, last.generated_tokens, last.cached_tokens)
             yield _event(reply.usage_chunk(use))
