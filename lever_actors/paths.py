@@ -35,3 +35,13 @@ def exclusive(directory: Path, on_wait: Callable[[], object] = lambda: None) -> 
         yield
     finally:
         os.close(held)  # releases the lock
+
+
+def file_identity(path: Path) -> list[str | int]:
+    """What tells one version of a file from another, for cache keys: its resolved path,
+    size and modification time (its path alone where it cannot be read)."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return [str(path)]
+    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]

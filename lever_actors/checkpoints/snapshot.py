@@ -32,6 +32,7 @@ from lever_actors.logs import get_logger
 from lever_actors.model.args import ModelArgs
 from lever_actors.model.quantized import QuantizedRows, QuantizedWeight
 from lever_actors.model.weights import ModelWeights, StoredWeight, Weight
+from lever_actors.paths import file_identity
 
 log = get_logger(__name__)
 
@@ -42,9 +43,7 @@ KEPT = 4  # snapshots kept in a cache directory, the most recently used
 
 def snapshot_key(source: Path, *choices: str) -> str:
     """Names the snapshot of `source` loaded with `choices` (dtype, formats)."""
-    stat = source.stat()
-    parts = [str(source.resolve()), str(stat.st_size), str(stat.st_mtime_ns), *choices]
-    parts.append(lever_actors.__version__)
+    parts = [*map(str, file_identity(source)), *choices, lever_actors.__version__]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +18,8 @@ import torch
 import lever_actors
 from lever_actors.config import EngineConfig
 from lever_actors.logs import get_logger
+from lever_actors.machine import cpu_flags, cpu_name
+from lever_actors.paths import file_identity
 from lever_actors.policy.cost_model import CostModel
 from lever_actors.target import FlashTarget
 
@@ -30,10 +31,10 @@ def profile_key(config: EngineConfig, target: FlashTarget) -> str:
     plan = target.plan
     parts = {
         "machine": machine_identity(),
-        "target": _file_identity(target.store.directory / "manifest.json"),
+        "target": file_identity(target.store.directory / "manifest.json"),
         "streamed": list(plan.streamed_layers),
         "head_streamed": target.lm_head is None,
-        "draft": _file_identity(Path(config.draft)) if config.draft else None,
+        "draft": file_identity(Path(config.draft)) if config.draft else None,
         "draft_formats": [config.draft_dtype, config.draft_weights, config.draft_vocabulary],
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
@@ -41,20 +42,10 @@ def profile_key(config: EngineConfig, target: FlashTarget) -> str:
 
 def machine_identity() -> str:
     """The CPU (model and flags), its cores and torch's threads, torch and our versions."""
-    model = flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and not model:
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = value.strip()
-    except OSError:
-        model = platform.processor()
     return "|".join(
         [
-            model,
-            hashlib.sha256(flags.encode()).hexdigest()[:16],
+            cpu_name(),
+            hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:16],
             str(os.cpu_count()),
             str(torch.get_num_threads()),
             torch.__version__,
@@ -81,11 +72,3 @@ def cached_costs(directory: Path, key: str, profile: Callable[[], CostModel]) ->
     except OSError as error:
         log.warning("profile.not_saved", path=str(path), error=str(error))
     return cost
-
-
-def _file_identity(path: Path) -> list[str | int]:
-    try:
-        stat = path.stat()
-    except OSError:
-        return [str(path)]
-    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from lever_actors.bench import llamacpp_build as lb
+from lever_actors.machine import cpu_flags
 
 SAPPHIRE_RAPIDS = (
     "processor\t: 0\nflags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma bmi2 avx2 "
@@ -26,12 +27,12 @@ def _flags(options: list[str]) -> dict[str, str]:
 
 
 def test_cpu_options_follow_proc_cpuinfo():
-    intel = _flags(lb.cmake_options("x86_64", lb.cpu_flags(SAPPHIRE_RAPIDS)))
+    intel = _flags(lb.cmake_options("x86_64", cpu_flags(SAPPHIRE_RAPIDS)))
     assert intel["GGML_NATIVE"] == "OFF"  # native builds die with SIGILL on such VMs
     for name in ("AVX2", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AVX512_VBMI", "AVX_VNNI"):
         assert intel[f"GGML_{name}"] == "ON", name
     assert {intel[f"GGML_AMX_{k}"] for k in ("TILE", "INT8", "BF16")} == {"OFF"}
-    amd = _flags(lb.cmake_options("x86_64", lb.cpu_flags(EPYC_ZEN3)))
+    amd = _flags(lb.cmake_options("x86_64", cpu_flags(EPYC_ZEN3)))
     assert amd["GGML_AVX2"] == amd["GGML_FMA"] == "ON"
     assert amd["GGML_AVX512"] == amd["GGML_AVX512_VNNI"] == amd["GGML_AVX_VNNI"] == "OFF"
     arm = _flags(lb.cmake_options("aarch64", frozenset()))
