@@ -86,20 +86,20 @@ def _limits_up(root: Path, path: str, name: str) -> list[int]:
 
 
 def _available_bytes(proc: Path) -> int:
-    try:
-        for line in (proc / "meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 1 << 62  # not known: no bound from it
+    available = _kib_field(proc / "meminfo", "MemAvailable:")
+    return (1 << 62) if available is None else available  # not known: no bound from it
 
 
 def _status_field(name: str) -> int:
+    return _kib_field(Path("/proc/self/status"), name) or 0
+
+
+def _kib_field(path: Path, name: str) -> int | None:
+    """The bytes of the "NAME: N kB" line of a /proc file; None where it has none."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in path.read_text().splitlines():
             if line.startswith(name):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return 0
+    return None
