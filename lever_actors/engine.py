@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -61,7 +61,12 @@ from lever_actors.device.memory import (
 )
 from lever_actors.device.units import ComputeUnit
 from lever_actors.draft import DraftModel, load_draft
-from lever_actors.errors import ConfigError, ConsumerStalledError, EngineClosedError
+from lever_actors.errors import (
+    ConfigError,
+    ConsumerStalledError,
+    DeadlineError,
+    EngineClosedError,
+)
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.pruning import keep_everything
 from lever_actors.policy.setup import Policies, build_policies
@@ -283,6 +288,7 @@ class Engine:
         messages: Sequence[Mapping[str, str]] | None = None,
         options: GenerationOptions | None = None,
         progress: Progress | None = None,
+        on_done: Callable[[], None] | None = None,
         **keywords: Unpack[GenerationKeywords],
     ) -> AsyncGenerator[TokenEvent, None]:
         """Yield each token as it is accepted. Leaving the loop early cancels the request.
@@ -305,11 +311,19 @@ class Engine:
 
         `progress(done, total, "prefill")` hears how many of a long prompt's tokens (256 or
         more, not cached) the prefill's pass has taken through the target's layers.
+        `on_done()` is called once the engine has done with the request (it ended, failed,
+        was cancelled or its consumer stalled), which may be before the loop has taken the
+        last events.
+
+        `deadline_seconds` ends a request in time: the step that ends after it is the last
+        ("length"); a request still waiting for the engine or in its prefill then raises
+        DeadlineError.
 
         The text is rendered and tokenized on a worker thread, so that a long one holds up
         no other task of the event loop; one that cannot fit the context is refused from its
         length alone."""
         request = await self._request(prompt, messages, options_of(options, keywords), progress)
+        request.on_done = on_done
         async for event in self._events(request):
             yield event
 
@@ -356,13 +370,21 @@ class Engine:
             raise request.error
 
     async def _serve(self, request: Request, events: trio.MemorySendChannel[TokenEvent]) -> None:
-        with events:
-            async with self._one_at_a_time:
-                with request.scope:
-                    try:
+        try:
+            with events, request.scope:
+                try:
+                    async with self._one_at_a_time:
                         await self._run_actors(request, events)
-                    except Exception as error:  # handed to the consumer, who raises it
-                        request.error = _original(error)
+                except Exception as error:  # handed to the consumer, who raises it
+                    request.error = _original(error)
+            if request.scope.cancelled_caught and request.past_deadline:
+                request.error = DeadlineError(
+                    f"no token within the deadline of {request.options.deadline_seconds:g} s: "
+                    "the request was cancelled"
+                )
+        finally:
+            if request.on_done is not None:
+                request.on_done()
 
     async def _run_actors(
         self, request: Request, events: trio.MemorySendChannel[TokenEvent]
@@ -469,8 +491,10 @@ class Engine:
             bytes_before, read_seconds_before = reads.bytes_read, reads.read_seconds
             await requests.send(DraftRequest(step=step, max_nodes=self.spec.max_nodes))
             verdict: Verdict = await verdicts.receive()
+            request.scope.deadline = math.inf  # from the first token on, the deadline is soft
             finish: FinishReason | None = None
             emitted = 0
+            last = len(verdict.tokens)
             for token, from_draft, logprob in zip(
                 verdict.tokens, verdict.from_draft, verdict.logprobs, strict=True
             ):
@@ -482,6 +506,8 @@ class Engine:
                     finish = "stop"
                 elif len(request.tokens) >= request.options.max_new_tokens:
                     finish = "length"
+                elif emitted == last and request.past_deadline:
+                    finish = "length"  # the step's tokens are all out; no step after it
                 if finish is not None and decoder:
                     delta += decoder.flush()  # a character still held back ends here
                 elapsed = time.perf_counter() - started

@@ -35,5 +35,10 @@ class ConsumerStalledError(LeverError, RuntimeError):
     was full: the engine ended the request, so that the requests behind it could run."""
 
 
+class DeadlineError(LeverError, TimeoutError):
+    """A request's `deadline_seconds` passed before its first token, while it waited for the
+    engine or was being prefilled: it was cancelled."""
+
+
 class EngineClosedError(LeverError, RuntimeError):
     """A request came after its engine's `open` block had ended."""

@@ -20,14 +20,21 @@ log = get_logger(__name__)
 class GenerationOptions(msgspec.Struct, frozen=True, kw_only=True):
     """Generation ends after `max_new_tokens` ("length"), after one of the tokenizer's end
     tokens ("stop"; its text is not emitted), or after the token that completes one of the
-    `stop` strings ("stop"; it stays in the text)."""
+    `stop` strings ("stop"; it stays in the text).
+
+    `deadline_seconds`, counted from the request's making (its wait for the engine
+    included): the step that ends after it is the last ("length", its text cut short); a
+    request still waiting or in its prefill then is cancelled (DeadlineError)."""
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     stop: Sequence[str] = ()  # kept as a tuple
     sampling: Sampling = GREEDY
+    deadline_seconds: float | None = None  # None: none
 
     def __post_init__(self) -> None:
         check_max_new_tokens(self.max_new_tokens)
+        if self.deadline_seconds is not None and not self.deadline_seconds > 0:  # NaN too
+            raise ConfigError(f"deadline_seconds = {self.deadline_seconds!r}: expected > 0")
         if isinstance(self.stop, str):
             raise ConfigError("stop must be a list of strings, not one string")
         if not all(isinstance(s, str) for s in self.stop):
@@ -51,6 +58,7 @@ class GenerationKeywords(TypedDict, total=False):
     top_p: float
     min_p: float
     seed: int | None  # None: drawn where sampling needs one, and logged
+    deadline_seconds: float | None
 
 
 def options_of(
@@ -78,6 +86,7 @@ def options_of(
         max_new_tokens=keywords.get("max_new_tokens", DEFAULTS.max_new_tokens),
         stop=keywords.get("stop", DEFAULTS.stop),
         sampling=sampling,
+        deadline_seconds=keywords.get("deadline_seconds", DEFAULTS.deadline_seconds),
     )
 
 

@@ -3,8 +3,9 @@ text so far, and its KV caches, which start from the prefix cache's longest matc
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import trio
@@ -27,12 +28,26 @@ class Request:
     prompt: list[int]
     options: GenerationOptions
     progress: Progress | None  # of its prefill
+    # called once the engine has done with it, perhaps before its consumer took the last
+    # events (a stalled one): what a server counts as running can end then
+    on_done: Callable[[], None] | None = None
+    # cancels the wait and the prefill at the deadline (lifted at the first token)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     created: float = field(default_factory=time.perf_counter)
     error: BaseException | None = None
     steps: list[StepStats] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # emitted so far
     reuse: Reuse = NO_REUSE  # what it starts from, claimed when it starts running
+    deadline: float = math.inf  # on trio's clock: after it, the step that ends is the last
+
+    def __post_init__(self) -> None:
+        if self.options.deadline_seconds is not None:
+            self.deadline = trio.current_time() + self.options.deadline_seconds
+            self.scope.deadline = self.deadline
+
+    @property
+    def past_deadline(self) -> bool:
+        return trio.current_time() >= self.deadline
 
     @property
     def text_tokens(self) -> list[int]:

@@ -40,7 +40,7 @@ from lever_actors.config import DEFAULT_TREE, ChannelSizes, EngineConfig, TreeSp
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import read_manifest
 from lever_actors.engine import Engine
-from lever_actors.errors import ConfigError, ConsumerStalledError
+from lever_actors.errors import ConfigError, ConsumerStalledError, DeadlineError
 from lever_actors.model.sampling import Sampling
 from lever_actors.model.sequential import sequential_reference
 from lever_actors.model.transformer import Transformer
@@ -722,3 +722,34 @@ async def test_a_stalled_consumer_is_ended_and_the_next_request_runs():
     assert len(after.tokens) == 3
     assert waited < 5  # the stall, and the second request's own run
     assert len(taken) <= 1 + 2  # what the buffer and the step held when it was ended
+
+
+async def test_a_deadline_ends_the_request_at_the_step_it_passes_in():
+    """After its first token, a request's deadline is soft: the step that ends after it is
+    the last, "length", its tokens the sequential ones, cut short; before it (waiting for
+    the engine, or in the prefill) the request is cancelled with DeadlineError, and the
+    request it waited behind runs on untouched."""
+    pair = model_pair(TINY_ARGS, "perturbed", 0)
+    prompt = [3, 14, 15, 9, 6, 5]  # the tiny pair's vocabulary is 32 tokens
+    config = EngineConfig(
+        target=str(pair.target), draft=str(pair.draft), tree="chain:2", jitter_seconds=0.05
+    )
+    with trio.fail_after(60):
+        async with Engine.open(config) as engine:
+            started = trio.current_time()
+            cut = await engine.generate(prompt, max_new_tokens=240, deadline_seconds=1.0)
+            took = trio.current_time() - started
+            long = engine.stream([1, 2, 3], max_new_tokens=40)
+            first = await anext(long)
+            with pytest.raises(DeadlineError, match="no token within the deadline of 0.2 s"):
+                await engine.generate([4, 5], max_new_tokens=3, deadline_seconds=0.2)
+            rest = [event async for event in long]
+            with pytest.raises(DeadlineError):  # alone, but its prefill takes longer
+                await engine.generate(prompt, max_new_tokens=3, deadline_seconds=1e-3)
+    assert cut.finish_reason == "length"
+    assert 0 < len(cut.tokens) < 240
+    assert 1.0 <= took < 1.0 + 5  # a step of jitter at most, on a busy machine
+    assert cut.tokens == reference_tokens(pair.target, prompt, len(cut.tokens))
+    waited = [first.token] + [e.token for e in rest]
+    assert waited == reference_tokens(pair.target, [1, 2, 3], 40)
+    assert rest[-1].finish_reason == "length"

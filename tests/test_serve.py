@@ -25,11 +25,13 @@ import openai
 import pytest
 import trio
 
-from lever_actors.config import EngineConfig
+from lever_actors.config import ChannelSizes, EngineConfig
 from lever_actors.engine import Engine
 from lever_actors.errors import CheckpointError, ConfigError
 from lever_actors.model.sampling import Sampling
 from lever_actors.serve import serve
+from lever_actors.serve.app import build_app
+from lever_actors.serve.options import ServeOptions
 from lever_actors.testing import TINY_ARGS, model_pair, reference_tokens
 
 KEY = "sk-test"
@@ -50,7 +52,7 @@ def text_of(config: EngineConfig, prompt: list[int], sampling: Sampling | None =
 
 
 async def start(nursery: trio.Nursery, config: EngineConfig, **kw) -> str:
-    binds = await nursery.start(partial(serve, config, port=0, api_key=KEY, **kw))
+    binds = await nursery.start(partial(serve, config, ServeOptions(port=0, api_key=KEY, **kw)))
     return binds[0]
 
 
@@ -303,6 +305,8 @@ async def test_a_loopback_server_answers_only_its_own_host_names(config, host, a
         (dict(default_max_tokens=0), "max_new_tokens must be positive, got 0"),
         (dict(port=99999), "port 99999: expected 0 to 65535"),
         (dict(host="a..b"), "host 'a..b': not a host name"),
+        (dict(deadline_seconds=0.0), "deadline_seconds = 0.0: expected > 0"),
+        (dict(max_body=0), "max_body = 0: expected >= 1 byte"),
     ],
 )
 async def test_bad_settings_are_refused_before_the_engine_opens(
@@ -313,7 +317,7 @@ async def test_bad_settings_are_refused_before_the_engine_opens(
 
     monkeypatch.setattr(Engine, "open", opened)
     with pytest.raises(ConfigError) as raised:
-        await serve(config, **({"port": 0} | settings))
+        await serve(config, ServeOptions(**({"port": 0} | settings)))
     assert str(raised.value) == message
 
 
@@ -321,7 +325,7 @@ async def test_a_keyless_server_off_loopback_is_warned_about(config, caplog, tmp
     missing = msgspec.structs.replace(config, target=str(tmp_path / "missing"))
     for host in ("127.0.0.1", "0.0.0.0"):  # the engine fails to open: nothing ever listens
         with pytest.raises(CheckpointError):
-            await serve(missing, host=host, port=0)
+            await serve(missing, ServeOptions(host=host, port=0))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == ["serving 0.0.0.0 without an API key: whoever reaches it can use it"]
 
@@ -534,3 +538,82 @@ async def test_a_body_over_the_limit_gets_413_before_it_is_read_whole(config, de
     assert response.status_code == 413
     assert response.json()["error"]["code"] == "request_too_large"
     assert small.status_code == 200
+
+
+async def test_a_deadline_cuts_a_running_request_short_and_a_waiting_one_gets_504(config):
+    slow = msgspec.structs.replace(config, jitter_seconds=0.2)  # steps of up to a second
+    body = {"model": "lever", "prompt": "t1 t2", "max_tokens": 200, "temperature": 0}
+    answers = {}
+
+    async def ask(name, http):
+        answers[name] = await http.post("/v1/completions", json=body)
+
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            base = await start(nursery, slow, deadline_seconds=1.5)
+            async with httpx.AsyncClient(base_url=base, headers=AUTHORIZED, timeout=30) as http:
+                async with trio.open_nursery() as asking:
+                    asking.start_soon(ask, "running", http)
+                    while (await http.get("/health")).json()["requests"] == 0:
+                        await trio.sleep(0.01)
+                    asking.start_soon(ask, "waiting", http)
+            nursery.cancel_scope.cancel()
+    running = answers["running"].json()
+    assert running["choices"][0]["finish_reason"] == "length"
+    assert 0 < running["usage"]["completion_tokens"] < 200
+    assert answers["waiting"].status_code == 504
+    error = answers["waiting"].json()["error"]
+    assert (error["code"], error["message"]) == (
+        "deadline_exceeded",
+        "no token within the deadline of 1.5 s: the request was cancelled",
+    )
+
+
+async def test_a_stalled_reader_gives_up_its_place_when_the_engine_ends_its_request(config):
+    """A client that stops reading a stream (its send blocks for good) keeps its connection,
+    but once the engine has ended its request it no longer counts against the queue."""
+    stalling = msgspec.structs.replace(
+        config, stall_seconds=0.3, channels=ChannelSizes(events=1), jitter_seconds=0.02
+    )
+    body = json.dumps({"prompt": "t1 t2", "max_tokens": 200, "stream": True}).encode()
+    sent: list[dict] = []
+    bodies = [{"type": "http.request", "body": body, "more_body": False}]
+    blocked = trio.Event()
+
+    async def receive():
+        if bodies:
+            return bodies.pop()
+        await trio.sleep_forever()  # never a disconnect: the client is still there
+
+    async def send(message):
+        sent.append(message)
+        if message["type"] == "http.response.body" and len(sent) > 2:
+            blocked.set()
+            await trio.sleep_forever()  # the client reads no more
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 8000),
+    }
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(stalling) as engine:
+            app = build_app(engine, ServeOptions(queue=0))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(app, scope, receive, send)
+                await blocked.wait()
+                admission = app.state.admission
+                while admission.inside:  # the engine ends it after stall_seconds
+                    await trio.sleep(0.01)
+                assert not admission.draining
+                assert sent[0]["status"] == 200
+                nursery.cancel_scope.cancel()

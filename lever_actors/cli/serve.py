@@ -9,10 +9,9 @@ from functools import partial
 import trio
 
 from lever_actors.cli.engine_options import add_engine_arguments, engine_config
-from lever_actors.config import DEFAULT_MAX_NEW_TOKENS
 from lever_actors.progress import ProgressLine
-from lever_actors.serve import DRAIN_SECONDS, check_address, serve
-from lever_actors.serve.app import DEFAULT_MAX_BODY
+from lever_actors.serve import DEFAULTS, check_address, serve
+from lever_actors.serve.options import ServeOptions
 from lever_actors.sizes import compact_bytes, parse_bytes
 
 
@@ -22,8 +21,10 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
         help="an OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/models",
     )
     add_engine_arguments(parser)
-    parser.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="(default: 8000)")
+    parser.add_argument("--host", default=DEFAULTS.host, help=f"(default: {DEFAULTS.host})")
+    parser.add_argument(
+        "--port", type=int, default=DEFAULTS.port, help=f"(default: {DEFAULTS.port})"
+    )
     parser.add_argument("--api-key", help="required as 'Authorization: Bearer KEY' when given")
     parser.add_argument(
         "--allowed-host",
@@ -36,29 +37,37 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--queue",
         type=count,
-        default=8,
-        help="requests that may wait; more get 429 (default: 8)",
+        default=DEFAULTS.queue,
+        help=f"requests that may wait; more get 429 (default: {DEFAULTS.queue})",
     )
     parser.add_argument(
         "--grace",
         type=seconds,
-        default=DRAIN_SECONDS,
+        default=DEFAULTS.grace,
         help="seconds running requests get to finish after SIGTERM, before they are cut "
-        f"(default: {DRAIN_SECONDS:g})",
+        f"(default: {DEFAULTS.grace:g})",
     )
     parser.add_argument(
         "--max-body",
         type=parse_bytes,
-        default=DEFAULT_MAX_BODY,
+        default=DEFAULTS.max_body,
         metavar="SIZE",
-        help=f"larger request bodies get 413 (default: {compact_bytes(DEFAULT_MAX_BODY)})",
+        help=f"larger request bodies get 413 (default: {compact_bytes(DEFAULTS.max_body)})",
     )
-    parser.add_argument("--model-name", default="lever", help="the id /v1/models lists")
+    parser.add_argument(
+        "--deadline",
+        type=positive_seconds,
+        metavar="SECONDS",
+        help="each request's time limit from its arrival: the step that ends after it is the "
+        "last (finish_reason length); one still queued or in its prefill gets 504 "
+        "(default: none)",
+    )
+    parser.add_argument("--model-name", default=DEFAULTS.model_name, help="the id /v1/models lists")
     parser.add_argument(
         "--max-tokens",
         type=positive,
-        default=DEFAULT_MAX_NEW_TOKENS,
-        help=f"when a request gives none (default: {DEFAULT_MAX_NEW_TOKENS})",
+        default=DEFAULTS.default_max_tokens,
+        help=f"when a request gives none (default: {DEFAULTS.default_max_tokens})",
     )
     parser.set_defaults(command=run_serve)
 
@@ -82,6 +91,14 @@ def seconds(text: str) -> float:
     return value
 
 
+def positive_seconds(text: str) -> float:
+    """A duration of more than 0 seconds."""
+    value = float(text)
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"expected more than 0 seconds, got {text}")
+    return value
+
+
 def _at_least(n: int, least: int) -> int:
     if n < least:
         raise argparse.ArgumentTypeError(f"expected {least} or more, got {n}")
@@ -89,11 +106,7 @@ def _at_least(n: int, least: int) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    check_address(args.host, args.port)  # before the real pair is fetched (minutes)
-    config = engine_config(args)
-    run = partial(
-        serve,
-        config,
+    options = ServeOptions(
         host=args.host,
         port=args.port,
         model_name=args.model_name,
@@ -103,8 +116,11 @@ def run_serve(args: argparse.Namespace) -> int:
         allowed_hosts=args.allowed_hosts,
         grace=args.grace,
         max_body=args.max_body,
-        progress=ProgressLine(unit=""),
+        deadline_seconds=args.deadline,
     )
+    check_address(options.host, options.port)  # before the real pair is fetched (minutes)
+    config = engine_config(args)
+    run = partial(serve, config, options, progress=ProgressLine(unit=""))
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:

@@ -7,7 +7,6 @@ handler awaits the engine directly.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import signal
 import socket
@@ -19,69 +18,46 @@ import hypercorn.config
 import hypercorn.trio
 import trio
 
-from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, EngineConfig, check_max_new_tokens
+from lever_actors.config import EngineConfig
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError
 from lever_actors.logs import get_logger
 from lever_actors.progress import Progress
-from lever_actors.serve.app import DEFAULT_MAX_BODY, Admission, build_app, check_queue
+from lever_actors.serve.app import Admission, build_app
+from lever_actors.serve.options import ServeOptions
 
 log = get_logger(__name__)
 
-DRAIN_SECONDS = 10.0  # what requests still running at SIGTERM get before they are cut
-LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+DEFAULTS = ServeOptions()
+
 # trio logs each accept that finds no file descriptor left (EMFILE) with a traceback
 ACCEPT_LOGGER = logging.getLogger("trio.serve_listeners")
 
 
 async def serve(
     config: EngineConfig,
+    options: ServeOptions = DEFAULTS,
     *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    model_name: str = "lever",
-    queue: int = 8,
-    api_key: str | None = None,
-    default_max_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    allowed_hosts: Collection[str] | None = None,
     drain_on: Collection[signal.Signals] = (signal.SIGTERM,),
-    grace: float = DRAIN_SECONDS,
-    max_body: int = DEFAULT_MAX_BODY,
     progress: Progress | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Open the engine and serve it until cancelled, or until one of `drain_on` arrives (the
-    main thread's trio run alone can take signals; give none elsewhere): then new requests
-    get 503, those inside `grace` seconds to finish before they are cut, and serve returns.
-    `task_status.started` gets the bound addresses ("http://127.0.0.1:8000"; port 0 binds a
-    free one). `allowed_hosts`: the names a request's Host header may give; by default the
-    loopback names where `host` is loopback, else any. A body over `max_body` bytes gets
-    413 before it is read whole."""
-    check_address(host, port)  # before the engine loads, which can take minutes
-    check_queue(queue)
-    check_max_new_tokens(default_max_tokens)
-    if not grace >= 0:  # NaN too
-        raise ConfigError(f"grace = {grace!r}: expected >= 0 seconds")
-    if api_key is None and not is_loopback(host):
-        log.warning(f"serving {host} without an API key: whoever reaches it can use it")
-    if allowed_hosts is None and is_loopback(host):
-        allowed_hosts = (*LOOPBACK_NAMES, host)
+    """Open the engine and serve it as `options` say until cancelled, or until one of
+    `drain_on` arrives (the main thread's trio run alone can take signals; give none
+    elsewhere): then new requests get 503, those inside `options.grace` seconds to finish
+    before they are cut, and serve returns. `task_status.started` gets the bound addresses
+    ("http://127.0.0.1:8000"; port 0 binds a free one)."""
+    check_address(options.host, options.port)  # before the engine loads, which can take minutes
+    if options.keyless_exposure:
+        log.warning(f"serving {options.host} without an API key: whoever reaches it can use it")
     async with Engine.open(config, progress=progress) as engine:
-        app = build_app(
-            engine,
-            model_name=model_name,
-            queue=queue,
-            api_key=api_key,
-            default_max_tokens=default_max_tokens,
-            allowed_hosts=allowed_hosts,
-            max_body=max_body,
-        )
+        app = build_app(engine, options)
         settings = hypercorn.config.Config()
-        settings.bind = [f"{host}:{port}"]
+        settings.bind = [f"{options.host}:{options.port}"]
         settings.accesslog = None
         with _receiver(drain_on) as received, _one_line(ACCEPT_LOGGER):
             # the receiver opens before the port does: no signal is missed
-            drained = partial(_drain_on_signal, received, app.state.admission, grace)
+            drained = partial(_drain_on_signal, received, app.state.admission, options.grace)
             async with trio.open_nursery() as nursery:
                 if drain_on:  # the main thread's run: it may take signals
                     nursery.start_soon(_interrupted)
@@ -96,11 +72,9 @@ async def serve(
 
 
 def check_address(host: str, port: int) -> None:
-    """Refuse an address serve could not listen on, in one line: a port out of range or a
-    malformed host (ConfigError); a host that does not resolve or is not this machine's, or
-    a port taken (OSError naming the address)."""
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"port {port}: expected 0 to 65535")
+    """Refuse an address serve could not listen on, in one line: a malformed host
+    (ConfigError); a host that does not resolve or is not this machine's, or a port taken
+    (OSError naming the address)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as hypercorn chooses
     where = f"{host}:{port}"
     try:
@@ -112,14 +86,6 @@ def check_address(host: str, port: int) -> None:
         raise ConfigError(f"host {host!r}: not a host name") from None
     except OSError as error:
         raise OSError(error.errno, error.strerror, where) from None
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` names this machine's loopback interface alone."""
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host.lower() == "localhost"
 
 
 class _WithoutTraceback(logging.Filter):

@@ -33,11 +33,16 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lever_actors.channels.messages import FinishReason, TokenEvent
-from lever_actors.config import DEFAULT_MAX_NEW_TOKENS
 from lever_actors.engine import Engine
-from lever_actors.errors import ConfigError, ConsumerStalledError, ContextLengthError
+from lever_actors.errors import (
+    ConfigError,
+    ConsumerStalledError,
+    ContextLengthError,
+    DeadlineError,
+)
 from lever_actors.logs import get_logger
 from lever_actors.serve.departures import ClientLeft, unless_gone
+from lever_actors.serve.options import ServeOptions
 from lever_actors.serve.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -50,9 +55,6 @@ from lever_actors.serve.schemas import (
 log = get_logger(__name__)
 
 RETRY_AFTER_SECONDS = 5
-# bodies larger are refused before they are read whole: a prompt of the real target's
-# whole context is about 130 KB of text, and an 8 MB one blocked the server for 9.9 s
-DEFAULT_MAX_BODY = 4 << 20
 CUT_REASON: FinishReason = "length"  # a stream the shutdown cut: its text ends short
 DRAIN_POLL_SECONDS = 0.05  # how often a drain looks whether the last request has left
 
@@ -100,7 +102,7 @@ class Admission:
     drains. Runs on the event loop's single thread, so plain counts suffice."""
 
     def __init__(self, queue: int) -> None:
-        self.limit = check_queue(queue) + 1
+        self.limit = queue + 1
         self.inside = 0
         self.draining = False
         self._cut = False
@@ -163,13 +165,6 @@ class Admission:
             await trio.sleep(DRAIN_POLL_SECONDS)
 
 
-def check_queue(queue: int) -> int:
-    """`queue`, the requests that may wait, refused where negative (each would get 429)."""
-    if queue < 0:
-        raise ConfigError(f"queue = {queue}: expected >= 0")
-    return queue
-
-
 class Cut(Exception):
     """A drain ended this request before the engine did."""
 
@@ -184,21 +179,12 @@ class _Ticket:
             self._admission = None
 
 
-def build_app(
-    engine: Engine,
-    *,
-    model_name: str,
-    queue: int = 8,
-    api_key: str | None = None,
-    default_max_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    allowed_hosts: Collection[str] | None = None,
-    max_body: int = DEFAULT_MAX_BODY,
-) -> Starlette:
-    """The application serving `engine` under `model_name`; its `state.admission` drains it.
-    `allowed_hosts`: the names a request's Host may give (None: any)."""
-    admission = Admission(queue)
-    routes = _Routes(engine, model_name, admission, api_key, default_max_tokens, max_body)
-    hosts = [] if allowed_hosts is None else [Middleware(_AllowedHosts, names=allowed_hosts)]
+def build_app(engine: Engine, options: ServeOptions) -> Starlette:
+    """The application serving `engine` as `options` say; its `state.admission` drains it."""
+    admission = Admission(options.queue)
+    routes = _Routes(engine, options, admission)
+    allowed = options.allowed_hosts
+    hosts = [] if allowed is None else [Middleware(_AllowedHosts, names=allowed)]
     app = Starlette(
         routes=[
             Route("/health", routes.health, methods=["GET"]),
@@ -245,21 +231,12 @@ def host_name(header: str) -> str:
 
 
 class _Routes:
-    def __init__(
-        self,
-        engine: Engine,
-        model_name: str,
-        admission: Admission,
-        api_key: str | None,
-        default_max_tokens: int,
-        max_body: int,
-    ) -> None:
+    def __init__(self, engine: Engine, options: ServeOptions, admission: Admission) -> None:
         self.engine = engine
-        self.max_body = max_body
-        self.model_name = model_name
+        self.options = options
+        self.model_name = options.model_name
         self.admission = admission
-        self.api_key = api_key
-        self.default_max_tokens = default_max_tokens
+        self.api_key = options.api_key
 
     async def health(self, request: Request) -> Response:
         n_ctx = self.engine.context.tokens
@@ -310,17 +287,17 @@ class _Routes:
         """The body, refused (413) past max_body: by its Content-Length, or as it comes."""
         too_large = ApiError(
             413,
-            f"the body exceeds the server's limit of {self.max_body} bytes",
+            f"the body exceeds the server's limit of {self.options.max_body} bytes",
             "invalid_request_error",
             "request_too_large",
         )
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_body:
+        if declared.isdigit() and int(declared) > self.options.max_body:
             raise too_large
         parts, size = [], 0
         async for part in request.stream():
             size += len(part)
-            if size > self.max_body:
+            if size > self.options.max_body:
                 raise too_large
             parts.append(part)
         return b"".join(parts)
@@ -334,7 +311,7 @@ class _Routes:
         messages: list[dict[str, str]] | None = None,
     ) -> Response:
         try:
-            options = parsed.options(self.default_max_tokens)
+            options = parsed.options(self.options.default_max_tokens, self.options.deadline_seconds)
         except ConfigError as e:
             raise ApiError(400, str(e), "invalid_request_error") from None
         ticket = self.admission.enter()
@@ -345,13 +322,19 @@ class _Routes:
                     result = await unless_gone(request, whole)
             except ConfigError as e:
                 raise ApiError.bad_request(e) from None
+            except DeadlineError as e:
+                raise _timed_out(e) from None
             finally:
                 ticket.release()
             if scope.cancelled_caught:
                 raise _shut_down()
             use = usage(result.prompt_tokens, result.generated_tokens, result.cached_tokens)
             return _JSON(reply.whole(result.text, result.finish_reason, use))
-        stream = self.engine.stream(prompt, messages=messages, options=options)
+        # the ticket leaves with the engine's work: a stalled reader whose request the
+        # engine ended holds no place, though its body waits on it still
+        stream = self.engine.stream(
+            prompt, messages=messages, options=options, on_done=ticket.release
+        )
         events = self.admission.until_cut(stream)
         try:  # the first token before the headers: a bad request is still a 400
             first = await unless_gone(request, events.__anext__)
@@ -362,6 +345,8 @@ class _Routes:
                 raise ApiError.bad_request(e) from None
             if isinstance(e, Cut):
                 raise _shut_down() from None
+            if isinstance(e, DeadlineError):
+                raise _timed_out(e) from None
             raise
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         body = _sse(reply, first, events, include_usage, ticket)
@@ -403,6 +388,10 @@ async def _sse(
 
 def _shut_down() -> ApiError:
     return ApiError(503, "the server shut down first", "server_error", "shutting_down")
+
+
+def _timed_out(error: DeadlineError) -> ApiError:
+    return ApiError(504, str(error), "server_error", "deadline_exceeded")
 
 
 def _event(body: dict[str, Any]) -> bytes:

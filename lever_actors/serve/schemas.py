@@ -35,8 +35,9 @@ class Sampled(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, unused
 
-    def options(self, default_max_tokens: int) -> GenerationOptions:
-        """What the request asks of Engine.stream / generate; ConfigError if it is wrong."""
+    def options(self, default_max_tokens: int, deadline_seconds: float | None) -> GenerationOptions:
+        """What the request asks of Engine.stream / generate, with the server's deadline;
+        ConfigError if it is wrong."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         return generation_options(
             max_new_tokens=self._max_tokens(default_max_tokens),
@@ -44,6 +45,7 @@ class Sampled(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             top_p=self.top_p,
             seed=self.seed,
             stop=stop,
+            deadline_seconds=deadline_seconds,
         )
 
     def _max_tokens(self, default: int) -> int:
