@@ -1,17 +1,22 @@
 """Time to first token and decode tok/s of one streamed chat completion through
 `lever-actors serve`, against the same request through `lever-actors generate`, on the
-real pair (each a process of its own, one after the other).
+real pair (each a process of its own, one after the other); or, with `--against DIR`,
+`serve` of another checkout's lever_actors (say a `git worktree` of an older commit)
+against this one's, to show what a change costs.
 
     .venv/bin/python bench/serve_overhead.py [--tokens 64] [--port 8765] [--repeats N]
+                                             [--against DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -37,8 +42,11 @@ def through_generate(tokens: int) -> dict:
     }
 
 
-def through_serve(tokens: int, port: int) -> dict:
-    server = subprocess.Popen([*CLI, "serve", "--port", str(port)], stderr=subprocess.DEVNULL)
+def through_serve(tokens: int, port: int, checkout: Path = REPO) -> dict:
+    env = os.environ | {"PYTHONPATH": str(checkout)}  # its lever_actors, not the installed one
+    server = subprocess.Popen(
+        [*CLI, "serve", "--port", str(port)], stderr=subprocess.DEVNULL, env=env
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         while True:  # the engine loads first
@@ -83,18 +91,36 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--repeats", type=int, default=1, help="pairs of runs, alternating")
+    parser.add_argument(
+        "--against", type=Path, metavar="DIR", help="serve of this checkout instead of generate"
+    )
     args = parser.parse_args()
+    if args.against is None:
+        names = ("generate", "serve")
+        runs = (
+            partial(through_generate, args.tokens),
+            partial(through_serve, args.tokens, args.port),
+        )
+    else:
+        names = (f"serve of {args.against}", "serve of this checkout")
+        runs = (
+            partial(through_serve, args.tokens, args.port, args.against.resolve()),
+            partial(through_serve, args.tokens, args.port),
+        )
     rows = []
     for _ in range(args.repeats):  # alternating, so that drift hits both alike
-        generate = through_generate(args.tokens)
-        serve = through_serve(args.tokens, args.port)
-        rows.append((generate, serve))
-        print(f"same text: {generate['text'] == serve['text']}")
+        rows.append(tuple(run() for run in runs))
+        print(f"same text: {rows[-1][0]['text'] == rows[-1][1]['text']}")
         for key in ("first_token_s", "decode_tok_s"):
-            print(f"{key}: generate {generate[key]:.2f}, serve {serve[key]:.2f}", flush=True)
+            figures = ", ".join(
+                f"{name} {row[key]:.2f}" for name, row in zip(names, rows[-1], strict=True)
+            )
+            print(f"{key}: {figures}", flush=True)
     for key in ("first_token_s", "decode_tok_s"):
-        mean = [sum(row[i][key] for row in rows) / len(rows) for i in (0, 1)]
-        print(f"mean {key}: generate {mean[0]:.2f}, serve {mean[1]:.2f}")
+        means = [sum(row[i][key] for row in rows) / len(rows) for i in (0, 1)]
+        print(
+            f"mean {key}: " + ", ".join(f"{n} {m:.2f}" for n, m in zip(names, means, strict=True))
+        )
     return 0
 
 
