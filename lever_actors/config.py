@@ -226,6 +226,7 @@ class ChannelSizes(msgspec.Struct, frozen=True):
 # the tree of a config that names a draft and no tree (an EngineConfig's default)
 DEFAULT_TREE = TreeSpec("gaincost", cap=DEFAULT_GAINCOST_CAP)
 DRAFT_VOCABULARY = 65536  # the ids a draft proposes from by default (EngineConfig)
+DRAFT_WINDOW = 256  # the prompt tokens a draft prefills at most, by default (EngineConfig)
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -263,6 +264,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # rows alone (BPE ids grow as merges grow rare: the real pair's first 65,536 cover about
     # 98% of prompt tokens, and the head cost a third of a draft round); None: every id
     draft_vocabulary: Annotated[int, msgspec.Meta(gt=0)] | None = DRAFT_VOCABULARY
+    # the draft prefills at most a prompt's last this many new tokens: it proposes from
+    # recent text, and a 1,400-token prompt's whole draft prefill was a quarter of the
+    # wait for the first token (sequences.py); None: all of them
+    draft_window: Annotated[int, msgspec.Meta(gt=0)] | None = DRAFT_WINDOW
     # tokens a request's prompt and new ones may fill; None: the model's context, or less
     # where the memory left after loading holds less KV (context.py)
     ctx_size: Annotated[int, msgspec.Meta(gt=0)] | None = None

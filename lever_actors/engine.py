@@ -427,6 +427,7 @@ class Engine:
             (self.cpu, self.npu),
             next(jitter),
             cached=request.reuse.tokens,
+            view=request.draft_start,
         )
         verifier = Verifier(
             target,
@@ -472,7 +473,7 @@ class Engine:
                     (draft_commits.send, verify_commits.send),
                 )
         # the actors have ended, so the caches hold what they kept: the text's prefix
-        await self.npu.run(self.prefixes.store, request.text_tokens, *caches)
+        await self.npu.run(self.prefixes.store, request.text_tokens, *caches, request.draft_start)
 
     async def _steps(self, request, events, requests, verdicts, commits) -> None:
         """The engine's own loop: ask for a tree, take the verdict, emit, commit."""

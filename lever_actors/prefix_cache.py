@@ -17,11 +17,13 @@ from lever_actors.model.kv_cache import KVCache, KVPrefix
 
 @dataclass(frozen=True)
 class CachedPrefix:
-    """A finished request's text and the KV both models hold of it, the same length."""
+    """A finished request's text and the KV both models hold of it: the target's of all of
+    it, the draft's of its tokens from `draft_start` on (the draft's view, sequences.py)."""
 
     tokens: tuple[int, ...]
     target: KVPrefix
     draft: KVPrefix | None  # None without a draft model
+    draft_start: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -35,14 +37,27 @@ class Reuse:
     tokens: int
     prefix: CachedPrefix | None
 
-    def restore(self, target: KVCache, draft: KVCache | None) -> None:
-        """Fill both empty caches with the reused positions."""
-        if self.prefix is None:
-            return
-        target.restore(self.prefix.target, self.tokens)
-        if draft is not None:
-            assert self.prefix.draft is not None  # stored by an engine with the same draft
-            draft.restore(self.prefix.draft, self.tokens)
+    @property
+    def draft_start(self) -> int:
+        return self.prefix.draft_start if self.prefix is not None else 0
+
+    @property
+    def draft_tokens(self) -> int:
+        """Of the reused tokens, those whose draft KV the prefix holds: from draft_start."""
+        if self.prefix is None or self.prefix.draft is None:
+            return 0
+        return max(0, self.tokens - self.prefix.draft_start)
+
+    def restore(self, target: KVCache) -> None:
+        """Fill the target's empty cache with the reused positions."""
+        if self.prefix is not None:
+            target.restore(self.prefix.target, self.tokens)
+
+    def restore_draft(self, draft: KVCache) -> None:
+        """Fill the draft's empty cache with the reused positions it holds (draft_tokens)."""
+        if self.draft_tokens:
+            assert self.prefix is not None and self.prefix.draft is not None  # draft_tokens
+            draft.restore(self.prefix.draft, self.draft_tokens)
 
 
 NO_REUSE = Reuse(0, None)
@@ -79,17 +94,26 @@ class PrefixCache:
             self._entries.move_to_end(best.tokens)
         return Reuse(shared, best)
 
-    def store(self, tokens: Sequence[int], target: KVCache, draft: KVCache | None) -> None:
-        """Keep the KV both caches hold of `tokens`' first positions (as many as the shorter
-        cache holds), dropping entries it extends and then the least recently used until all
-        fit; a prefix larger than the whole cache is not kept."""
-        length = min(target.length, draft.length if draft else target.length, len(tokens))
+    def store(
+        self,
+        tokens: Sequence[int],
+        target: KVCache,
+        draft: KVCache | None,
+        draft_start: int = 0,
+    ) -> None:
+        """Keep the KV both caches hold of `tokens`' first positions (as many as both hold;
+        the draft's cache holds them from `draft_start` on), dropping entries it extends
+        and then the least recently used until all fit; a prefix larger than the whole cache
+        is not kept."""
+        draft_end = draft_start + draft.length if draft else target.length
+        length = min(target.length, draft_end, len(tokens))
         if length == 0 or self.capacity_bytes == 0:
             return
         kept = tuple(tokens[:length])
         for old in [t for t in self._entries if kept[: len(t)] == t]:
             del self._entries[old]
-        entry = CachedPrefix(kept, target.prefix(length), draft.prefix(length) if draft else None)
+        drafted = draft.prefix(max(0, length - draft_start)) if draft else None
+        entry = CachedPrefix(kept, target.prefix(length), drafted, draft_start)
         if entry.nbytes > self.capacity_bytes:
             return
         self._entries[kept] = entry

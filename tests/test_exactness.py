@@ -138,12 +138,14 @@ async def test_requests_on_one_engine_each_equal_sequential_reference(case, data
         relations=st.just("identical"),
         tree_shapes=trees(kinds=("chain", "static")),
         predictors=early_exits(("off", "probe_only")),
+        windows=st.none(),
     )
 )
 async def test_identical_draft_is_always_accepted(case):
-    """Not exactness but its mirror: a draft equal to the target proposes the target's own
-    greedy path, so without pruning every step but the last takes the whole fixed tree's
-    depth. (A pruner may drop the right branch: that costs speed, never output.)"""
+    """Not exactness but its mirror: a draft equal to the target, seeing the whole text,
+    proposes the target's own greedy path, so without pruning every step but the last takes
+    the whole fixed tree's depth. (A pruner may drop the right branch: that costs speed,
+    never output.)"""
     result = await assert_matches_sequential(case.engine_config(), case.prompt, case.max_new_tokens)
     depth = len(TreeSpec.parse(case.tree).widths)
     assert [s.new_tokens for s in result.steps[:-1]] == [depth + 1] * (len(result.steps) - 1)

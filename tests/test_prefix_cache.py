@@ -15,6 +15,7 @@ from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError
 from lever_actors.model.kv_cache import KVCache
 from lever_actors.prefix_cache import PrefixCache
+from lever_actors.sequences import draft_view
 from lever_actors.testing import bf16_engine_cases, engine_cases, reference_tokens, samplings
 from lever_actors.testing.checkpoints import TINY_ARGS, model_pair
 
@@ -94,8 +95,9 @@ async def test_a_branch_reuses_the_shared_part_and_keeps_the_other_branch(case, 
         two = await engine.generate(branch, max_new_tokens=case.max_new_tokens)
         again = await engine.generate([*first, *one.tokens, 7], max_new_tokens=2)
         entries = len(engine.prefixes)
-    shared = 0
-    while shared < min(len(first), len(branch)) and first[shared] == branch[shared]:
+    stored = [*first, *one.tokens]  # the first request's text, which the cache holds
+    shared = 0  # up to the branch's last token, whose pass gives the first new one
+    while shared < min(len(stored), len(branch) - 1) and stored[shared] == branch[shared]:
         shared += 1
     assert two.cached_tokens == shared
     assert two.tokens == reference_tokens(config.target, branch, case.max_new_tokens)
@@ -137,7 +139,7 @@ def test_claim_takes_the_longest_shared_prefix_up_to_the_prompts_last_token():
     reuse = prefixes.claim([1, 2, 3])
     assert reuse.tokens == 2  # the third token runs: its pass chooses the first new token
     restored = KVCache(TINY_ARGS, 8, torch.float64)
-    reuse.restore(restored, None)
+    reuse.restore(restored)
     assert restored.length == 2
     assert restored.keys[0, 0, :2, 0].tolist() == [1.0, 2.0]
     assert restored.positions[:2].tolist() == [0, 1]
@@ -158,6 +160,45 @@ def test_store_keeps_what_both_caches_hold_and_drops_entries_it_extends():
     prefixes.store([5, 6, 7, 8, 9], cache_of([5, 6, 7, 8]), cache_of([5, 6, 7]))
     assert len(prefixes) == 1
     assert prefixes.claim([5, 6, 7, 8, 9, 10]).tokens == 3
+
+
+def test_a_draft_viewing_the_text_from_later_on_keeps_its_part_and_continues_it():
+    prefixes = PrefixCache(2**20)
+    text = [5, 6, 7, 8, 9, 10]
+    prefixes.store(text, cache_of(text), cache_of(text[2:]), draft_start=2)
+    reuse = prefixes.claim([*text, 11])
+    assert (reuse.tokens, reuse.draft_start, reuse.draft_tokens) == (6, 2, 4)
+    draft = KVCache(TINY_ARGS, 8, torch.float64)
+    reuse.restore_draft(draft)
+    assert draft.keys[0, 0, : draft.length, 0].tolist() == [7.0, 8.0, 9.0, 10.0]
+    # a prompt's new tokens past the window start a fresh view; within it, the old one goes on
+    assert draft_view(reuse, len(text) + 1, window=3) == 2
+    assert draft_view(reuse, len(text) + 5, window=3) == len(text) + 5 - 3
+    assert draft_view(reuse, len(text) + 5, window=None) == 2
+    prefixes.store(text, cache_of(text), cache_of(text[2:]), draft_start=2)  # claimed whole
+    before_view = prefixes.claim([5, 6, 0])  # shares only tokens the draft never saw
+    assert (before_view.tokens, before_view.draft_tokens) == (2, 0)
+    assert draft_view(before_view, 30, window=8) == 22
+    assert draft_view(before_view, 3, window=None) == 0
+
+
+async def test_a_long_prompt_is_prefilled_in_the_draft_from_its_window_alone():
+    """The draft's first round runs the window's tokens, not the prompt's; the output is
+    the target's, whatever the draft sees, and the next turn continues the draft's view."""
+    pair = model_pair(TINY_ARGS, "perturbed", 0)
+    config = EngineConfig(
+        target=str(pair.target), draft=str(pair.draft), tree="chain:3", draft_window=6
+    )
+    prompt = [(7 * i) % TINY_ARGS.vocab_size for i in range(40)]
+    async with Engine.open(config) as engine:
+        first = await engine.generate(prompt, max_new_tokens=8)
+        text = [*prompt, *first.tokens, 3]
+        second = await engine.generate(text, max_new_tokens=8)
+    assert first.steps[0].draft_rounds[0] == 6
+    assert second.cached_tokens >= len(prompt)
+    assert second.steps[0].draft_rounds[0] <= len(text) - second.cached_tokens + 1
+    assert first.tokens == reference_tokens(config.target, prompt, 8)
+    assert second.tokens == reference_tokens(config.target, text, 8)
 
 
 def test_the_least_recently_used_go_first_and_a_prefix_too_large_is_not_kept():

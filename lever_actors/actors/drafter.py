@@ -47,9 +47,9 @@ class DraftPolicy:
 
 
 class Drafter:
-    """Keeps its own KV cache of the committed text (the request's, which may start from a
-    reused prefix of the prompt). Each step it first runs the committed tokens it has not
-    seen, then grows the tree below the last one by its policy.
+    """Keeps its own KV cache of the committed text from the token `view` on (the request's,
+    which may start from a reused prefix of the prompt). Each step it first runs the
+    committed tokens it has not seen, then grows the tree below the last one by its policy.
 
     A gain-cost tree's nodes it ran are kept until the commit: when the target's next token
     is one of them, below the accepted path's end, the subtree below it is the next tree
@@ -67,16 +67,21 @@ class Drafter:
         jitter: Jitter,
         *,
         cached: int = 0,
+        view: int = 0,
     ) -> None:
-        """`cache`: the draft's (None without a draft model); `cached`: the prompt's first
-        tokens whose KV the target's cache, and `cache`, already hold."""
+        """`cache`: the draft's (None without a draft model), which holds the KV of the
+        prompt's tokens from `view` on, if any; `cached`: the prompt's first tokens whose KV
+        the target's cache already holds."""
         self.model = model
         self.policy = policy
         self.cpu, self.npu = units
         self.jitter = jitter
         self.cache = cache
-        self.backlog: list[int] = []  # committed, seen by the target but not by us
+        seen = view + (cache.length if cache is not None else 0)  # the text's tokens we hold
+        # committed, seen by the target but not by us
+        self.backlog: list[int] = prompt[seen:cached]
         self.chain: list[int] = prompt[cached:]  # committed tokens the target has not seen yet
+        self.unviewed = max(0, view - cached)  # the chain's first ones, before our view
         self.builder: TreeBuilder | None = None  # the last tree's
         self.growth: GainCostGrowth | None = None  # the last tree's, when gain-cost
         self.carried: TreeBuilder | None = None  # the next tree, when the commit hit a run node
@@ -162,9 +167,11 @@ class Drafter:
         if builder is None:
             # only a tree of kind "none" needs no draft
             assert self.model is not None and self.cache is not None
-            builder = TreeBuilder(self.model, self.cache, self.chain, self.chooser)
+            builder = TreeBuilder(
+                self.model, self.cache, self.chain, self.chooser, unviewed=self.unviewed
+            )
             await self.npu.run(builder.run_chain, self.backlog)
-            self.backlog = []
+            self.backlog, self.unviewed = [], 0
         carried = len(builder.tokens) - builder.n_chain
         self.builder = builder
         spec = self.policy.spec
@@ -209,16 +216,17 @@ class Drafter:
         self.builder = self.growth = None
         if builder is None:  # autoregressive: nothing drafted, nothing to keep
             return
+        accepted = commit.accepted[builder.unviewed :]  # those in our view
         root = self._next_token_drafted(commit, builder) if gain_cost else None
         if root is not None:
             # on the unit: the cache's copies there start no second OpenMP team (units.py)
-            self.carried = await self.npu.run(builder.rebase, commit.accepted, root, max_nodes)
+            self.carried = await self.npu.run(builder.rebase, accepted, root, max_nodes)
             return
         # Nodes we ran form a prefix of the accepted path: keep those in the cache; the
         # accepted nodes we never ran (the deepest ones) are committed but still unseen.
-        ran = [n for n in commit.accepted if n in builder.offsets]
+        ran = [n for n in accepted if n in builder.offsets]
         await self.npu.run(self.cache.keep, [builder.offsets[n] for n in ran])
-        self.backlog = [tree.tokens[n] for n in commit.accepted[len(ran) :]]
+        self.backlog = [tree.tokens[n] for n in accepted[len(ran) :]]
 
     def _next_token_drafted(self, commit: Commit, builder: TreeBuilder) -> int | None:
         """The node we ran below the accepted path's end for the target's next token."""

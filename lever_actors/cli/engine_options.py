@@ -62,10 +62,18 @@ def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
     _option(gen, "draft_weights", help="auto keeps a GGUF draft's precision class")
     gen.add_argument(
         "--draft-vocabulary",
-        type=_vocabulary,
+        type=_count_or_all,
         default=default_of("draft_vocabulary"),
         help="the draft proposes only token ids below N, its LM head multiplying those rows "
         f"alone; all: every id (default: {default_of('draft_vocabulary')})",
+    )
+    gen.add_argument(
+        "--draft-window",
+        type=_count_or_all,
+        default=default_of("draft_window"),
+        metavar="N",
+        help="the draft prefills at most a prompt's last N new tokens; all: every one "
+        f"(default: {default_of('draft_window')})",
     )
     _option(gen, "projection")
     _option(gen, "units", help="split: small work on a second unit beside the batched one")
@@ -122,6 +130,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         draft_dtype=args.draft_dtype,
         draft_weights=args.draft_weights,
         draft_vocabulary=args.draft_vocabulary,
+        draft_window=args.draft_window,
         projection=args.projection,
         units=args.units,
         prompt_cache=args.prompt_cache,
@@ -148,8 +157,8 @@ def _escaped(help_text: str) -> str:
     return help_text.replace("%", "%%")
 
 
-def _vocabulary(text: str) -> int | None:
-    """--draft-vocabulary: a count of token ids, or all (None)."""
+def _count_or_all(text: str) -> int | None:
+    """--draft-vocabulary, --draft-window: a count of tokens, or all (None)."""
     if text == "all":
         return None
     try:

@@ -57,12 +57,20 @@ class TreeBuilder:
     of its perturbed scores, whose top token is the one the shared noise makes it draw."""
 
     def __init__(
-        self, model: Transformer, cache: KVCache, chain: list[int], chooser: Chooser
+        self,
+        model: Transformer,
+        cache: KVCache,
+        chain: list[int],
+        chooser: Chooser,
+        unviewed: int = 0,
     ) -> None:
+        """`unviewed`: the chain's first nodes the draft never runs, before its view of the
+        text begins (sequences.py): no node sees them, and positions count from after them."""
         self.model = model
         self.cache = cache
         self.chooser = chooser
         self.n_chain = len(chain)
+        self.unviewed = unviewed
         self.tokens = list(chain)
         self.parents = list(range(-1, len(chain) - 1))
         self.probs = [1.0] * len(chain)
@@ -116,7 +124,7 @@ class TreeBuilder:
         index = torch.tensor(nodes)
         context = self.cache.length
         visible = tree.ancestry()[index][:, columns]  # [len(nodes), span]
-        positions = tree.positions(context)[index]
+        positions = tree.positions(context - self.unviewed)[index]
         cos, sin = self.model.rope.tables(positions, self.model.dtype)
         mask = torch.cat((torch.ones(len(nodes), context, dtype=torch.bool), visible), dim=1)
         offsets = torch.tensor([self.offsets[n] for n in nodes])
@@ -136,13 +144,13 @@ class TreeBuilder:
         tokens the draft never ran, the accepted path's deepest nodes) and then the chain,
         in one batch, since two rows cost about a third more than one, not twice. `unseen`
         is committed to the cache; the chain's last node gets its children."""
-        chain = list(range(self.n_chain))
-        self.rounds.append(len(unseen) + self.n_chain)
-        tokens = torch.tensor([*unseen, *self.tokens[: self.n_chain]])
+        chain = list(range(self.unviewed, self.n_chain))
+        self.rounds.append(len(unseen) + len(chain))
+        tokens = torch.tensor([*unseen, *self.tokens[self.unviewed : self.n_chain]])
         hidden = self.model.forward(tokens, self.cache)  # a chain after the committed context
         self.cache.commit(len(unseen))  # the chain's entries now open the pending block
-        self.offsets = {node: node for node in chain}
-        last = torch.tensor([self.cache.length + self.n_chain - 1])  # its position
+        self.offsets = {node: slot for slot, node in enumerate(chain)}
+        last = torch.tensor([self.cache.length + len(chain) - 1])  # its position
         self._rank_children(chain[-1:], hidden[-1:], last)
 
     def _rank_children(

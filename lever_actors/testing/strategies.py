@@ -267,6 +267,7 @@ class EngineCase:
     throttle: Throttle = "none"  # emulated flash
     sampling: Sampling = GREEDY  # the request's
     weights: Weights = "dense"  # the target layout's matrices, and the draft's
+    draft_window: int | None = None  # the prompt tokens the draft prefills at most
 
     def models(self, *, tokenizer: bool = False, eos_id: int | None = None) -> ModelPair:
         """Build (or reuse) the checkpoints; see `model_pair` for the keywords."""
@@ -310,7 +311,14 @@ class EngineCase:
             channels=self.channels,
             jitter_seconds=self.jitter_seconds,
             seed=self.seed,
+            draft_window=self.draft_window,
         )
+
+
+def draft_windows() -> st.SearchStrategy[int | None]:
+    """The draft's view of a prompt: all of it, or its last few tokens (the tiny prompts'
+    lengths), so that the draft sees less than the target does."""
+    return st.one_of(st.none(), st.integers(1, 12))
 
 
 def _given(draw: st.DrawFn, strategy: st.SearchStrategy | None, default: st.SearchStrategy):
@@ -336,6 +344,7 @@ def engine_cases(
     throttles: st.SearchStrategy[Throttle] | None = None,
     sampling: st.SearchStrategy[Sampling] | None = None,
     weights: st.SearchStrategy[str] | None = None,
+    windows: st.SearchStrategy[int | None] | None = None,
     dtype: torch.dtype = torch.float64,
     twin_gap: float | None = None,
 ) -> EngineCase:
@@ -376,6 +385,7 @@ def engine_cases(
         throttle=_given(draw, throttles, st.just("none")),
         sampling=_given(draw, sampling, st.just(GREEDY)),
         weights=_given(draw, weights, st.just("dense")),
+        draft_window=_given(draw, windows, draft_windows()),
     )
 
 
