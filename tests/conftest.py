@@ -13,6 +13,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
+from lever_actors.paths import default_cache_dir
 from lever_actors.policy import cost_model
 from lever_actors.policy import setup as policy_setup
 
@@ -33,6 +34,21 @@ settings.register_profile(
     database=settings.get_profile("default").database,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def own_cache_dir(tmp_path_factory):
+    """The tests' caches (start-up profiles, draft snapshots, spilled rows) in a directory
+    of their own, so that they neither read the user's nor crowd theirs out (the snapshots
+    keep the 4 latest); the compiled kernels, the same for every caller, are shared."""
+    kernels = default_cache_dir() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    base = tmp_path_factory.mktemp("cache")
+    (base / "lever_actors").mkdir()
+    (base / "lever_actors" / "kernels").symlink_to(kernels)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(base))
+        yield
 
 
 @pytest.fixture
