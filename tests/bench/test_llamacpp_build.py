@@ -77,6 +77,7 @@ project(fake C)
 set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)  # as llama.cpp's tree does
 add_executable(llama-completion main.c)
 add_executable(llama-speculative-simple main.c)
+add_executable(llama-server main.c)
 """
 FAKE_MAIN = '#include <stdio.h>\nint main(void) { puts("version: fake"); return 0; }\n'
 BUILD_TOOLS = all(shutil.which(t) for t in ("cmake", "ninja")) and bool(
