@@ -1,9 +1,11 @@
 """A real app's session on the real pair, through `lever-actors serve` as apps meet it:
 start-up to the first /health answer, a long prompt's time to first token, and a chat whose
 history is resent every turn, with the prefix cache on (the default) and off
-(`--prompt-cache 0`). Each server is a process of its own; the two runs alternate.
+(`--prompt-cache 0`), and with --llama-server llama.cpp's server (its prompt cache on, one
+slot) on the target's GGUF. Each server is a process of its own; the sessions alternate.
 
-    .venv/bin/python bench/conversation.py [--tokens 48] [--repeats 1] [--out FILE.json]
+    .venv/bin/python bench/conversation.py [--tokens 48] [--repeats 1] [--llama-server]
+                                           [--dram-budget B] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -14,11 +16,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 import httpx
 import msgspec
 
+from lever_actors.bench.llamacpp_build import SERVER, find_build
 from lever_actors.bench.results import Machine
+from lever_actors.checkpoints.real_pair import real_model_path
+from lever_actors.paths import default_cache_dir
 
 CLI = [sys.executable, "-c", "import sys; from lever_actors.launch import main; sys.exit(main())"]
 PORT = 8766
@@ -32,26 +38,42 @@ TURNS = [
     "Add type hints and a docstring.",
     "Write three pytest tests for it.",
 ]
+BASE = f"http://127.0.0.1:{PORT}"
 
 
-def start_server(*flags: str) -> tuple[subprocess.Popen, float]:
-    """A server and the seconds from its launch to its first /health answer."""
+def lever_server(*flags: str) -> list[str]:
+    return [*CLI, "serve", "--port", str(PORT), *flags]
+
+
+def llama_server() -> list[str]:
+    """llama-server on the target's GGUF, one slot, its prompt cache on (the default of
+    `cache_prompt`), as many threads as ours."""
+    build = find_build(default_cache_dir())
+    if build is None:
+        raise SystemExit("no llama.cpp build: run `lever-actors build-llamacpp` first")
+    target = real_model_path(default_cache_dir(), "target")
+    argv = [str(build.program(SERVER)), "-m", str(target), "--port", str(PORT)]
+    return [*argv, "-c", "8192", "-t", "2", "-np", "1", "--log-disable"]
+
+
+def start_server(argv: list[str]) -> tuple[subprocess.Popen, float]:
+    """A server and the seconds from its launch to its first ready /health answer."""
     launched = time.perf_counter()
-    server = subprocess.Popen(
-        [*CLI, "serve", "--port", str(PORT), *flags], stderr=subprocess.DEVNULL
-    )
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while True:
         try:
-            httpx.get(f"http://127.0.0.1:{PORT}/health", timeout=1)
-            return server, time.perf_counter() - launched
+            if httpx.get(f"{BASE}/health", timeout=1).status_code == 200:  # 503: loading
+                return server, time.perf_counter() - launched
         except httpx.TransportError:
-            if server.poll() is not None:
-                raise RuntimeError("serve exited") from None
-            time.sleep(0.05)
+            pass
+        if server.poll() is not None:
+            raise RuntimeError(f"{Path(argv[0]).name} exited") from None
+        time.sleep(0.05)
 
 
 def chat(messages: list[dict], tokens: int) -> dict:
-    """One streamed chat completion: its text, time to first token, usage."""
+    """One streamed chat completion: its text, time to first token, usage (llama-server's
+    cached count from its `timings`, where its usage has none)."""
     body = {
         "messages": messages,
         "max_tokens": tokens,
@@ -59,29 +81,30 @@ def chat(messages: list[dict], tokens: int) -> dict:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    text, first, usage = [], None, {}
+    text, first, usage, timings = [], None, {}, {}
     sent = time.perf_counter()
-    url = f"http://127.0.0.1:{PORT}/v1/chat/completions"
-    with httpx.stream("POST", url, json=body, timeout=900) as response:
+    with httpx.stream("POST", f"{BASE}/v1/chat/completions", json=body, timeout=900) as response:
         for line in response.iter_lines():
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
             usage = chunk.get("usage") or usage
+            timings = chunk.get("timings") or timings
             for choice in chunk["choices"]:
                 if choice["delta"].get("content"):
                     first = first or time.perf_counter() - sent
                     text.append(choice["delta"]["content"])
+    details = usage.get("prompt_tokens_details") or {}
     return {
         "text": "".join(text),
         "first_token_s": first,
         "prompt_tokens": usage["prompt_tokens"],
-        "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+        "cached_tokens": details.get("cached_tokens", timings.get("cache_n")),
     }
 
 
-def session(tokens: int, *flags: str) -> dict:
-    server, startup = start_server(*flags)
+def session(argv: list[str], tokens: int) -> dict:
+    server, startup = start_server(argv)
     try:
         long_text = LONG_PROMPT.read_text()[:LONG_CHARS]
         question = f"{long_text}\n\nWhat does this module do? Answer in one sentence."
@@ -99,35 +122,78 @@ def session(tokens: int, *flags: str) -> dict:
     return {"startup_s": startup, "long_prompt": long, "turns": turns}
 
 
+def summary(runs: list[dict]) -> dict:
+    """Medians over the runs and over turns 2 on, where a cache can help."""
+
+    def later_ttft(name: str) -> float:
+        return median(t["first_token_s"] for run in runs for t in run[name]["turns"][1:])
+
+    warm, cold = later_ttft("prompt_cache"), later_ttft("no_prompt_cache")
+    figures = {
+        "warm_ttft_over_cold": warm / cold,
+        "startup_seconds": median(run["prompt_cache"]["startup_s"] for run in runs),
+        "min_agreement": min(
+            sum(
+                a["text"] == b["text"]
+                for a, b in zip(
+                    run["prompt_cache"]["turns"], run["no_prompt_cache"]["turns"], strict=True
+                )
+            )
+            / len(TURNS)
+            for run in runs
+        ),
+    }
+    if all("llama_server" in run for run in runs):
+        figures["turn_ttft_vs_llamacpp_server"] = later_ttft("llama_server") / warm
+    return figures
+
+
+def report(name: str, run: dict) -> None:
+    ttft = ", ".join(f"{t['first_token_s']:.2f}" for t in run["turns"])
+    cached = ", ".join(f"{t['cached_tokens']}/{t['prompt_tokens']}" for t in run["turns"])
+    long = run["long_prompt"]
+    print(
+        f"{name}: start-up {run['startup_s']:.1f} s; long prompt "
+        f"{long['prompt_tokens']} tokens, first token {long['first_token_s']:.1f} s "
+        f"({long['prompt_tokens'] / long['first_token_s']:.0f} tok/s); turns' first "
+        f"token {ttft} s, cached {cached}",
+        flush=True,
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=48)
-    parser.add_argument("--repeats", type=int, default=1, help="pairs of sessions, alternating")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of sessions, alternating")
+    parser.add_argument(
+        "--llama-server", action="store_true", help="a llama-server session in each round too"
+    )
+    parser.add_argument("--dram-budget", help="Lever's (default: the real pair's, 25%%)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    budget = ["--dram-budget", args.dram_budget] if args.dram_budget else []
+    sessions = {
+        "prompt_cache": lever_server(*budget),
+        "no_prompt_cache": lever_server(*budget, "--prompt-cache", "0"),
+    }
+    if args.llama_server:
+        sessions["llama_server"] = llama_server()
     runs = []
     for _ in range(args.repeats):
-        cached = session(args.tokens)
-        cold = session(args.tokens, "--prompt-cache", "0")
-        runs.append({"prompt_cache": cached, "no_prompt_cache": cold})
-        for name, run in (("cache", cached), ("no cache", cold)):
-            ttft = ", ".join(f"{t['first_token_s']:.2f}" for t in run["turns"])
-            cached_tokens = ", ".join(
-                f"{t['cached_tokens']}/{t['prompt_tokens']}" for t in run["turns"]
-            )
-            long = run["long_prompt"]
-            print(
-                f"{name}: start-up {run['startup_s']:.1f} s; long prompt "
-                f"{long['prompt_tokens']} tokens, first token {long['first_token_s']:.1f} s "
-                f"({long['prompt_tokens'] / long['first_token_s']:.0f} tok/s); turns' first "
-                f"token {ttft} s, cached {cached_tokens}",
-                flush=True,
-            )
-        same = [a["text"] == b["text"] for a, b in zip(cached["turns"], cold["turns"], strict=True)]
-        print(f"same text with and without the cache, turn by turn: {same}")
+        runs.append({name: session(argv, args.tokens) for name, argv in sessions.items()})
+        for name, run in runs[-1].items():
+            report(name, run)
+    figures = summary(runs)
+    print(json.dumps(figures))
     if args.out:
-        record = {"machine": msgspec.to_builtins(Machine.here()), "tokens": args.tokens}
-        args.out.write_text(json.dumps(record | {"runs": runs}, indent=1) + "\n")
+        record = {
+            "machine": msgspec.to_builtins(Machine.here()),
+            "tokens": args.tokens,
+            "dram_budget": args.dram_budget or "25%",
+        }
+        args.out.write_text(
+            json.dumps(record | {"summary": figures, "runs": runs}, indent=1) + "\n"
+        )
     return 0
 
 
