@@ -168,18 +168,20 @@ def _check_tree_nodes(text: str, nodes: int) -> None:
 
 
 class DramBudget(msgspec.Struct, frozen=True):
-    """Target weights held in DRAM: all of them, a share of the layout's bytes, or a size."""
+    """Target weights held in DRAM: what the memory this process may use leaves for them
+    (auto, planned at start: memory_plan.py), all of them, a share of the layout's bytes,
+    or a size."""
 
-    kind: Literal["all", "share", "size"]
+    kind: Literal["auto", "all", "share", "size"]
     value: float = 1.0  # share: a fraction (0.25 for 25%); size: bytes
 
     @classmethod
     def parse(cls, text: str | int) -> DramBudget:
-        """'all', '25%', '1.5GiB', '800MB' or a number of bytes."""
+        """'auto', 'all', '25%', '1.5GiB', '800MB' or a number of bytes."""
         if isinstance(text, int):
             budget = cls("size", float(text))
-        elif text.strip() == "all":
-            budget = cls("all")
+        elif text.strip() in ("auto", "all"):
+            budget = cls(text.strip())  # type: ignore[arg-type]  # one of the kinds
         elif text.strip().endswith("%"):
             try:
                 budget = cls("share", float(text.strip()[:-1]) / 100)
@@ -189,10 +191,15 @@ class DramBudget(msgspec.Struct, frozen=True):
             budget = cls("size", float(parse_bytes(text)))
         if not (math.isfinite(budget.value) and budget.value > 0):  # float() reads inf and nan
             raise ConfigError(f"dram_budget must be positive and finite, got {text!r}")
+        if budget.kind == "share" and budget.value > 1:
+            raise ConfigError(f"dram_budget {text!r}: a share is at most 100% (all)")
         return budget
 
     def bytes_of(self, model_bytes: int) -> int:
-        """The budget in bytes for a model of `model_bytes`."""
+        """The budget in bytes for a model of `model_bytes`; auto has none before the
+        engine plans it."""
+        if self.kind == "auto":
+            raise ConfigError("dram_budget auto is planned by the engine at start; give a size")
         if self.kind == "all":
             return model_bytes
         if self.kind == "share":
@@ -200,8 +207,8 @@ class DramBudget(msgspec.Struct, frozen=True):
         return int(self.value)
 
     def __str__(self) -> str:
-        if self.kind == "all":
-            return "all"
+        if self.kind in ("auto", "all"):
+            return self.kind
         if self.kind == "share":
             return f"{self.value * 100:g}%"
         return compact_bytes(int(self.value))
@@ -232,8 +239,9 @@ DRAFT_WINDOW = 256  # the prompt tokens a draft prefills at most, by default (En
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     target: str  # flash layout directory
     draft: str | None = None  # HF directory, GGUF file or flash layout; held whole in DRAM
-    # target weights in DRAM: all, a share ("25%") or a size ("1.5GiB", bytes)
-    dram_budget: DramBudget = DramBudget("all")
+    # target weights in DRAM: auto (what the memory the process may use leaves beside the
+    # draft and room for a context: memory_plan.py), all, a share ("25%") or a size
+    dram_budget: DramBudget = DramBudget("auto")
     ring_slots: Annotated[int, msgspec.Meta(ge=2)] = 2  # one slot read while one computes
     # or "chain:4", "none", ...; left out: DEFAULT_TREE where a draft is named, else none
     tree: TreeSpec = DEFAULT_TREE

@@ -48,12 +48,13 @@ from lever_actors.channels.stats import (
     prefill_rate,
 )
 from lever_actors.checkpoints.tokenizer import Tokenizer
-from lever_actors.config import EngineConfig, check_request_size
+from lever_actors.config import DramBudget, EngineConfig, check_request_size
 from lever_actors.context import Context, plan_context
-from lever_actors.device.budget import ResidencyPlan
-from lever_actors.device.layout import read_manifest
+from lever_actors.device.budget import ResidencyPlan, minimum_budget, plan_residency
+from lever_actors.device.layout import Manifest, read_manifest
 from lever_actors.device.memory import (
     anonymous_rss_bytes,
+    file_rss_bytes,
     map_large_blocks,
     memory_limit_bytes,
     peak_rss_bytes,
@@ -67,14 +68,17 @@ from lever_actors.errors import (
     DeadlineError,
     EngineClosedError,
 )
+from lever_actors.memory_plan import AUTO_CONTEXT, MemoryPlan, plan_memory
+from lever_actors.model.kv_cache import position_bytes
 from lever_actors.model.transformer import Transformer
+from lever_actors.paths import path_bytes
 from lever_actors.policy.pruning import keep_everything
 from lever_actors.policy.setup import Policies, build_policies
 from lever_actors.prefix_cache import PrefixCache
 from lever_actors.progress import Progress
 from lever_actors.request import GenerationKeywords, GenerationOptions, options_of
 from lever_actors.sequences import Request, kv_bytes_per_token, new_caches, tokens_of
-from lever_actors.target import FlashTarget, residency
+from lever_actors.target import FlashTarget
 
 
 class GenerationResult(msgspec.Struct, frozen=True):
@@ -130,9 +134,11 @@ class Engine:
         nursery: trio.Nursery,
         context: Context,
         load_times: LoadTimes | None = None,
+        memory: MemoryPlan | None = None,
     ) -> None:
         self.config = config
         self.context = context  # how many tokens a request may fill, and why
+        self.memory = memory  # how the memory the process may use was shared out at start
         self.load_times = load_times
         self.target = target
         self.tokenizer: Tokenizer | None = target.tokenizer
@@ -165,15 +171,22 @@ class Engine:
         drafting = config.tree.kind != "none"
         if drafting and draft is None and config.draft is None:
             raise ConfigError(f"tree {str(config.tree)!r} needs a draft model; set draft")
-        plan = residency(read_manifest(Path(config.target)), config.dram_budget, config.ring_slots)
-        if plan.streams:
-            map_large_blocks()  # short of memory: a step's temporaries go back as they are freed
+        manifest = read_manifest(Path(config.target))
+        # before anything loads: a limit that cannot hold the draft's file (its weights take
+        # no more) beside the process and the target's least budget is refused now, not
+        # killed in the load; the budget itself is planned once the draft is in
+        loads_draft = drafting and draft is None and config.draft is not None
+        draft_file = path_bytes(Path(str(config.draft))) if loads_draft else 0
+        process = anonymous_rss_bytes()
+        memory_plan(
+            config, manifest, process=process, draft=draft_file, context_tokens=0, budget=AUTO
+        )
         # loading and profiling on the "npu" unit's thread too: no other thread of ours
         # starts an OpenMP team (units.py)
         npu = ComputeUnit("npu")
         units = (npu, ComputeUnit("cpu") if config.units == "split" else npu)
         try:
-            async with cls._serving(config, plan, draft, drafting, units, progress) as engine:
+            async with cls._serving(config, manifest, draft, drafting, units, progress) as engine:
                 yield engine
         finally:
             for unit in set(units):
@@ -184,7 +197,7 @@ class Engine:
     async def _serving(
         cls,
         config: EngineConfig,
-        plan: ResidencyPlan,
+        manifest: Manifest,
         draft: DraftModel | None,
         drafting: bool,
         units: tuple[ComputeUnit, ComputeUnit],
@@ -192,6 +205,7 @@ class Engine:
     ) -> AsyncIterator[Engine]:
         npu = units[0]
         started = time.perf_counter()
+        before_draft = anonymous_rss_bytes()
         # the draft first: its loading peak (several hundred MB of temporaries) then comes
         # before the target's resident weights, not on top of them
         if draft is None and drafting:
@@ -202,7 +216,19 @@ class Engine:
                 config.draft_weights,
                 config.draft_vocabulary,
             )
+            return_freed_heap()  # the load's temporaries, before the plan counts what it holds
         draft_loaded = time.perf_counter()
+        drafted = draft.model if draft is not None and drafting else None
+        memory = memory_plan(
+            config,
+            manifest,
+            process=before_draft,
+            draft=anonymous_rss_bytes() - before_draft,
+            draft_kv_bytes_per_token=position_bytes(drafted.args, drafted.dtype) if drafted else 0,
+        )
+        plan = plan_residency(manifest, memory.budget, config.ring_slots)
+        if plan.streams:
+            map_large_blocks()  # short of memory: a step's temporaries go back as they are freed
         target = await npu.run(_open_target, config, plan)
         target_opened = time.perf_counter()
         try:
@@ -227,7 +253,9 @@ class Engine:
             engine: Engine | None = None
             try:
                 async with trio.open_nursery() as nursery:
-                    engine = cls(config, target, model, policies, units, nursery, context, times)
+                    engine = cls(
+                        config, target, model, policies, units, nursery, context, times, memory
+                    )
                     try:
                         yield engine
                     finally:
@@ -560,6 +588,7 @@ class Engine:
                 return_freed_heap()
 
 
+AUTO = DramBudget("auto")
 CHANNEL_CLOSED = (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError)
 
 
@@ -615,6 +644,35 @@ def _first_difference(draft: Tokenizer, target: Tokenizer) -> str:
 
 def _spelled(token: str | None) -> str:
     return "no token" if token is None else repr(token)
+
+
+def memory_plan(
+    config: EngineConfig,
+    manifest: Manifest,
+    *,
+    process: int,
+    draft: int,
+    draft_kv_bytes_per_token: int = 0,
+    context_tokens: int | None = None,
+    budget: DramBudget | None = None,
+) -> MemoryPlan:
+    """The memory plan (memory_plan.py) for this config's target, or `budget`, beside
+    `process` and `draft` bytes held, with room for `context_tokens` (default: ctx_size,
+    else AUTO_CONTEXT or the model's, if less)."""
+    if context_tokens is None:
+        context_tokens = config.ctx_size or min(AUTO_CONTEXT, manifest.args.max_seq_len)
+    return plan_memory(
+        budget or config.dram_budget,
+        manifest.file_bytes,
+        minimum_budget(manifest, config.ring_slots),
+        limit=memory_limit_bytes(),
+        process=process,
+        draft=draft,
+        libraries=file_rss_bytes(),
+        kv_bytes_per_token=position_bytes(manifest.args, manifest.torch_dtype)
+        + draft_kv_bytes_per_token,
+        context_tokens=context_tokens,
+    )
 
 
 def _open_target(config: EngineConfig, plan: ResidencyPlan) -> FlashTarget:

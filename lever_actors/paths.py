@@ -18,6 +18,13 @@ def default_cache_dir() -> Path:
     return base / "lever_actors"
 
 
+def path_bytes(path: Path) -> int:
+    """A file's size, or the sum of the files under a directory."""
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return path.stat().st_size
+
+
 @contextmanager
 def exclusive(directory: Path, on_wait: Callable[[], object] = lambda: None) -> Iterator[None]:
     """Hold the lock of `directory` (made if missing) for the block: another process's block

@@ -22,7 +22,7 @@ LAYERS = (
     ("target", "draft"),
     ("checkpoints",),
     ("device",),
-    ("request",),
+    ("request", "memory_plan"),
     ("model", "channels", "config", "context"),
     ("progress", "sizes", "paths", "threads", "machine"),
     ("errors", "logs"),

@@ -79,7 +79,8 @@ def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
     _option(gen, "units", help="split: small work on a second unit beside the batched one")
     gen.add_argument(
         "--dram-budget",
-        help="target weights held in DRAM: 25%%, 1.5GiB or all (default: "
+        help="target weights held in DRAM: auto (what the memory limit leaves beside the "
+        "process, the draft and room for a context), 25%%, 1.5GiB or all (default: "
         f"{_escaped(REAL_PAIR_DEFAULTS['dram_budget'])} for the real pair, else "
         f"{default_of('dram_budget')})",
     )

@@ -270,6 +270,8 @@ async def _stream_from_engine(
             "weights in DRAM",
             file=sys.stderr,
         )
+        if engine.memory is not None:
+            print(engine.memory, file=sys.stderr)
         before = target.store.stats.bytes_read
         events: list[TokenEvent] = []
         prefill = ProgressLine(unit=" tokens")

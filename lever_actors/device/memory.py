@@ -50,6 +50,12 @@ def anonymous_rss_bytes() -> int:
     return _status_field("RssAnon:")
 
 
+def file_rss_bytes() -> int:
+    """This process's resident file pages (RssFile): its libraries' code and data, which a
+    limit can reclaim but must then page in again."""
+    return _status_field("RssFile:")
+
+
 def memory_limit_bytes(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> int:
     """What this process may hold in all: the tightest memory limit of its cgroups (v2
     memory.max, v1 memory.limit_in_bytes, each up to the hierarchy's root), and at most

@@ -1,0 +1,101 @@
+"""How the memory this process may use is shared out at start: what it holds (its own
+anonymous memory, the draft's, its libraries' file pages), room after loading for a
+context's KV, the prefix cache and a step's temporaries, and the rest for the target's
+weights. `dram_budget = auto` takes that rest; a fixed budget that cannot fit beside what
+is held at all is refused, before the target loads, rather than killed by the kernel
+later (one that fits leaves what room it leaves: the bench's fixed budgets run so)."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from lever_actors.config import DramBudget
+from lever_actors.context import KV_SHARE
+from lever_actors.errors import ConfigError
+from lever_actors.sizes import format_bytes
+
+# the context an auto budget keeps room for where ctx_size says none (the real pair's 4,096
+# tokens of KV are 160 MiB, and room for them 320 MiB)
+AUTO_CONTEXT = 4096
+
+
+class MemoryPlan(msgspec.Struct, frozen=True):
+    """Where the memory goes, in bytes, as the engine planned it at start."""
+
+    limit: int  # what the process may hold: its cgroup's limit, else free memory
+    process: int  # anonymous memory before the models loaded (Python, torch, our modules)
+    draft: int  # anonymous memory the draft's load added
+    libraries: int  # file pages mapped (RssFile): code the kernel would page in again
+    context_tokens: int  # the context the room was kept for
+    room: int  # after loading: KV of context_tokens, the prefix cache, temporaries
+    budget: int  # the target's weights in DRAM
+    auto: bool  # chosen by the plan, not given
+
+    def __str__(self) -> str:
+        chosen = "auto" if self.auto else "given"
+        return (
+            f"memory: limit {format_bytes(self.limit)}; process {format_bytes(self.process)}, "
+            f"draft {format_bytes(self.draft)}, libraries {format_bytes(self.libraries)}, "
+            f"room for {self.context_tokens:,} tokens of context {format_bytes(self.room)}; "
+            f"target budget {format_bytes(self.budget)} ({chosen})"
+        )
+
+
+def plan_memory(
+    budget: DramBudget,
+    model_bytes: int,
+    least_budget: int,
+    *,
+    limit: int,
+    process: int,
+    draft: int,
+    libraries: int,
+    kv_bytes_per_token: int,
+    context_tokens: int,
+) -> MemoryPlan:
+    """The plan for a target of `model_bytes` (at least `least_budget` in DRAM) under
+    `limit`, beside what is held; ConfigError, naming the parts, where it cannot fit."""
+    held = process + draft + libraries
+    room = math.ceil(kv_bytes_per_token * context_tokens / KV_SHARE)
+    parts = (
+        f"the process {format_bytes(process)}, the draft {format_bytes(draft)}, "
+        f"its libraries {format_bytes(libraries)}"
+    )
+    if budget.kind == "auto":
+        left = limit - held - room
+        if left < least_budget:
+            context = f" and room for {context_tokens:,} tokens of context ({format_bytes(room)})"
+            raise ConfigError(
+                f"a memory limit of {format_bytes(limit)} leaves {_spare(left)} for the "
+                f"target's weights beside {parts}{context if context_tokens else ''}; the "
+                f"target needs at least {format_bytes(least_budget)}: raise the limit"
+                + (" or lower ctx_size" if context_tokens else "")
+            )
+        chosen = min(model_bytes, left)
+    else:  # only what cannot fit at all is refused: the room left is the caller's choice
+        chosen = budget.bytes_of(model_bytes)
+        left = limit - held
+        if chosen > left:
+            raise ConfigError(
+                f"dram_budget {budget} ({format_bytes(chosen)}) does not fit a memory limit "
+                f"of {format_bytes(limit)} beside {parts}: at most {_spare(left)}, or auto, "
+                "which leaves room for the context"
+            )
+        room = limit - held - chosen
+        context_tokens = int(room * KV_SHARE) // kv_bytes_per_token  # what the rest holds
+    return MemoryPlan(
+        limit=limit,
+        process=process,
+        draft=draft,
+        libraries=libraries,
+        context_tokens=context_tokens,
+        room=room,
+        budget=chosen,
+        auto=budget.kind == "auto",
+    )
+
+
+def _spare(left: int) -> str:
+    return format_bytes(left) if left > 0 else "nothing"

@@ -1,0 +1,90 @@
+"""The memory plan at start: auto takes what the limit leaves beside the process, the
+draft, its libraries and room for a context; a budget that cannot fit is refused in one
+line naming the parts, before the target loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from lever_actors import engine as engine_module
+from lever_actors.config import DramBudget, EngineConfig
+from lever_actors.engine import Engine
+from lever_actors.errors import ConfigError
+from lever_actors.memory_plan import plan_memory
+from lever_actors.target import FlashTarget
+from lever_actors.testing import TINY_ARGS, model_pair
+
+MiB = 1 << 20
+HELD = dict(process=160 * MiB, draft=330 * MiB, libraries=100 * MiB)
+
+
+def plan(budget: str, limit: int, tokens: int = 4096):
+    return plan_memory(
+        DramBudget.parse(budget),
+        1100 * MiB,
+        100 * MiB,
+        limit=limit,
+        **HELD,
+        kv_bytes_per_token=40 << 10,
+        context_tokens=tokens,
+    )
+
+
+def test_auto_takes_what_is_left_after_the_room_for_the_context():
+    assert plan("auto", 1024 * MiB).budget == (1024 - 590 - 320) * MiB  # 4,096 x 40 KiB x 2
+    assert plan("auto", 3072 * MiB).budget == 1100 * MiB  # all of it fits
+    assert plan("auto", 1024 * MiB, tokens=1024).budget == (1024 - 590 - 80) * MiB
+    assert "target budget 114.0 MiB (auto)" in str(plan("auto", 1024 * MiB))
+
+
+def test_a_limit_too_small_is_refused_naming_every_part():
+    with pytest.raises(ConfigError) as refused:
+        plan("auto", 600 * MiB)
+    assert str(refused.value) == (
+        "a memory limit of 600.0 MiB leaves nothing for the target's weights beside the process "
+        "160.0 MiB, the draft 330.0 MiB, its libraries 100.0 MiB and room for 4,096 tokens of "
+        "context (320.0 MiB); the target needs at least 100.0 MiB: raise the limit or lower "
+        "ctx_size"
+    )
+
+
+def test_a_fixed_budget_is_refused_only_where_it_cannot_fit_at_all():
+    assert plan("338MiB", 1024 * MiB).budget == 338 * MiB  # the bench's 1.0 GiB budget runs
+    with pytest.raises(ConfigError, match=r"dram_budget all \(1.07 GiB\) does not fit"):
+        plan("all", 1229 * MiB)
+    with pytest.raises(ConfigError, match="at most 639.0 MiB, or auto"):
+        plan("1TiB", 1229 * MiB)
+
+
+def test_shares_over_all_and_auto_without_an_engine_are_refused():
+    with pytest.raises(ConfigError, match="a share is at most 100%"):
+        DramBudget.parse("200%")
+    assert EngineConfig(target="t").dram_budget == DramBudget("auto")
+    with pytest.raises(ConfigError, match="auto is planned by the engine"):
+        DramBudget("auto").bytes_of(100)
+
+
+async def test_the_engine_plans_auto_under_a_limit_and_refuses_before_the_target_loads(
+    monkeypatch,
+):
+    pair = model_pair(TINY_ARGS, "perturbed", 0)
+    config = EngineConfig(target=str(pair.target), draft=str(pair.draft), tree="chain:2")
+    async with Engine.open(config) as engine:  # no limit to speak of: all of it
+        assert engine.memory is not None and engine.memory.auto
+        assert not engine.target.plan.streams
+        held = engine.memory.process + engine.memory.draft + engine.memory.libraries
+    opened = []
+    monkeypatch.setattr(FlashTarget, "__init__", lambda *a, **k: opened.append(a))
+    monkeypatch.setattr(engine_module, "memory_limit_bytes", lambda: held // 2)
+    with pytest.raises(ConfigError, match="the target needs at least"):
+        async with Engine.open(config):
+            pass
+    assert opened == []
+
+
+def test_before_the_draft_loads_no_room_is_asked_for():
+    with pytest.raises(ConfigError) as refused:
+        plan("auto", 600 * MiB, tokens=0)
+    assert str(refused.value).endswith(
+        "its libraries 100.0 MiB; the target needs at least 100.0 MiB: raise the limit"
+    )
