@@ -78,12 +78,13 @@ from lever_actors.prefix_cache import PrefixCache
 from lever_actors.progress import Progress
 from lever_actors.request import GenerationKeywords, GenerationOptions, options_of
 from lever_actors.sequences import Request, kv_bytes_per_token, new_caches, tokens_of
+from lever_actors.stop_text import StopText
 from lever_actors.target import FlashTarget
 
 
 class GenerationResult(msgspec.Struct, frozen=True):
     tokens: list[int]  # the end token that stopped generation included
-    text: str  # special tokens never appear in it; a stop string that ended it does
+    text: str  # special tokens never appear in it, nor a stop string that ended it (keep_stop)
     logprobs: list[float]  # per token: the target's log-probability of it
     steps: list[StepStats]
     finish_reason: FinishReason | None  # None only when no token was generated
@@ -326,11 +327,13 @@ class Engine:
         model's chat template renders, ending with the assistant's prompt.
 
         `options` (request.py) says how many tokens, where to stop and how to choose them;
-        or give its fields as keywords: `max_new_tokens`, `stop`, `temperature`, `top_k`,
-        `top_p`, `min_p`, `seed`. Generation ends after `max_new_tokens` ("length"), or
+        or give its fields as keywords: `max_new_tokens`, `stop`, `keep_stop`,
+        `temperature`, `top_k`, `top_p`, `min_p`, `seed`, `deadline_seconds`. Generation
+        ends after `max_new_tokens` ("length"), or
         ("stop") after one of the tokenizer's end tokens (`tokenizer.eos_ids`: end of text
         and end of turn), whose text is not emitted, or after the token that completes one
-        of the `stop` strings, which stays in the text.
+        of the `stop` strings: the text ends where it begins (text that may begin one is
+        held back until it cannot), unless `keep_stop`.
 
         temperature 0 is greedy decoding. Above 0 tokens are sampled from the target's
         softmax at that temperature, after top-k, top-p (nucleus) and min-p filtering; the
@@ -512,7 +515,7 @@ class Engine:
             else None
         )
         stop_ids = self.tokenizer.eos_ids if self.tokenizer else frozenset()
-        text = ""
+        stops = StopText(request.options.stop, keep=request.options.keep_stop)
         phase = DecodePhase()
         reads = self.target.store.stats
         for step in range(request.options.max_new_tokens):
@@ -529,16 +532,16 @@ class Engine:
             ):
                 emitted += 1
                 request.tokens.append(token)
-                delta = decoder.push(token) if decoder else ""
-                text += delta
-                if token in stop_ids or any(s in text for s in request.options.stop):
+                delta, stopped = stops.push(decoder.push(token) if decoder else "")
+                if token in stop_ids or stopped:
                     finish = "stop"
                 elif len(request.tokens) >= request.options.max_new_tokens:
                     finish = "length"
                 elif emitted == last and request.past_deadline:
                     finish = "length"  # the step's tokens are all out; no step after it
-                if finish is not None and decoder:
-                    delta += decoder.flush()  # a character still held back ends here
+                if finish is not None and not stopped:  # what is still held back ends here
+                    more, cut = stops.push(decoder.flush() if decoder else "")
+                    delta += more if cut else more + stops.flush()
                 elapsed = time.perf_counter() - started
                 phase.add(step, elapsed)
                 event = TokenEvent(

@@ -20,7 +20,8 @@ log = get_logger(__name__)
 class GenerationOptions(msgspec.Struct, frozen=True, kw_only=True):
     """Generation ends after `max_new_tokens` ("length"), after one of the tokenizer's end
     tokens ("stop"; its text is not emitted), or after the token that completes one of the
-    `stop` strings ("stop"; it stays in the text).
+    `stop` strings ("stop"; the text ends where the string begins, as OpenAI's does, or
+    with `keep_stop` after that token, the string in it).
 
     `deadline_seconds`, counted from the request's making (its wait for the engine
     included): the step that ends after it is the last ("length", its text cut short); a
@@ -28,6 +29,7 @@ class GenerationOptions(msgspec.Struct, frozen=True, kw_only=True):
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     stop: Sequence[str] = ()  # kept as a tuple
+    keep_stop: bool = False
     sampling: Sampling = GREEDY
     deadline_seconds: float | None = None  # None: none
 
@@ -53,6 +55,7 @@ class GenerationKeywords(TypedDict, total=False):
 
     max_new_tokens: int
     stop: Sequence[str]
+    keep_stop: bool
     temperature: float
     top_k: int
     top_p: float
@@ -85,6 +88,7 @@ def options_of(
     return GenerationOptions(
         max_new_tokens=keywords.get("max_new_tokens", DEFAULTS.max_new_tokens),
         stop=keywords.get("stop", DEFAULTS.stop),
+        keep_stop=keywords.get("keep_stop", DEFAULTS.keep_stop),
         sampling=sampling,
         deadline_seconds=keywords.get("deadline_seconds", DEFAULTS.deadline_seconds),
     )

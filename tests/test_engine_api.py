@@ -198,8 +198,10 @@ async def test_a_text_prompt_is_tokenized_and_stop_strings_end_the_request(tiny)
     async with Engine.open(tiny.config()) as engine:
         assert (await generate(engine, text, 20)).tokens == expected
         result = await generate(engine, text, 20, stop=[stop])
-    assert result.tokens == expected[:cut]
-    assert stop in result.text and stop not in result.text[:-1]
+        kept = await generate(engine, text, 20, stop=[stop], keep_stop=True)
+    assert result.tokens == kept.tokens == expected[:cut]
+    assert result.text == full[: full.index(stop)]  # as OpenAI's: the stop string left out
+    assert kept.text == tiny.tokenizer.decode(expected[:cut])
 
 
 # -------------------------------------------------------- leaving early, cancellation

@@ -82,14 +82,16 @@ async def test_an_end_token_stops_with_reason_stop_and_stays_out_of_the_text():
     assert result.text.split() == [f"t{t}" for t in result.tokens[:-1]]
 
 
-async def test_a_stop_string_stops_with_reason_stop_and_stays_in_the_text():
+async def test_a_stop_string_stops_with_reason_stop_and_is_left_out_unless_kept():
     cfg = config()
     word = f"t{reference_tokens(Path(cfg.target), PROMPT, NEW)[3]}"
     async with Engine.open(cfg) as engine:
         result = await engine.generate(PROMPT, max_new_tokens=NEW, stop=[word])
+        kept = await engine.generate(PROMPT, max_new_tokens=NEW, stop=[word], keep_stop=True)
     assert result.tokens == reference_tokens(Path(cfg.target), PROMPT, NEW, stop=[word])
-    assert result.finish_reason == "stop"
-    assert word in result.text
+    assert (result.finish_reason, kept.finish_reason) == ("stop", "stop")
+    assert kept.tokens == result.tokens
+    assert kept.text.endswith(word) and result.text == kept.text[: kept.text.index(word)]
 
 
 async def test_the_result_carries_totals_and_peak_rss():

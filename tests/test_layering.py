@@ -22,7 +22,7 @@ LAYERS = (
     ("target", "draft"),
     ("checkpoints",),
     ("device",),
-    ("request", "memory_plan"),
+    ("request", "memory_plan", "stop_text"),
     ("model", "channels", "config", "context"),
     ("progress", "sizes", "paths", "threads", "machine"),
     ("errors", "logs"),

@@ -617,3 +617,19 @@ async def test_a_stalled_reader_gives_up_its_place_when_the_engine_ends_its_requ
                 assert not admission.draining
                 assert sent[0]["status"] == 200
                 nursery.cancel_scope.cancel()
+
+
+async def test_a_stop_string_is_left_out_of_the_text_streamed_and_whole(config):
+    """As OpenAI's servers do: the text ends where the stop string begins."""
+    full = text_of(config, [3, 1, 4])
+    stop = full.split()[2]  # the third word, " tN": its text and all after it go
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            api = client(await start(nursery, config))
+            asked = dict(model="lever", prompt="t3 t1 t4", max_tokens=NEW, temperature=0)
+            whole = await api.completions.create(**asked, stop=[stop])
+            chunks = await api.completions.create(**asked, stop=[stop], stream=True)
+            streamed = "".join([chunk.choices[0].text async for chunk in chunks])
+            nursery.cancel_scope.cancel()
+    assert whole.choices[0].text == streamed == full[: full.index(stop)]
+    assert whole.choices[0].finish_reason == "stop"
