@@ -38,6 +38,7 @@ from lever_actors.channels.messages import (
     SlotRelease,
     StepStats,
     TokenEvent,
+    TopLogprob,
     Verdict,
 )
 from lever_actors.channels.stats import (
@@ -86,6 +87,9 @@ class GenerationResult(msgspec.Struct, frozen=True):
     tokens: list[int]  # the end token that stopped generation included
     text: str  # special tokens never appear in it, nor a stop string that ended it (keep_stop)
     logprobs: list[float]  # per token: the target's log-probability of it
+    pieces: list[str]  # per token: its own text in context (stop strings aside)
+    # per token, where the request asked (top_logprobs): its position's likeliest tokens
+    top_logprobs: list[tuple[TopLogprob, ...]]
     steps: list[StepStats]
     finish_reason: FinishReason | None  # None only when no token was generated
     prompt_tokens: int
@@ -298,6 +302,8 @@ class Engine:
             tokens=[e.token for e in events],
             text="".join(e.text for e in events),
             logprobs=[e.logprob for e in events],
+            pieces=[e.piece for e in events],
+            top_logprobs=[e.top_logprobs for e in events],
             steps=request.steps,
             finish_reason=events[-1].finish_reason if events else None,
             prompt_tokens=len(request.prompt),
@@ -479,6 +485,7 @@ class Engine:
             next(jitter),
             p.eager_projection,
             request.options.sampling,
+            request.options.top_logprobs,
         )
         async with trio.open_nursery() as nursery:
             prefetcher = Prefetcher(target.store, target.plan, target.resident_layers)
@@ -514,7 +521,9 @@ class Engine:
             if self.tokenizer
             else None
         )
-        stop_ids = self.tokenizer.eos_ids if self.tokenizer else frozenset()
+        tokenizer = self.tokenizer
+        stop_ids = tokenizer.eos_ids if tokenizer else frozenset()
+        previous = request.prompt[-1]  # the token a piece of text follows
         stops = StopText(request.options.stop, keep=request.options.keep_stop)
         phase = DecodePhase()
         reads = self.target.store.stats
@@ -527,12 +536,19 @@ class Engine:
             finish: FinishReason | None = None
             emitted = 0
             last = len(verdict.tokens)
-            for token, from_draft, logprob in zip(
-                verdict.tokens, verdict.from_draft, verdict.logprobs, strict=True
+            tops = verdict.top_logprobs or ((),) * last
+            for token, from_draft, logprob, top in zip(
+                verdict.tokens, verdict.from_draft, verdict.logprobs, tops, strict=True
             ):
                 emitted += 1
                 request.tokens.append(token)
                 delta, stopped = stops.push(decoder.push(token) if decoder else "")
+                piece = tokenizer.piece(token, previous) if tokenizer else ""
+                alternatives = tuple(
+                    TopLogprob(t, tokenizer.piece(t, previous) if tokenizer else "", lp)
+                    for t, lp in top
+                )
+                previous = token
                 if token in stop_ids or stopped:
                     finish = "stop"
                 elif len(request.tokens) >= request.options.max_new_tokens:
@@ -556,6 +572,8 @@ class Engine:
                     elapsed_seconds=elapsed,
                     tokens_per_second=phase.rate,
                     finish_reason=finish,
+                    piece=piece,
+                    top_logprobs=alternatives,
                 )
                 try:
                     with trio.fail_after(self.config.stall_seconds or math.inf):

@@ -16,6 +16,8 @@ from lever_actors.model.sampling import GREEDY, Sampling, seed_or_drawn
 
 log = get_logger(__name__)
 
+MAX_TOP_LOGPROBS = 20  # as OpenAI's
+
 
 class GenerationOptions(msgspec.Struct, frozen=True, kw_only=True):
     """Generation ends after `max_new_tokens` ("length"), after one of the tokenizer's end
@@ -32,9 +34,15 @@ class GenerationOptions(msgspec.Struct, frozen=True, kw_only=True):
     keep_stop: bool = False
     sampling: Sampling = GREEDY
     deadline_seconds: float | None = None  # None: none
+    # each token's likeliest alternatives to report, with their log-probabilities (0-20)
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         check_max_new_tokens(self.max_new_tokens)
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ConfigError(
+                f"top_logprobs = {self.top_logprobs}: expected 0 to {MAX_TOP_LOGPROBS}"
+            )
         if self.deadline_seconds is not None and not self.deadline_seconds > 0:  # NaN too
             raise ConfigError(f"deadline_seconds = {self.deadline_seconds!r}: expected > 0")
         if isinstance(self.stop, str):
@@ -62,6 +70,7 @@ class GenerationKeywords(TypedDict, total=False):
     min_p: float
     seed: int | None  # None: drawn where sampling needs one, and logged
     deadline_seconds: float | None
+    top_logprobs: int
 
 
 def options_of(
@@ -91,6 +100,7 @@ def options_of(
         keep_stop=keywords.get("keep_stop", DEFAULTS.keep_stop),
         sampling=sampling,
         deadline_seconds=keywords.get("deadline_seconds", DEFAULTS.deadline_seconds),
+        top_logprobs=keywords.get("top_logprobs", DEFAULTS.top_logprobs),
     )
 
 

@@ -22,6 +22,7 @@ from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError, EngineClosedError
 from lever_actors.model.sampling import Sampling
 from lever_actors.model.transformer import Transformer
+from lever_actors.request import generation_options
 from lever_actors.testing import TINY_ARGS, budget_bytes, model_pair, reference_tokens
 
 PROMPT = [3, 1, 4, 1, 5]
@@ -226,3 +227,23 @@ async def test_a_long_prefill_reports_its_progress_through_the_layers(monkeypatc
         (9, 12, "prefill"),
         (12, 12, "prefill"),
     ]
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 3}])
+async def test_each_token_carries_its_text_and_its_positions_likeliest_tokens(sampling):
+    async with Engine.open(config()) as engine:
+        result = await engine.generate(PROMPT, max_new_tokens=NEW, top_logprobs=4, **sampling)
+        plain = await engine.generate(PROMPT, max_new_tokens=NEW, **sampling)
+    assert "".join(result.pieces) == result.text
+    assert result.tokens == plain.tokens and all(top == () for top in plain.top_logprobs)
+    for token, logprob, top in zip(
+        result.tokens, result.logprobs, result.top_logprobs, strict=True
+    ):
+        assert len(top) == 4 and [t.logprob for t in top] == sorted(
+            (t.logprob for t in top), reverse=True
+        )
+        assert logprob <= top[0].logprob
+        if not sampling:  # greedy: the token is its position's likeliest
+            assert (top[0].token, top[0].logprob) == (token, logprob)
+    with pytest.raises(ConfigError, match="top_logprobs = 21: expected 0 to 20"):
+        generation_options(top_logprobs=21)

@@ -612,9 +612,9 @@ async def test_a_stalled_reader_gives_up_its_place_when_the_engine_ends_its_requ
                 nursery.start_soon(app, scope, receive, send)
                 await blocked.wait()
                 admission = app.state.admission
-                while admission.inside:  # the engine ends it after stall_seconds
+                while admission.working:  # the engine ends it after stall_seconds
                     await trio.sleep(0.01)
-                assert not admission.draining
+                assert admission.inside == 1  # its response has not ended: a drain waits
                 assert sent[0]["status"] == 200
                 nursery.cancel_scope.cancel()
 
@@ -633,3 +633,67 @@ async def test_a_stop_string_is_left_out_of_the_text_streamed_and_whole(config):
             nursery.cancel_scope.cancel()
     assert whole.choices[0].text == streamed == full[: full.index(stop)]
     assert whole.choices[0].finish_reason == "stop"
+
+
+async def test_logprobs_come_with_their_alternatives_streamed_and_whole(config):
+    """Greedy: each token is its position's likeliest, so it heads its own alternatives;
+    the tokens' texts make the text, and the legacy lists' offsets count them."""
+    full = text_of(config, [3, 1, 4])
+    messages = [{"role": "user", "content": "t3 t1 t4"}]
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            api = client(await start(nursery, config))
+            chat = await api.chat.completions.create(
+                model="lever",
+                messages=messages,
+                max_tokens=NEW,
+                temperature=0,
+                logprobs=True,
+                top_logprobs=3,
+            )
+            chunks = await api.chat.completions.create(
+                model="lever",
+                messages=messages,
+                max_tokens=NEW,
+                temperature=0,
+                logprobs=True,
+                top_logprobs=3,
+                stream=True,
+            )
+            streamed = [
+                entry
+                async for chunk in chunks
+                if chunk.choices and chunk.choices[0].logprobs
+                for entry in chunk.choices[0].logprobs.content
+            ]
+            legacy = await api.completions.create(
+                model="lever", prompt="t3 t1 t4", max_tokens=NEW, temperature=0, logprobs=2
+            )
+            refused = await _status_of(api, messages, top_logprobs=3)  # without logprobs
+            nursery.cancel_scope.cancel()
+    content = chat.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == chat.choices[0].message.content
+    for entry in content:
+        top = entry.top_logprobs
+        assert len(top) == 3 and top[0].token == entry.token and top[0].logprob == entry.logprob
+        assert [t.logprob for t in top] == sorted((t.logprob for t in top), reverse=True)
+        assert entry.bytes == list(entry.token.encode())
+    assert [e.token for e in streamed] == [e.token for e in content]
+    # the same tokens; their figures from passes of other shapes (a cached prompt)
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], rel=1e-9)
+    lp = legacy.choices[0].logprobs
+    assert "".join(lp.tokens) == legacy.choices[0].text == full
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(
+        len(top) == 2 and top[t] == p
+        for top, t, p in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs, strict=True)
+    )
+    assert refused == 400
+
+
+async def _status_of(api: openai.AsyncOpenAI, messages, **extra) -> int:
+    try:
+        await api.chat.completions.create(model="lever", messages=messages, max_tokens=2, **extra)
+    except openai.BadRequestError as e:
+        return e.status_code
+    return 200

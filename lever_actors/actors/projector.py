@@ -11,7 +11,7 @@ import trio
 from lever_actors.actors.jitter import Jitter
 from lever_actors.channels.messages import FinalHidden, StepStats, Verdict
 from lever_actors.device.units import ComputeUnit
-from lever_actors.model.sampling import GREEDY, Chooser, Sampling, logprobs
+from lever_actors.model.sampling import GREEDY, Chooser, Sampling, logprobs, top_logprobs
 from lever_actors.model.tree import TokenTree
 from lever_actors.policy.lookup import LOOKUP_RANK
 
@@ -35,12 +35,14 @@ class Projector:
         jitter: Jitter,
         eager: bool = False,
         sampling: Sampling = GREEDY,
+        top: int = 0,
     ) -> None:
         self.project = project  # final norm + LM head: hidden [n, d_model] -> logits [n, vocab]
         self.unit = unit  # the "cpu" unit on demand, the batched "npu" unit when eager
         self.jitter = jitter
         self.eager = eager  # project every live node the walk may reach in one batch, then walk
         self.chooser = Chooser(sampling)  # the request's: which token a node's logits choose
+        self.top = top  # the request's top_logprobs: alternatives reported per token
 
     async def run(
         self,
@@ -102,13 +104,15 @@ class Projector:
             verify_seconds=final.verify_seconds,
             project_seconds=time.perf_counter() - started,
         )
+        emitted = torch.stack([logits[n] for n in path])
         return Verdict(
             step=message.step,
             accepted=tuple(accepted),
             tokens=tuple(tokens),
             from_draft=tuple(from_draft),
-            logprobs=tuple(logprobs(torch.stack([logits[n] for n in path]), tokens)),
+            logprobs=tuple(logprobs(emitted, tokens)),
             stats=stats,
+            top_logprobs=tuple(top_logprobs(emitted, self.top)) if self.top else (),
         )
 
     def _choose(

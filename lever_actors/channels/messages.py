@@ -116,6 +116,8 @@ class Verdict(Message, frozen=True):
     from_draft: tuple[bool, ...]  # per new token: was it proposed by the drafter
     logprobs: tuple[float, ...]  # per new token: the target's log-probability of it
     stats: StepStats
+    # per new token, where the request asks: its position's most likely (token, logprob)
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 class Commit(Message, frozen=True):
@@ -126,6 +128,15 @@ class Commit(Message, frozen=True):
 
 
 FinishReason = Literal["stop", "length"]
+
+
+class TopLogprob(msgspec.Struct, frozen=True):
+    """One of a position's likeliest tokens: its id, its text there, the target's
+    log-probability of it."""
+
+    token: int
+    text: str
+    logprob: float
 
 
 class TokenEvent(msgspec.Struct, frozen=True):
@@ -142,3 +153,6 @@ class TokenEvent(msgspec.Struct, frozen=True):
     elapsed_seconds: float  # since the request started
     tokens_per_second: float | None  # decode rate so far after the first step; None during it
     finish_reason: FinishReason | None = None  # on the last token: "stop" or "length"
+    piece: str = ""  # the token's own text in context (stop strings aside; "" if special)
+    # where the request asks (top_logprobs): its position's likeliest tokens
+    top_logprobs: tuple[TopLogprob, ...] = ()

@@ -157,6 +157,14 @@ class Tokenizer:
         decoded with them but never emitted: a SentencePiece token's leading space is kept."""
         return StreamDecoder(self, skip_special, context)
 
+    def piece(self, token_id: int, after: int | None = None) -> str:
+        """The text `token_id` adds after the id `after` (None: alone), decoded with it so
+        that a leading space is kept; special tokens add none, a partial character U+FFFD."""
+        if after is None:
+            return self.decode([token_id], skip_special=True)
+        before = self.decode([after], skip_special=True)
+        return self.decode([after, token_id], skip_special=True)[len(before) :]
+
     def _token(self, token_id: int | None) -> str:
         return "" if token_id is None else self.backend.id_to_token(token_id) or ""
 

@@ -165,6 +165,16 @@ def _mix(seed: int, position: int) -> int:
     return x ^ (x >> 31)
 
 
+def top_logprobs(logits: torch.Tensor, k: int) -> list[tuple[tuple[int, float], ...]]:
+    """logits: [n, vocab] -> each row's `k` most likely tokens and their log-probabilities
+    (float64, before temperature and filtering), most likely first."""
+    top = torch.topk(torch.log_softmax(logits.double(), dim=-1), k, dim=-1)
+    return [
+        tuple(zip(ids, values, strict=True))
+        for ids, values in zip(top.indices.tolist(), top.values.tolist(), strict=True)
+    ]
+
+
 def logprobs(logits: torch.Tensor, tokens: list[int]) -> list[float]:
     """logits: [n, vocab] -> the model's log-probability of tokens[i] under row i (float64,
     before temperature and filtering)."""

@@ -16,7 +16,14 @@ from __future__ import annotations
 
 import secrets
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Collection, Iterator
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Collection,
+    Iterator,
+    Sequence,
+)
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -32,7 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from lever_actors.channels.messages import FinishReason, TokenEvent
+from lever_actors.channels.messages import FinishReason, TokenEvent, TopLogprob
 from lever_actors.engine import Engine
 from lever_actors.errors import (
     ConfigError,
@@ -48,11 +55,15 @@ from lever_actors.serve.schemas import (
     CompletionRequest,
     Reply,
     Sampled,
+    TokenLogprob,
     error_body,
     usage,
 )
 
 log = get_logger(__name__)
+
+# a token, its text, its log-probability, its alternatives -> what the response says of it
+Describer = Callable[[int, str, float, Sequence[TopLogprob]], list[TokenLogprob]]
 
 RETRY_AFTER_SECONDS = 5
 CUT_REASON: FinishReason = "length"  # a stream the shutdown cut: its text ends short
@@ -98,12 +109,15 @@ class ApiError(Exception):
 
 
 class Admission:
-    """Requests inside the server: one running, at most `queue` waiting, none once it
-    drains. Runs on the event loop's single thread, so plain counts suffice."""
+    """Requests inside the server: of those the engine has or waits for (`working`), one
+    running and at most `queue` waiting; none once it drains, which waits for every
+    response to end (`inside`: a stream may still be sending what the engine finished).
+    Runs on the event loop's single thread, so plain counts suffice."""
 
     def __init__(self, queue: int) -> None:
         self.limit = queue + 1
         self.inside = 0
+        self.working = 0
         self.draining = False
         self._cut = False
         self._scopes: set[trio.CancelScope] = set()
@@ -111,11 +125,12 @@ class Admission:
     def enter(self) -> _Ticket:
         if self.draining:
             raise ApiError(503, "the server is shutting down", "server_error", "shutting_down")
-        if self.inside >= self.limit:
+        if self.working >= self.limit:
             raise ApiError(
                 429, "the server is busy: try again shortly", "rate_limit_exceeded", "busy"
             )
         self.inside += 1
+        self.working += 1
         return _Ticket(self)
 
     @contextmanager
@@ -172,9 +187,18 @@ class Cut(Exception):
 class _Ticket:
     def __init__(self, admission: Admission) -> None:
         self._admission: Admission | None = admission
+        self._working = True
+
+    def engine_done(self) -> None:
+        """The engine has done with the request: its place in the queue is free."""
+        if self._admission is not None and self._working:
+            self._admission.working -= 1
+            self._working = False
 
     def release(self) -> None:
+        """The response has ended (the engine's part too, if it had not)."""
         if self._admission is not None:  # once, however many paths end the request
+            self.engine_done()
             self._admission.inside -= 1
             self._admission = None
 
@@ -256,6 +280,20 @@ class _Routes:
         reply = Reply(True, self.model_name)
         return await self._answer(request, parsed, reply, None, parsed.conversation())
 
+    def _describer(self) -> Describer:
+        """token, its text, logprob, top -> its TokenLogprob, none for an end token (whose
+        text is never emitted)."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ConfigError("log-probabilities need the model's tokenizer, which it lacks")
+
+        def described(token: int, piece: str, logprob: float, top: Sequence[TopLogprob]):
+            if token in tokenizer.eos_ids:
+                return []
+            return [TokenLogprob(piece, logprob, tuple((t.text, t.logprob) for t in top))]
+
+        return described
+
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
             return
@@ -312,6 +350,7 @@ class _Routes:
     ) -> Response:
         try:
             options = parsed.options(self.options.default_max_tokens, self.options.deadline_seconds)
+            described = self._describer() if parsed.top_logprobs_asked() is not None else None
         except ConfigError as e:
             raise ApiError(400, str(e), "invalid_request_error") from None
         ticket = self.admission.enter()
@@ -329,11 +368,18 @@ class _Routes:
             if scope.cancelled_caught:
                 raise _shut_down()
             use = usage(result.prompt_tokens, result.generated_tokens, result.cached_tokens)
-            return _JSON(reply.whole(result.text, result.finish_reason, use))
-        # the ticket leaves with the engine's work: a stalled reader whose request the
-        # engine ended holds no place, though its body waits on it still
+            logprobs = None
+            if described is not None:
+                each = zip(
+                    result.tokens, result.pieces, result.logprobs, result.top_logprobs, strict=True
+                )
+                logprobs = [t for args in each for t in described(*args)]
+            return _JSON(reply.whole(result.text, result.finish_reason, use, logprobs))
+        # the place in the queue is free once the engine's work is: a stalled reader whose
+        # request the engine ended holds none, though its response (which a drain awaits)
+        # waits on it still
         stream = self.engine.stream(
-            prompt, messages=messages, options=options, on_done=ticket.release
+            prompt, messages=messages, options=options, on_done=ticket.engine_done
         )
         events = self.admission.until_cut(stream)
         try:  # the first token before the headers: a bad request is still a 400
@@ -349,7 +395,7 @@ class _Routes:
                 raise _timed_out(e) from None
             raise
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-        body = _sse(reply, first, events, include_usage, ticket)
+        body = _sse(reply, first, events, include_usage, ticket, described)
         weakref.finalize(body, ticket.release)  # also if the response never starts
         return StreamingResponse(body, media_type="text/event-stream")
 
@@ -360,18 +406,31 @@ async def _sse(
     events: AsyncGenerator[TokenEvent, None],
     include_usage: bool,
     ticket: _Ticket,
+    described: Describer | None = None,
 ) -> AsyncIterator[bytes]:
     """Server-sent events: one chunk per token, the finish reason on the last (CUT_REASON on
-    a chunk of its own where a drain cut the stream), [DONE]."""
+    a chunk of its own where a drain cut the stream), [DONE]; each token's log-probability
+    where `described`."""
+    offset = 0  # characters of the tokens' texts so far, for the legacy text_offset
+
+    def chunk(event: TokenEvent) -> bytes:
+        nonlocal offset
+        logprobs = None
+        if described is not None:
+            tokens = described(event.token, event.piece, event.logprob, event.top_logprobs)
+            logprobs = reply.logprobs(tokens, offset)
+            offset += sum(len(t.text) for t in tokens)
+        return _event(reply.chunk(event.text, event.finish_reason, logprobs=logprobs))
+
     try:
         if reply.chat:
             yield _event(reply.chunk(None, first=True))
         last = first
-        yield _event(reply.chunk(first.text, first.finish_reason))
+        yield chunk(first)
         try:
             async for event in events:
                 last = event
-                yield _event(reply.chunk(event.text, event.finish_reason))
+                yield chunk(event)
         except Cut:
             yield _event(reply.chunk(None, CUT_REASON))
         except ConsumerStalledError as stalled:  # a reader that came back too late
