@@ -180,8 +180,8 @@ class Engine:
         # before anything loads: a limit that cannot hold the draft's file (its weights take
         # no more) beside the process and the target's least budget is refused now, not
         # killed in the load; the budget itself is planned once the draft is in
-        loads_draft = drafting and draft is None and config.draft is not None
-        draft_file = path_bytes(Path(str(config.draft))) if loads_draft else 0
+        loading = drafting and draft is None
+        draft_file = path_bytes(Path(config.draft)) if loading and config.draft else 0
         process = anonymous_rss_bytes()
         memory_plan(
             config, manifest, process=process, draft=draft_file, context_tokens=0, budget=AUTO

@@ -643,22 +643,10 @@ async def test_logprobs_come_with_their_alternatives_streamed_and_whole(config):
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
             api = client(await start(nursery, config))
-            chat = await api.chat.completions.create(
-                model="lever",
-                messages=messages,
-                max_tokens=NEW,
-                temperature=0,
-                logprobs=True,
-                top_logprobs=3,
-            )
+            asked = dict(model="lever", messages=messages, max_tokens=NEW, temperature=0)
+            chat = await api.chat.completions.create(**asked, logprobs=True, top_logprobs=3)
             chunks = await api.chat.completions.create(
-                model="lever",
-                messages=messages,
-                max_tokens=NEW,
-                temperature=0,
-                logprobs=True,
-                top_logprobs=3,
-                stream=True,
+                **asked, logprobs=True, top_logprobs=3, stream=True
             )
             streamed = [
                 entry

@@ -258,9 +258,7 @@ class _Routes:
     def __init__(self, engine: Engine, options: ServeOptions, admission: Admission) -> None:
         self.engine = engine
         self.options = options
-        self.model_name = options.model_name
         self.admission = admission
-        self.api_key = options.api_key
 
     async def health(self, request: Request) -> Response:
         n_ctx = self.engine.context.tokens
@@ -268,16 +266,23 @@ class _Routes:
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
-        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "local"}
+        model = {
+            "id": self.options.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "local",
+        }
         return _JSON({"object": "list", "data": [model]})
 
     async def completions(self, request: Request) -> Response:
         parsed = await self._parse(request, CompletionRequest)
-        return await self._answer(request, parsed, Reply(False, self.model_name), parsed.prompt)
+        return await self._answer(
+            request, parsed, Reply(False, self.options.model_name), parsed.prompt
+        )
 
     async def chat_completions(self, request: Request) -> Response:
         parsed = await self._parse(request, ChatRequest)
-        reply = Reply(True, self.model_name)
+        reply = Reply(True, self.options.model_name)
         return await self._answer(request, parsed, reply, None, parsed.conversation())
 
     def _describer(self) -> Describer:
@@ -295,10 +300,11 @@ class _Routes:
         return described
 
     def _authorize(self, request: Request) -> None:
-        if self.api_key is None:
+        key = self.options.api_key
+        if key is None:
             return
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not secrets.compare_digest(given.encode(), self.api_key.encode()):
+        if not secrets.compare_digest(given.encode(), key.encode()):
             raise ApiError(401, "incorrect API key", "invalid_request_error", "invalid_api_key")
 
     async def _parse(self, request: Request, schema: type[Sampled]) -> Any:
