@@ -53,15 +53,22 @@ def own_cache_dir(tmp_path_factory):
 
 @pytest.fixture
 def slow_flash(monkeypatch):
-    """The cost model believes flash reads 1 MB/s and never learns otherwise (no pass counts
-    as waiting on flash), so gain-cost trees grow as a phone's would, to their cap, however
-    fast or busy this machine is."""
+    """The cost model believes flash reads 1 MB/s and never learns otherwise (no step's
+    reads teach it the bandwidth, no pass counts as waiting on flash), so gain-cost trees
+    grow as a phone's would, to their cap, however fast or busy this machine is."""
     profile = policy_setup.machine_costs
+    observe = cost_model.CostModel.observe
 
     def profiled(*args, **kwargs):
         cost = profile(*args, **kwargs)
         cost.flash_bandwidth = 1e6
         return cost
 
+    def observe_all_but_bandwidth(cost, step):
+        believed = cost.flash_bandwidth
+        observe(cost, step)
+        cost.flash_bandwidth = believed
+
     monkeypatch.setattr(policy_setup, "machine_costs", profiled)
+    monkeypatch.setattr(cost_model.CostModel, "observe", observe_all_but_bandwidth)
     monkeypatch.setattr(cost_model, "IO_BOUND_WAIT", float("inf"))
