@@ -18,11 +18,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import NamedTuple, Unpack
+from typing import Any, NamedTuple, Unpack
 
 import trio
 
 from lever_actors.channels.messages import TokenEvent
+from lever_actors.checkpoints.tokenizer import Message
 from lever_actors.config import EngineConfig
 from lever_actors.draft import DraftModel
 from lever_actors.engine import Engine, GenerationResult
@@ -37,7 +38,8 @@ class _Asked(NamedTuple):
     """One request as the asyncio side took it, checked, for the trio side to serve."""
 
     prompt: str | Sequence[int] | None
-    messages: Sequence[Mapping[str, str]] | None
+    messages: Sequence[Message] | None
+    tools: Sequence[Mapping[str, Any]] | None
     options: GenerationOptions
 
 
@@ -143,13 +145,14 @@ class AsyncEngine:
         self,
         prompt: str | Sequence[int] | None = None,
         *,
-        messages: Sequence[Mapping[str, str]] | None = None,
+        messages: Sequence[Message] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         options: GenerationOptions | None = None,
         **keywords: Unpack[GenerationKeywords],
     ) -> AsyncGenerator[TokenEvent, None]:
         """`Engine.stream` with the same arguments. Leaving the loop or cancelling the task
         cancels the request."""
-        request = _Asked(prompt, messages, options_of(options, keywords))
+        request = _Asked(prompt, messages, tools, options_of(options, keywords))
         asks, scope = self._start(self._serve_stream, request)
         try:
             while True:
@@ -164,12 +167,13 @@ class AsyncEngine:
         self,
         prompt: str | Sequence[int] | None = None,
         *,
-        messages: Sequence[Mapping[str, str]] | None = None,
+        messages: Sequence[Message] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         options: GenerationOptions | None = None,
         **keywords: Unpack[GenerationKeywords],
     ) -> GenerationResult:
         """`Engine.generate` with the same arguments."""
-        request = _Asked(prompt, messages, options_of(options, keywords))
+        request = _Asked(prompt, messages, tools, options_of(options, keywords))
         asks, scope = self._start(self._serve_generate, request)
         try:
             return await self._ask(asks)
@@ -213,7 +217,7 @@ class AsyncEngine:
 
     async def _serve_stream(self, asks, request: _Asked) -> None:
         events = self.engine.stream(
-            request.prompt, messages=request.messages, options=request.options
+            request.prompt, messages=request.messages, tools=request.tools, options=request.options
         )
         try:
             async for answer in asks:
@@ -233,7 +237,10 @@ class AsyncEngine:
         answer = await asks.receive()
         try:
             result = await self.engine.generate(
-                request.prompt, messages=request.messages, options=request.options
+                request.prompt,
+                messages=request.messages,
+                tools=request.tools,
+                options=request.options,
             )
             _resolve(answer, result)
         except Exception as error:  # handed to the caller, who raises it

@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Se
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Unpack
+from typing import Any, Unpack
 
 import msgspec
 import trio
@@ -48,7 +48,7 @@ from lever_actors.channels.stats import (
     per_step,
     prefill_rate,
 )
-from lever_actors.checkpoints.tokenizer import Tokenizer
+from lever_actors.checkpoints.tokenizer import Message, Tokenizer
 from lever_actors.config import DramBudget, EngineConfig, check_request_size
 from lever_actors.context import Context, plan_context
 from lever_actors.device.budget import ResidencyPlan, minimum_budget, plan_residency
@@ -78,7 +78,13 @@ from lever_actors.policy.setup import Policies, build_policies
 from lever_actors.prefix_cache import PrefixCache
 from lever_actors.progress import Progress
 from lever_actors.request import GenerationKeywords, GenerationOptions, options_of
-from lever_actors.sequences import Request, kv_bytes_per_token, new_caches, tokens_of
+from lever_actors.sequences import (
+    Request,
+    grammar_matcher,
+    kv_bytes_per_token,
+    new_caches,
+    tokens_of,
+)
 from lever_actors.stop_text import StopText
 from lever_actors.target import FlashTarget
 
@@ -286,7 +292,8 @@ class Engine:
         self,
         prompt: str | Sequence[int] | None = None,
         *,
-        messages: Sequence[Mapping[str, str]] | None = None,
+        messages: Sequence[Message] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         options: GenerationOptions | None = None,
         progress: Progress | None = None,
         **keywords: Unpack[GenerationKeywords],
@@ -294,7 +301,8 @@ class Engine:
         """Run one request to the end (see `stream` for the arguments); the result carries
         the text, per-token log-probabilities and per-step statistics."""
         events: list[TokenEvent] = []
-        request = await self._request(prompt, messages, options_of(options, keywords), progress)
+        options = options_of(options, keywords)
+        request = await self._request(prompt, messages, tools, options, progress)
         async for event in self._events(request):
             events.append(event)
         decode_tokens, decode_seconds = decode_phase(events)
@@ -320,7 +328,8 @@ class Engine:
         self,
         prompt: str | Sequence[int] | None = None,
         *,
-        messages: Sequence[Mapping[str, str]] | None = None,
+        messages: Sequence[Message] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         options: GenerationOptions | None = None,
         progress: Progress | None = None,
         on_done: Callable[[], None] | None = None,
@@ -329,12 +338,17 @@ class Engine:
         """Yield each token as it is accepted. Leaving the loop early cancels the request.
 
         Give either `prompt`, raw text (no chat template) or token ids, or `messages`, a
-        conversation of {"role": "system" | "user" | "assistant", "content": str} that the
-        model's chat template renders, ending with the assistant's prompt.
+        conversation of {"role": "system" | "user" | "assistant" | "tool", "content": str}
+        (an assistant's with its `tool_calls`, a tool's with its `tool_call_id`) that the
+        model's chat template renders, ending with the assistant's prompt; `tools`, function
+        definitions (name, description, parameters), go to the template too.
 
         `options` (request.py) says how many tokens, where to stop and how to choose them;
         or give its fields as keywords: `max_new_tokens`, `stop`, `keep_stop`,
-        `temperature`, `top_k`, `top_p`, `min_p`, `seed`, `deadline_seconds`. Generation
+        `temperature`, `top_k`, `top_p`, `min_p`, `seed`, `deadline_seconds`,
+        `top_logprobs`, `grammar` (model/grammar.py: a JSON schema, any JSON, a regex or a
+        Lark grammar, which every token then follows, exactly as sequential decoding
+        under it would). Generation
         ends after `max_new_tokens` ("length"), or
         ("stop") after one of the tokenizer's end tokens (`tokenizer.eos_ids`: end of text
         and end of turn), whose text is not emitted, or after the token that completes one
@@ -359,7 +373,8 @@ class Engine:
         The text is rendered and tokenized on a worker thread, so that a long one holds up
         no other task of the event loop; one that cannot fit the context is refused from its
         length alone."""
-        request = await self._request(prompt, messages, options_of(options, keywords), progress)
+        options = options_of(options, keywords)
+        request = await self._request(prompt, messages, tools, options, progress)
         request.on_done = on_done
         async for event in self._events(request):
             yield event
@@ -367,7 +382,8 @@ class Engine:
     async def _request(
         self,
         prompt: str | Sequence[int] | None,
-        messages: Sequence[Mapping[str, str]] | None,
+        messages: Sequence[Message] | None,
+        tools: Sequence[Mapping[str, Any]] | None,
         options: GenerationOptions,
         progress: Progress | None = None,
     ) -> Request:
@@ -376,9 +392,11 @@ class Engine:
             raise EngineClosedError("this engine was closed; open another")
         if (prompt is None) == (messages is None):
             raise ConfigError("give either prompt or messages")
+        if tools and messages is None:
+            raise ConfigError("tools go with messages, which the chat template renders")
         if messages is not None or isinstance(prompt, str):
             tokenizer = self._need_tokenizer()  # text: not a torch op, so a worker thread
-            encode = partial(tokens_of, tokenizer, prompt, messages, options, self.context)
+            encode = partial(tokens_of, tokenizer, prompt, messages, tools, options, self.context)
             ids = await trio.to_thread.run_sync(encode)
         else:
             assert prompt is not None  # one of the two, checked above
@@ -387,7 +405,11 @@ class Engine:
         vocab = self.target.args.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
-        return Request(ids, options, progress)
+        matcher = None
+        if options.grammar is not None:  # compiled on a worker thread, as text is encoded
+            start = partial(grammar_matcher, options.grammar, self._need_tokenizer(), vocab)
+            matcher = await trio.to_thread.run_sync(start)
+        return Request(ids, options, progress, matcher)
 
     def _need_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
@@ -486,6 +508,7 @@ class Engine:
             p.eager_projection,
             request.options.sampling,
             request.options.top_logprobs,
+            request.matcher,
         )
         async with trio.open_nursery() as nursery:
             prefetcher = Prefetcher(target.store, target.plan, target.resident_layers)

@@ -12,6 +12,7 @@ import msgspec
 from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, check_max_new_tokens
 from lever_actors.errors import ConfigError
 from lever_actors.logs import get_logger
+from lever_actors.model.grammar import Grammar
 from lever_actors.model.sampling import GREEDY, Sampling, seed_or_drawn
 
 log = get_logger(__name__)
@@ -27,7 +28,10 @@ class GenerationOptions(msgspec.Struct, frozen=True, kw_only=True):
 
     `deadline_seconds`, counted from the request's making (its wait for the engine
     included): the step that ends after it is the last ("length", its text cut short); a
-    request still waiting or in its prefill then is cancelled (DeadlineError)."""
+    request still waiting or in its prefill then is cancelled (DeadlineError).
+
+    `grammar` constrains the text (model/grammar.py): each token is chosen among those it
+    allows, and once it is complete only an end token is."""
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     stop: Sequence[str] = ()  # kept as a tuple
@@ -36,6 +40,7 @@ class GenerationOptions(msgspec.Struct, frozen=True, kw_only=True):
     deadline_seconds: float | None = None  # None: none
     # each token's likeliest alternatives to report, with their log-probabilities (0-20)
     top_logprobs: int = 0
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         check_max_new_tokens(self.max_new_tokens)
@@ -71,6 +76,7 @@ class GenerationKeywords(TypedDict, total=False):
     seed: int | None  # None: drawn where sampling needs one, and logged
     deadline_seconds: float | None
     top_logprobs: int
+    grammar: Grammar | None
 
 
 def options_of(
@@ -101,6 +107,7 @@ def options_of(
         sampling=sampling,
         deadline_seconds=keywords.get("deadline_seconds", DEFAULTS.deadline_seconds),
         top_logprobs=keywords.get("top_logprobs", DEFAULTS.top_logprobs),
+        grammar=keywords.get("grammar", DEFAULTS.grammar),
     )
 
 

@@ -12,14 +12,16 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
 from lever_actors.channels.messages import StepStats
-from lever_actors.checkpoints.tokenizer import Tokenizer
+from lever_actors.checkpoints.tokenizer import Message, Tokenizer
 from lever_actors.config import EngineConfig
 from lever_actors.context import Context
 from lever_actors.errors import ContextLengthError
+from lever_actors.model.grammar import Grammar, Matcher
 from lever_actors.model.kv_cache import KVCache, position_bytes
 from lever_actors.model.transformer import Transformer
 from lever_actors.prefix_cache import NO_REUSE, PrefixCache, Reuse
@@ -33,6 +35,7 @@ class Request:
     prompt: list[int]
     options: GenerationOptions
     progress: Progress | None  # of its prefill
+    matcher: Matcher | None = None  # its grammar's, which the projector advances
     # called once the engine has done with it, perhaps before its consumer took the last
     # events (a stalled one): what a server counts as running can end then
     on_done: Callable[[], None] | None = None
@@ -64,13 +67,14 @@ class Request:
 def tokens_of(
     tokenizer: Tokenizer,
     prompt: str | Sequence[int] | None,
-    messages: Sequence[Mapping[str, str]] | None,
+    messages: Sequence[Message] | None,
+    tools: Sequence[Mapping[str, Any]] | None,
     options: GenerationOptions,
     context: Context,
 ) -> list[int]:
     """Blocking (a worker thread): the text, or `messages` rendered, encoded; unless its
     length alone shows that it cannot fit `context` (then ContextLengthError, at once)."""
-    text = tokenizer.apply_chat_template(messages) if messages is not None else prompt
+    text = tokenizer.apply_chat_template(messages, tools) if messages is not None else prompt
     assert isinstance(text, str)  # text, or messages rendered (the engine's check)
     room = context.tokens - options.max_new_tokens
     if len(text.encode()) > room:  # only then can the bound below exceed the room
@@ -84,6 +88,12 @@ def tokens_of(
                 context.tokens,
             )
     return tokenizer.encode(text)
+
+
+def grammar_matcher(grammar: Grammar, tokenizer: Tokenizer, vocab_size: int) -> Matcher:
+    """Blocking (a worker thread): a request's matcher at the start of its text; the
+    tokenizer's view for grammars is built on the first (about a second)."""
+    return Matcher(grammar, tokenizer.grammar_vocabulary(vocab_size), vocab_size)
 
 
 def new_caches(

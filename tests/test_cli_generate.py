@@ -19,7 +19,7 @@ NEW = 8
 
 @pytest.fixture(scope="module")
 def pair():
-    return model_pair(TINY_ARGS, "perturbed", 0, tokenizer=True)
+    return model_pair(TINY_ARGS, "perturbed", 0, tokenizer="words")
 
 
 def run(capsys, pair, *flags: str, model: bool = False) -> tuple[int, str, str]:

@@ -104,7 +104,7 @@ def _fields(config: EngineConfig) -> dict:
 
 
 async def test_a_text_too_long_for_the_context_is_refused_from_its_length(monkeypatch):
-    pair = model_pair(TINY_ARGS, "identical", 0, tokenizer=True)
+    pair = model_pair(TINY_ARGS, "identical", 0, tokenizer="words")
     config = EngineConfig(target=str(pair.target), ctx_size=64)
     encoded: list[int] = []
     async with Engine.open(config) as engine:

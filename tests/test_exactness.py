@@ -17,12 +17,16 @@ from lever_actors.config import EngineConfig, TreeSpec
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import read_manifest
 from lever_actors.engine import Engine
+from lever_actors.model.sampling import GREEDY
 from lever_actors.policy import setup as policy_setup
 from lever_actors.testing import (
+    BYTE_VOCAB,
     assert_matches_sequential,
     early_exits,
     engine_cases,
+    grammars,
     jitters,
+    model_args,
     prompts,
     reference_tokens,
     samplings,
@@ -95,7 +99,7 @@ async def test_stops_after_an_end_token(case, data):
 @examples(0.25)
 @given(case=engine_cases(new_tokens=st.integers(2, 20)), data=st.data())
 async def test_stops_after_a_stop_string(case, data):
-    config = case.engine_config(tokenizer=True)
+    config = case.engine_config(tokenizer="words")
     free = reference_tokens(config.target, case.prompt, case.max_new_tokens)
     word = f"t{free[data.draw(st.integers(0, len(free) - 1), label='stop word at')]}"
     result = await assert_matches_sequential(config, case.prompt, case.max_new_tokens, stop=[word])
@@ -187,3 +191,24 @@ async def test_trees_drafted_ahead_and_carried_over_keep_the_output_exact(slow_f
         result = await assert_matches_sequential(config, prompt, 40)
         carried += [s.drafted_ahead for s in result.steps]
     assert any(carried), carried
+
+
+@examples(0.5)
+@given(
+    case=engine_cases(
+        models=model_args(vocab_size=BYTE_VOCAB),
+        tree_shapes=drafting,
+        sampling=st.one_of(st.just(GREEDY), samplings()),
+        new_tokens=st.integers(1, 32),
+    ),
+    grammar=grammars(),
+)
+async def test_constrained_decoding_equals_sequential_constrained_decoding(case, grammar):
+    """The target's choice at each node takes the mask of the grammar along the node's path,
+    so the engine emits what one-token decoding under the same grammar emits, whatever the
+    draft proposed (here it knows nothing of the grammar)."""
+    config = case.engine_config(tokenizer="bytes")
+    result = await assert_matches_sequential(
+        config, case.prompt, case.max_new_tokens, sampling=case.sampling, grammar=grammar
+    )
+    tally(case, result)

@@ -17,10 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from lever_actors.config import EngineConfig
 from lever_actors.device.layout import read_manifest
 from lever_actors.draft import load_draft
+from lever_actors.model.sampling import GREEDY
 from lever_actors.model.spilled import SpilledTable
 from lever_actors.testing import (
     TWIN_GAP,
@@ -28,6 +30,7 @@ from lever_actors.testing import (
     bf16_args,
     bf16_engine_cases,
     budget_bytes,
+    grammars,
     model_pair,
     samplings,
 )
@@ -50,6 +53,18 @@ async def test_engine_in_bf16_equals_sequential_reference_in_bf16(case):
 async def test_seeded_sampling_in_bf16_equals_sequential_sampling_in_bf16(case):
     await assert_matches_sequential(
         case.engine_config(), case.prompt, case.max_new_tokens, sampling=case.sampling
+    )
+
+
+@settings(max_examples=max(1, settings.default.max_examples // 20))  # ci: 7
+@given(case=bf16_engine_cases(sampling=st.one_of(st.just(GREEDY), samplings())), grammar=grammars())
+async def test_constrained_decoding_in_bf16_equals_sequential_constrained_decoding(case, grammar):
+    await assert_matches_sequential(
+        case.engine_config(tokenizer="bytes"),
+        case.prompt,
+        case.max_new_tokens,
+        sampling=case.sampling,
+        grammar=grammar,
     )
 
 

@@ -42,7 +42,7 @@ TIMEOUT = 60
 
 @pytest.fixture(scope="module")
 def config() -> EngineConfig:
-    pair = model_pair(TINY_ARGS, "perturbed", 0, tokenizer=True)
+    pair = model_pair(TINY_ARGS, "perturbed", 0, tokenizer="words")
     return EngineConfig(target=str(pair.target), draft=str(pair.draft), tree="chain:3")
 
 

@@ -11,6 +11,7 @@ import trio
 from lever_actors.actors.jitter import Jitter
 from lever_actors.channels.messages import FinalHidden, StepStats, Verdict
 from lever_actors.device.units import ComputeUnit
+from lever_actors.model.grammar import Matcher, masked
 from lever_actors.model.sampling import GREEDY, Chooser, Sampling, logprobs, top_logprobs
 from lever_actors.model.tree import TokenTree
 from lever_actors.policy.lookup import LOOKUP_RANK
@@ -19,7 +20,9 @@ from lever_actors.policy.lookup import LOOKUP_RANK
 class Projector:
     """Walks from the last committed node: project it, choose the target's token (the argmax,
         or the seeded sample), and if a live child holds that token move to it and repeat;
-        otherwise the chosen token is the bonus token.
+        otherwise the chosen token is the bonus token. Under a grammar (`matcher`) the
+        choice at each node takes the mask of the grammar's state after the path to it,
+        and the matcher takes each emitted token, as sequential decoding's would.
 
         On demand, a node is projected together with its predicted descendants (each time the
         live child the drafter ranked first) in one batch, since one pass over the LM head
@@ -36,6 +39,7 @@ class Projector:
         eager: bool = False,
         sampling: Sampling = GREEDY,
         top: int = 0,
+        matcher: Matcher | None = None,
     ) -> None:
         self.project = project  # final norm + LM head: hidden [n, d_model] -> logits [n, vocab]
         self.unit = unit  # the "cpu" unit on demand, the batched "npu" unit when eager
@@ -43,6 +47,7 @@ class Projector:
         self.eager = eager  # project every live node the walk may reach in one batch, then walk
         self.chooser = Chooser(sampling)  # the request's: which token a node's logits choose
         self.top = top  # the request's top_logprobs: alternatives reported per token
+        self.matcher = matcher  # the request's grammar, at its committed text
 
     async def run(
         self,
@@ -62,20 +67,20 @@ class Projector:
         message = final.tree
         tree = TokenTree(message.tokens, message.parents)
         row = {node: i for i, node in enumerate(final.nodes)}
-        chosen: dict[int, int] = {}  # node -> the target's next token after it
         logits: dict[int, torch.Tensor] = {}  # node -> its logits [vocab]
         if self.eager:  # the walk starts at the last committed node: none before it matter
             walkable = [n for n in final.nodes if n >= message.n_committed - 1]
-            self._choose(final, tree, walkable, row, chosen, logits)
+            self._project(final, walkable, row, logits)
+        positions = tree.positions(final.position) + 1  # of the tokens each node chooses
         node = message.n_committed - 1
         path = [node]  # the nodes whose chosen tokens are emitted
         tokens: list[int] = []
         from_draft: list[bool] = []
         while True:
-            if node not in chosen:
+            if node not in logits:
                 chain = _predicted_chain(tree, message.draft_ranks, row, node)
-                self._choose(final, tree, chain, row, chosen, logits)
-            token = chosen[node]
+                self._project(final, chain, row, logits)
+            token = self._choose(logits[node], int(positions[node]))
             child = next(
                 (c for c in tree.children(node) if c in row and tree.tokens[c] == token), None
             )
@@ -95,7 +100,7 @@ class Projector:
             probe_seconds=final.probe_seconds,
             audited=final.audit,
             false_prunes=len(set(final.would_drop) & set(accepted)),
-            projected_nodes=len(chosen),
+            projected_nodes=len(logits),
             drafted_ahead=message.drafted_ahead,
             copied=message.draft_ranks.count(LOOKUP_RANK),
             draft_rounds=message.draft_rounds,
@@ -115,20 +120,26 @@ class Projector:
             top_logprobs=tuple(top_logprobs(emitted, self.top)) if self.top else (),
         )
 
-    def _choose(
+    def _project(
         self,
         final: FinalHidden,
-        tree: TokenTree,
         nodes: list[int],
         row: dict[int, int],
-        chosen: dict[int, int],
         logits: dict[int, torch.Tensor],
     ) -> None:
-        """Project `nodes` in one batch; record each one's logits and chosen next token."""
+        """Project `nodes` in one batch; record each one's logits."""
         rows = self.project(final.hidden[[row[n] for n in nodes]])
-        positions = tree.positions(final.position)[nodes] + 1  # of the tokens they choose
-        chosen.update(zip(nodes, self.chooser.choose(rows, positions), strict=True))
         logits.update(zip(nodes, rows, strict=True))
+
+    def _choose(self, logits: torch.Tensor, position: int) -> int:
+        """The target's token at `position` from a node's logits [vocab]: under the grammar,
+        which then takes it, when there is one."""
+        if self.matcher is not None:
+            logits = masked(logits, self.matcher.allowed())
+        [token] = self.chooser.choose(logits[None], torch.tensor([position]))
+        if self.matcher is not None:
+            self.matcher.consume(token)
+        return token
 
 
 def _predicted_chain(

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import llguidance
 import tokenizers
 from jinja2 import TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -32,7 +33,11 @@ _END_TOKENS = (
     "<end_of_turn>",  # Gemma
     "<|end|>",  # Phi-3
 )
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+# keys a message may have beside role and content, by role: an assistant's calls of tools
+# ({"function": {"name", "arguments": {...}}}), a tool's answer to one
+OPTIONAL_KEYS = {"assistant": {"tool_calls"}, "tool": {"tool_call_id", "name"}}
+Message = Mapping[str, Any]
 TEMPLATE_SECONDS = 2.0  # real chat templates render in milliseconds; past this, a runaway loop
 _TEMPLATE_FILE = "<template>"  # the file name jinja2 gives code compiled from a string
 
@@ -59,6 +64,7 @@ class Tokenizer:
         ends = (backend.token_to_id(t) for t in _END_TOKENS)
         self.eos_ids: frozenset[int] = frozenset(eos_ids) | {i for i in ends if i is not None}
         self._adds_bos = bos_id is not None and backend.encode("").ids[:1] == [bos_id]
+        self._grammar_vocabularies: dict[int, llguidance.LLTokenizer] = {}
 
     @classmethod
     def from_file(cls, path: Path) -> Tokenizer:
@@ -113,11 +119,17 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
-        """The conversation (system, user and assistant turns) in the model's own chat
-        format, ending with the assistant's prompt. Without a template: the turns' contents
-        joined by blank lines, with a warning; a format is never invented."""
+    def apply_chat_template(
+        self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> str:
+        """The conversation (system, user, assistant and tool turns) in the model's own chat
+        format, ending with the assistant's prompt; `tools` (function definitions: name,
+        description, parameters) as the template presents them, where it does. Without a
+        template: the turns' contents joined by blank lines, with a warning; a format is
+        never invented."""
         checked = check_messages(messages)
+        if tools and "tools" not in (self.chat_template or ""):
+            raise ConfigError(f"{self.source}: the model's chat template takes no tools")
         if self.chat_template is None:
             log.warning("no chat template: the messages are joined as raw text", model=self.source)
             return "\n\n".join(m["content"] for m in checked)
@@ -128,6 +140,7 @@ class Tokenizer:
             with _time_limit(TEMPLATE_SECONDS, self.source):
                 return env.from_string(self.chat_template).render(
                     messages=checked,
+                    tools=[{"type": "function", "function": t} for t in tools or ()] or None,
                     add_generation_prompt=True,
                     bos_token=self._token(self.bos_id),
                     eos_token=self._token(self._eos_id),
@@ -164,6 +177,23 @@ class Tokenizer:
             return self.decode([token_id], skip_special=True)
         before = self.decode([after], skip_special=True)
         return self.decode([after, token_id], skip_special=True)[len(before) :]
+
+    def grammar_vocabulary(self, vocab_size: int) -> llguidance.LLTokenizer:
+        """llguidance's view of these tokens, for grammars over a model's `vocab_size` logits;
+        built once (about a second for 150k tokens). A grammar ends the text with an end
+        token, so a tokenizer without one is refused (ConfigError), as is one whose decoder
+        llguidance does not know (a word-level one)."""
+        if vocab_size not in self._grammar_vocabularies:
+            if not self.eos_ids:
+                raise ConfigError(f"{self.source}: a grammar needs a tokenizer with an end token")
+            try:  # it reads byte-level BPE and SentencePiece's byte fallback
+                self._grammar_vocabularies[vocab_size] = llguidance.LLTokenizer(
+                    self.backend.to_str(), n_vocab=vocab_size, eos_token=sorted(self.eos_ids)
+                )
+            except ValueError as cause:
+                why = f"{self.source}: grammars cannot read this tokenizer: {cause}"
+                raise ConfigError(why) from None
+        return self._grammar_vocabularies[vocab_size]
 
     def _token(self, token_id: int | None) -> str:
         return "" if token_id is None else self.backend.id_to_token(token_id) or ""
@@ -208,20 +238,29 @@ def user_turn(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
-def check_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
-    """Plain {"role", "content"} dicts, or ConfigError naming the first bad message."""
+def check_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """Plain {"role", "content"} dicts (with an assistant's `tool_calls`, a tool's
+    `tool_call_id` and `name`), or ConfigError naming the first bad message."""
     if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
         raise ConfigError("messages must be a non-empty list of {'role', 'content'} objects")
     checked = []
     for i, message in enumerate(messages):
-        if not isinstance(message, Mapping) or set(message) != {"role", "content"}:
-            raise ConfigError(f"messages[{i}] must have exactly the keys 'role' and 'content'")
+        if not isinstance(message, Mapping) or not {"role", "content"} <= set(message):
+            raise ConfigError(f"messages[{i}] must have the keys 'role' and 'content'")
         role, content = message["role"], message["content"]
         if role not in ROLES:
             raise ConfigError(f"messages[{i}].role = {role!r}: expected one of {', '.join(ROLES)}")
+        unknown = set(message) - {"role", "content"} - OPTIONAL_KEYS.get(role, set())
+        if unknown:
+            raise ConfigError(
+                f"messages[{i}] ({role}) has unknown keys: {', '.join(sorted(unknown))}"
+            )
         if not isinstance(content, str):
             raise ConfigError(f"messages[{i}].content must be a string")
-        checked.append({"role": role, "content": content})
+        calls = message.get("tool_calls", [])
+        if not isinstance(calls, list) or not all(isinstance(c, Mapping) for c in calls):
+            raise ConfigError(f"messages[{i}].tool_calls must be a list of objects")
+        checked.append(dict(message))
     return checked
 
 

@@ -1,5 +1,6 @@
 """Sequential decoding of one model, one token per forward: the oracle and the
-memory-resident baseline. Tokens are chosen by `sampling` (greedy by default)."""
+memory-resident baseline. Tokens are chosen by `sampling` (greedy by default), under the
+masks of a grammar's `matcher` where one is given."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from lever_actors.model.grammar import Matcher, masked
 from lever_actors.model.sampling import GREEDY, Chooser, Sampling
 from lever_actors.model.transformer import Transformer
 
@@ -17,14 +19,21 @@ def sequential_reference(
     max_new_tokens: int,
     stop_ids: frozenset[int] = frozenset(),
     sampling: Sampling = GREEDY,
+    matcher: Matcher | None = None,
 ) -> list[int]:
-    """The oracle: recomputes the whole sequence for every token, no state kept between steps."""
+    """The oracle: recomputes the whole sequence for every token, no state kept between steps
+    (but `matcher`'s, which takes each token)."""
     tokens = list(prompt)
     chooser = Chooser(sampling)
     for _ in range(max_new_tokens):
         cache = model.new_cache(len(tokens))
         hidden = model.forward(torch.tensor(tokens), cache)
-        [token] = chooser.choose(model.logits(hidden[-1:]), torch.tensor([len(tokens)]))
+        logits = model.logits(hidden[-1:])
+        if matcher is not None:
+            logits = masked(logits, matcher.allowed())
+        [token] = chooser.choose(logits, torch.tensor([len(tokens)]))
+        if matcher is not None:
+            matcher.consume(token)
         tokens.append(token)
         if token in stop_ids:
             break

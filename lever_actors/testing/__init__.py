@@ -30,6 +30,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 from lever_actors.testing.checkpoints import (
+    BYTE_VOCAB,
     DRAFT_RELATIONS,
     TINY_ARGS,
     TWIN_GAP,
@@ -43,6 +44,7 @@ from lever_actors.testing.checkpoints import (
     random_hf_tensors,
     tiny_checkpoint,
     with_exit_predictor,
+    write_byte_tokenizer,
     write_perturbed_copy,
     write_tiny_checkpoint,
     write_tiny_tokenizer,
@@ -59,6 +61,7 @@ if TYPE_CHECKING:
         draft_relations,
         early_exits,
         engine_cases,
+        grammars,
         jitters,
         large_trees,
         model_args,
@@ -72,6 +75,7 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "BYTE_VOCAB",
     "DRAFT_RELATIONS",
     "TINY_ARGS",
     "EngineCase",
@@ -88,6 +92,7 @@ __all__ = [
     "early_exits",
     "engine_cases",
     "flash_layout",
+    "grammars",
     "hf_config",
     "jitters",
     "large_trees",
@@ -105,6 +110,7 @@ __all__ = [
     "tiny_checkpoint",
     "trees",
     "with_exit_predictor",
+    "write_byte_tokenizer",
     "write_perturbed_copy",
     "write_tiny_checkpoint",
     "write_tiny_tokenizer",

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import torch
 from safetensors.torch import load_file, save_file
-from tokenizers import AddedToken, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from lever_actors.checkpoints import export
@@ -142,25 +142,72 @@ def write_tiny_tokenizer(directory: Path, vocab_size: int, eos_id: int | None = 
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id}))
 
 
+# Merges of the byte-level tokenizer are learned from this text: JSON and prose, as
+# grammars write them.
+_BYTE_CORPUS = """
+{"name": "Ada", "age": 36, "tags": ["math", "code"], "active": true, "score": null}
+{"id": 12, "items": [{"name": "pen", "price": 1.5}, {"name": "ink", "price": 0.25}]}
+[1, 2, 3, 4, 5, 6, 7, 8, 9, 10] {"a": {"b": {"c": "deep"}}, "list": [], "empty": {}}
+The quick brown fox jumps over the lazy dog. A grammar decides which tokens may follow.
+def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n
+"""
+TinyTokenizer = Literal["none", "words", "bytes"]
+BYTE_VOCAB = 320  # the 256 bytes, 63 merges and the end token
+END_TOKEN = "<|endoftext|>"
+
+
+def write_byte_tokenizer(directory: Path, vocab_size: int = BYTE_VOCAB) -> None:
+    """A byte-level BPE tokenizer, as GPT-2's and Qwen's are: the 256 bytes, merges learned
+    from a fixed text up to `vocab_size` - 1 tokens, and END_TOKEN last, the special token
+    the engine stops on. Grammars read it as they read a real model's."""
+    if vocab_size <= 256:
+        raise ValueError(f"a byte-level vocabulary needs more than 256 tokens, not {vocab_size}")
+    backend = BackendTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 1,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    records = (  # enough distinct text for the merges of a bf16 test model's 1,024 tokens
+        f'{{"id": {i}, "name": "item{i * 7 % 101}", "ok": {str(i % 3 == 0).lower()}}}\n'
+        for i in range(2000)
+    )
+    backend.train_from_iterator([_BYTE_CORPUS, *records], trainer)
+    if backend.get_vocab_size() != vocab_size - 1:
+        raise ValueError(f"the byte-level text holds too few merges for {vocab_size} tokens")
+    backend.add_special_tokens([AddedToken(END_TOKEN, special=True, normalized=False)])
+    backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": END_TOKEN}))
+    end = {"eos_token_id": vocab_size - 1}
+    (directory / "generation_config.json").write_text(json.dumps(end))
+
+
 def write_tiny_checkpoint(
     directory: Path,
     args: ModelArgs,
     *,
     seed: int = 0,
-    tokenizer: bool = False,
+    tokenizer: TinyTokenizer = "none",
     eos_id: int | None = None,
     twin_gap: float | None = None,
 ) -> Path:
     """Write a random float64 HF checkpoint (config.json + model.safetensors) for `args`
     (see `random_hf_tensors` for `twin_gap`).
 
-    With `tokenizer` (implied by `eos_id`) a word-level tokenizer.json goes beside it.
+    With `tokenizer` a tokenizer.json goes beside it: "words" (implied by `eos_id`), the
+    word-level `write_tiny_tokenizer`; "bytes", the byte-level `write_byte_tokenizer`.
     """
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(hf_config(args), indent=2))
     tensors = random_hf_tensors(args, seed, twin_gap=twin_gap)
     save_file(tensors, str(directory / "model.safetensors"))
-    if tokenizer or eos_id is not None:
+    if tokenizer == "bytes":
+        if eos_id is not None and eos_id != args.vocab_size - 1:
+            raise ValueError("a byte-level tokenizer's end token is its last id")
+        write_byte_tokenizer(directory, args.vocab_size)
+    elif tokenizer == "words" or eos_id is not None:
         write_tiny_tokenizer(directory, args.vocab_size, eos_id)
     return directory
 
@@ -225,12 +272,13 @@ def tiny_checkpoint(
     args: ModelArgs,
     seed: int = 0,
     *,
-    tokenizer: bool = False,
+    tokenizer: TinyTokenizer = "none",
     eos_id: int | None = None,
     twin_gap: float | None = None,
 ) -> Path:
     """`write_tiny_checkpoint` into the process cache; the returned directory is shared."""
-    tokenizer = tokenizer or eos_id is not None
+    if tokenizer == "none" and eos_id is not None:
+        tokenizer = "words"
     return _checkpoints.get(
         ("random", args, seed, tokenizer, eos_id, twin_gap),
         lambda path: write_tiny_checkpoint(
@@ -245,7 +293,7 @@ def perturbed_checkpoint(
     *,
     noise_seed: int = 1,
     scale: float = PERTURBATION,
-    tokenizer: bool = False,
+    tokenizer: TinyTokenizer = "none",
     eos_id: int | None = None,
     twin_gap: float | None = None,
 ) -> Path:
@@ -281,7 +329,7 @@ def model_pair(
     seed: int = 0,
     *,
     draft_args: ModelArgs | None = None,
-    tokenizer: bool = False,
+    tokenizer: TinyTokenizer = "none",
     eos_id: int | None = None,
     scale: float = PERTURBATION,
     dtype: torch.dtype = torch.float64,
@@ -293,8 +341,8 @@ def model_pair(
     identical: the draft is the target's own checkpoint; perturbed: the target is the draft
     plus noise of std `scale`; independent: two unrelated random models (the draft built
     from `draft_args`, which must share the vocabulary, or `args`).
-    With `tokenizer` both carry the same word-level tokenizer (see `write_tiny_tokenizer`),
-    and with `eos_id` it ends generation on that token. The target layout stores `dtype`
+    With `tokenizer` both carry the same tokenizer (see `write_tiny_checkpoint`), and with
+    `eos_id` it ends generation on that token. The target layout stores `dtype`
     and its matrices as `weights` says; with `twin_gap` every model's vocabulary comes in
     near-tied twins (`random_hf_tensors`).
     """

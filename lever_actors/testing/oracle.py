@@ -16,6 +16,7 @@ from lever_actors.config import EngineConfig
 from lever_actors.device.layout import read_manifest
 from lever_actors.draft import DraftModel
 from lever_actors.engine import Engine, GenerationResult
+from lever_actors.model.grammar import Grammar, Matcher
 from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.model.sequential import sequential_reference
 from lever_actors.model.transformer import Transformer
@@ -44,15 +45,22 @@ def reference_tokens(
     max_new_tokens: int,
     stop: Sequence[str] = (),
     sampling: Sampling = GREEDY,
+    grammar: Grammar | None = None,
 ) -> list[int]:
-    """Sequential decoding (greedy, or sampled with `sampling`) of the target layout with no
-    KV cache, in the layout's own dtype (float64 or bf16), which the engine computes in
-    too. Like the engine it stops
-    after one of its tokenizer's end tokens, or after the first token whose text completes
-    one of the `stop` strings."""
+    """Sequential decoding (greedy, or sampled with `sampling`; under `grammar`'s masks if
+    given) of the target layout with no KV cache, in the layout's own dtype (float64 or
+    bf16), which the engine computes in too. Like the engine it stops after one of its
+    tokenizer's end tokens, or after the first token whose text completes one of the `stop`
+    strings."""
     model, tokenizer = _reference_model(layout)
     stop_ids = tokenizer.eos_ids if tokenizer else frozenset()
-    tokens = sequential_reference(model, list(prompt), max_new_tokens, stop_ids, sampling)
+    matcher = None
+    if grammar is not None:
+        if tokenizer is None:
+            raise ValueError(f"{layout}: a grammar needs a target with a tokenizer")
+        vocab = model.args.vocab_size
+        matcher = Matcher(grammar, tokenizer.grammar_vocabulary(vocab), vocab)
+    tokens = sequential_reference(model, list(prompt), max_new_tokens, stop_ids, sampling, matcher)
     if stop:
         if tokenizer is None:
             raise ValueError(f"{layout}: stop strings need a target with a tokenizer")
@@ -70,9 +78,10 @@ async def assert_matches_sequential(
     stop: Sequence[str] = (),
     draft: DraftModel | None = None,
     sampling: Sampling = GREEDY,
+    grammar: Grammar | None = None,
 ) -> GenerationResult:
     """Run the engine on `prompt` for `n` new tokens (with `stop` strings, `draft` if given,
-    and `sampling`: greedy, or its temperature, filters and seed) and assert that its
+    `sampling`: greedy, or its temperature, filters and seed, and `grammar`) and assert that its
     tokens are exactly `reference_tokens` of its target with the same sampling, with a
     message naming the first position that differs. Returns the engine's result.
 
@@ -81,14 +90,14 @@ async def assert_matches_sequential(
     one-token decoding does. The draft's dtype cannot change the output, only the
     acceptance rate.
     """
-    expected = reference_tokens(Path(engine_config.target), prompt, n, stop, sampling)
+    expected = reference_tokens(Path(engine_config.target), prompt, n, stop, sampling, grammar)
     async with Engine.open(engine_config, draft=draft) as engine:
-        options = GenerationOptions(max_new_tokens=n, stop=stop, sampling=sampling)
+        options = GenerationOptions(max_new_tokens=n, stop=stop, sampling=sampling, grammar=grammar)
         result = await engine.generate(list(prompt), options=options)
     got = list(result.tokens)
     if got != expected:
         raise AssertionError(
-            _mismatch(engine_config, list(prompt), n, stop, sampling, expected, result)
+            _mismatch(engine_config, list(prompt), n, stop, sampling, grammar, expected, result)
         )
     return result
 
@@ -99,6 +108,7 @@ def _mismatch(
     n: int,
     stop: Sequence[str],
     sampling: Sampling,
+    grammar: Grammar | None,
     expected: list[int],
     result: GenerationResult,
 ) -> str:
@@ -118,6 +128,7 @@ def _mismatch(
             f"engine output differs from sequential {_decoding(sampling)} of the target at new "
             f"token {first} (step {step}); {len(got)} tokens vs {len(expected)} expected",
             f"  prompt:   {prompt}  (max_new_tokens={n}, stop={list(stop)}, {sampling})",
+            f"  grammar:  {grammar}",
             f"  agreed:   {expected[:first]}",
             f"  expected: ...{expected[first:]}",
             f"  engine:   ...{got[first:]}",

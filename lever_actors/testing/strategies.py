@@ -30,12 +30,14 @@ from lever_actors.config import (
     Weights,
 )
 from lever_actors.model.args import SUPPORTED_ARCHITECTURES, ModelArgs, RopeScaling
+from lever_actors.model.grammar import Grammar
 from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.testing.checkpoints import (
     DRAFT_RELATIONS,
     TWIN_GAP,
     ModelPair,
     Relation,
+    TinyTokenizer,
     arch_features,
     bf16_args,
     budget_bytes,
@@ -237,6 +239,25 @@ def samplings() -> st.SearchStrategy[Sampling]:
     )
 
 
+def grammars() -> st.SearchStrategy[Grammar]:
+    """Grammars of each kind, for byte-level vocabularies (`write_byte_tokenizer`): any
+    JSON object, schemas of an object and of an array, a regex and a Lark grammar."""
+    person = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    return st.sampled_from(
+        [
+            Grammar("json"),
+            Grammar.json_schema(person),
+            Grammar.json_schema({"type": "array", "items": {"enum": [1, 2, "three", None]}}),
+            Grammar("regex", r"(the|a) (quick|lazy) [a-z]{1,8}\."),
+            Grammar("lark", 'start: item (", " item)*\nitem: /[0-9]+/ | "true" | "false"'),
+        ]
+    )
+
+
 @dataclass(frozen=True)
 class EngineCase:
     """One drawn configuration: models, request and engine settings. Its repr is what
@@ -269,7 +290,7 @@ class EngineCase:
     weights: Weights = "dense"  # the target layout's matrices, and the draft's
     draft_window: int | None = None  # the prompt tokens the draft prefills at most
 
-    def models(self, *, tokenizer: bool = False, eos_id: int | None = None) -> ModelPair:
+    def models(self, *, tokenizer: TinyTokenizer = "none", eos_id: int | None = None) -> ModelPair:
         """Build (or reuse) the checkpoints; see `model_pair` for the keywords."""
         pair = model_pair(
             self.args,
@@ -289,7 +310,9 @@ class EngineCase:
         target = with_exit_predictor(pair.target, exit_layer, seed=self.model_seed)
         return ModelPair(target=target, draft=pair.draft)
 
-    def engine_config(self, *, tokenizer: bool = False, eos_id: int | None = None) -> EngineConfig:
+    def engine_config(
+        self, *, tokenizer: TinyTokenizer = "none", eos_id: int | None = None
+    ) -> EngineConfig:
         """The engine's config for this case, over `models(...)`."""
         pair = self.models(tokenizer=tokenizer, eos_id=eos_id)
         return EngineConfig(

@@ -21,7 +21,7 @@ PREFIX = "lever-actors: error: "
 
 @pytest.fixture(scope="module")
 def model() -> Path:
-    return tiny_checkpoint(TINY_ARGS, tokenizer=True)
+    return tiny_checkpoint(TINY_ARGS, tokenizer="words")
 
 
 def one_line(capsys) -> str:

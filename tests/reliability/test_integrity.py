@@ -108,7 +108,7 @@ async def test_the_engine_generates_nothing_from_corrupt_bytes(layout, where):
 
 def test_the_command_refuses_corrupt_weights_unless_told_not_to_check(tmp_path, capsys):
     layout = tmp_path / "layout"
-    shutil.copytree(flash_layout(tiny_checkpoint(TINY_ARGS, tokenizer=True)), layout)
+    shutil.copytree(flash_layout(tiny_checkpoint(TINY_ARGS, tokenizer="words")), layout)
     flip_byte(layout, tensor_start(layout, "layer.1", "w_down") + 9)
     command = ["generate", "--target", str(layout), "--prompt", "t1 t2", "--max-new-tokens", "3"]
     assert main(command) == 1

@@ -28,7 +28,7 @@ def test_an_hf_index_naming_a_shard_outside_is_refused(tmp_path, shard):
 @pytest.mark.parametrize("name", ["../tokenizer.json", "/etc/passwd"])
 def test_a_manifest_naming_a_tokenizer_outside_is_refused(tmp_path, name):
     layout = tmp_path / "layout"
-    shutil.copytree(flash_layout(tiny_checkpoint(TINY_ARGS, tokenizer=True)), layout)
+    shutil.copytree(flash_layout(tiny_checkpoint(TINY_ARGS, tokenizer="words")), layout)
     manifest = json.loads((layout / "manifest.json").read_text())
     manifest["tokenizer"] = name
     (layout / "manifest.json").write_text(json.dumps(manifest))

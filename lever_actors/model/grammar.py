@@ -1,0 +1,108 @@
+"""Constrained decoding: a grammar (a JSON schema, any JSON object, a regex or a Lark
+grammar) that decides which tokens may come next, through llguidance.
+
+The target's choice at a position takes the mask of the grammar's state after the tokens
+before it: the mask keeps the allowed tokens' logits and sets the rest to -inf before any
+temperature, filtering or noise (sampling.py). Sequential decoding does the same one token
+at a time, so a tree whose accepted path is chosen under the masks along it commits the
+same tokens, whatever the draft proposed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import llguidance
+import msgspec
+import numpy as np
+import torch
+
+from lever_actors.errors import ConfigError
+
+GrammarKind = Literal["json", "json_schema", "regex", "lark"]
+# JSON's whitespace between tokens: a space, or a line break and an indent; unbounded, a
+# model may fill its tokens with it (a schema's "x-guidance" may say otherwise)
+JSON_WHITESPACE = r"( |\n[ \t]{0,20})?"
+
+
+class Grammar(msgspec.Struct, frozen=True):
+    """A constraint on a request's text, checked on construction (ConfigError names what
+    llguidance refused). `source` is the schema as JSON text, the regex or the Lark
+    grammar; "json" (any JSON object, OpenAI's `json_object`) needs none."""
+
+    kind: GrammarKind
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.kind == "json") != (self.source == ""):
+            raise ConfigError(f"grammar {self.kind!r}: " + _SOURCE_RULE)
+        try:
+            compiled = self.compiled()
+        except ValueError as cause:  # a schema that is not a JSON object
+            raise ConfigError(f"grammar {self.kind!r}: {cause}") from None
+        error = llguidance.LLMatcher.validate_grammar(compiled)
+        if error:
+            raise ConfigError(f"grammar {self.kind!r}: {error}")
+
+    @classmethod
+    def json_schema(cls, schema: Mapping[str, Any] | str) -> Grammar:
+        """Text that is JSON valid under `schema` (a dict, or its JSON text)."""
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+    def compiled(self) -> str:
+        """The grammar in llguidance's own form."""
+        match self.kind:
+            case "json":
+                return _from_schema({"type": "object"})
+            case "json_schema":
+                return _from_schema(self.source)
+            case "regex":
+                return llguidance.LLMatcher.grammar_from_regex(self.source)
+            case "lark":
+                return llguidance.LLMatcher.grammar_from_lark(self.source)
+
+
+def _from_schema(schema: str | dict[str, Any]) -> str:
+    return llguidance.LLMatcher.grammar_from_json_schema(
+        schema, defaults={"whitespace_pattern": JSON_WHITESPACE}
+    )
+
+
+_SOURCE_RULE = "a schema, regex or Lark grammar needs its source; any JSON ('json') none"
+
+
+class Matcher:
+    """One request's place in its grammar: which tokens may come next, and the tokens
+    taken so far. `vocabulary` is llguidance's view of the tokenizer, `vocab_size` the
+    width of the model's logits."""
+
+    def __init__(
+        self, grammar: Grammar, vocabulary: llguidance.LLTokenizer, vocab_size: int
+    ) -> None:
+        self._matcher = llguidance.LLMatcher(vocabulary, grammar.compiled(), log_level=0)
+        self._vocab_size = vocab_size
+        self._raise_on_error()
+
+    def allowed(self) -> torch.Tensor:
+        """[vocab] bool: the tokens the grammar allows next (only the end tokens once it is
+        complete)."""
+        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        self._raise_on_error()
+        unpacked = np.unpackbits(bits, bitorder="little")[: self._vocab_size]
+        return torch.from_numpy(unpacked.astype(bool))
+
+    def consume(self, token: int) -> None:
+        """Take `token`, which `allowed()` allowed."""
+        if not self._matcher.consume_token(token):
+            self._raise_on_error()
+
+    def _raise_on_error(self) -> None:
+        if self._matcher.is_error():
+            raise ConfigError(f"grammar: {self._matcher.get_error()}")
+
+
+def masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """logits: [..., vocab], allowed: [vocab] bool -> the logits, disallowed ones at -inf."""
+    return logits.masked_fill(~allowed, -torch.inf)
