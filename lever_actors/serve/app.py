@@ -59,6 +59,7 @@ from lever_actors.serve.schemas import (
     error_body,
     usage,
 )
+from lever_actors.tool_calls import CallText, read_calls
 
 log = get_logger(__name__)
 
@@ -283,7 +284,8 @@ class _Routes:
     async def chat_completions(self, request: Request) -> Response:
         parsed = await self._parse(request, ChatRequest)
         reply = Reply(True, self.options.model_name)
-        return await self._answer(request, parsed, reply, None, parsed.conversation())
+        conversation, tools = parsed.conversation(), parsed.functions()
+        return await self._answer(request, parsed, reply, None, conversation, tools)
 
     def _describer(self) -> Describer:
         """token, its text, logprob, top -> its TokenLogprob, none for an end token (whose
@@ -352,8 +354,10 @@ class _Routes:
         parsed: Sampled,
         reply: Reply,
         prompt: str | list[int] | None,
-        messages: list[dict[str, str]] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Response:
+        """The engine's answer, whole or streamed; with `tools`, tool calls read out of it."""
         try:
             options = parsed.options(self.options.default_max_tokens, self.options.deadline_seconds)
             described = self._describer() if parsed.top_logprobs_asked() is not None else None
@@ -361,7 +365,9 @@ class _Routes:
             raise ApiError(400, str(e), "invalid_request_error") from None
         ticket = self.admission.enter()
         if not parsed.stream:
-            whole = partial(self.engine.generate, prompt, messages=messages, options=options)
+            whole = partial(
+                self.engine.generate, prompt, messages=messages, tools=tools, options=options
+            )
             try:
                 with self.admission.cuttable() as scope:
                     result = await unless_gone(request, whole)
@@ -380,12 +386,13 @@ class _Routes:
                     result.tokens, result.pieces, result.logprobs, result.top_logprobs, strict=True
                 )
                 logprobs = [t for args in each for t in described(*args)]
-            return _JSON(reply.whole(result.text, result.finish_reason, use, logprobs))
+            text, calls = read_calls(result.text) if tools else (result.text, [])
+            return _JSON(reply.whole(text, result.finish_reason, use, logprobs, calls))
         # the place in the queue is free once the engine's work is: a stalled reader whose
         # request the engine ended holds none, though its response (which a drain awaits)
         # waits on it still
         stream = self.engine.stream(
-            prompt, messages=messages, options=options, on_done=ticket.engine_done
+            prompt, messages=messages, tools=tools, options=options, on_done=ticket.engine_done
         )
         events = self.admission.until_cut(stream)
         try:  # the first token before the headers: a bad request is still a 400
@@ -401,7 +408,8 @@ class _Routes:
                 raise _timed_out(e) from None
             raise
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-        body = _sse(reply, first, events, include_usage, ticket, described)
+        held = CallText() if tools else None
+        body = _sse(reply, first, events, include_usage, ticket, described, held)
         weakref.finalize(body, ticket.release)  # also if the response never starts
         return StreamingResponse(body, media_type="text/event-stream")
 
@@ -413,30 +421,45 @@ async def _sse(
     include_usage: bool,
     ticket: _Ticket,
     described: Describer | None = None,
+    calls: CallText | None = None,
 ) -> AsyncIterator[bytes]:
     """Server-sent events: one chunk per token, the finish reason on the last (CUT_REASON on
     a chunk of its own where a drain cut the stream), [DONE]; each token's log-probability
-    where `described`."""
+    where `described`; tool calls, where `calls` holds them back, in a last chunk."""
     offset = 0  # characters of the tokens' texts so far, for the legacy text_offset
 
-    def chunk(event: TokenEvent) -> bytes:
+    def chunks(event: TokenEvent) -> Iterator[bytes]:
         nonlocal offset
         logprobs = None
         if described is not None:
             tokens = described(event.token, event.piece, event.logprob, event.top_logprobs)
             logprobs = reply.logprobs(tokens, offset)
             offset += sum(len(t.text) for t in tokens)
-        return _event(reply.chunk(event.text, event.finish_reason, logprobs=logprobs))
+        if calls is None:
+            yield _event(reply.chunk(event.text, event.finish_reason, logprobs=logprobs))
+            return
+        text = calls.push(event.text)
+        if event.finish_reason is None:
+            yield _event(reply.chunk(text, logprobs=logprobs))
+            return
+        rest, called = calls.end()
+        yield _event(
+            reply.chunk(text + rest, None if called else event.finish_reason, logprobs=logprobs)
+        )
+        if called:
+            yield _event(reply.chunk(None, "tool_calls", calls=called))
 
     try:
         if reply.chat:
             yield _event(reply.chunk(None, first=True))
         last = first
-        yield chunk(first)
+        for part in chunks(first):
+            yield part
         try:
             async for event in events:
                 last = event
-                yield chunk(event)
+                for part in chunks(event):
+                    yield part
         except Cut:
             yield _event(reply.chunk(None, CUT_REASON))
         except ConsumerStalledError as stalled:  # a reader that came back too late

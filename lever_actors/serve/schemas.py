@@ -1,11 +1,12 @@
 """The OpenAI-compatible request and response bodies `serve` speaks, as msgspec structs.
 
 Requests refuse unknown fields, so that a client that asks for something we do not do
-(n > 1, logit_bias, tools) hears so instead of silently getting something else.
+(n > 1, logit_bias) hears so instead of silently getting something else.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -14,13 +15,35 @@ import msgspec
 
 from lever_actors.channels.messages import FinishReason
 from lever_actors.errors import ConfigError
+from lever_actors.model.grammar import Grammar
 from lever_actors.request import GenerationOptions, generation_options
+from lever_actors.tool_calls import ToolCall, call_grammar
 
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "user", "assistant", "tool"]
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False  # a last chunk with the usage counts
+
+
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str
+    schema: dict[str, Any] | None = None  # None: any JSON object
+    description: str | None = None
+    strict: bool | None = None  # accepted: the schema is always held to
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def grammar(self) -> Grammar | None:
+        """The grammar the text must follow; None for plain text."""
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ConfigError("response_format.json_schema goes with type json_schema, and only")
+        if self.json_schema is not None and self.json_schema.schema is not None:
+            return Grammar.json_schema(self.json_schema.schema)
+        return None if self.type == "text" else Grammar("json")
 
 
 class Sampled(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -35,6 +58,7 @@ class Sampled(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, unused
+    response_format: ResponseFormat | None = None
 
     def options(self, default_max_tokens: int, deadline_seconds: float | None) -> GenerationOptions:
         """What the request asks of Engine.stream / generate, with the server's deadline;
@@ -48,7 +72,12 @@ class Sampled(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             stop=stop,
             deadline_seconds=deadline_seconds,
             top_logprobs=self.top_logprobs_asked() or 0,
+            grammar=self.grammar(),
         )
+
+    def grammar(self) -> Grammar | None:
+        """The grammar the text must follow, if any."""
+        return self.response_format.grammar() if self.response_format else None
 
     def top_logprobs_asked(self) -> int | None:
         """Each token's alternatives to report with its log-probability; None: no
@@ -69,9 +98,64 @@ class CompletionRequest(Sampled, forbid_unknown_fields=True, kw_only=True):
         return self.logprobs
 
 
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+class CalledFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class AssistantCall(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     role: Role
-    content: str
+    content: str | None = None  # an assistant's that only calls tools may have none
+    tool_calls: list[AssistantCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's: the call it answers
+    name: str | None = None
+
+    def rendered(self, index: int) -> dict[str, Any]:
+        """The message as chat templates take it: a call's arguments parsed."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [_rendered_call(c, index) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            message["name"] = self.name
+        return message
+
+
+def _rendered_call(call: AssistantCall, index: int) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        raise ConfigError(f"messages[{index}]: a tool call's arguments are not JSON") from None
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
+
+
+class FunctionDefinition(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None  # accepted: a required call always follows the schema
+
+
+class ToolDefinition(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedTool(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatRequest(Sampled, forbid_unknown_fields=True, kw_only=True):
@@ -79,6 +163,11 @@ class ChatRequest(Sampled, forbid_unknown_fields=True, kw_only=True):
     max_completion_tokens: int | None = None  # the newer name of max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None  # alternatives per token, 0 to 20; needs logprobs
+    tools: list[ToolDefinition] | None = None
+    # "auto" where tools are given (the model may call them), "required" (it calls one or
+    # more, under a grammar), a named function (it calls that one), "none" (no tools shown)
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool = True  # false: a required call is one call
 
     def top_logprobs_asked(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -90,9 +179,46 @@ class ChatRequest(Sampled, forbid_unknown_fields=True, kw_only=True):
             return self.max_completion_tokens
         return super()._max_tokens(default)
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         """The messages as Engine.stream takes them."""
-        return [msgspec.structs.asdict(m) for m in self.messages]
+        return [m.rendered(i) for i, m in enumerate(self.messages)]
+
+    def functions(self) -> list[dict[str, Any]] | None:
+        """The function definitions the chat template shows, as sent (fields left out stay
+        out); None: no tools."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        given = (msgspec.structs.asdict(t.function).items() for t in self.tools)
+        return [{k: v for k, v in fields if v is not None} for fields in given]
+
+    def grammar(self) -> Grammar | None:
+        choice = self.tool_choice
+        if choice is None or choice in ("auto", "none"):
+            return super().grammar()
+        functions = self.functions()
+        if functions is None:
+            raise ConfigError(f"tool_choice {_choice(choice)} needs tools")
+        if self.response_format is not None:
+            raise ConfigError(f"give response_format or tool_choice {_choice(choice)}, not both")
+        if isinstance(choice, NamedTool):
+            functions = [f for f in functions if f["name"] == choice.function.name]
+            if not functions:
+                raise ConfigError(f"tool_choice names {choice.function.name!r}: not in tools")
+        return call_grammar(functions, many=self.parallel_tool_calls)
+
+
+def _choice(choice: str | NamedTool) -> str:
+    return repr(choice.function.name) if isinstance(choice, NamedTool) else repr(choice)
+
+
+def tool_calls_body(calls: list[ToolCall], streamed: bool) -> list[dict[str, Any]]:
+    """OpenAI's `tool_calls`: whole in a message, or each with its index in a delta."""
+    return [
+        ({"index": i} if streamed else {})
+        | {"id": c.id, "type": "function"}
+        | {"function": {"name": c.name, "arguments": c.arguments}}
+        for i, c in enumerate(calls)
+    ]
 
 
 class PromptTokensDetails(msgspec.Struct):
@@ -148,27 +274,40 @@ class Reply:
         finish: FinishReason | None,
         use: Usage,
         logprobs: list[TokenLogprob] | None = None,
+        calls: list[ToolCall] | None = None,
     ) -> dict[str, Any]:
+        """The whole response; with `calls`, a chat message that calls tools."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:
+                message = message | {
+                    "content": text or None,
+                    "tool_calls": tool_calls_body(calls, False),
+                }
+            choice = {"index": 0, "message": message}
         else:
             choice = {"index": 0, "text": text}
         choice["logprobs"] = None if logprobs is None else self.logprobs(logprobs, 0)
         body = self._head("chat.completion" if self.chat else "text_completion")
-        return body | {"choices": [choice | {"finish_reason": finish}], "usage": use}
+        ended = "tool_calls" if calls else finish
+        return body | {"choices": [choice | {"finish_reason": ended}], "usage": use}
 
     def chunk(
         self,
         text: str | None,
-        finish: FinishReason | None = None,
+        finish: FinishReason | Literal["tool_calls"] | None = None,
         first: bool = False,
         logprobs: dict[str, Any] | None = None,
+        calls: list[ToolCall] | None = None,
     ) -> dict[str, Any]:
-        """A stream chunk carrying `text` (None: none), and `finish` on the last one."""
+        """A stream chunk carrying `text` (None: none) or a chat's tool `calls`, and
+        `finish` on the last one."""
         if self.chat:
-            delta: dict[str, str] = {"role": "assistant"} if first else {}
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
                 delta["content"] = text
+            if calls:
+                delta["tool_calls"] = tool_calls_body(calls, True)
             choice: dict[str, Any] = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": text or ""}
