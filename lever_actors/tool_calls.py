@@ -27,10 +27,14 @@ class ToolCall(msgspec.Struct, frozen=True):
     id: str = msgspec.field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
 
-def call_grammar(functions: Sequence[Mapping[str, Any]], many: bool = True) -> Grammar:
+def call_grammar(
+    functions: Sequence[Mapping[str, Any]], many: bool = True, marker_tokens: bool = False
+) -> Grammar:
     """Text of one call (or with `many`, one or more), each of one of `functions` (OpenAI's
     function definitions: name, parameters) with arguments valid under its parameters'
-    schema."""
+    schema. With `marker_tokens` the tokenizer has OPEN and CLOSE as tokens of their own
+    (Qwen's), which the grammar must name as tokens: llguidance allows such a token where
+    its text is due but then refuses it."""
     if not functions:
         raise ConfigError("a required tool call needs at least one tool")
     choices = [
@@ -50,7 +54,9 @@ def call_grammar(functions: Sequence[Mapping[str, Any]], many: bool = True) -> G
     lark = "\n".join(
         [
             r'start: call ("\n" call)*' if many else "start: call",
-            rf'call: "{OPEN}\n" body "\n{CLOSE}"',
+            rf'call: {OPEN} "\n" body "\n" {CLOSE}'
+            if marker_tokens
+            else rf'call: "{OPEN}\n" body "\n{CLOSE}"',
             f"body: %json {json.dumps(schema)}",
         ]
     )

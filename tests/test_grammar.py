@@ -139,6 +139,7 @@ def test_a_stream_holds_back_its_calls_and_lets_out_what_comes_before():
 
 
 def test_the_call_grammar_takes_one_call_or_many(tokenizer):
+    """The byte-level vocabulary has the markers as tokens of their own, as Qwen's has."""
     weather = {
         "name": "weather",
         "parameters": {
@@ -150,12 +151,14 @@ def test_the_call_grammar_takes_one_call_or_many(tokenizer):
     vocabulary = tokenizer.grammar_vocabulary(BYTE_VOCAB)
     one = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     for grammar, text, whole in [
-        (call_grammar([weather], many=False), one, True),
-        (call_grammar([weather, {"name": "now"}]), one + "\n" + one, True),
-        (call_grammar([weather], many=False), one.replace("Oslo", "Paris"), False),
-        (call_grammar([{"name": "now"}]), one, False),
+        (call_grammar([weather], many=False, marker_tokens=True), one, True),
+        (call_grammar([weather, {"name": "now"}], marker_tokens=True), one + "\n" + one, True),
+        (call_grammar([weather], many=False, marker_tokens=True), one + "\n" + one, False),
+        (call_grammar([weather], marker_tokens=True), one.replace("Oslo", "Paris"), False),
+        (call_grammar([{"name": "now"}], marker_tokens=True), one, False),
     ]:
         matcher = Matcher(grammar, vocabulary, BYTE_VOCAB)
         assert accepts(matcher, tokenizer.encode(text)) == whole, text
     with pytest.raises(ConfigError, match="at least one tool"):
         call_grammar([])
+

@@ -127,7 +127,7 @@ async def test_a_required_tool_is_called_and_its_streamed_deltas_reassemble(conf
     assert [d.function.name for d in deltas if d.function.name] == ["weather"]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     functions = [WEATHER["function"]]
-    grammar = call_grammar(functions, many=False)
+    grammar = call_grammar(functions, many=False, marker_tokens=True)
     _, [expected] = read_calls(expected_text(config, ASK, grammar, functions))
     assert (expected.name, expected.arguments) == (call.function.name, call.function.arguments)
 

@@ -116,6 +116,10 @@ class Tokenizer:
         tokens = (backend.id_to_token(i) or "" for i in range(self.vocab_size))
         return max(1, *(len(t.encode()) for t in tokens))
 
+    def has_token(self, text: str) -> bool:
+        """Whether `text` is one token of this vocabulary."""
+        return self.backend.token_to_id(text) is not None
+
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special)
 

@@ -59,7 +59,7 @@ from lever_actors.serve.schemas import (
     error_body,
     usage,
 )
-from lever_actors.tool_calls import CallText, read_calls
+from lever_actors.tool_calls import OPEN, CallText, read_calls
 
 log = get_logger(__name__)
 
@@ -260,6 +260,8 @@ class _Routes:
         self.engine = engine
         self.options = options
         self.admission = admission
+        tokenizer = engine.tokenizer  # whether a tool call's markers are tokens of their own
+        self.marker_tokens = tokenizer is not None and tokenizer.has_token(OPEN)
 
     async def health(self, request: Request) -> Response:
         n_ctx = self.engine.context.tokens
@@ -359,7 +361,9 @@ class _Routes:
     ) -> Response:
         """The engine's answer, whole or streamed; with `tools`, tool calls read out of it."""
         try:
-            options = parsed.options(self.options.default_max_tokens, self.options.deadline_seconds)
+            options = parsed.options(
+                self.options.default_max_tokens, self.options.deadline_seconds, self.marker_tokens
+            )
             described = self._describer() if parsed.top_logprobs_asked() is not None else None
         except ConfigError as e:
             raise ApiError(400, str(e), "invalid_request_error") from None

@@ -60,9 +60,11 @@ class Sampled(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     user: str | None = None  # accepted, unused
     response_format: ResponseFormat | None = None
 
-    def options(self, default_max_tokens: int, deadline_seconds: float | None) -> GenerationOptions:
+    def options(
+        self, default_max_tokens: int, deadline_seconds: float | None, marker_tokens: bool = False
+    ) -> GenerationOptions:
         """What the request asks of Engine.stream / generate, with the server's deadline;
-        ConfigError if it is wrong."""
+        ConfigError if it is wrong. `marker_tokens`: see `call_grammar`."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         return generation_options(
             max_new_tokens=self._max_tokens(default_max_tokens),
@@ -72,10 +74,10 @@ class Sampled(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             stop=stop,
             deadline_seconds=deadline_seconds,
             top_logprobs=self.top_logprobs_asked() or 0,
-            grammar=self.grammar(),
+            grammar=self.grammar(marker_tokens),
         )
 
-    def grammar(self) -> Grammar | None:
+    def grammar(self, marker_tokens: bool = False) -> Grammar | None:
         """The grammar the text must follow, if any."""
         return self.response_format.grammar() if self.response_format else None
 
@@ -191,7 +193,7 @@ class ChatRequest(Sampled, forbid_unknown_fields=True, kw_only=True):
         given = (msgspec.structs.asdict(t.function).items() for t in self.tools)
         return [{k: v for k, v in fields if v is not None} for fields in given]
 
-    def grammar(self) -> Grammar | None:
+    def grammar(self, marker_tokens: bool = False) -> Grammar | None:
         choice = self.tool_choice
         if choice is None or choice in ("auto", "none"):
             return super().grammar()
@@ -204,7 +206,7 @@ class ChatRequest(Sampled, forbid_unknown_fields=True, kw_only=True):
             functions = [f for f in functions if f["name"] == choice.function.name]
             if not functions:
                 raise ConfigError(f"tool_choice names {choice.function.name!r}: not in tools")
-        return call_grammar(functions, many=self.parallel_tool_calls)
+        return call_grammar(functions, self.parallel_tool_calls, marker_tokens)
 
 
 def _choice(choice: str | NamedTool) -> str:

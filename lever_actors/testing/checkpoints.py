@@ -152,21 +152,23 @@ The quick brown fox jumps over the lazy dog. A grammar decides which tokens may 
 def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n
 """
 TinyTokenizer = Literal["none", "words", "bytes"]
-BYTE_VOCAB = 320  # the 256 bytes, 63 merges and the end token
+BYTE_VOCAB = 320  # the 256 bytes, 61 merges, the two tool-call markers and the end token
 END_TOKEN = "<|endoftext|>"
+TOOL_MARKERS = ("<tool_call>", "</tool_call>")  # tokens of their own, as in Qwen's vocabulary
 
 
 def write_byte_tokenizer(directory: Path, vocab_size: int = BYTE_VOCAB) -> None:
     """A byte-level BPE tokenizer, as GPT-2's and Qwen's are: the 256 bytes, merges learned
-    from a fixed text up to `vocab_size` - 1 tokens, and END_TOKEN last, the special token
-    the engine stops on. Grammars read it as they read a real model's."""
+    from a fixed text up to `vocab_size` - 3 tokens, the TOOL_MARKERS as added tokens, and
+    END_TOKEN last, the special token the engine stops on. Grammars read it as they read
+    a real model's."""
     if vocab_size <= 256:
         raise ValueError(f"a byte-level vocabulary needs more than 256 tokens, not {vocab_size}")
     backend = BackendTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - 1,
+        vocab_size=vocab_size - 3,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -175,8 +177,9 @@ def write_byte_tokenizer(directory: Path, vocab_size: int = BYTE_VOCAB) -> None:
         for i in range(2000)
     )
     backend.train_from_iterator([_BYTE_CORPUS, *records], trainer)
-    if backend.get_vocab_size() != vocab_size - 1:
+    if backend.get_vocab_size() != vocab_size - 3:
         raise ValueError(f"the byte-level text holds too few merges for {vocab_size} tokens")
+    backend.add_tokens([AddedToken(marker, normalized=False) for marker in TOOL_MARKERS])
     backend.add_special_tokens([AddedToken(END_TOKEN, special=True, normalized=False)])
     backend.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": END_TOKEN}))

@@ -44,6 +44,7 @@ from lever_actors.testing.checkpoints import (
     model_pair,
     with_exit_predictor,
 )
+from lever_actors.tool_calls import call_grammar
 
 
 @st.composite
@@ -241,7 +242,8 @@ def samplings() -> st.SearchStrategy[Sampling]:
 
 def grammars() -> st.SearchStrategy[Grammar]:
     """Grammars of each kind, for byte-level vocabularies (`write_byte_tokenizer`): any
-    JSON object, schemas of an object and of an array, a regex and a Lark grammar."""
+    JSON object, schemas of an object and of an array, a regex, a Lark grammar and a
+    required tool call (whose markers are tokens of that vocabulary)."""
     person = {
         "type": "object",
         "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -254,6 +256,7 @@ def grammars() -> st.SearchStrategy[Grammar]:
             Grammar.json_schema({"type": "array", "items": {"enum": [1, 2, "three", None]}}),
             Grammar("regex", r"(the|a) (quick|lazy) [a-z]{1,8}\."),
             Grammar("lark", 'start: item (", " item)*\nitem: /[0-9]+/ | "true" | "false"'),
+            call_grammar([{"name": "now"}, {"name": "find", "parameters": person}], True, True),
         ]
     )
 
