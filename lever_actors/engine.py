@@ -487,6 +487,7 @@ class Engine:
             next(jitter),
             cached=request.reuse.tokens,
             view=request.draft_start,
+            matcher=request.matcher.copy() if request.matcher else None,
         )
         verifier = Verifier(
             target,

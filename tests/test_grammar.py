@@ -9,12 +9,18 @@ from pathlib import Path
 import jsonschema
 import msgspec
 import pytest
+import torch
+import trio
 
+from lever_actors.checkpoints.hf import load_hf
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.config import EngineConfig
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError
 from lever_actors.model.grammar import Grammar, Matcher
+from lever_actors.model.sampling import GREEDY, Chooser
+from lever_actors.model.transformer import Transformer
+from lever_actors.policy.trees import TreeBuilder, grow_static
 from lever_actors.request import GenerationOptions
 from lever_actors.testing import BYTE_VOCAB, TINY_ARGS, model_pair, reference_tokens
 from lever_actors.tool_calls import CallText, call_grammar, read_calls
@@ -162,3 +168,28 @@ def test_the_call_grammar_takes_one_call_or_many(tokenizer):
     with pytest.raises(ConfigError, match="at least one tool"):
         call_grammar([])
 
+
+@pytest.mark.parametrize("proposing", [None, 300])
+async def test_the_draft_proposes_only_what_the_grammar_allows(config, tokenizer, proposing):
+    """Every child the draft proposes is allowed after its parent's path, in a tree four
+    wide and three deep: the masks of the target's choice hold for the draft's too, and
+    for a draft whose logits cover only part of the vocabulary."""
+    checkpoint = load_hf(Path(config.draft), torch.float64)
+    model = Transformer(checkpoint.args, checkpoint.weights).proposing(proposing)
+    assert model.weights.lm_head.shape[0] == (proposing or BYTE_VOCAB)
+    vocabulary = tokenizer.grammar_vocabulary(BYTE_VOCAB)
+    matcher = Matcher(Grammar.json_schema(COLOR), vocabulary, BYTE_VOCAB)
+    chain = tokenizer.encode("Answer: ")
+    builder = TreeBuilder(model, model.new_cache(64), chain, Chooser(GREEDY), matcher=matcher)
+    builder.run_chain([])
+    await grow_static(
+        builder, (4, 4, 4), 64, lambda nodes: trio.to_thread.run_sync(builder.run, nodes)
+    )
+    drafted = range(builder.n_chain, len(builder.tokens))
+    assert len(drafted) > 4
+    for node in drafted:
+        parent, path = builder.parents[node], []
+        while parent >= builder.n_chain:
+            path.insert(0, builder.tokens[parent])
+            parent = builder.parents[parent]
+        assert matcher.allowed_after(path)[builder.tokens[node]], (node, path)

@@ -14,6 +14,7 @@ from lever_actors.actors.jitter import Jitter
 from lever_actors.channels.messages import Commit, DraftRequest, DraftTree
 from lever_actors.config import TreeSpec
 from lever_actors.device.units import Abandoned, ComputeUnit
+from lever_actors.model.grammar import Matcher
 from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.sampling import GREEDY, Chooser, Sampling
 from lever_actors.model.transformer import Transformer
@@ -68,10 +69,12 @@ class Drafter:
         *,
         cached: int = 0,
         view: int = 0,
+        matcher: Matcher | None = None,
     ) -> None:
         """`cache`: the draft's (None without a draft model), which holds the KV of the
         prompt's tokens from `view` on, if any; `cached`: the prompt's first tokens whose KV
-        the target's cache already holds."""
+        the target's cache already holds; `matcher`: the request's grammar (a copy of the
+        projector's), which the drafter moves along the committed text."""
         self.model = model
         self.policy = policy
         self.cpu, self.npu = units
@@ -87,6 +90,7 @@ class Drafter:
         self.carried: TreeBuilder | None = None  # the next tree, when the commit hit a run node
         self.chooser = Chooser(policy.sampling, noise_dtype=torch.float32)  # ranks only
         self.context = ContextIndex(prompt) if policy.lookup else None  # the committed text
+        self.matcher = matcher
 
     async def run(
         self,
@@ -168,7 +172,12 @@ class Drafter:
             # only a tree of kind "none" needs no draft
             assert self.model is not None and self.cache is not None
             builder = TreeBuilder(
-                self.model, self.cache, self.chain, self.chooser, unviewed=self.unviewed
+                self.model,
+                self.cache,
+                self.chain,
+                self.chooser,
+                unviewed=self.unviewed,
+                matcher=self.matcher,
             )
             await self.npu.run(builder.run_chain, self.backlog)
             self.backlog, self.unviewed = [], 0
@@ -203,9 +212,12 @@ class Drafter:
 
     async def commit(self, commit: Commit, tree: DraftTree, max_nodes: int) -> None:
         self.chain = list(commit.next_tokens)
+        path = [tree.tokens[n] for n in commit.accepted if n >= tree.n_committed]
         if self.context is not None:
-            path = [tree.tokens[n] for n in commit.accepted if n >= tree.n_committed]
             self.context.extend([*path, *commit.next_tokens])
+        if self.matcher is not None:
+            for token in [*path, *commit.next_tokens]:
+                self.matcher.consume(token)
         if self.model is None or self.cache is None:
             return
         if self.policy.calibrator is not None:

@@ -5,7 +5,9 @@ The target's choice at a position takes the mask of the grammar's state after th
 before it: the mask keeps the allowed tokens' logits and sets the rest to -inf before any
 temperature, filtering or noise (sampling.py). Sequential decoding does the same one token
 at a time, so a tree whose accepted path is chosen under the masks along it commits the
-same tokens, whatever the draft proposed.
+same tokens, whatever the draft proposed. The draft proposes under the same masks (a copy
+of the matcher, `allowed_after` its nodes' paths), only so that it proposes what the
+target may accept.
 """
 
 from __future__ import annotations
@@ -93,10 +95,27 @@ class Matcher:
         unpacked = np.unpackbits(bits, bitorder="little")[: self._vocab_size]
         return torch.from_numpy(unpacked.astype(bool))
 
+    def allowed_after(self, tokens: list[int]) -> torch.Tensor:
+        """[vocab] bool: the tokens allowed after `tokens` (none if it refuses one of them);
+        the matcher stays where it was."""
+        taken = self._matcher.try_consume_tokens(tokens)
+        try:
+            if taken < len(tokens):
+                return torch.zeros(self._vocab_size, dtype=torch.bool)
+            return self.allowed()
+        finally:
+            self._matcher.rollback(taken)
+
     def consume(self, token: int) -> None:
         """Take `token`, which `allowed()` allowed."""
         if not self._matcher.consume_token(token):
             self._raise_on_error()
+
+    def copy(self) -> Matcher:
+        """Another matcher at the same place, which goes on alone."""
+        twin = object.__new__(Matcher)
+        twin._matcher, twin._vocab_size = self._matcher.deep_copy(), self._vocab_size
+        return twin
 
     def _raise_on_error(self) -> None:
         if self._matcher.is_error():
@@ -104,5 +123,6 @@ class Matcher:
 
 
 def masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """logits: [..., vocab], allowed: [vocab] bool -> the logits, disallowed ones at -inf."""
-    return logits.masked_fill(~allowed, -torch.inf)
+    """logits: [..., n], allowed: [..., vocab] bool, n <= vocab -> the logits, disallowed
+    ones at -inf (a draft's logits may cover only the first n ids: Transformer.proposing)."""
+    return logits.masked_fill(~allowed[..., : logits.shape[-1]], -torch.inf)

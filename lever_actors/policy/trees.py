@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from lever_actors.config import MAX_STATIC_WIDTH
+from lever_actors.model.grammar import Matcher, masked
 from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.placement import Placement
 from lever_actors.model.sampling import Chooser
@@ -54,7 +55,9 @@ class TreeBuilder:
     """One tree under construction: the committed chain, then draft nodes. A node is "run"
     when the draft model has processed it (at the next free slot of the pending block),
     which gives the distribution of its children: the draft's own, or when sampling, that
-    of its perturbed scores, whose top token is the one the shared noise makes it draw."""
+    of its perturbed scores, whose top token is the one the shared noise makes it draw.
+    Under a grammar (`matcher`, at the end of the chain) only the tokens it allows after a
+    node's path are its children."""
 
     def __init__(
         self,
@@ -63,12 +66,14 @@ class TreeBuilder:
         chain: list[int],
         chooser: Chooser,
         unviewed: int = 0,
+        matcher: Matcher | None = None,
     ) -> None:
         """`unviewed`: the chain's first nodes the draft never runs, before its view of the
         text begins (sequences.py): no node sees them, and positions count from after them."""
         self.model = model
         self.cache = cache
         self.chooser = chooser
+        self.matcher = matcher
         self.n_chain = len(chain)
         self.unviewed = unviewed
         self.tokens = list(chain)
@@ -105,7 +110,9 @@ class TreeBuilder:
         ran = [n for n in subtree if n in self.offsets]
         self.cache.keep([self.offsets[n] for n in accepted], [self.offsets[n] for n in ran])
         renamed = {old: new for new, old in enumerate(subtree)}
-        builder = TreeBuilder(self.model, self.cache, [self.tokens[root]], self.chooser)
+        builder = TreeBuilder(
+            self.model, self.cache, [self.tokens[root]], self.chooser, matcher=self.matcher
+        )
         for node in subtree[1:]:
             parent = renamed[self.parents[node]]
             builder.add(parent, self.tokens[node], self.probs[node], self.ranks[node])
@@ -159,12 +166,24 @@ class TreeBuilder:
         """Keep the best children of run `nodes`, from their final hidden [n, d_model] at
         `positions` [n]."""
         logits = self.model.logits(hidden)
+        if self.matcher is not None:
+            allowed = [self.matcher.allowed_after(self._path_tokens(n)) for n in nodes]
+            logits = masked(logits, torch.stack(allowed))
         scores = self.chooser.draft_scores(logits, positions + 1)
-        probs = torch.softmax(scores.float(), dim=-1)
+        probs = torch.softmax(scores.float(), dim=-1).nan_to_num()  # none allowed: all 0
         top = torch.topk(probs, min(KEPT, probs.shape[-1]))
         ranked = zip(top.values.tolist(), top.indices.tolist(), strict=True)
         for node, (values, tokens) in zip(nodes, ranked, strict=True):
-            self.children[node] = Children(values, tokens)
+            kept = sum(v > 0 for v in values)  # no token a grammar refuses is a child
+            self.children[node] = Children(values[:kept], tokens[:kept])
+
+    def _path_tokens(self, node: int) -> list[int]:
+        """The tokens from the chain's end down to `node`."""
+        tokens = []
+        while node >= self.n_chain:
+            tokens.append(self.tokens[node])
+            node = self.parents[node]
+        return tokens[::-1]
 
     def shadows(self) -> tuple[tuple[int, ...], ...]:
         """Per node: its best candidates that did not become children (empty if not run)."""
