@@ -104,7 +104,7 @@ class CallText:
 
     def end(self) -> tuple[str, list[ToolCall]]:
         """At the end: the text still to go out, and the calls."""
-        content, calls = read_calls(self._text)
+        _, calls = read_calls(self._text)
         if calls:
             return "", calls
         return self._text[self._before.sent :], []
