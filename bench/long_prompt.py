@@ -47,6 +47,14 @@ def prompt_of(tokenizer: Tokenizer, tokens: int) -> str:
 
 def run(argv: list[str], cgroup: MemoryCgroup | None, evict: list[Path]) -> str:
     """Its stderr; under `cgroup` from its first instruction (it joins before exec)."""
+    return completed(argv, cgroup, evict).stderr
+
+
+def completed(
+    argv: list[str], cgroup: MemoryCgroup | None, evict: list[Path]
+) -> subprocess.CompletedProcess[str]:
+    """`argv` run to its end, its output captured, the `evict` files out of the page cache
+    before it starts; a failure raises with its last line."""
     evict_from_page_cache(evict)
     joined = (lambda: cgroup.add(os.getpid())) if cgroup else None
     done = subprocess.run(
@@ -55,7 +63,7 @@ def run(argv: list[str], cgroup: MemoryCgroup | None, evict: list[Path]) -> str:
     if done.returncode != 0:
         tail = done.stderr.strip().splitlines()[-1:] or ["nothing on stderr"]
         raise RuntimeError(f"{Path(argv[0]).name} exited {done.returncode}: {tail[0]}")
-    return done.stderr
+    return done
 
 
 def lever(text: str, budget: str, new: int, cgroup, evict) -> dict:

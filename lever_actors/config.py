@@ -24,6 +24,7 @@ MAX_STATIC_WIDTH = 64  # children per node a static tree may ask for
 DEFAULT_MAX_NEW_TOKENS = 128
 # finished requests' KV kept for later ones: the real pair's 40 KiB a token, about 6,500 tokens
 DEFAULT_PROMPT_CACHE = 256 * 2**20
+SPILLED_PROMPT_CACHE = 4 * 2**30  # the prompt cache's directory holds at most this
 
 # auto: trained where one is saved, else lens; probe_only: probes sent, nothing pruned (a
 # probe's cost without its gain); off: no probes
@@ -282,6 +283,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # bytes of finished requests' KV (target and draft) kept, so that a later request that
     # starts with the same tokens prefills only the rest ("256MiB", bytes; 0: none)
     prompt_cache: Annotated[int, msgspec.Meta(ge=0)] = DEFAULT_PROMPT_CACHE
+    # where prefixes the prompt cache lets go of, and all it holds at close, are kept (at
+    # most SPILLED_PROMPT_CACHE bytes), for later requests and later engines; None: nowhere
+    prompt_cache_dir: str | None = None
     # a request whose consumer takes no token for this long, its buffer full, is ended
     # (ConsumerStalledError), so that a stalled reader cannot hold the engine; None: never
     stall_seconds: Annotated[float, msgspec.Meta(gt=0)] | None = 60.0

@@ -83,6 +83,7 @@ from lever_actors.sequences import (
     grammar_matcher,
     kv_bytes_per_token,
     new_caches,
+    prefix_cache,
     tokens_of,
 )
 from lever_actors.stop_text import StopText
@@ -144,6 +145,7 @@ class Engine:
         units: tuple[ComputeUnit, ComputeUnit],
         nursery: trio.Nursery,
         context: Context,
+        prefixes: PrefixCache,
         load_times: LoadTimes | None = None,
         memory: MemoryPlan | None = None,
     ) -> None:
@@ -159,7 +161,7 @@ class Engine:
         self.npu, self.cpu = units
         self._nursery = nursery
         self._one_at_a_time = trio.Lock()
-        self.prefixes = PrefixCache(min(config.prompt_cache, context.cache_bytes))
+        self.prefixes = prefixes  # finished requests' KV, for those that start the same
         self._closed = False
         self.channels: ChannelSet | None = None  # those of the latest request, for statistics
 
@@ -256,6 +258,7 @@ class Engine:
                 memory_limit_bytes(),
                 anonymous_rss_bytes(),
             )
+            prefixes = await npu.run(prefix_cache, config, context, target, model)
             times = LoadTimes(
                 draft=draft_loaded - started,
                 target=target_opened - draft_loaded,
@@ -265,7 +268,16 @@ class Engine:
             try:
                 async with trio.open_nursery() as nursery:
                     engine = cls(
-                        config, target, model, policies, units, nursery, context, times, memory
+                        config,
+                        target,
+                        model,
+                        policies,
+                        units,
+                        nursery,
+                        context,
+                        prefixes,
+                        times,
+                        memory,
                     )
                     try:
                         yield engine
@@ -276,6 +288,8 @@ class Engine:
                 raise _original(group) from None
             finally:
                 if engine is not None:  # its requests have ended with the nursery
+                    with trio.CancelScope(shield=True):  # what it holds goes to its directory
+                        await npu.run(engine.prefixes.close)
                     engine._let_go_of_weights()
         finally:
             target.close()
@@ -348,12 +362,11 @@ class Engine:
         `temperature`, `top_k`, `top_p`, `min_p`, `seed`, `deadline_seconds`,
         `top_logprobs`, `grammar` (model/grammar.py: a JSON schema, any JSON, a regex or a
         Lark grammar, which every token then follows, exactly as sequential decoding
-        under it would). Generation
-        ends after `max_new_tokens` ("length"), or
-        ("stop") after one of the tokenizer's end tokens (`tokenizer.eos_ids`: end of text
-        and end of turn), whose text is not emitted, or after the token that completes one
-        of the `stop` strings: the text ends where it begins (text that may begin one is
-        held back until it cannot), unless `keep_stop`.
+        under it would). Generation ends after `max_new_tokens` ("length"), or ("stop")
+        after one of the tokenizer's end tokens (`tokenizer.eos_ids`: end of text and end
+        of turn), whose text is not emitted, or after the token that completes one of the
+        `stop` strings: the text ends where it begins (text that may begin one is held back
+        until it cannot), unless `keep_stop`.
 
         temperature 0 is greedy decoding. Above 0 tokens are sampled from the target's
         softmax at that temperature, after top-k, top-p (nucleus) and min-p filtering; the

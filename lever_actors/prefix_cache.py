@@ -12,22 +12,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lever_actors.model.kv_cache import KVCache, KVPrefix
-
-
-@dataclass(frozen=True)
-class CachedPrefix:
-    """A finished request's text and the KV both models hold of it: the target's of all of
-    it, the draft's of its tokens from `draft_start` on (the draft's view, sequences.py)."""
-
-    tokens: tuple[int, ...]
-    target: KVPrefix
-    draft: KVPrefix | None  # None without a draft model
-    draft_start: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.target.nbytes + (self.draft.nbytes if self.draft else 0)
+from lever_actors.device.kv_files import CachedPrefix, KVFiles, common_length
+from lever_actors.model.kv_cache import KVCache
 
 
 @dataclass(frozen=True)
@@ -64,10 +50,12 @@ NO_REUSE = Reuse(0, None)
 
 
 class PrefixCache:
-    """Prefixes of at most `capacity_bytes` in all; the least recently used go first."""
+    """Prefixes of at most `capacity_bytes` in all; the least recently used go first, to
+    `spilled` where there is a directory for them (and all that are left at `close`)."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, spilled: KVFiles | None = None) -> None:
         self.capacity_bytes = capacity_bytes
+        self.spilled = spilled
         self._entries: OrderedDict[tuple[int, ...], CachedPrefix] = OrderedDict()
 
     @property
@@ -79,19 +67,25 @@ class PrefixCache:
 
     def claim(self, prompt: Sequence[int]) -> Reuse:
         """The entry that shares the longest prefix with `prompt`, up to its last token (whose
-        pass gives the first new token). An entry the prompt extends whole leaves the cache:
-        the request will store its longer text in its place."""
+        pass gives the first new token), in DRAM or else spilled. An entry the prompt extends
+        whole leaves DRAM: the request will store its longer text in its place."""
         best, shared = None, 0
         for entry in self._entries.values():
-            n = _common_length(entry.tokens, prompt[:-1])
+            n = common_length(entry.tokens, prompt[:-1])
             if n > shared:
                 best, shared = entry, n
+        if self.spilled is not None:
+            tokens, n = self.spilled.longest(prompt[:-1])
+            if tokens is not None and n > shared and (loaded := self.spilled.load(tokens)):
+                self._entries[loaded.tokens] = loaded
+                best, shared = loaded, n
         if best is None:
             return NO_REUSE
         if shared == len(best.tokens):
             del self._entries[best.tokens]
         else:
             self._entries.move_to_end(best.tokens)
+            self._fit()
         return Reuse(shared, best)
 
     def store(
@@ -104,10 +98,10 @@ class PrefixCache:
         """Keep the KV both caches hold of `tokens`' first positions (as many as both hold;
         the draft's cache holds them from `draft_start` on), dropping entries it extends
         and then the least recently used until all fit; a prefix larger than the whole cache
-        is not kept."""
+        is only spilled."""
         draft_end = draft_start + draft.length if draft else target.length
         length = min(target.length, draft_end, len(tokens))
-        if length == 0 or self.capacity_bytes == 0:
+        if length == 0 or (self.capacity_bytes == 0 and self.spilled is None):
             return
         kept = tuple(tokens[:length])
         for old in [t for t in self._entries if kept[: len(t)] == t]:
@@ -115,16 +109,21 @@ class PrefixCache:
         drafted = draft.prefix(max(0, length - draft_start)) if draft else None
         entry = CachedPrefix(kept, target.prefix(length), drafted, draft_start)
         if entry.nbytes > self.capacity_bytes:
+            if self.spilled is not None:
+                self.spilled.save(entry)
             return
         self._entries[kept] = entry
+        self._fit()
+
+    def close(self) -> None:
+        """Spill what DRAM holds, where there is a directory, and hold nothing."""
+        if self.spilled is not None:
+            for entry in self._entries.values():
+                self.spilled.save(entry)
+        self._entries.clear()
+
+    def _fit(self) -> None:
         while self.nbytes > self.capacity_bytes:
-            self._entries.popitem(last=False)
-
-
-def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+            _, entry = self._entries.popitem(last=False)
+            if self.spilled is not None:
+                self.spilled.save(entry)

@@ -12,18 +12,21 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import trio
 
 from lever_actors.channels.messages import StepStats
 from lever_actors.checkpoints.tokenizer import Message, Tokenizer
-from lever_actors.config import EngineConfig
+from lever_actors.config import SPILLED_PROMPT_CACHE, EngineConfig
 from lever_actors.context import Context
+from lever_actors.device.kv_files import KVFiles, spill_key
 from lever_actors.errors import ContextLengthError
 from lever_actors.model.grammar import Grammar, Matcher
 from lever_actors.model.kv_cache import KVCache, position_bytes
 from lever_actors.model.transformer import Transformer
+from lever_actors.policy.profile_cache import weights_identity
 from lever_actors.prefix_cache import NO_REUSE, PrefixCache, Reuse
 from lever_actors.progress import Progress
 from lever_actors.request import GenerationOptions
@@ -94,6 +97,23 @@ def grammar_matcher(grammar: Grammar, tokenizer: Tokenizer, vocab_size: int) -> 
     """Blocking (a worker thread): a request's matcher at the start of its text; the
     tokenizer's view for grammars is built on the first (about a second)."""
     return Matcher(grammar, tokenizer.grammar_vocabulary(vocab_size), vocab_size)
+
+
+def prefix_cache(
+    config: EngineConfig, context: Context, target: FlashTarget, draft: Transformer | None
+) -> PrefixCache:
+    """Blocking: the engine's prefix cache, which holds at most what the context's memory
+    leaves it, with the prefixes spilled to `config.prompt_cache_dir` by earlier engines of
+    the same weights on this machine (their headers read)."""
+    spilled = None
+    if config.prompt_cache_dir is not None:
+        key = spill_key(weights_identity(config, target) | {"dtypes": _dtypes(target, draft)})
+        spilled = KVFiles(Path(config.prompt_cache_dir), key, SPILLED_PROMPT_CACHE)
+    return PrefixCache(min(config.prompt_cache, context.cache_bytes), spilled)
+
+
+def _dtypes(target: FlashTarget, draft: Transformer | None) -> list[str]:
+    return [str(target.dtype), str(draft.dtype) if draft is not None else ""]
 
 
 def new_caches(

@@ -288,16 +288,22 @@ def test_a_model_proposing_from_part_of_the_vocabulary_keeps_those_logits(tiny):
 
 
 @pytest.mark.parametrize("units", ["split", "single"])
-async def test_an_engine_computes_on_its_units_threads_and_ends_them_when_closed(tiny, units):
+async def test_an_engine_computes_on_its_units_threads_and_ends_them_when_closed(
+    tiny, units, tmp_path
+):
     """Never on the event loop's: a product there would start a second OpenMP team, and
-    every team would then sleep after each product (device/units.py)."""
-    config = tiny.config(units=units, tree="gaincost", draft_ahead=True)
+    every team would then sleep after each product (device/units.py). Spilling the prompt
+    cache at the close is compute too."""
+    config = tiny.config(
+        units=units, tree="gaincost", draft_ahead=True, prompt_cache_dir=str(tmp_path)
+    )
     with OpsOnThisThread() as ops:
         async with Engine.open(config) as engine:
             assert (await generate(engine)).tokens == tiny.expected[:NEW]
             await generate(engine, temperature=0.8, seed=5)
             threads = {engine.npu._thread, engine.cpu._thread}
     assert ops.computed == []
+    assert list(tmp_path.glob("*/*.kv"))  # spilled, on a unit's thread
     assert len(threads) == (2 if units == "split" else 1)
     assert {t.name for t in threads} <= {"lever-npu", "lever-cpu"}
     assert not any(t.is_alive() for t in threads)

@@ -16,7 +16,13 @@ from lever_actors.checkpoints.real_pair import (
     real_model_path,
     real_target_layout,
 )
-from lever_actors.config import DEFAULT_PROMPT_CACHE, EngineConfig, choices_of, default_of
+from lever_actors.config import (
+    DEFAULT_PROMPT_CACHE,
+    SPILLED_PROMPT_CACHE,
+    EngineConfig,
+    choices_of,
+    default_of,
+)
 from lever_actors.model.sampling import Sampling
 from lever_actors.progress import ProgressLine
 from lever_actors.sizes import compact_bytes
@@ -99,6 +105,12 @@ def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
         f"a size or 0 for none (default: {compact_bytes(DEFAULT_PROMPT_CACHE)})",
     )
     gen.add_argument(
+        "--prompt-cache-dir",
+        metavar="DIR",
+        help="keep the prefixes the prompt cache lets go of, and all it holds at exit, in "
+        f"DIR (at most {compact_bytes(SPILLED_PROMPT_CACHE)}), for later requests and runs",
+    )
+    gen.add_argument(
         "--stall-seconds",
         type=float,
         default=default_of("stall_seconds"),
@@ -135,6 +147,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         projection=args.projection,
         units=args.units,
         prompt_cache=args.prompt_cache,
+        prompt_cache_dir=args.prompt_cache_dir,
         ctx_size=args.ctx_size,
         stall_seconds=args.stall_seconds,
         trace=str(args.trace) if args.trace else None,

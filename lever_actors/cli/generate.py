@@ -109,12 +109,14 @@ class Summary(msgspec.Struct, omit_defaults=True):
     from_draft: int | None = None
     bytes_read_per_token: int | None = None
     load_seconds: float | None = None  # the engine's start, models and policies
+    cached_tokens: int | None = None  # the prompt's, whose KV the prompt cache held
 
     def line(self) -> str:
         rate = self.decode_tokens_per_second
         parts = [
             f"{self.generated_tokens} tokens ({self.finish_reason})",
-            f"prompt {self.prompt_tokens} tokens",
+            f"prompt {self.prompt_tokens} tokens"
+            + (f" ({self.cached_tokens} cached)" if self.cached_tokens else ""),
         ]
         if self.steps is not None:
             parts.append(
@@ -298,6 +300,7 @@ async def _stream_from_engine(
         from_draft=sum(e.from_draft for e in events),
         bytes_read_per_token=read // len(events),
         load_seconds=loaded,
+        cached_tokens=last.cached_tokens,
     )
 
 

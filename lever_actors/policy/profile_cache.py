@@ -19,6 +19,7 @@ import lever_actors
 from lever_actors.config import EngineConfig
 from lever_actors.logs import get_logger
 from lever_actors.machine import cpu_flags, cpu_name
+from lever_actors.model.native import requested
 from lever_actors.paths import file_identity
 from lever_actors.policy.cost_model import CostModel
 from lever_actors.target import FlashTarget
@@ -29,15 +30,23 @@ log = get_logger(__name__)
 def profile_key(config: EngineConfig, target: FlashTarget) -> str:
     """Names the profile of this target, its plan and the config's draft on this machine."""
     plan = target.plan
-    parts = {
-        "machine": machine_identity(),
-        "target": file_identity(target.store.directory / "manifest.json"),
+    parts = weights_identity(config, target) | {
         "streamed": list(plan.streamed_layers),
         "head_streamed": target.lm_head is None,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def weights_identity(config: EngineConfig, target: FlashTarget) -> dict[str, object]:
+    """What the values this target and the config's draft compute depend on, this machine
+    included; not where the target's layers are held."""
+    return {
+        "machine": machine_identity(),
+        "kernels": requested().value,
+        "target": file_identity(target.store.directory / "manifest.json"),
         "draft": file_identity(Path(config.draft)) if config.draft else None,
         "draft_formats": [config.draft_dtype, config.draft_weights, config.draft_vocabulary],
     }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 
 def machine_identity() -> str:
