@@ -3,15 +3,19 @@ start-up to the first /health answer, a long prompt's time to first token, and a
 history is resent every turn, with the prefix cache on (the default) and off
 (`--prompt-cache 0`), and with --llama-server llama.cpp's server (its prompt cache on, one
 slot) on the target's GGUF. Each server is a process of its own; the sessions alternate.
+With --memory-limit each server runs in a cgroup of that limit, the weight files evicted
+from the page cache before it starts.
 
     .venv/bin/python bench/conversation.py [--tokens 48] [--repeats 1] [--llama-server]
-                                           [--dram-budget B] [--out FILE.json]
+                                           [--dram-budget B] [--memory-limit 1GiB]
+                                           [--out FILE.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -21,10 +25,12 @@ from statistics import median
 import httpx
 import msgspec
 
+from lever_actors.bench.isolation import MemoryCgroup, evict_from_page_cache, probe_cgroup
 from lever_actors.bench.llamacpp_build import SERVER, find_build
 from lever_actors.bench.results import Machine
-from lever_actors.checkpoints.real_pair import real_model_path
+from lever_actors.checkpoints.real_pair import real_model_path, real_target_layout
 from lever_actors.paths import default_cache_dir
+from lever_actors.sizes import parse_bytes
 
 CLI = [sys.executable, "-c", "import sys; from lever_actors.launch import main; sys.exit(main())"]
 PORT = 8766
@@ -56,10 +62,17 @@ def llama_server() -> list[str]:
     return [*argv, "-c", "8192", "-t", "2", "-np", "1", "--log-disable"]
 
 
-def start_server(argv: list[str]) -> tuple[subprocess.Popen, float]:
-    """A server and the seconds from its launch to its first ready /health answer."""
+def start_server(argv: list[str], cgroup: MemoryCgroup | None) -> tuple[subprocess.Popen, float]:
+    """A server and the seconds from its launch to its first ready /health answer; under
+    `cgroup` from its first instruction, the weights out of the page cache before it."""
+    cache = default_cache_dir()
+    models = [real_model_path(cache, "target"), real_model_path(cache, "draft")]
+    evict_from_page_cache([*models, real_target_layout(cache)])
+    joined = (lambda: cgroup.add(os.getpid())) if cgroup else None
     launched = time.perf_counter()
-    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=joined
+    )
     while True:
         try:
             if httpx.get(f"{BASE}/health", timeout=1).status_code == 200:  # 503: loading
@@ -103,8 +116,8 @@ def chat(messages: list[dict], tokens: int) -> dict:
     }
 
 
-def session(argv: list[str], tokens: int) -> dict:
-    server, startup = start_server(argv)
+def session(argv: list[str], tokens: int, cgroup: MemoryCgroup | None) -> dict:
+    server, startup = start_server(argv, cgroup)
     try:
         long_text = LONG_PROMPT.read_text()[:LONG_CHARS]
         question = f"{long_text}\n\nWhat does this module do? Answer in one sentence."
@@ -169,8 +182,12 @@ def main() -> int:
         "--llama-server", action="store_true", help="a llama-server session in each round too"
     )
     parser.add_argument("--dram-budget", help="Lever's (default: the real pair's, 25%%)")
+    parser.add_argument("--memory-limit", type=parse_bytes)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    cgroup = None
+    if args.memory_limit:
+        cgroup = MemoryCgroup(probe_cgroup(), f"lever-chat-{os.getpid()}", args.memory_limit)
     budget = ["--dram-budget", args.dram_budget] if args.dram_budget else []
     sessions = {
         "prompt_cache": lever_server(*budget),
@@ -179,10 +196,16 @@ def main() -> int:
     if args.llama_server:
         sessions["llama_server"] = llama_server()
     runs = []
-    for _ in range(args.repeats):
-        runs.append({name: session(argv, args.tokens) for name, argv in sessions.items()})
-        for name, run in runs[-1].items():
-            report(name, run)
+    try:
+        for _ in range(args.repeats):
+            runs.append(
+                {name: session(argv, args.tokens, cgroup) for name, argv in sessions.items()}
+            )
+            for name, run in runs[-1].items():
+                report(name, run)
+    finally:
+        if cgroup is not None:
+            cgroup.remove()
     figures = summary(runs)
     print(json.dumps(figures))
     if args.out:
@@ -190,6 +213,7 @@ def main() -> int:
             "machine": msgspec.to_builtins(Machine.here()),
             "tokens": args.tokens,
             "dram_budget": args.dram_budget or "25%",
+            "memory_limit_bytes": args.memory_limit,
         }
         args.out.write_text(
             json.dumps(record | {"summary": figures, "runs": runs}, indent=1) + "\n"
