@@ -45,6 +45,20 @@ def prompt_of(tokenizer: Tokenizer, tokens: int) -> str:
     return text
 
 
+def real_pair_runs(
+    name: str, memory_limit: int | None
+) -> tuple[Path, list[Path], MemoryCgroup | None, Tokenizer]:
+    """The target's GGUF, the real pair's files to evict before each run, a cgroup named
+    after `name` of `memory_limit` (None: no cgroup), and the target's tokenizer."""
+    cache = default_cache_dir()
+    target = real_model_path(cache, "target")
+    evict = [target, real_model_path(cache, "draft"), real_target_layout(cache)]
+    cgroup = None
+    if memory_limit:
+        cgroup = MemoryCgroup(probe_cgroup(), f"{name}-{os.getpid()}", memory_limit)
+    return target, evict, cgroup, Tokenizer.from_gguf(gguf.GGUFReader(str(target)), target)
+
+
 def run(argv: list[str], cgroup: MemoryCgroup | None, evict: list[Path]) -> str:
     """Its stderr; under `cgroup` from its first instruction (it joins before exec)."""
     return completed(argv, cgroup, evict).stderr
@@ -103,16 +117,10 @@ def main() -> int:
     parser.add_argument("--memory-limit", type=parse_bytes)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    cache = default_cache_dir()
-    build = find_build(cache)
+    build = find_build(default_cache_dir())
     if build is None:
         raise SystemExit("no llama.cpp build: run `lever-actors build-llamacpp` first")
-    target = real_model_path(cache, "target")
-    evict = [target, real_model_path(cache, "draft"), real_target_layout(cache)]
-    cgroup = None
-    if args.memory_limit:
-        cgroup = MemoryCgroup(probe_cgroup(), f"lever-long-prompt-{os.getpid()}", args.memory_limit)
-    tokenizer = Tokenizer.from_gguf(gguf.GGUFReader(str(target)), target)
+    target, evict, cgroup, tokenizer = real_pair_runs("lever-long-prompt", args.memory_limit)
     rows = []
     try:
         for size in (int(n) for n in args.tokens.split(",")):

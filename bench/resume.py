@@ -14,21 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
 from statistics import median
 
-import gguf
 import msgspec
-from long_prompt import CLI, completed, prompt_of
+from long_prompt import CLI, completed, prompt_of, real_pair_runs
 
-from lever_actors.bench.isolation import MemoryCgroup, probe_cgroup
 from lever_actors.bench.results import Machine
-from lever_actors.checkpoints.real_pair import real_model_path, real_target_layout
-from lever_actors.checkpoints.tokenizer import Tokenizer
-from lever_actors.paths import default_cache_dir
 from lever_actors.sizes import parse_bytes
 
 
@@ -55,13 +49,7 @@ def main() -> int:
     parser.add_argument("--memory-limit", type=parse_bytes)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    cache = default_cache_dir()
-    target = real_model_path(cache, "target")
-    evict = [target, real_model_path(cache, "draft"), real_target_layout(cache)]
-    cgroup = None
-    if args.memory_limit:
-        cgroup = MemoryCgroup(probe_cgroup(), f"lever-resume-{os.getpid()}", args.memory_limit)
-    tokenizer = Tokenizer.from_gguf(gguf.GGUFReader(str(target)), target)
+    _, evict, cgroup, tokenizer = real_pair_runs("lever-resume", args.memory_limit)
     rows = []
     try:
         for size in (int(n) for n in args.tokens.split(",")):

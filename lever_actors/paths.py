@@ -4,10 +4,17 @@ process at a time make each of them."""
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+
+def cache_key(parts: object) -> str:
+    """A short name for what `parts` (JSON-able) identify, for a cache's files."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 
 def default_cache_dir() -> Path:

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lever_actors.device.kv_files import CachedPrefix, KVFiles, common_length
+from lever_actors.device.kv_files import CachedPrefix, KVFiles, longest_shared
 from lever_actors.model.kv_cache import KVCache
 
 
@@ -69,11 +69,8 @@ class PrefixCache:
         """The entry that shares the longest prefix with `prompt`, up to its last token (whose
         pass gives the first new token), in DRAM or else spilled. An entry the prompt extends
         whole leaves DRAM: the request will store its longer text in its place."""
-        best, shared = None, 0
-        for entry in self._entries.values():
-            n = common_length(entry.tokens, prompt[:-1])
-            if n > shared:
-                best, shared = entry, n
+        tokens, shared = longest_shared(self._entries, prompt[:-1])
+        best = self._entries[tokens] if tokens is not None else None
         if self.spilled is not None:
             tokens, n = self.spilled.longest(prompt[:-1])
             if tokens is not None and n > shared and (loaded := self.spilled.load(tokens)):

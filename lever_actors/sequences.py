@@ -21,11 +21,12 @@ from lever_actors.channels.messages import StepStats
 from lever_actors.checkpoints.tokenizer import Message, Tokenizer
 from lever_actors.config import SPILLED_PROMPT_CACHE, EngineConfig
 from lever_actors.context import Context
-from lever_actors.device.kv_files import KVFiles, spill_key
+from lever_actors.device.kv_files import KVFiles
 from lever_actors.errors import ContextLengthError
 from lever_actors.model.grammar import Grammar, Matcher
 from lever_actors.model.kv_cache import KVCache, position_bytes
 from lever_actors.model.transformer import Transformer
+from lever_actors.paths import cache_key
 from lever_actors.policy.profile_cache import weights_identity
 from lever_actors.prefix_cache import NO_REUSE, PrefixCache, Reuse
 from lever_actors.progress import Progress
@@ -107,7 +108,7 @@ def prefix_cache(
     the same weights on this machine (their headers read)."""
     spilled = None
     if config.prompt_cache_dir is not None:
-        key = spill_key(weights_identity(config, target) | {"dtypes": _dtypes(target, draft)})
+        key = cache_key(weights_identity(config, target) | {"dtypes": _dtypes(target, draft)})
         spilled = KVFiles(Path(config.prompt_cache_dir), key, SPILLED_PROMPT_CACHE)
     return PrefixCache(min(config.prompt_cache, context.cache_bytes), spilled)
 

@@ -213,10 +213,11 @@ class Drafter:
     async def commit(self, commit: Commit, tree: DraftTree, max_nodes: int) -> None:
         self.chain = list(commit.next_tokens)
         path = [tree.tokens[n] for n in commit.accepted if n >= tree.n_committed]
+        committed = [*path, *commit.next_tokens]
         if self.context is not None:
-            self.context.extend([*path, *commit.next_tokens])
+            self.context.extend(committed)
         if self.matcher is not None:
-            for token in [*path, *commit.next_tokens]:
+            for token in committed:
                 self.matcher.consume(token)
         if self.model is None or self.cache is None:
             return

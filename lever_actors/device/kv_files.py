@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,12 +104,7 @@ class KVFiles:
 
     def longest(self, prompt: Sequence[int]) -> tuple[tuple[int, ...] | None, int]:
         """The spilled text that shares the most tokens with `prompt`, and how many."""
-        best, shared = None, 0
-        for tokens in self.index:
-            n = common_length(tokens, prompt)
-            if n > shared:
-                best, shared = tokens, n
-        return best, shared
+        return longest_shared(self.index, prompt)
 
     def load(self, tokens: tuple[int, ...]) -> CachedPrefix | None:
         """The prefix of `tokens` read back and checked; None (and its file removed) where the
@@ -160,12 +155,20 @@ class KVFiles:
             return None
 
 
-def spill_key(parts: object) -> str:
-    """A directory name for KV computed by the weights and machine that `parts` name."""
-    return hashlib.sha256(msgspec.json.encode(parts)).hexdigest()[:24]
+def longest_shared(
+    texts: Iterable[tuple[int, ...]], prompt: Sequence[int]
+) -> tuple[tuple[int, ...] | None, int]:
+    """Of `texts`, the one that shares the most tokens with `prompt` from its start, and
+    how many (None and 0 where none shares any)."""
+    best, shared = None, 0
+    for text in texts:
+        n = _common_length(text, prompt)
+        if n > shared:
+            best, shared = text, n
+    return best, shared
 
 
-def common_length(a: Sequence[int], b: Sequence[int]) -> int:
+def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
     """How many tokens `a` and `b` share from the start."""
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -207,8 +210,10 @@ def _read(records: tuple[TensorRecord, ...], view: memoryview) -> tuple[KVPrefix
         piece, view = view[:nbytes], view[nbytes:]
         if checksum(piece) != record.checksum:
             raise ValueError("a checksum does not match")
-        raw = torch.frombuffer(bytearray(piece), dtype=torch.uint8) if nbytes else None
-        flat = raw.view(dtype) if raw is not None else torch.empty(0, dtype=dtype)
+        if nbytes:
+            flat = torch.frombuffer(bytearray(piece), dtype=dtype)
+        else:  # frombuffer refuses an empty buffer
+            flat = torch.empty(0, dtype=dtype)
         tensors.append(flat.reshape(record.shape))
     return KVPrefix(*tensors), view
 

@@ -7,7 +7,6 @@ the cost model still learns from every step as before."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +19,7 @@ from lever_actors.config import EngineConfig
 from lever_actors.logs import get_logger
 from lever_actors.machine import cpu_flags, cpu_name
 from lever_actors.model.native import requested
-from lever_actors.paths import file_identity
+from lever_actors.paths import cache_key, file_identity
 from lever_actors.policy.cost_model import CostModel
 from lever_actors.target import FlashTarget
 
@@ -34,7 +33,7 @@ def profile_key(config: EngineConfig, target: FlashTarget) -> str:
         "streamed": list(plan.streamed_layers),
         "head_streamed": target.lm_head is None,
     }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_key(parts)
 
 
 def weights_identity(config: EngineConfig, target: FlashTarget) -> dict[str, object]:
