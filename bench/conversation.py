@@ -1,12 +1,16 @@
 """A real app's session on the real pair, through `lever-actors serve` as apps meet it:
-start-up to the first /health answer, a long prompt's time to first token, and a chat whose
-history is resent every turn, with the prefix cache on (the default) and off
-(`--prompt-cache 0`), and with --llama-server llama.cpp's server (its prompt cache on, one
-slot) on the target's GGUF. Each server is a process of its own; the sessions alternate.
-With --memory-limit each server runs in a cgroup of that limit, the weight files evicted
-from the page cache before it starts.
+start-up to the first /health answer, a long prompt's time to first token, and held-out
+ShareGPT conversations sent turn by turn, each turn with the whole history (the model's
+answers as assistant messages) as a chat UI does, with the prefix cache on (the default)
+and off (`--prompt-cache 0`), and with --llama-server llama.cpp's server (its prompt cache
+on, one slot) on the target's GGUF. Each server is a process of its own; the sessions
+alternate; each conversation is a fresh history within the session. With --memory-limit
+each server runs in a cgroup of that limit, the weight files evicted from the page cache
+before it starts, and the results go to conversation-LIMIT.json (bench/sessions_summary.py
+reads them).
 
     .venv/bin/python bench/conversation.py [--tokens 48] [--repeats 1] [--llama-server]
+                                           [--conversations 5] [--turns 4]
                                            [--dram-budget B] [--memory-limit 1GiB]
                                            [--out FILE.json]
 """
@@ -19,6 +23,7 @@ import os
 import subprocess
 import sys
 import time
+from itertools import islice
 from pathlib import Path
 from statistics import median
 
@@ -28,6 +33,7 @@ import msgspec
 from lever_actors.bench.isolation import MemoryCgroup, evict_from_page_cache, probe_cgroup
 from lever_actors.bench.llamacpp_build import SERVER, find_build
 from lever_actors.bench.results import Machine
+from lever_actors.checkpoints.prompts import sharegpt_conversations
 from lever_actors.checkpoints.real_pair import real_model_path, real_target_layout
 from lever_actors.paths import default_cache_dir
 from lever_actors.sizes import parse_bytes
@@ -38,12 +44,7 @@ PORT = 8766
 # tokens, as a user pastes a file and asks about it
 LONG_PROMPT = Path(sys.base_prefix, "lib", "python3.11", "argparse.py")
 LONG_CHARS = 6500
-TURNS = [
-    "Write a Python function that merges two sorted lists into one sorted list.",
-    "Now make it work for any number of sorted lists.",
-    "Add type hints and a docstring.",
-    "Write three pytest tests for it.",
-]
+RESULTS = Path(__file__).parent / "results"
 BASE = f"http://127.0.0.1:{PORT}"
 
 
@@ -116,45 +117,62 @@ def chat(messages: list[dict], tokens: int) -> dict:
     }
 
 
-def session(argv: list[str], tokens: int, cgroup: MemoryCgroup | None) -> dict:
+def session(
+    argv: list[str], conversations: list[list[str]], tokens: int, cgroup: MemoryCgroup | None
+) -> dict:
+    """One server's start-up, the long prompt, then each conversation from a fresh history:
+    per conversation, its turns' answers."""
     server, startup = start_server(argv, cgroup)
     try:
         long_text = LONG_PROMPT.read_text()[:LONG_CHARS]
         question = f"{long_text}\n\nWhat does this module do? Answer in one sentence."
         long = chat([{"role": "user", "content": question}], tokens)
-        messages: list[dict] = []
-        turns = []
-        for turn in TURNS:
-            messages.append({"role": "user", "content": turn})
-            answer = chat(messages, tokens)
-            messages.append({"role": "assistant", "content": answer["text"]})
-            turns.append(answer)
+        answers = []
+        for conversation in conversations:
+            messages: list[dict] = []
+            turns = []
+            for turn in conversation:
+                messages.append({"role": "user", "content": turn})
+                answer = chat(messages, tokens)
+                messages.append({"role": "assistant", "content": answer["text"]})
+                turns.append(answer)
+            answers.append(turns)
     finally:
         server.terminate()
         server.wait()
-    return {"startup_s": startup, "long_prompt": long, "turns": turns}
+    return {"startup_s": startup, "long_prompt": long, "conversations": answers}
 
 
 def summary(runs: list[dict]) -> dict:
-    """Medians over the runs and over turns 2 on, where a cache can help."""
+    """Medians over the runs, conversations and their turns 2 on, where a cache can help;
+    the share of turns whose texts with and without the cache are the same, the least of
+    the runs'."""
 
     def later_ttft(name: str) -> float:
-        return median(t["first_token_s"] for run in runs for t in run[name]["turns"][1:])
+        return median(
+            turn["first_token_s"]
+            for run in runs
+            for turns in run[name]["conversations"]
+            for turn in turns[1:]
+        )
+
+    def agreement(run: dict) -> float:
+        pairs = [
+            (a["text"], b["text"])
+            for cached, uncached in zip(
+                run["prompt_cache"]["conversations"],
+                run["no_prompt_cache"]["conversations"],
+                strict=True,
+            )
+            for a, b in zip(cached, uncached, strict=True)
+        ]
+        return sum(a == b for a, b in pairs) / len(pairs)
 
     warm, cold = later_ttft("prompt_cache"), later_ttft("no_prompt_cache")
     figures = {
         "warm_ttft_over_cold": warm / cold,
         "startup_seconds": median(run["prompt_cache"]["startup_s"] for run in runs),
-        "min_agreement": min(
-            sum(
-                a["text"] == b["text"]
-                for a, b in zip(
-                    run["prompt_cache"]["turns"], run["no_prompt_cache"]["turns"], strict=True
-                )
-            )
-            / len(TURNS)
-            for run in runs
-        ),
+        "min_agreement": min(agreement(run) for run in runs),
     }
     if all("llama_server" in run for run in runs):
         figures["turn_ttft_vs_llamacpp_server"] = later_ttft("llama_server") / warm
@@ -162,16 +180,17 @@ def summary(runs: list[dict]) -> dict:
 
 
 def report(name: str, run: dict) -> None:
-    ttft = ", ".join(f"{t['first_token_s']:.2f}" for t in run["turns"])
-    cached = ", ".join(f"{t['cached_tokens']}/{t['prompt_tokens']}" for t in run["turns"])
     long = run["long_prompt"]
     print(
         f"{name}: start-up {run['startup_s']:.1f} s; long prompt "
         f"{long['prompt_tokens']} tokens, first token {long['first_token_s']:.1f} s "
-        f"({long['prompt_tokens'] / long['first_token_s']:.0f} tok/s); turns' first "
-        f"token {ttft} s, cached {cached}",
+        f"({long['prompt_tokens'] / long['first_token_s']:.0f} tok/s)",
         flush=True,
     )
+    for i, turns in enumerate(run["conversations"]):
+        ttft = ", ".join(f"{t['first_token_s']:.2f}" for t in turns)
+        cached = ", ".join(f"{t['cached_tokens']}/{t['prompt_tokens']}" for t in turns)
+        print(f"  conversation {i + 1}: first token {ttft} s, cached {cached}", flush=True)
 
 
 def main() -> int:
@@ -179,15 +198,30 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=1, help="rounds of sessions, alternating")
     parser.add_argument(
+        "--conversations", type=int, default=5, help="held-out ShareGPT conversations"
+    )
+    parser.add_argument("--turns", type=int, default=4, help="user turns of each conversation")
+    parser.add_argument(
         "--llama-server", action="store_true", help="a llama-server session in each round too"
     )
     parser.add_argument("--dram-budget", help="Lever's (default: the real pair's, 25%%)")
-    parser.add_argument("--memory-limit", type=parse_bytes)
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--memory-limit", help="e.g. 1GiB")
+    parser.add_argument(
+        "--out", type=Path, help="default: results/conversation-LIMIT.json, or -nolimit"
+    )
     args = parser.parse_args()
+    limit = parse_bytes(args.memory_limit) if args.memory_limit else None
+    name = "".join(args.memory_limit.split()) if args.memory_limit else "nolimit"
+    out = args.out or RESULTS / f"conversation-{name}.json"
+    chosen = list(
+        islice(sharegpt_conversations(default_cache_dir(), args.turns), args.conversations)
+    )
+    if len(chosen) < args.conversations:
+        raise SystemExit(f"only {len(chosen)} held-out conversations of {args.turns} turns")
+    conversations = [list(c.turns[: args.turns]) for c in chosen]
     cgroup = None
-    if args.memory_limit:
-        cgroup = MemoryCgroup(probe_cgroup(), f"lever-chat-{os.getpid()}", args.memory_limit)
+    if limit:
+        cgroup = MemoryCgroup(probe_cgroup(), f"lever-chat-{os.getpid()}", limit)
     budget = ["--dram-budget", args.dram_budget] if args.dram_budget else []
     sessions = {
         "prompt_cache": lever_server(*budget),
@@ -199,25 +233,30 @@ def main() -> int:
     try:
         for _ in range(args.repeats):
             runs.append(
-                {name: session(argv, args.tokens, cgroup) for name, argv in sessions.items()}
+                {
+                    server: session(argv, conversations, args.tokens, cgroup)
+                    for server, argv in sessions.items()
+                }
             )
-            for name, run in runs[-1].items():
-                report(name, run)
+            for server, run in runs[-1].items():
+                report(server, run)
     finally:
         if cgroup is not None:
             cgroup.remove()
     figures = summary(runs)
     print(json.dumps(figures))
-    if args.out:
-        record = {
-            "machine": msgspec.to_builtins(Machine.here()),
-            "tokens": args.tokens,
-            "dram_budget": args.dram_budget or "25%",
-            "memory_limit_bytes": args.memory_limit,
-        }
-        args.out.write_text(
-            json.dumps(record | {"summary": figures, "runs": runs}, indent=1) + "\n"
-        )
+    record = {
+        "machine": msgspec.to_builtins(Machine.here()),
+        "tokens": args.tokens,
+        "dram_budget": args.dram_budget or "25%",
+        "memory_limit_bytes": limit,
+        "conversations": [
+            {"item": c.item, "id": c.id, "turns": turns}
+            for c, turns in zip(chosen, conversations, strict=True)
+        ],
+    }
+    out.write_text(json.dumps(record | {"summary": figures, "runs": runs}, indent=1) + "\n")
+    print(f"wrote {out}")
     return 0
 
 

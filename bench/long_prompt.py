@@ -3,7 +3,8 @@ token, `generate --stats json`) against llama.cpp's prompt eval (`llama-completi
 target's GGUF, 2 threads), each run a process of its own, alternating. The prompt is the
 opening of the standard library's argparse.py, cut to about N tokens of the target's
 tokenizer. With --memory-limit each run is in a cgroup of that limit, the weight files
-evicted from the page cache before it.
+evicted from the page cache before it. The summary: per size and budget, Lever's median
+prefill tok/s over llama.cpp's.
 
     .venv/bin/python bench/long_prompt.py [--tokens 1400,2000] [--budgets 25%,all]
         [--repeats 2] [--new-tokens 32] [--memory-limit 1GiB] [--out FILE.json]
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from statistics import median
 
 import gguf
 import msgspec
@@ -108,6 +110,21 @@ def llamacpp(program: Path, text: str, new: int, cgroup, evict) -> dict:
     }
 
 
+def summary(rows: list[dict]) -> dict:
+    """`prefill_vs_llamacpp`: per prompt size (as asked for), per Lever budget, the median
+    prefill tok/s over llama.cpp's median."""
+    ratios: dict[str, dict[str, float]] = {}
+    for size in dict.fromkeys(row["tokens"] for row in rows):
+        runs = [row for row in rows if row["tokens"] == size]
+        theirs = median(row["llamacpp"]["prefill_tok_s"] for row in runs)
+        ratios[str(size)] = {
+            key.removeprefix("lever_"): median(row[key]["prefill_tok_s"] for row in runs) / theirs
+            for key in runs[0]
+            if key.startswith("lever_")
+        }
+    return {"prefill_vs_llamacpp": ratios}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="1400,2000", help="prompt sizes, comma-separated")
@@ -147,11 +164,14 @@ def main() -> int:
     finally:
         if cgroup is not None:
             cgroup.remove()
+    figures = summary(rows)
+    print(json.dumps(figures))
     if args.out:
         record = {
             "machine": msgspec.to_builtins(Machine.here()),
             "memory_limit_bytes": args.memory_limit,
             "new_tokens": args.new_tokens,
+            "summary": figures,
             "runs": rows,
         }
         args.out.write_text(json.dumps(record, indent=1) + "\n")

