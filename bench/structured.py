@@ -22,9 +22,10 @@ import trio
 from lever_actors.bench.results import Machine
 from lever_actors.checkpoints.real_pair import real_model_path, real_target_layout
 from lever_actors.config import EngineConfig
-from lever_actors.engine import Engine, GenerationResult
+from lever_actors.engine import Engine
 from lever_actors.model.grammar import Grammar
 from lever_actors.paths import default_cache_dir
+from lever_actors.results import GenerationResult
 
 
 def strings(*names: str) -> dict:

@@ -26,10 +26,11 @@ from lever_actors.channels.messages import TokenEvent
 from lever_actors.checkpoints.tokenizer import Message
 from lever_actors.config import EngineConfig
 from lever_actors.draft import DraftModel
-from lever_actors.engine import Engine, GenerationResult
+from lever_actors.engine import Engine
 from lever_actors.errors import EngineClosedError
 from lever_actors.progress import Progress
 from lever_actors.request import GenerationKeywords, GenerationOptions, options_of
+from lever_actors.results import GenerationResult
 
 _END = object()  # the trio side's answer when a stream has no more events
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lever_actors import engine as engine_module
+from lever_actors import loading
 from lever_actors.config import EngineConfig
 from lever_actors.context import CACHE_SHARE, KV_SHARE, plan_context
 from lever_actors.device.memory import anonymous_rss_bytes, memory_limit_bytes
@@ -80,9 +80,9 @@ async def test_a_request_beyond_ctx_size_is_refused_with_its_sizes(config):
 
 async def test_a_context_the_memory_bounds_says_so(config, monkeypatch):
     room = 100_000  # bytes left after loading: the tiny weights fit, a whole context not
-    monkeypatch.setattr(engine_module, "anonymous_rss_bytes", lambda: 0)
-    monkeypatch.setattr(engine_module, "file_rss_bytes", lambda: 0)
-    monkeypatch.setattr(engine_module, "memory_limit_bytes", lambda: room)
+    monkeypatch.setattr(loading, "anonymous_rss_bytes", lambda: 0)
+    monkeypatch.setattr(loading, "file_rss_bytes", lambda: 0)
+    monkeypatch.setattr(loading, "memory_limit_bytes", lambda: room)
     fixed = EngineConfig(**{**_fields(config), "dram_budget": "all"})  # auto keeps room
     async with Engine.open(fixed) as engine:
         target, draft = engine.target, engine.draft

@@ -16,6 +16,8 @@ LAYERS = (
     ("cli",),
     ("bench", "testing", "aio", "serve"),
     ("engine",),
+    ("wiring", "loading"),
+    ("steps", "results"),
     ("sequences",),
     ("actors", "prefix_cache"),
     ("policy",),

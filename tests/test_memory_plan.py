@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from lever_actors import engine as engine_module
+from lever_actors import loading
 from lever_actors.config import DramBudget, EngineConfig
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError
@@ -75,7 +75,7 @@ async def test_the_engine_plans_auto_under_a_limit_and_refuses_before_the_target
         held = engine.memory.process + engine.memory.draft + engine.memory.libraries
     opened = []
     monkeypatch.setattr(FlashTarget, "__init__", lambda *a, **k: opened.append(a))
-    monkeypatch.setattr(engine_module, "memory_limit_bytes", lambda: held // 2)
+    monkeypatch.setattr(loading, "memory_limit_bytes", lambda: held // 2)
     with pytest.raises(ConfigError, match="the target needs at least"):
         async with Engine.open(config):
             pass

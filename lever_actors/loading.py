@@ -1,0 +1,206 @@
+"""An engine's start: the draft, then the target under the memory plan, the policies, the
+context and the prefix cache, in that order so that each is planned for what the ones
+before it hold. A memory limit that cannot hold them is refused before anything loads."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from lever_actors.checkpoints.tokenizer import Tokenizer
+from lever_actors.config import DramBudget, EngineConfig
+from lever_actors.context import Context, plan_context
+from lever_actors.device.budget import ResidencyPlan, minimum_budget, plan_residency
+from lever_actors.device.layout import Manifest
+from lever_actors.device.memory import (
+    anonymous_rss_bytes,
+    file_rss_bytes,
+    map_large_blocks,
+    memory_limit_bytes,
+    return_freed_heap,
+)
+from lever_actors.device.units import ComputeUnit
+from lever_actors.draft import DraftModel, load_draft
+from lever_actors.errors import ConfigError
+from lever_actors.memory_plan import AUTO_CONTEXT, MemoryPlan, plan_memory
+from lever_actors.model.kv_cache import position_bytes
+from lever_actors.model.transformer import Transformer
+from lever_actors.paths import path_bytes
+from lever_actors.policy.setup import Policies, build_policies
+from lever_actors.prefix_cache import PrefixCache
+from lever_actors.progress import Progress
+from lever_actors.sequences import kv_bytes_per_token, prefix_cache
+from lever_actors.target import FlashTarget
+
+AUTO = DramBudget("auto")
+
+
+class LoadTimes(msgspec.Struct, frozen=True):
+    """Where an engine's start went, in seconds (`Engine.load_times`)."""
+
+    draft: float  # loading the draft (a snapshot's read, or a GGUF's conversion)
+    target: float  # opening the layout and reading its resident weights
+    policies: float  # the cost model's start (measured once per machine), the predictor
+
+    def __str__(self) -> str:
+        return (
+            f"draft {self.draft:.1f} s, target {self.target:.1f} s, policies {self.policies:.1f} s"
+        )
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What an engine serves with, as `load` left it."""
+
+    target: FlashTarget
+    draft: Transformer | None  # proposing from config.draft_vocabulary's ids
+    policies: Policies
+    context: Context
+    prefixes: PrefixCache
+    times: LoadTimes
+    memory: MemoryPlan
+
+
+def check_room(config: EngineConfig, manifest: Manifest, loading_draft: bool) -> None:
+    """Before anything loads: a limit that cannot hold the draft's file (its weights take
+    no more) beside the process and the target's least budget is refused now, not killed
+    in the load; the budget itself is planned once the draft is in."""
+    draft_file = path_bytes(Path(config.draft)) if loading_draft and config.draft else 0
+    process = anonymous_rss_bytes()
+    memory_plan(config, manifest, process=process, draft=draft_file, context_tokens=0, budget=AUTO)
+
+
+@asynccontextmanager
+async def load(
+    config: EngineConfig,
+    manifest: Manifest,
+    draft: DraftModel | None,
+    drafting: bool,
+    npu: ComputeUnit,
+    progress: Progress | None,
+) -> AsyncIterator[Loaded]:
+    """Load what `config` names (or use `draft`, already loaded) on `npu`'s thread; the
+    target is closed when the block ends."""
+    started = time.perf_counter()
+    before_draft = anonymous_rss_bytes()
+    # the draft first: its loading peak (several hundred MB of temporaries) then comes
+    # before the target's resident weights, not on top of them
+    if draft is None and drafting:
+        draft = await npu.run(
+            load_draft,
+            config.draft,
+            config.draft_dtype,
+            config.draft_weights,
+            config.draft_vocabulary,
+        )
+        return_freed_heap()  # the load's temporaries, before the plan counts what it holds
+    draft_loaded = time.perf_counter()
+    drafted = draft.model if draft is not None and drafting else None
+    memory = memory_plan(
+        config,
+        manifest,
+        process=before_draft,
+        draft=anonymous_rss_bytes() - before_draft,
+        draft_kv_bytes_per_token=position_bytes(drafted.args, drafted.dtype) if drafted else 0,
+    )
+    plan = plan_residency(manifest, memory.budget, config.ring_slots)
+    if plan.streams:
+        map_large_blocks()  # short of memory: a step's temporaries go back as they are freed
+    target = await npu.run(_open_target, config, plan)
+    target_opened = time.perf_counter()
+    try:
+        model = None
+        if draft is not None and drafting:
+            _check_same_vocabulary(target, draft)
+            model = draft.model.proposing(config.draft_vocabulary)
+        policies = await npu.run(build_policies, config, target, model, progress)
+        return_freed_heap()  # the start-up profiling's temporaries
+        context = plan_context(
+            config.ctx_size,
+            target.args.max_seq_len,
+            kv_bytes_per_token(target, model),
+            memory_limit_bytes(),
+            anonymous_rss_bytes(),
+        )
+        prefixes = await npu.run(prefix_cache, config, context, target, model)
+        times = LoadTimes(
+            draft=draft_loaded - started,
+            target=target_opened - draft_loaded,
+            policies=time.perf_counter() - target_opened,
+        )
+        yield Loaded(target, model, policies, context, prefixes, times, memory)
+    finally:
+        target.close()
+
+
+def memory_plan(
+    config: EngineConfig,
+    manifest: Manifest,
+    *,
+    process: int,
+    draft: int,
+    draft_kv_bytes_per_token: int = 0,
+    context_tokens: int | None = None,
+    budget: DramBudget | None = None,
+) -> MemoryPlan:
+    """The memory plan (memory_plan.py) for this config's target, or `budget`, beside
+    `process` and `draft` bytes held, with room for `context_tokens` (default: ctx_size,
+    else AUTO_CONTEXT or the model's, if less)."""
+    if context_tokens is None:
+        context_tokens = config.ctx_size or min(AUTO_CONTEXT, manifest.args.max_seq_len)
+    return plan_memory(
+        budget or config.dram_budget,
+        manifest.file_bytes,
+        minimum_budget(manifest, config.ring_slots),
+        limit=memory_limit_bytes(),
+        process=process,
+        draft=draft,
+        libraries=file_rss_bytes(),
+        kv_bytes_per_token=position_bytes(manifest.args, manifest.torch_dtype)
+        + draft_kv_bytes_per_token,
+        context_tokens=context_tokens,
+    )
+
+
+def _open_target(config: EngineConfig, plan: ResidencyPlan) -> FlashTarget:
+    return FlashTarget(
+        Path(config.target), plan, throttle=config.throttle, verify=config.verify_checksums
+    )
+
+
+def _check_same_vocabulary(target: FlashTarget, draft: DraftModel) -> None:
+    """The target verifies the draft's token ids: both models must have as many tokens and,
+    where both tokenizers are known, spell each id the same."""
+    sizes = draft.model.args.vocab_size, target.args.vocab_size
+    difference = ""  # compared where both tokenizers are known
+    if draft.tokenizer is not None and target.tokenizer is not None:
+        difference = _first_difference(draft.tokenizer, target.tokenizer)
+    if sizes[0] != sizes[1] or difference:
+        raise ConfigError(
+            f"draft {draft.source} has {sizes[0]} tokens, the target {sizes[1]}{difference}: "
+            "speculative decoding needs the same tokenizer"
+        )
+
+
+def _first_difference(draft: Tokenizer, target: Tokenizer) -> str:
+    """'; first difference at id N: ...' for the lowest id the two spell differently, or
+    that only one has; empty when they agree. Id by id: no copy of either vocabulary (two
+    dicts of 150k tokens would cost 80 MB at start-up)."""
+    ids = max(t.backend.get_vocab_size(with_added_tokens=True) for t in (draft, target))
+    for i in range(ids):
+        ours, theirs = draft.backend.id_to_token(i), target.backend.id_to_token(i)
+        if ours != theirs:
+            return (
+                f"; first difference at id {i}: {_spelled(ours)} in the draft, "
+                f"{_spelled(theirs)} in the target"
+            )
+    return ""
+
+
+def _spelled(token: str | None) -> str:
+    return "no token" if token is None else repr(token)
