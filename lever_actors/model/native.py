@@ -67,6 +67,7 @@ class Isa:
                 "layer.h",
                 "norm.h",
                 "q4k.h",
+                "q4k_tiles.h",
                 "rope.h",
             )
         )
@@ -86,15 +87,27 @@ AMX_ISA = (
     "avx512vl",
     "avx512dq",
     "avx512bf16",
+    "avx512vnni",
     "fma",
     "f16c",
     "amx-tile",
     "amx-bf16",
+    "amx-int8",
 )
 AMX = Isa(
     "amx",
     "amx",
-    ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c"),
+    (
+        "amx_tile",
+        "amx_bf16",
+        "amx_int8",
+        "avx512f",
+        "avx512bw",
+        "avx512vl",
+        "avx512_bf16",
+        "avx512_vnni",
+        "f16c",
+    ),
     tuple(f"-m{isa}" for isa in AMX_ISA),
     fewest_rows=8,
 )

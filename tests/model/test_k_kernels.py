@@ -33,7 +33,8 @@ def fmt(request) -> str:
 def test_the_kernel_computes_the_grouped_integer_sums(fmt, shape):
     from_gguf, kernel = FORMATS[fmt]
     q, values = from_gguf(shape)
-    x = (torch.randn(5, shape[1]) * torch.logspace(-2, 1, shape[1])).to(torch.bfloat16)
+    # 5 rows on vectors; AMX multiplies 20 on its tiles
+    x = (torch.randn(20, shape[1]) * torch.logspace(-2, 1, shape[1])).to(torch.bfloat16)
     expected = rounded_as_int8(x, K_INPUTS) @ values.double().T  # per 256, as Q8_K
     got = kernel(x, q.data, q.scales).double()
     assert ((got - expected).abs() <= 0.01 * expected.abs() + 1e-4).all()
@@ -46,7 +47,8 @@ def test_a_row_is_the_same_in_calls_of_every_size(fmt, outputs):
     q, _ = from_gguf((outputs, 768))
     x = (torch.randn(70, 768) * torch.logspace(-2, 2, 768)).to(torch.bfloat16)
     alone = torch.cat([kernel(x[i : i + 1], q.data, q.scales) for i in range(70)])
-    for n in (2, 3, 4, 5, 7, 8, 15, 17, 64, 70):  # rows in fours or eights and what is left
+    # rows in fours or eights and what is left; AMX: q4k from 16 rows in tiles of 16, padded
+    for n in (2, 3, 4, 5, 7, 8, 15, 16, 17, 33, 64, 70):
         assert torch.equal(kernel(x[:n], q.data, q.scales), alone[:n]), n
 
 
@@ -80,12 +82,12 @@ def padded_q4k(outputs: int, inputs: int) -> tuple[QuantizedWeight, torch.Tensor
 @needs_native
 def test_a_padded_last_block_multiplies_zeros_in_x():
     q, values = padded_q4k(64, 896)  # the real draft's inputs: three blocks and a half
-    x = (torch.randn(5, 896) * torch.logspace(-2, 1, 896)).to(torch.bfloat16)
+    x = (torch.randn(20, 896) * torch.logspace(-2, 1, 896)).to(torch.bfloat16)  # AMX: tiles
     padded = F.pad(x.float(), (0, 4 * K_INPUTS - 896))  # zeros to the fourth block's end
     expected = rounded_as_int8(padded, K_INPUTS)[:, :896] @ values.double().T
     got = native.q4k_linear(x, q.data, q.scales).double()
     assert ((got - expected).abs() <= 0.01 * expected.abs() + 1e-4).all()
-    alone = torch.cat([native.q4k_linear(x[i : i + 1], q.data, q.scales) for i in range(5)])
+    alone = torch.cat([native.q4k_linear(x[i : i + 1], q.data, q.scales) for i in range(20)])
     assert torch.equal(native.q4k_linear(x, q.data, q.scales), alone)
     with pytest.raises(RuntimeError, match="q4k shape"):  # x must reach into the last block
         native.q4k_linear(x[:, :768], q.data, q.scales)

@@ -13,7 +13,6 @@
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
-#include <new>
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <vector>
@@ -23,6 +22,7 @@
 #include "integer_rows.h"
 #include "norm.h"
 #include "q4k.h"
+#include "q4k_tiles.h"
 #include "rope.h"
 
 namespace {
@@ -33,14 +33,6 @@ constexpr int64_t TILE = 16;     // rows of a full tile, 64 bytes each
 constexpr int64_t DEPTH = 32;    // inputs per tile product: 16 rows of bf16 pairs
 constexpr int64_t AHEAD = 8;     // int4: groups prefetched ahead of the one unpacked
 constexpr int64_t CHUNK = 32;    // int8: depths converted at a time (128 KB of bf16 per block)
-
-template <typename T>
-struct Aligned {  // 64-byte aligned storage: whole tile rows per cache line
-  using value_type = T;
-  T* allocate(size_t count) { return static_cast<T*>(::operator new(count * sizeof(T), std::align_val_t(64))); }
-  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
-  bool operator==(const Aligned&) const = default;
-};
 
 struct TileConfig {
   uint8_t palette = 1;
@@ -283,6 +275,6 @@ TORCH_LIBRARY(lever_amx, m) {
   m.def("int4_linear", &int4_linear);
   m.def("int8_linear", &int8_linear);
   m.def("q6k_linear", &lever::q6k_linear);
-  m.def("q4k_linear", &lever::q4k_linear);
+  m.def("q4k_linear", &lever::q4k_linear_amx);
   m.def("enable_tiles", &enable_tiles);
 }

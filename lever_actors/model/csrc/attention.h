@@ -38,6 +38,29 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
 }
 
+// out lanes [l, l + chunk) of the `group` heads: sum over visible keys of weight * value, over
+// the total, in bf16
+template <int64_t group, int64_t chunk>
+void weigh_values(const uint16_t* values, const bool* visible, int64_t first, int64_t end, int64_t hd, int64_t l,
+                  const float* weights, int64_t width, const float* total, uint16_t* out) {
+  __m256 acc[group][chunk];
+  for (int64_t h = 0; h < group; ++h)
+    for (int64_t c = 0; c < chunk; ++c) acc[h][c] = _mm256_setzero_ps();
+  for (int64_t j = first; j < end; ++j) {
+    if (visible && !visible[j]) continue;
+    for (int64_t c = 0; c < chunk; ++c) {
+      __m256 v = bf16x8(values + j * hd + (l + c) * 8);
+      for (int64_t h = 0; h < group; ++h) acc[h][c] = _mm256_fmadd_ps(_mm256_set1_ps(weights[h * width + j]), v, acc[h][c]);
+    }
+  }
+  alignas(32) float row[8];
+  for (int64_t h = 0; h < group; ++h)
+    for (int64_t c = 0; c < chunk; ++c) {
+      _mm256_store_ps(row, _mm256_div_ps(acc[h][c], _mm256_set1_ps(total[h])));
+      for (int e = 0; e < 8; ++e) out[h * hd + (l + c) * 8 + e] = to_bf16(row[e]);
+    }
+}
+
 // One query row of the `group` heads that share a kv head, against that head's visible keys:
 // each key and value is widened once for all of them. out: the heads' [group, hd] bf16.
 // q32: scratch [group, hd]; weights: [group, T rounded up to 8]; visible: the row's mask or null.
@@ -48,9 +71,16 @@ void attend_group(const uint16_t* q, int64_t q_stride, const uint16_t* keys, con
   const int64_t lanes = hd / 8, width = (T + 7) / 8 * 8;
   for (int64_t h = 0; h < group; ++h)
     for (int64_t l = 0; l < lanes; ++l) _mm256_storeu_ps(q32 + h * hd + l * 8, bf16x8(q + h * q_stride + l * 8));
+  // only keys from the first visible to the last visible one: a prompt's causal rows see a
+  // prefix, so the rest would be visited for nothing
+  int64_t first = 0, end = T;
+  if (visible) {
+    while (first < T && !visible[first]) ++first;
+    while (end > first && !visible[end - 1]) --end;
+  }
   float top[group];
   for (int64_t h = 0; h < group; ++h) top[h] = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < T; ++j) {
+  for (int64_t j = first; j < end; ++j) {
     if (visible && !visible[j]) continue;  // its weight's slot keeps a stale value, never read
     const uint16_t* key = keys + j * hd;
     __m256 dot[group];
@@ -69,26 +99,18 @@ void attend_group(const uint16_t* q, int64_t q_stride, const uint16_t* keys, con
   float total[group];
   for (int64_t h = 0; h < group; ++h) {
     float* w = weights + h * width;
-    for (int64_t j = 0; j < width; j += 8)
+    for (int64_t j = first / 8 * 8; j < end; j += 8)  // lanes by themselves: any 8 give the same
       _mm256_storeu_ps(w + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(w + j), _mm256_set1_ps(top[h]))));
     total[h] = 0.0f;
-    for (int64_t j = 0; j < T; ++j)
+    for (int64_t j = first; j < end; ++j)
       if (!visible || visible[j]) total[h] += w[j];
   }
-  alignas(32) float row[8];
-  for (int64_t l = 0; l < lanes; ++l) {
-    __m256 acc[group];
-    for (int64_t h = 0; h < group; ++h) acc[h] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < T; ++j) {
-      if (visible && !visible[j]) continue;
-      __m256 v = bf16x8(values + j * hd + l * 8);
-      for (int64_t h = 0; h < group; ++h) acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(weights[h * width + j]), v, acc[h]);
-    }
-    for (int64_t h = 0; h < group; ++h) {
-      _mm256_store_ps(row, _mm256_div_ps(acc[h], _mm256_set1_ps(total[h])));
-      for (int e = 0; e < 8; ++e) out[h * hd + l * 8 + e] = to_bf16(row[e]);
-    }
-  }
+  // each output lane sums its keys in position order; a pass takes `chunk` lanes of 8 at once
+  // (as many as registers hold), so that it reads whole pieces of each value row
+  constexpr int64_t chunk = group <= 3 ? 4 : group <= 6 ? 2 : 1;
+  int64_t l = 0;
+  for (; l + chunk <= lanes; l += chunk) weigh_values<group, chunk>(values, visible, first, end, hd, l, weights, width, total, out);
+  for (; l < lanes; ++l) weigh_values<group, 1>(values, visible, first, end, hd, l, weights, width, total, out);
 }
 
 template <typename... Args>

@@ -8,12 +8,21 @@
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
+#include <new>
 #include <optional>
 
 namespace lever {
 
 constexpr int64_t BLOCK_N = 64;  // outputs per block: the int4 packing's, and the kernels'
 constexpr int64_t GROUP = 32;    // inputs per int4 scale and zero, and per activation scale (AVX2)
+
+template <typename T>
+struct Aligned {  // 64-byte aligned storage: whole tile rows or vectors per cache line
+  using value_type = T;
+  T* allocate(size_t count) { return static_cast<T*>(::operator new(count * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  bool operator==(const Aligned&) const = default;
+};
 
 inline float from_bf16(uint16_t v) {
   uint32_t bits = uint32_t(v) << 16;

@@ -108,15 +108,20 @@ inline void q4k_tile(const RoundedRows& xq, const int32_t* sum_pairs, int64_t m0
 // x [m, in] bf16; records [n / 8, k / 256 * 1152] uint8; ds [n / 8, k / 256 * 16] float16 -> [m, n]
 // bf16, where k is `in` rounded up to whole blocks: a last block's inputs past `in` (a matrix
 // of 896 inputs has 128) multiply zeros in x, so their weights never count.
-inline at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& records, const at::Tensor& ds,
-                             const std::optional<at::Tensor>& bias) {
+inline void check_q4k(const at::Tensor& x, const at::Tensor& records, const at::Tensor& ds) {
   check_rows(x);
   TORCH_CHECK(records.scalar_type() == at::kByte && records.is_contiguous(), "records: uint8");
   TORCH_CHECK(ds.scalar_type() == at::kHalf && ds.is_contiguous(), "ds: float16");
-  int64_t rows = x.size(0), tasks = records.size(0), n = tasks * Q4K_OUTPUTS;
   int64_t k = records.size(1) / Q4K_RECORD * K_INPUTS, padding = k - x.size(1);
   TORCH_CHECK(records.size(1) % Q4K_RECORD == 0 && padding >= 0 && padding < K_INPUTS && padding % GROUP == 0, "q4k shape");
-  TORCH_CHECK(ds.numel() == tasks * (k / K_INPUTS) * 16, "q4k shape");
+  TORCH_CHECK(ds.numel() == records.size(0) * (k / K_INPUTS) * 16, "q4k shape");
+}
+
+inline at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& records, const at::Tensor& ds,
+                             const std::optional<at::Tensor>& bias) {
+  check_q4k(x, records, ds);
+  int64_t rows = x.size(0), tasks = records.size(0), n = tasks * Q4K_OUTPUTS;
+  int64_t k = records.size(1) / Q4K_RECORD * K_INPUTS;
   auto out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
   RoundedRows xq = rounded_rows(x, K_INPUTS, k);
