@@ -12,8 +12,9 @@ OpenMP reads them only once, when it loads. Values the user set are kept.
   with one team go without it): a spinning team of one unit takes the cores the other
   needs, and libgomp sleeps every team after each product anyway once two exist.
   Figures: `bench/thread_policy.py`, docs/benchmarks.md.
-- A core counts as taken only when at least 3/4 busy in each of three 0.2 s windows, so
-  that a process that has just exited (freeing its memory) does not count.
+- A core counts as taken only when at least 3/4 busy in each of three 0.1 s windows, so
+  that a process that has just exited (freeing its memory) does not count. The probe is
+  part of every launch's wait: 0.3 s of it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 from collections.abc import Mapping
 
 WINDOWS = 3  # a neighbour counts only if busy in every one: a process that is just
-WINDOW_SECONDS = 0.2  # exiting (freeing its memory) is busy in the first window only
+WINDOW_SECONDS = 0.1  # exiting (freeing its memory) is busy in the first window only
 TAKEN = 0.75  # of a core's time busy, for the core to count as taken
 # names the variables set only because the command may run two compute units
 # (comma-separated), so that a child process computing with one team can go without them
