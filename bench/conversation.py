@@ -11,7 +11,7 @@ reads them).
 
     .venv/bin/python bench/conversation.py [--tokens 48] [--repeats 1] [--llama-server]
                                            [--conversations 5] [--turns 4]
-                                           [--dram-budget B] [--memory-limit 1GiB]
+                                           [--dram-budget B] [--memory-limit 1GiB] [--ctx-size N]
                                            [--out FILE.json]
 """
 
@@ -207,6 +207,9 @@ def main() -> int:
     parser.add_argument("--dram-budget", help="Lever's (default: the real pair's, 25%%)")
     parser.add_argument("--memory-limit", help="e.g. 1GiB")
     parser.add_argument(
+        "--ctx-size", type=int, help="Lever's context (default: its own; auto's room is 4,096)"
+    )
+    parser.add_argument(
         "--out", type=Path, help="default: results/conversation-LIMIT.json, or -nolimit"
     )
     args = parser.parse_args()
@@ -223,6 +226,7 @@ def main() -> int:
     if limit:
         cgroup = MemoryCgroup(probe_cgroup(), f"lever-chat-{os.getpid()}", limit)
     budget = ["--dram-budget", args.dram_budget] if args.dram_budget else []
+    budget += ["--ctx-size", str(args.ctx_size)] if args.ctx_size else []
     sessions = {
         "prompt_cache": lever_server(*budget),
         "no_prompt_cache": lever_server(*budget, "--prompt-cache", "0"),
@@ -249,6 +253,7 @@ def main() -> int:
         "machine": msgspec.to_builtins(Machine.here()),
         "tokens": args.tokens,
         "dram_budget": args.dram_budget or "25%",
+        "ctx_size": args.ctx_size,
         "memory_limit_bytes": limit,
         "conversations": [
             {"item": c.item, "id": c.id, "turns": turns}

@@ -7,7 +7,7 @@ evicted from the page cache before it. The summary: per size and budget, Lever's
 prefill tok/s over llama.cpp's.
 
     .venv/bin/python bench/long_prompt.py [--tokens 1400,2000] [--budgets 25%,all]
-        [--repeats 2] [--new-tokens 32] [--memory-limit 1GiB] [--out FILE.json]
+        [--repeats 2] [--new-tokens 32] [--memory-limit 1GiB] [--ctx-size N] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ def completed(
     return done
 
 
-def lever(text: str, budget: str, new: int, cgroup, evict) -> dict:
-    argv = [*CLI, "generate", "--prompt", text, "--max-new-tokens", str(new)]
+def lever(text: str, budget: str, new: int, ctx: list[str], cgroup, evict) -> dict:
+    argv = [*CLI, "generate", "--prompt", text, "--max-new-tokens", str(new), *ctx]
     stats = json.loads(
         run([*argv, "--dram-budget", budget, "--stats", "json"], cgroup, evict).splitlines()[-1]
     )
@@ -132,12 +132,16 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--memory-limit", type=parse_bytes)
+    parser.add_argument(
+        "--ctx-size", type=int, help="Lever's context (default: its own; auto's room is 4,096)"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     build = find_build(default_cache_dir())
     if build is None:
         raise SystemExit("no llama.cpp build: run `lever-actors build-llamacpp` first")
     target, evict, cgroup, tokenizer = real_pair_runs("lever-long-prompt", args.memory_limit)
+    ctx = ["--ctx-size", str(args.ctx_size)] if args.ctx_size else []
     rows = []
     try:
         for size in (int(n) for n in args.tokens.split(",")):
@@ -150,7 +154,7 @@ def main() -> int:
                     ),
                 }
                 for budget in args.budgets.split(","):
-                    row[f"lever_{budget}"] = lever(text, budget, args.new_tokens, cgroup, evict)
+                    row[f"lever_{budget}"] = lever(text, budget, args.new_tokens, ctx, cgroup, evict)
                 rows.append(row)
                 print(
                     json.dumps(
@@ -171,6 +175,7 @@ def main() -> int:
             "machine": msgspec.to_builtins(Machine.here()),
             "memory_limit_bytes": args.memory_limit,
             "new_tokens": args.new_tokens,
+            "ctx_size": args.ctx_size,
             "summary": figures,
             "runs": rows,
         }

@@ -27,7 +27,7 @@ from lever_actors.device.memory import (
 from lever_actors.device.units import ComputeUnit
 from lever_actors.draft import DraftModel, load_draft
 from lever_actors.errors import ConfigError
-from lever_actors.memory_plan import AUTO_CONTEXT, MemoryPlan, plan_memory
+from lever_actors.memory_plan import AUTO_CONTEXT, FEWEST_AUTO_CONTEXT, MemoryPlan, plan_memory
 from lever_actors.model.kv_cache import position_bytes
 from lever_actors.model.transformer import Transformer
 from lever_actors.paths import path_bytes
@@ -153,6 +153,8 @@ def memory_plan(
     else AUTO_CONTEXT or the model's, if less)."""
     if context_tokens is None:
         context_tokens = config.ctx_size or min(AUTO_CONTEXT, manifest.args.max_seq_len)
+    # without a ctx_size the room may shrink before a limit is refused
+    fewest = None if config.ctx_size else min(FEWEST_AUTO_CONTEXT, context_tokens)
     return plan_memory(
         budget or config.dram_budget,
         manifest.file_bytes,
@@ -164,6 +166,7 @@ def memory_plan(
         kv_bytes_per_token=position_bytes(manifest.args, manifest.torch_dtype)
         + draft_kv_bytes_per_token,
         context_tokens=context_tokens,
+        fewest_context_tokens=fewest,
     )
 
 

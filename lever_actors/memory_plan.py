@@ -19,6 +19,9 @@ from lever_actors.sizes import format_bytes
 # the context an auto budget keeps room for where ctx_size says none (the real pair's 4,096
 # tokens of KV are 160 MiB, and room for them 320 MiB)
 AUTO_CONTEXT = 4096
+# where no ctx_size was asked for and AUTO_CONTEXT's room does not fit beside the target's
+# least budget, auto keeps room for a smaller context, down to this, before it refuses
+FEWEST_AUTO_CONTEXT = 1024
 
 
 class MemoryPlan(msgspec.Struct, frozen=True):
@@ -54,11 +57,19 @@ def plan_memory(
     libraries: int,
     kv_bytes_per_token: int,
     context_tokens: int,
+    fewest_context_tokens: int | None = None,
 ) -> MemoryPlan:
     """The plan for a target of `model_bytes` (at least `least_budget` in DRAM) under
-    `limit`, beside what is held; ConfigError, naming the parts, where it cannot fit."""
+    `limit`, beside what is held, with room for `context_tokens`, or for as few as
+    `fewest_context_tokens` where that is all an auto budget leaves room for; ConfigError,
+    naming the parts, where it cannot fit."""
     held = process + draft + libraries
     room = math.ceil(kv_bytes_per_token * context_tokens / KV_SHARE)
+    if budget.kind == "auto" and fewest_context_tokens is not None:
+        fits = int((limit - held - least_budget) * KV_SHARE) // max(kv_bytes_per_token, 1)
+        if fewest_context_tokens <= fits < context_tokens:
+            context_tokens = fits
+            room = math.ceil(kv_bytes_per_token * context_tokens / KV_SHARE)
     parts = (
         f"the process {format_bytes(process)}, the draft {format_bytes(draft)}, "
         f"its libraries {format_bytes(libraries)}"

@@ -18,7 +18,7 @@ MiB = 1 << 20
 HELD = dict(process=160 * MiB, draft=330 * MiB, libraries=100 * MiB)
 
 
-def plan(budget: str, limit: int, tokens: int = 4096):
+def plan(budget: str, limit: int, tokens: int = 4096, fewest: int | None = None):
     return plan_memory(
         DramBudget.parse(budget),
         1100 * MiB,
@@ -27,6 +27,7 @@ def plan(budget: str, limit: int, tokens: int = 4096):
         **HELD,
         kv_bytes_per_token=40 << 10,
         context_tokens=tokens,
+        fewest_context_tokens=fewest,
     )
 
 
@@ -35,6 +36,17 @@ def test_auto_takes_what_is_left_after_the_room_for_the_context():
     assert plan("auto", 3072 * MiB).budget == 1100 * MiB  # all of it fits
     assert plan("auto", 1024 * MiB, tokens=1024).budget == (1024 - 590 - 80) * MiB
     assert "target budget 114.0 MiB (auto)" in str(plan("auto", 1024 * MiB))
+
+
+def test_without_a_ctx_size_auto_keeps_room_for_a_smaller_context_before_it_refuses():
+    # 1,000 MiB less 590 held and the least budget of 100 leave 310 MiB: 3,968 tokens' room
+    shrunk = plan("auto", 1000 * MiB, fewest=1024)
+    assert (shrunk.context_tokens, shrunk.room, shrunk.budget) == (3968, 310 * MiB, 100 * MiB)
+    assert plan("auto", 1024 * MiB, fewest=1024).context_tokens == 4096  # it fits: no change
+    with pytest.raises(ConfigError, match="raise the limit or lower ctx_size"):
+        plan("auto", 1000 * MiB)  # a ctx_size was asked for: refused, as it does not fit
+    with pytest.raises(ConfigError, match="room for 4,096 tokens"):
+        plan("auto", (590 + 100 + 79) * MiB, fewest=1024)  # 1,024 tokens need 80 MiB
 
 
 def test_a_limit_too_small_is_refused_naming_every_part():
