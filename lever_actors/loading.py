@@ -178,11 +178,13 @@ def _open_target(config: EngineConfig, plan: ResidencyPlan) -> FlashTarget:
 
 def _check_same_vocabulary(target: FlashTarget, draft: DraftModel) -> None:
     """The target verifies the draft's token ids: both models must have as many tokens and,
-    where both tokenizers are known, spell each id the same."""
+    where both tokenizers are known, spell each id the same (one parsed vocabulary, from
+    files of the same bytes, does)."""
     sizes = draft.model.args.vocab_size, target.args.vocab_size
     difference = ""  # compared where both tokenizers are known
-    if draft.tokenizer is not None and target.tokenizer is not None:
-        difference = _first_difference(draft.tokenizer, target.tokenizer)
+    ours, theirs = draft.tokenizer, target.tokenizer
+    if ours is not None and theirs is not None and ours.backend is not theirs.backend:
+        difference = _first_difference(ours, theirs)
     if sizes[0] != sizes[1] or difference:
         raise ConfigError(
             f"draft {draft.source} has {sizes[0]} tokens, the target {sizes[1]}{difference}: "

@@ -263,6 +263,23 @@ def test_bad_tokenizer_json(tmp_path: Path) -> None:
         Tokenizer.from_file(path)
 
 
+def test_files_of_the_same_bytes_share_one_parsed_vocabulary(
+    gguf_tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    for name in ("draft", "target", "other"):
+        (tmp_path / name).mkdir()
+        gguf_tokenizer.save(tmp_path / name)
+    other = tmp_path / "other" / "tokenizer.json"
+    other.write_text(other.read_text().replace('"<|im_end|>"', '"<|im_stop|>"'))
+    draft, target, changed = (
+        Tokenizer.from_file(tmp_path / name / "tokenizer.json")
+        for name in ("draft", "target", "other")
+    )
+    assert draft.backend is target.backend  # parsed once
+    assert changed.backend is not draft.backend
+    assert changed.backend.token_to_id("<|im_stop|>") == draft.backend.token_to_id("<|im_end|>")
+
+
 def test_save_round_trips_special_tokens_and_template(
     gguf_tokenizer: Tokenizer, tmp_path: Path
 ) -> None:
