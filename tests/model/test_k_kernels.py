@@ -33,7 +33,7 @@ def fmt(request) -> str:
 def test_the_kernel_computes_the_grouped_integer_sums(fmt, shape):
     from_gguf, kernel = FORMATS[fmt]
     q, values = from_gguf(shape)
-    # 5 rows on vectors; AMX multiplies 20 on its tiles
+    # 20 rows: AMX multiplies q4k's on its tiles
     x = (torch.randn(20, shape[1]) * torch.logspace(-2, 1, shape[1])).to(torch.bfloat16)
     expected = rounded_as_int8(x, K_INPUTS) @ values.double().T  # per 256, as Q8_K
     got = kernel(x, q.data, q.scales).double()
@@ -82,7 +82,7 @@ def padded_q4k(outputs: int, inputs: int) -> tuple[QuantizedWeight, torch.Tensor
 @needs_native
 def test_a_padded_last_block_multiplies_zeros_in_x():
     q, values = padded_q4k(64, 896)  # the real draft's inputs: three blocks and a half
-    x = (torch.randn(20, 896) * torch.logspace(-2, 1, 896)).to(torch.bfloat16)  # AMX: tiles
+    x = (torch.randn(20, 896) * torch.logspace(-2, 1, 896)).to(torch.bfloat16)  # AMX: tiled
     padded = F.pad(x.float(), (0, 4 * K_INPUTS - 896))  # zeros to the fourth block's end
     expected = rounded_as_int8(padded, K_INPUTS)[:, :896] @ values.double().T
     got = native.q4k_linear(x, q.data, q.scales).double()
