@@ -1,6 +1,8 @@
 """An engine's start: the draft, then the target under the memory plan, the policies, the
 context and the prefix cache, in that order so that each is planned for what the ones
-before it hold. A memory limit that cannot hold them is refused before anything loads."""
+before it hold (a fixed budget with room to spare reads the target's resident weights
+beside the draft's load). A memory limit that cannot hold them is refused before anything
+loads."""
 
 from __future__ import annotations
 
@@ -11,11 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+import trio
 
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.config import DramBudget, EngineConfig
 from lever_actors.context import Context, plan_context
 from lever_actors.device.budget import ResidencyPlan, minimum_budget, plan_residency
+from lever_actors.device.flash import FlashStore
 from lever_actors.device.layout import Manifest
 from lever_actors.device.memory import (
     anonymous_rss_bytes,
@@ -35,7 +39,7 @@ from lever_actors.policy.setup import Policies, build_policies
 from lever_actors.prefix_cache import PrefixCache
 from lever_actors.progress import Progress
 from lever_actors.sequences import kv_bytes_per_token, prefix_cache
-from lever_actors.target import FlashTarget
+from lever_actors.target import FlashTarget, Resident, read_resident
 
 AUTO = DramBudget("auto")
 
@@ -46,10 +50,13 @@ class LoadTimes(msgspec.Struct, frozen=True):
     draft: float  # loading the draft (a snapshot's read, or a GGUF's conversion)
     target: float  # opening the layout and reading its resident weights
     policies: float  # the cost model's start (measured once per machine), the predictor
+    beside: bool = False  # the target's weights were read beside the draft's load
 
     def __str__(self) -> str:
+        where = " beside the draft" if self.beside else ""
         return (
-            f"draft {self.draft:.1f} s, target {self.target:.1f} s, policies {self.policies:.1f} s"
+            f"draft {self.draft:.1f} s, target {self.target:.1f} s{where}, "
+            f"policies {self.policies:.1f} s"
         )
 
 
@@ -88,18 +95,26 @@ async def load(
     target is closed when the block ends."""
     started = time.perf_counter()
     before_draft = anonymous_rss_bytes()
+    loading_draft = draft is None and drafting
+    early = _plan_beside_draft(config, manifest) if loading_draft else None
+    resident: list[Resident] = []  # the target's extents, where they are read beside the draft
+    reads: list[float] = []  # and the seconds that took
     # the draft first: its loading peak (several hundred MB of temporaries) then comes
-    # before the target's resident weights, not on top of them
-    if draft is None and drafting:
-        draft = await npu.run(
-            load_draft,
-            config.draft,
-            config.draft_dtype,
-            config.draft_weights,
-            config.draft_vocabulary,
-        )
-        return_freed_heap()  # the load's temporaries, before the plan counts what it holds
-    draft_loaded = time.perf_counter()
+    # before the target's resident weights, not on top of them; but where the budget is
+    # fixed and the limit holds both with room to spare, the target's reads run beside it
+    async with trio.open_nursery() as nursery:
+        if early is not None:
+            nursery.start_soon(_read_beside, config, early, resident, reads)
+        if loading_draft:
+            draft = await npu.run(
+                load_draft,
+                config.draft,
+                config.draft_dtype,
+                config.draft_weights,
+                config.draft_vocabulary,
+            )
+            return_freed_heap()  # the load's temporaries, before the plan counts what it holds
+        draft_loaded = time.perf_counter()
     drafted = draft.model if draft is not None and drafting else None
     memory = memory_plan(
         config,
@@ -108,10 +123,10 @@ async def load(
         draft=anonymous_rss_bytes() - before_draft,
         draft_kv_bytes_per_token=position_bytes(drafted.args, drafted.dtype) if drafted else 0,
     )
-    plan = plan_residency(manifest, memory.budget, config.ring_slots)
+    plan = early or plan_residency(manifest, memory.budget, config.ring_slots)
     if plan.streams:
         map_large_blocks()  # short of memory: a step's temporaries go back as they are freed
-    target = await npu.run(_open_target, config, plan)
+    target = await npu.run(_open_target, config, plan, resident[0] if resident else None)
     target_opened = time.perf_counter()
     try:
         model = None
@@ -130,8 +145,9 @@ async def load(
         prefixes = await npu.run(prefix_cache, config, context, target, model)
         times = LoadTimes(
             draft=draft_loaded - started,
-            target=target_opened - draft_loaded,
+            target=target_opened - draft_loaded + sum(reads),
             policies=time.perf_counter() - target_opened,
+            beside=bool(resident),
         )
         yield Loaded(target, model, policies, context, prefixes, times, memory)
     finally:
@@ -170,9 +186,51 @@ def memory_plan(
     )
 
 
-def _open_target(config: EngineConfig, plan: ResidencyPlan) -> FlashTarget:
+def _plan_beside_draft(config: EngineConfig, manifest: Manifest) -> ResidencyPlan | None:
+    """The target's residency before the draft loads, where it does not depend on what the
+    draft will hold: a fixed budget that the limit holds beside the draft's whole file (its
+    load takes no more) with room for AUTO_CONTEXT's tokens to spare; else None."""
+    if config.dram_budget.kind == "auto" or not config.draft:
+        return None
+    try:
+        draft_file = path_bytes(Path(config.draft))
+        memory = memory_plan(config, manifest, process=anonymous_rss_bytes(), draft=draft_file)
+    except ConfigError:
+        return None  # the plan made after the draft's load says why
+    if memory.context_tokens < AUTO_CONTEXT:
+        return None
+    return plan_residency(manifest, memory.budget, config.ring_slots)
+
+
+async def _read_beside(
+    config: EngineConfig, plan: ResidencyPlan, into: list[Resident], seconds: list[float]
+) -> None:
+    """The resident extents of `plan` read on a worker thread (reads and checksums only, no
+    torch computation to start a second OpenMP team), into `into`; the time, into `seconds`."""
+    started = time.perf_counter()
+    into.append(await trio.to_thread.run_sync(_read_resident, config, plan))
+    seconds.append(time.perf_counter() - started)
+
+
+def _read_resident(config: EngineConfig, plan: ResidencyPlan) -> Resident:
+    store = FlashStore(
+        Path(config.target), throttle=config.throttle, verify=config.verify_checksums
+    )
+    try:
+        return read_resident(store, plan)
+    finally:
+        store.close()
+
+
+def _open_target(
+    config: EngineConfig, plan: ResidencyPlan, resident: Resident | None
+) -> FlashTarget:
     return FlashTarget(
-        Path(config.target), plan, throttle=config.throttle, verify=config.verify_checksums
+        Path(config.target),
+        plan,
+        throttle=config.throttle,
+        verify=config.verify_checksums,
+        resident=resident,
     )
 
 

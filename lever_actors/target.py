@@ -34,21 +34,36 @@ def budget_in_bytes(manifest: Manifest, dram_budget: DramBudget) -> int:
     return dram_budget.bytes_of(manifest.file_bytes)
 
 
+Resident = dict[str, dict[str, Weight]]  # the plan's resident extents, as read: key -> tensors
+
+
+def read_resident(store: FlashStore, plan: ResidencyPlan) -> Resident:
+    """Blocking: the extents `plan` holds in DRAM, each read (and checked) into its own
+    buffer. No torch computation: it may run on any thread, beside another load."""
+    return {key: store.load_extent(store.manifest.extent(key)) for key in plan.resident}
+
+
 class FlashTarget:
     """Holds the resident extents the plan chose, reads the rest through a Prefetcher."""
 
     def __init__(
-        self, directory: Path, plan: ResidencyPlan, *, throttle: str = "none", verify: bool = True
+        self,
+        directory: Path,
+        plan: ResidencyPlan,
+        *,
+        throttle: str = "none",
+        verify: bool = True,
+        resident: Resident | None = None,
     ) -> None:
-        """`plan`: the `residency` of this layout's manifest, made once by the caller."""
+        """`plan`: the `residency` of this layout's manifest, made once by the caller;
+        `resident`: its extents already read by `read_resident` (else they are read now)."""
         self.store = FlashStore(directory, throttle=throttle, verify=verify)
         self.manifest = self.store.manifest
         self.args = self.manifest.args
         self.dtype = self.manifest.torch_dtype
         self.plan = plan
-        resident = {
-            key: self.store.load_extent(self.manifest.extent(key)) for key in self.plan.resident
-        }
+        if resident is None:
+            resident = read_resident(self.store, plan)
         head = head_key(self.manifest)
         # None where the budget streams the head (`logits` then reads it each pass)
         self.lm_head: Weight | None = resident[head][head] if head in resident else None

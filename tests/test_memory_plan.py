@@ -100,3 +100,23 @@ def test_before_the_draft_loads_no_room_is_asked_for():
     assert str(refused.value).endswith(
         "its libraries 100.0 MiB; the target needs at least 100.0 MiB: raise the limit"
     )
+
+
+async def test_a_fixed_budget_with_room_to_spare_reads_the_target_beside_the_drafts_load(
+    monkeypatch,
+):
+    pair = model_pair(TINY_ARGS, "perturbed", 0)
+    reads = []
+    read = loading._read_resident
+    monkeypatch.setattr(loading, "_read_resident", lambda *a: reads.append(a) or read(*a))
+    texts = {}
+    for budget in ("auto", "all"):
+        config = EngineConfig(
+            target=str(pair.target), draft=str(pair.draft), tree="chain:2", dram_budget=budget
+        )
+        async with Engine.open(config) as engine:
+            texts[budget] = (await engine.generate([1, 2, 3], max_new_tokens=8)).tokens
+        assert len(reads) == (budget == "all")  # auto plans from what the draft holds
+    monkeypatch.setattr(loading, "memory_limit_bytes", lambda: engine.memory.limit // 1000)
+    assert loading._plan_beside_draft(config, engine.target.manifest) is None  # no room: in turn
+    assert texts["auto"] == texts["all"]
