@@ -154,7 +154,9 @@ def main() -> int:
                     ),
                 }
                 for budget in args.budgets.split(","):
-                    row[f"lever_{budget}"] = lever(text, budget, args.new_tokens, ctx, cgroup, evict)
+                    row[f"lever_{budget}"] = lever(
+                        text, budget, args.new_tokens, ctx, cgroup, evict
+                    )
                 rows.append(row)
                 print(
                     json.dumps(
