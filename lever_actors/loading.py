@@ -116,11 +116,13 @@ async def load(
             return_freed_heap()  # the load's temporaries, before the plan counts what it holds
         draft_loaded = time.perf_counter()
     drafted = draft.model if draft is not None and drafting else None
+    # what the draft holds, less the target's weights read beside it
+    beside = sum(manifest.extent(key).nbytes for key in early.resident) if early else 0
     memory = memory_plan(
         config,
         manifest,
         process=before_draft,
-        draft=anonymous_rss_bytes() - before_draft,
+        draft=anonymous_rss_bytes() - before_draft - beside,
         draft_kv_bytes_per_token=position_bytes(drafted.args, drafted.dtype) if drafted else 0,
     )
     plan = early or plan_residency(manifest, memory.budget, config.ring_slots)
