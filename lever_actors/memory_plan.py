@@ -64,12 +64,11 @@ def plan_memory(
     `fewest_context_tokens` where that is all an auto budget leaves room for; ConfigError,
     naming the parts, where it cannot fit."""
     held = process + draft + libraries
-    room = math.ceil(kv_bytes_per_token * context_tokens / KV_SHARE)
     if budget.kind == "auto" and fewest_context_tokens is not None:
         fits = int((limit - held - least_budget) * KV_SHARE) // max(kv_bytes_per_token, 1)
         if fewest_context_tokens <= fits < context_tokens:
             context_tokens = fits
-            room = math.ceil(kv_bytes_per_token * context_tokens / KV_SHARE)
+    room = math.ceil(kv_bytes_per_token * context_tokens / KV_SHARE)
     parts = (
         f"the process {format_bytes(process)}, the draft {format_bytes(draft)}, "
         f"its libraries {format_bytes(libraries)}"

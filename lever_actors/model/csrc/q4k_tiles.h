@@ -29,7 +29,7 @@ namespace lever {
 
 constexpr int64_t Q4K_TILE_OUTPUTS = 16;  // two records
 constexpr int64_t Q4K_TILE_X_ROWS = 16;   // a full tile of x's rows
-// from this many rows the tiles are the faster (bench/kernels.py)
+// from this many rows the tiles are the faster (1.3-1.55x at 16 rows: docs/benchmarks.md, "Kernels")
 constexpr int64_t Q4K_FEWEST_TILED_ROWS = 16;
 
 // tiles 0, 1: a block's sums of lo and hi [16 rows of x][16 outputs] int32; 2, 3: x [16 rows]
@@ -48,10 +48,9 @@ inline void configure_q4k_tiles() {
 // lo, hi [k / 64][16 quads of inputs][64] bytes, tile c of a block its groups 2c and 2c + 1
 inline void unpack_q4k_pair(const uint8_t* first, int64_t record_bytes, int64_t blocks, uint8_t* lo, uint8_t* hi) {
   const __m512i nibble = _mm512_set1_epi8(15), low_bytes = _mm512_set1_epi16(0xff);
-  __m512i spread;  // byte j <- byte j / 4 of each 16-byte lane: output j / 4's scale
   alignas(64) uint8_t order[64];
   for (int j = 0; j < 64; ++j) order[j] = uint8_t(j / 4);
-  spread = _mm512_load_si512(order);
+  const __m512i spread = _mm512_load_si512(order);  // byte j <- byte j / 4 of its lane: output j / 4's scale
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* a = first + b * Q4K_RECORD;
     const uint8_t* z = a + record_bytes;
