@@ -8,6 +8,7 @@ from pathlib import Path
 from lever_actors.bench.report import ReportError, output_paths
 from lever_actors.bench.results import AnyResults, BenchResults, SweepResults
 from lever_actors.bench.summary import SWEEP_LINES, budget_percent, sweep_rates
+from lever_actors.sizes import parse_bytes
 
 
 def write_plots(results: AnyResults, json_path: Path) -> list[Path]:
@@ -18,7 +19,11 @@ def write_plots(results: AnyResults, json_path: Path) -> list[Path]:
         return [paths["sweep"]]
     throughput_plot(results, paths["throughput"])
     accepted_plot(results, paths["accepted"])
-    return [paths["throughput"], paths["accepted"]]
+    written = [paths["throughput"], paths["accepted"]]
+    if results.summary.limits:
+        limits_plot(results, paths["limits"])
+        written.append(paths["limits"])
+    return written
 
 
 def _pyplot():
@@ -140,6 +145,51 @@ def sweep_plot(
         ax.set_ylabel("decode tok/s")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return data
+
+
+LIMIT_LINES = {"Lever": "lever", "llama.cpp (faster mode)": "llamacpp_best"}
+
+
+def limits_data(results: BenchResults) -> dict[str, list[tuple[float, float]]]:
+    """line -> [(memory limit in GiB, decode tok/s)] from the --limits summary, in the order
+    of the limits; a limit where the line has no rate (failed, absent) is left out."""
+    data: dict[str, list[tuple[float, float]]] = {line: [] for line in LIMIT_LINES}
+    for limit, figures in results.summary.limits.items():
+        for line, field in LIMIT_LINES.items():
+            value = getattr(figures, field)
+            if value is not None:
+                data[line].append((parse_bytes(limit) / 2**30, value))
+    return data
+
+
+def limits_plot(results: BenchResults, path: Path) -> dict[str, list[tuple[float, float]]]:
+    """Decode tok/s against the memory limit, Lever and llama.cpp's faster mode on one axis;
+    Lever's points are labelled with the decode plan it ran there."""
+    plt = _pyplot()
+    data = limits_data(results)
+    plans = {
+        parse_bytes(limit) / 2**30: f.plan for limit, f in results.summary.limits.items() if f.plan
+    }
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for line, points in data.items():
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", label=line)
+    for x, y in data["Lever"]:
+        if x in plans:
+            ax.annotate(plans[x], (x, y), textcoords="offset points", xytext=(4, 6), fontsize=8)
+    ax.set_xlabel("memory limit (GiB)")
+    ax.set_ylabel("decode tok/s")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"Decode speed under each memory limit ({results.machine.date})")
+    ax.grid(alpha=0.3)
+    if any(data.values()):
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no rates under any limit", ha="center", transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

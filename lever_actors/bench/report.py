@@ -44,6 +44,7 @@ def output_paths(json_path: Path) -> dict[str, Path]:
         "throughput": stem.with_name(stem.name + "-throughput.png"),
         "accepted": stem.with_name(stem.name + "-accepted.png"),
         "sweep": stem.with_name(stem.name + "-sweep.png"),
+        "limits": stem.with_name(stem.name + "-limits.png"),
     }
 
 
@@ -65,7 +66,8 @@ def _figures(results: BenchResults) -> list[str]:
 
 def limits_lines(results: BenchResults) -> str:
     """With --limits: decode tok/s of each kind of mode under each memory limit, Lever's
-    ratios to them, its peak RSS; then the memory-resident rates and the sizes."""
+    ratios to them, its peak RSS and decode plan; then the memory-resident rates, Lever
+    under 3 GiB over them, the idle engine's memory and the sizes."""
     s = results.summary
 
     def rate(value: float | None) -> str:
@@ -80,8 +82,8 @@ def limits_lines(results: BenchResults) -> str:
         "what the limit counted):",
         "",
         "| limit | Lever | flash-AR | best SD | llama.cpp | Lever / llama.cpp | Lever / flash-AR "
-        "| Lever / best SD | Lever peak GiB: process RSS, cgroup |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| Lever / best SD | Lever peak GiB: process RSS, cgroup | Lever's plan |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for limit, f in s.limits.items():
         peaks = [
@@ -91,12 +93,21 @@ def limits_lines(results: BenchResults) -> str:
         lines.append(
             f"| {limit} | {rate(f.lever)} | {rate(f.flash_ar)} | {rate(f.best_sd)} | "
             f"{rate(f.llamacpp_best)} | {ratio(f.lever, f.llamacpp_best)} | "
-            f"{ratio(f.lever, f.flash_ar)} | {ratio(f.lever, f.best_sd)} | {', '.join(peaks)} |"
+            f"{ratio(f.lever, f.flash_ar)} | {ratio(f.lever, f.best_sd)} | {', '.join(peaks)} "
+            f"| {f.plan or '—'} |"
         )
     facts = [
         f"memory-resident AR, no limit: {rate(s.memory_ar_quantized)} tok/s on the quantized "
         f"layout, {rate(s.memory_ar_bf16)} dequantized to bf16",
     ]
+    if s.lever_over_memory_ar_3gib is not None:
+        facts.append(f"Lever under 3 GiB runs {s.lever_over_memory_ar_3gib:.2f}x that")
+    if s.idle_rss_mib:
+        facts.append(
+            f"the idle Lever engine held {s.idle_rss_mib['anon']:.0f} MiB anonymous and "
+            f"{s.idle_rss_mib['file']:.0f} MiB of file pages (RSS once open, at the largest "
+            "limit)"
+        )
     if s.layout_bytes and s.gguf_bytes:
         facts.append(
             f"layout {s.layout_bytes / 2**30:.2f} GiB, {s.layout_bytes / s.gguf_bytes:.2f}x its "
@@ -344,6 +355,7 @@ def readme_section(results: BenchResults, readme: Path, json_path: Path) -> str:
         for key, label in (
             ("throughput", "decode throughput normalised to Lever"),
             ("accepted", "accepted tokens per step per tree policy"),
+            ("limits", "decode tok/s against the memory limit, Lever and llama.cpp"),
         )
         if paths[key].is_file()
     ]

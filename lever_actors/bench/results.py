@@ -66,6 +66,17 @@ class ModeInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     limit_enforced: bool = False  # True only when a kernel memory limit was in force
     note: str | None = None  # what the mode found when it opened (the peer's placement)
     command: str | None = None  # the command line an external program ran (llama.cpp's)
+    # engine modes, once open: the decode plan they ran (decode_plan.py: trees, lookup or
+    # ar), whether the cost model chose it (plan auto), and the tok/s it predicted for each
+    # plan it weighed; budget_bytes above is then the budget the engine planned
+    plan: str | None = None
+    plan_auto: bool = False
+    predicted_tok_s: dict[str, float] = {}
+    # an engine mode in a child of its own, once open and before its first request: the
+    # child's RssAnon (what a limit cannot reclaim: heap, weights read) and RssFile (pages of
+    # its libraries and mapped files, which a limit can drop and page in again)
+    idle_anon_rss_bytes: int | None = None
+    idle_file_rss_bytes: int | None = None
 
 
 class PromptRun(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -134,6 +145,8 @@ class LimitFigures(msgspec.Struct, frozen=True, omit_defaults=True):
     flash_ar: float | None = None
     best_sd: float | None = None
     llamacpp_best: float | None = None
+    plan: str | None = None  # the decode plan Lever ran there
+    peak_gib: float | None = None  # Lever's peak there: its process's RSS or its cgroup's, higher
     peak_rss_gib: dict[str, float] = {}
     cgroup_peak_gib: dict[str, float] = {}
 
@@ -143,7 +156,9 @@ class Summary(msgspec.Struct, frozen=True, omit_defaults=True):
     (arithmetic mean) over the prompt sets where both modes ran, and per prompt set.
     `compared` names the modes behind each ratio. With --limits also the figures of each
     limit, the memory-resident rates, the sizes of the target's layout and of its GGUF,
-    and the lowest token agreement of our modes with the reference."""
+    and the lowest token agreement of our modes with the reference; Lever under 3 GiB over
+    memory-resident AR; and the idle Lever engine's resident memory in MiB, anonymous and
+    file-backed, from its child at the largest limit where it was measured."""
 
     budget: str | None = None
     limit: str | None = None
@@ -153,6 +168,10 @@ class Summary(msgspec.Struct, frozen=True, omit_defaults=True):
     limits: dict[str, LimitFigures] = {}
     memory_ar_quantized: float | None = None
     memory_ar_bf16: float | None = None
+    lever_over_memory_ar_3gib: float | None = msgspec.field(
+        default=None, name="lever_over_memory_ar_3GiB"
+    )
+    idle_rss_mib: dict[str, float] = {}  # {"anon": MiB, "file": MiB}
     lever_vs_flash_ar: float | None = None
     lever_vs_best_sd: float | None = None
     lever_vs_memory_ar: float | None = None

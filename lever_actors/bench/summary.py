@@ -20,6 +20,7 @@ from lever_actors.bench.results import (
     SweepResults,
 )
 from lever_actors.channels.stats import decode_rate, per_step
+from lever_actors.sizes import parse_bytes
 
 SD_FAMILIES = ("sd-chain", "sd-static")
 OFFLOADED_PEERS = ("peer-offload", "peer-assisted")  # the peers that read from flash
@@ -172,12 +173,27 @@ def limit_summary(
     reference: str,
 ) -> Summary:
     """`summary` with the --limits figures: per limit, Lever, flash-AR, the best SD mode and
-    the faster llama.cpp mode (decode tok/s over all prompt sets) and every mode's peaks
-    (from its `summaries`); the memory-resident rates; the lowest agreement of our modes
-    with `reference`."""
+    the faster llama.cpp mode (decode tok/s over all prompt sets), Lever's decode plan and
+    peak, and every mode's peaks (from its `summaries`); the memory-resident rates; Lever
+    under 3 GiB over memory-resident AR; the idle Lever engine's RssAnon and RssFile at the
+    largest limit that measured them; the lowest agreement of our modes with `reference`."""
 
     def rate(name: str) -> float | None:
         return pooled_decode_rate([r for r in runs if r.mode == name])
+
+    def lever_at(limit: str) -> ModeInfo | None:
+        return next((m for m in modes if m.limit == limit and m.family == "lever"), None)
+
+    def peak_gib(mode: ModeInfo | None) -> float | None:
+        """A mode's highest peak over the prompt sets, its process's or its cgroup's, in GiB."""
+        values = [
+            value
+            for s in summaries
+            if mode is not None and s.mode == mode.name
+            for value in (s.peak_rss_bytes, s.cgroup_peak_bytes)
+            if value is not None
+        ]
+        return max(values) / 2**30 if values else None
 
     def fastest(limit: str | None, families: Sequence[str]) -> float | None:
         rates = [rate(m.name) for m in modes if m.limit == limit and m.family in families]
@@ -193,29 +209,63 @@ def limit_summary(
                 out[s.mode] = max(out.get(s.mode, 0.0), value / 2**30)
         return out
 
+    limits = list(dict.fromkeys(m.limit for m in modes if m.limit is not None))
     figures = {
         limit: LimitFigures(
             lever=fastest(limit, ("lever",)),
             flash_ar=fastest(limit, ("flash-ar",)),
             best_sd=fastest(limit, SD_FAMILIES),
             llamacpp_best=fastest(limit, LLAMACPP_FAMILIES),
+            plan=getattr(lever_at(limit), "plan", None),
+            peak_gib=peak_gib(lever_at(limit)),
             peak_rss_gib=peaks_gib(limit, "peak_rss_bytes"),
             cgroup_peak_gib=peaks_gib(limit, "cgroup_peak_bytes"),
         )
-        for limit in dict.fromkeys(m.limit for m in modes if m.limit is not None)
+        for limit in limits
     }
+    memory_ar = fastest(None, ("memory-ar",))
+    # the issue's figure: Lever under 3 GiB, where every layer fits, over one token a pass
+    at_3gib = next((f.lever for k, f in figures.items() if parse_bytes(k) == 3 * 2**30), None)
+    over_memory_ar = at_3gib / memory_ar if at_3gib is not None and memory_ar else None
+    return msgspec.structs.replace(
+        summary,
+        limits=figures,
+        min_agreement=_lowest_agreement(modes, runs, reference),
+        # the memory-resident modes run once, without a limit
+        memory_ar_quantized=memory_ar,
+        memory_ar_bf16=fastest(None, ("memory-ar-dense",)),
+        lever_over_memory_ar_3gib=over_memory_ar,
+        idle_rss_mib=_idle_rss_mib(modes),
+    )
+
+
+def _lowest_agreement(
+    modes: Sequence[ModeInfo], runs: Sequence[PromptRun], reference: str
+) -> float | None:
+    """The lowest agreement with `reference` of our modes (not llama.cpp's, not dequantized)."""
     ours = {m.name for m in modes if m.family not in (*LLAMACPP_FAMILIES, "memory-ar-dense")}
     agreements = [
         r.agreement for r in runs if r.mode in ours - {reference} and r.agreement is not None
     ]
-    return msgspec.structs.replace(
-        summary,
-        limits=figures,
-        min_agreement=min(agreements) if agreements else None,
-        # the memory-resident modes run once, without a limit
-        memory_ar_quantized=fastest(None, ("memory-ar",)),
-        memory_ar_bf16=fastest(None, ("memory-ar-dense",)),
-    )
+    return min(agreements) if agreements else None
+
+
+def _idle_rss_mib(modes: Sequence[ModeInfo]) -> dict[str, float]:
+    """{"anon": MiB, "file": MiB}: the idle Lever engine's RssAnon and RssFile, from its
+    child at the largest limit that measured them (there the kernel had the least cause to
+    drop its file pages); {} where none did."""
+    measured = [
+        (parse_bytes(m.limit), m.idle_anon_rss_bytes, m.idle_file_rss_bytes)
+        for m in modes
+        if m.family == "lever"
+        and m.limit is not None
+        and m.idle_anon_rss_bytes is not None
+        and m.idle_file_rss_bytes is not None
+    ]
+    if not measured:
+        return {}
+    _, anon, file = max(measured)
+    return {"anon": anon / 2**20, "file": file / 2**20}
 
 
 def _fastest(names: Sequence[str], prompt_set: str, rate) -> tuple[str, float] | None:
