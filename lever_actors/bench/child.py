@@ -23,9 +23,18 @@ import msgspec
 import trio
 
 from lever_actors.bench.isolation import CgroupSupport, MemoryCgroup, evict_from_page_cache
-from lever_actors.bench.modes import Decoded, EngineSpec, MemoryARSpec, ModeFailed, describe
+from lever_actors.bench.modes import (
+    Decoded,
+    EngineMode,
+    EngineSpec,
+    MemoryARSpec,
+    Mode,
+    ModeFailed,
+    describe,
+)
 from lever_actors.bench.plan import ModeSpec, PlannedMode, open_in_process
-from lever_actors.device.memory import peak_rss_bytes
+from lever_actors.bench.results import ModeInfo
+from lever_actors.device.memory import anonymous_rss_bytes, file_rss_bytes, peak_rss_bytes
 from lever_actors.model.sampling import Sampling
 from lever_actors.sizes import format_bytes
 from lever_actors.threads import one_stream_environ
@@ -62,7 +71,9 @@ class Opened(msgspec.Struct, frozen=True, tag="opened"):
     """child -> harness: the mode is loaded."""
 
     peak_rss_bytes: int
-    note: str | None = None  # the mode's ModeInfo.note after opening
+    # the mode's ModeInfo after opening: what it found (a note, an engine's plan and budget)
+    # and, for an engine, this process's resident memory before the first request
+    info: ModeInfo
 
 
 class Result(msgspec.Struct, frozen=True, tag="result"):
@@ -105,7 +116,7 @@ async def _serve(first: bytes, out: BinaryIO) -> int:
         except Exception as e:  # the harness records the mode as failed with this text
             send(Failure(describe(e)))
             return 1
-        send(Opened(peak_rss_bytes(), mode.info.note))
+        send(Opened(peak_rss_bytes(), idle_info(mode)))
         while True:
             line = await trio.to_thread.run_sync(sys.stdin.buffer.readline)
             if not line:
@@ -127,6 +138,18 @@ async def _serve(first: bytes, out: BinaryIO) -> int:
                 return 1
             decoded.peak_rss_bytes = peak_rss_bytes()
             send(Result(decoded, started))
+
+
+def idle_info(mode: Mode) -> ModeInfo:
+    """An open mode's info; an engine's with this process's RssAnon and RssFile now, once
+    open and before its first request."""
+    if not isinstance(mode, EngineMode):
+        return mode.info
+    return msgspec.structs.replace(
+        mode.info,
+        idle_anon_rss_bytes=anonymous_rss_bytes(),
+        idle_file_rss_bytes=file_rss_bytes(),
+    )
 
 
 class ChildMode:
@@ -176,8 +199,13 @@ class ChildMode:
         response = await self._request(Open(self.planned))
         if isinstance(response, Failure):
             raise ModeFailed(response.error)
-        if isinstance(response, Opened) and response.note:
-            self.info = msgspec.structs.replace(self.info, note=response.note)
+        if isinstance(response, Opened):  # the child's account, with what only we know
+            self.info = msgspec.structs.replace(
+                response.info,
+                isolated=True,
+                memory_limit_bytes=self.info.memory_limit_bytes,
+                limit_enforced=self.info.limit_enforced,
+            )
 
     async def decode(
         self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int], sampling: Sampling

@@ -4,6 +4,7 @@ data that can also travel to a child process."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from contextlib import AsyncExitStack
@@ -117,6 +118,7 @@ class EngineMode:
     async def open(self, stack: AsyncExitStack) -> None:
         engine = Engine.open(self.spec.config, draft=self.draft)
         self.engine = await stack.enter_async_context(engine)
+        self.info = opened_info(self.info, self.engine)
 
     async def decode(
         self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int], sampling: Sampling
@@ -133,3 +135,15 @@ class EngineMode:
         decoded.steps = len(set(steps))
         decoded.first_step_tokens = steps.count(steps[0]) if steps else 1
         return decoded
+
+
+def opened_info(info: ModeInfo, engine: Engine) -> ModeInfo:
+    """`info` with what an open engine decided: its decode plan, the tok/s its cost model
+    predicted for each plan (the finite ones: a results file holds nothing else), and the
+    DRAM budget its memory plan gave the target."""
+    plan = engine.decode_plan
+    predicted = {name: rate for name, rate in plan.predicted.items() if math.isfinite(rate)}
+    budget = engine.memory.budget if engine.memory is not None else info.budget_bytes
+    return msgspec.structs.replace(
+        info, plan=plan.name, plan_auto=plan.auto, predicted_tok_s=predicted, budget_bytes=budget
+    )

@@ -8,7 +8,6 @@ import functools
 import json
 import math
 import struct
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,6 @@ from lever_actors.config import (
     EngineConfig,
     Throttle,
 )
-from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import DTYPE_NAMES, MANIFEST_NAME, Manifest, read_manifest
 from lever_actors.draft import DraftModel, load_draft
 from lever_actors.errors import ConfigError
@@ -93,10 +91,9 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     memory_limit: str | None = None  # one limit for every child; default: budget + draft + overhead
     memory_overhead: str = "1GiB"  # runtime headroom in the default limit
     # memory limits as the run's axis ("1GiB", ...): every mode but the memory-resident ones
-    # runs under each, in a child (isolate "all"), ours with the DRAM budget that fits
-    # beside the draft and --limit-overhead; the budgets above are then unused
+    # runs under each, in a child (isolate "all"); ours plan their own DRAM budget under it
+    # (dram_budget auto), Lever its decode plan too (plan auto); the budgets above are unused
     limits: tuple[str, ...] = ()
-    limit_overhead: str = "400MiB"  # memory beside budget and draft, measured (docs/benchmarks.md)
     cache_dir: str = ""  # where the peer's HF exports and offload folders go
     # llama.cpp (bench/llamacpp.py): drafted tokens per step of llamacpp-spec, threads, a
     # directory holding its programs (default: the cache's build), and the GGUFs it runs
@@ -218,7 +215,7 @@ def plan_modes(options: BenchOptions, target: Path, draft: Path | None) -> list[
         return draft_dram_bytes(draft, options.draft_dtype) if draft is not None else 0
 
     if options.limits:
-        return _plan_under_limits(options, target, draft, manifest, dtype, draft_bytes)
+        return _plan_under_limits(options, target, draft, manifest, dtype)
     cache = Path(options.cache_dir) if options.cache_dir else target.parent
     full_bytes = 0
     if ours:
@@ -303,13 +300,14 @@ def _plan_under_limits(
     draft: Path | None,
     manifest: Manifest | None,
     dtype: str | None,
-    draft_bytes: Callable[[], int],
 ) -> list[PlannedMode]:
     """--limits: the memory-resident modes once, without a limit; every other mode once per
-    limit, in a child under it, named `mode@limit`. Ours take the DRAM budget that fits
-    under the limit beside the draft's weights (where they draft) and the overhead."""
+    limit, in a child under it, named `mode@limit`. Ours plan the target's DRAM budget
+    themselves, at start, under the limit they find (dram_budget auto: memory_plan.py), and
+    Lever its decode plan too (plan auto); the budget each planned comes back from its child
+    (ModeInfo.budget_bytes)."""
     cache = Path(options.cache_dir) if options.cache_dir else target.parent
-    overhead = parse_bytes(options.limit_overhead)
+    auto = DramBudget.parse("auto")
     planned = []
     for family in options.modes:
         if family not in MEMORY_RESIDENT:
@@ -335,28 +333,18 @@ def _plan_under_limits(
                 raise ConfigError(f"--limits does not run the transformers peer {family}")
             assert manifest is not None
             for name, tree, fields in engine_variants(options, family):
-                beside = overhead + (draft_bytes() if tree is not None else 0)
-                budget = fitted_budget(manifest, limit - beside)
-                config = _engine_config(options, target, draft, tree, budget, fields)
+                chosen = {"plan": "auto"} if family == "lever" else {}  # ablations keep theirs
+                config = _engine_config(options, target, draft, tree, auto, fields | chosen)
                 mode = ModeInfo(
                     name=f"{name}@{label}",
                     family=family,
                     tree=tree,
-                    budget=str(budget),
-                    budget_bytes=budget_in_bytes(manifest, budget),
+                    budget=str(auto),
                     throttle=options.throttle,
                     **under,
                 )
                 planned.append(PlannedMode(mode, EngineSpec(config)))
     return planned
-
-
-def fitted_budget(manifest: Manifest, room: int) -> DramBudget:
-    """The target's DRAM budget for `room` bytes: the whole layout where it fits, else the
-    room, never below the planner's minimum (a run that then exceeds its limit shows it)."""
-    if room >= manifest.file_bytes:
-        return DramBudget.parse("all")
-    return DramBudget.parse(max(room, minimum_budget(manifest)))
 
 
 def _memory_resident(

@@ -139,14 +139,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--limits",
         default=None,
         help="memory limits as the run's axis, e.g. 1GiB,1.25GiB,3GiB: every mode but the "
-        "memory-resident ones runs under each in a child (--isolate all), ours with the DRAM "
-        "budget that fits (--budgets is then unused); named mode@limit",
-    )
-    parser.add_argument(
-        "--limit-overhead",
-        default=BenchOptions().limit_overhead,
-        help="with --limits: memory our modes need beside the target's budget and the "
-        "draft's weights (the process, tokenizers, activations)",
+        "memory-resident ones runs under each in a child (--isolate all), ours with "
+        "--dram-budget auto and lever with --plan auto (--budgets is then unused); named "
+        "mode@limit",
     )
     llamacpp = parser.add_argument_group(
         "llama.cpp", "the llamacpp-ar and llamacpp-spec modes (built by `build-llamacpp`)"
@@ -252,7 +247,6 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         memory_limit=args.memory_limit,
         memory_overhead=args.memory_overhead,
         limits=limits,
-        limit_overhead=args.limit_overhead,
         cache_dir=str(args.cache_dir),
         llamacpp_draft_max=args.llamacpp_draft_max,
         llamacpp_threads=args.llamacpp_threads,

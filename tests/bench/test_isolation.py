@@ -24,7 +24,6 @@ from lever_actors.bench.isolation import (
 from lever_actors.bench.plan import BenchOptions, open_in_process, plan_modes
 from lever_actors.bench.report import limits_lines, memory_note
 from lever_actors.bench.run import bench
-from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import read_manifest
 from lever_actors.draft import load_draft
 from lever_actors.errors import ConfigError
@@ -172,14 +171,12 @@ def test_eviction_drops_pages_even_where_this_process_maps_them(tmp_path):
         mapped.close()
 
 
-def test_limits_axis_fits_our_budgets_under_each_limit(one_set, tmp_path):
+def test_limits_axis_runs_ours_with_the_budget_and_plan_they_choose(one_set, tmp_path):
     layout = read_manifest(one_set.target).file_bytes
-    draft = load_draft(str(one_set.draft), "float32").dram_bytes  # as it runs
     options = _options(
         tmp_path,
         modes=("memory-ar", "flash-ar", "lever"),
         limits=("1GiB", "2GiB"),
-        limit_overhead=str(2**30 - layout // 2),  # leaves half the layout's bytes under 1 GiB
         order="sequential",
     )
     results = bench(options, one_set)
@@ -192,10 +189,16 @@ def test_limits_axis_fits_our_budgets_under_each_limit(one_set, tmp_path):
         "lever@2GiB",
     ]
     assert infos["memory-ar"].memory_limit_bytes is None and infos["memory-ar"].limit is None
-    manifest = read_manifest(one_set.target)
-    assert infos["flash-ar@1GiB"].budget_bytes == layout // 2
-    assert infos["lever@1GiB"].budget_bytes == max(layout // 2 - draft, minimum_budget(manifest))
-    assert infos["flash-ar@2GiB"].budget == infos["lever@2GiB"].budget == "all"
+    assert infos["memory-ar"].plan is None and infos["memory-ar"].idle_anon_rss_bytes is None
+    for name in ("flash-ar@1GiB", "lever@1GiB", "flash-ar@2GiB", "lever@2GiB"):
+        info = infos[name]
+        # the engine planned its budget in the child: the tiny target fits whole
+        assert info.budget == "auto" and info.budget_bytes == layout
+        assert info.plan in ("trees", "lookup", "ar")
+        assert info.idle_anon_rss_bytes and info.idle_anon_rss_bytes > 50 * 2**20  # torch
+        assert info.idle_file_rss_bytes and info.idle_file_rss_bytes > 0
+    assert infos["lever@1GiB"].plan_auto and not infos["flash-ar@1GiB"].plan_auto
+    assert infos["flash-ar@1GiB"].plan == "ar"
     for name in ("flash-ar@1GiB", "lever@1GiB"):
         assert infos[name].limit == "1GiB" and infos[name].isolated
         assert infos[name].memory_limit_bytes == pytest.approx(2**30, abs=8192)
@@ -211,7 +214,18 @@ def test_limits_axis_fits_our_budgets_under_each_limit(one_set, tmp_path):
             assert getattr(figures, key) == pytest.approx(expected)
         assert set(figures.peak_rss_gib) == {f"flash-ar@{limit}", f"lever@{limit}"}
         assert figures.best_sd is None and figures.llamacpp_best is None
+        assert figures.plan == infos[f"lever@{limit}"].plan
+        assert figures.peak_gib == max(
+            figures.peak_rss_gib[f"lever@{limit}"],
+            figures.cgroup_peak_gib.get(f"lever@{limit}", 0.0),
+        )
     assert summary.memory_ar_quantized is not None and summary.memory_ar_bf16 is None
+    assert summary.lever_over_memory_ar_3gib is None  # no 3 GiB limit in this run
+    lever = infos["lever@2GiB"]  # the largest limit's
+    assert summary.idle_rss_mib == {
+        "anon": lever.idle_anon_rss_bytes / 2**20,
+        "file": lever.idle_file_rss_bytes / 2**20,
+    }
     table = limits_lines(results)
     for limit in ("1GiB", "2GiB"):
         figures = summary.limits[limit]

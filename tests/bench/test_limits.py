@@ -1,4 +1,6 @@
-"""--limits: the summary, report and plot of the memory curve, from fabricated runs."""
+"""--limits: how our modes are planned under each limit (the engine's own budget and, for
+Lever, its own decode plan), and the summary, report and plot of the memory curve, from
+fabricated runs."""
 
 from __future__ import annotations
 
@@ -10,15 +12,65 @@ import pytest
 import trio
 from PIL import Image
 
-from lever_actors.bench import plots
+from lever_actors.bench import plan, plots
 from lever_actors.bench.harness import run_bench
-from lever_actors.bench.modes import Decoded
+from lever_actors.bench.modes import Decoded, EngineSpec
+from lever_actors.bench.plan import BenchOptions, plan_modes
 from lever_actors.bench.report import limits_lines, output_paths, readme_section
 from lever_actors.bench.results import ModeInfo, read_results, write_results
+from lever_actors.cli.bench import options_from_args
 from tests.bench.fakes import SETS, FakeMode
 
 GIB = 2**30
 MIB = 2**20
+
+
+def test_limits_plan_our_budgets_auto_and_levers_decode_plan_auto(tiny_pair, monkeypatch):
+    target, draft = tiny_pair
+    monkeypatch.setattr(plan, "load_draft", lambda *a, **kw: pytest.fail("no draft to measure"))
+    options = BenchOptions(
+        modes=("memory-ar", "flash-ar", "lever", "lever-no-prune", "llamacpp-ar"),
+        limits=("1GiB", "3GiB"),
+        isolate="all",
+        draft_dtype="float32",
+    )
+    planned = {p.info.name: p for p in plan_modes(options, target, draft)}
+    assert list(planned) == [
+        "memory-ar",
+        "flash-ar@1GiB",
+        "lever@1GiB",
+        "lever-no-prune@1GiB",
+        "llamacpp-ar@1GiB",
+        "flash-ar@3GiB",
+        "lever@3GiB",
+        "lever-no-prune@3GiB",
+        "llamacpp-ar@3GiB",
+    ]
+    for limit in ("1GiB", "3GiB"):
+        engines = {
+            name: p
+            for name, p in planned.items()
+            if name.endswith(f"@{limit}") and isinstance(p.spec, EngineSpec)
+        }
+        assert set(engines) == {f"flash-ar@{limit}", f"lever@{limit}", f"lever-no-prune@{limit}"}
+        for name, p in engines.items():
+            assert isinstance(p.spec, EngineSpec)
+            config = p.spec.config
+            assert config.dram_budget.kind == "auto"
+            # the budget is the engine's to plan: the child reports it once open
+            assert p.info.budget == "auto" and p.info.budget_bytes is None
+            assert p.info.memory_limit_bytes == pytest.approx(float(limit[0]) * GIB)
+            assert config.plan == ("auto" if name.startswith("lever@") else None)
+        lever = engines[f"lever@{limit}"].spec
+        assert isinstance(lever, EngineSpec) and lever.config.draft == str(draft)
+        flash = engines[f"flash-ar@{limit}"].spec
+        assert isinstance(flash, EngineSpec) and flash.config.draft is None
+
+
+def test_limits_from_the_command_line_run_every_mode_in_a_child(bench_parser):
+    options = options_from_args(bench_parser.parse_args(["--limits", "0.75GiB,3GiB"]))
+    assert options.limits == ("0.75GiB", "3GiB")
+    assert options.isolate == "all" and options.order == "sequential"
 
 
 class PeakMode(FakeMode):
