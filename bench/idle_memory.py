@@ -121,12 +121,14 @@ def main() -> int:
             return {
                 "memory": msgspec.to_builtins(engine.memory),
                 "memory_line": str(engine.memory),
+                "plan_line": str(engine.decode_plan),
                 "decode_plan": msgspec.to_builtins(engine.decode_plan),
             }
 
     opened = trio.run(idle_engine)
     show(stages)
     print(opened["memory_line"])
+    print(opened["plan_line"])
     from lever_actors.bench.results import Machine  # after the stages: not counted
 
     record = {
