@@ -37,6 +37,10 @@ DraftDtype = Literal["bfloat16", "float32", "float64"]
 # Q4_K's values), 6 (q6k: Q6_K's) or 8
 Weights = Literal["dense", "auto", "q4", "q4k", "q6", "q8"]
 Throttle = Literal["none", "ufs3.1", "ufs4.0"]
+# how tokens are proposed: trees (a draft model's gain-cost trees), lookup (copies from the
+# text alone: no draft model in memory), ar (one token a pass); auto: the one the cost model
+# predicts fastest for the memory there is (decode_plan.py)
+Plan = Literal["auto", "trees", "lookup", "ar"]
 
 
 def default_exit_layer(n_layers: int) -> int:
@@ -96,29 +100,35 @@ class TreeSpec(msgspec.Struct, frozen=True):
 
     none: no drafting (autoregressive); chain: k greedy tokens; static: at depth d every node
     takes its top widths[d] children (SpecInfer/Sequoia style); gaincost: Lever's best-first
-    tree sized by expected tokens per second of predicted step time, up to `cap` nodes.
+    tree sized by expected tokens per second of predicted step time, up to `cap` nodes;
+    lookup: no draft model, a chain of tokens copied from the committed text (prompt lookup),
+    as long as the same objective pays for, up to `cap`.
     """
 
-    kind: Literal["none", "chain", "static", "gaincost"]
+    kind: Literal["none", "chain", "static", "gaincost", "lookup"]
     widths: tuple[int, ...] = ()  # chain: (1,)*k
-    cap: int = 0  # gaincost: most draft nodes
+    cap: int = 0  # gaincost, lookup: most draft nodes
 
     @classmethod
     def parse(cls, text: str) -> TreeSpec:
-        """'none', 'chain:4', 'static:3,2,1', 'gaincost' or 'gaincost:CAP'."""
+        """'none', 'chain:4', 'static:3,2,1', 'gaincost[:CAP]' or 'lookup[:CAP]'."""
         text = text.strip()
         if text == "none":
             return cls("none")
-        gaincost = re.fullmatch(r"gaincost(?::(\d+))?", text)
-        if gaincost:
-            cap = int(gaincost.group(1) or DEFAULT_GAINCOST_CAP)
+        capped = re.fullmatch(r"(gaincost|lookup)(?::(\d+))?", text)
+        if capped:
+            cap = int(capped.group(2) or DEFAULT_GAINCOST_CAP)
             if cap < 1:
                 raise ConfigError(f"tree {text!r}: the cap must be at least 1")
-            return cls("gaincost", cap=cap).checked(text)
+            kind: Literal["gaincost", "lookup"] = (
+                "lookup" if capped.group(1) == "lookup" else "gaincost"
+            )
+            return cls(kind, cap=cap).checked(text)
         match = re.fullmatch(r"(chain|static):(\d+(?:,\d+)*)", text)
         if not match:
             raise ConfigError(
-                f"cannot read tree {text!r}; use none, chain:K, static:W1,W2,... or gaincost[:CAP]"
+                f"cannot read tree {text!r}; use none, chain:K, static:W1,W2,..., "
+                "gaincost[:CAP] or lookup[:CAP]"
             )
         numbers = tuple(int(n) for n in match.group(2).split(","))
         if any(n < 1 for n in numbers):
@@ -141,8 +151,18 @@ class TreeSpec(msgspec.Struct, frozen=True):
         return self
 
     @property
+    def needs_draft(self) -> bool:
+        """Whether a draft model proposes this tree's nodes."""
+        return self.kind in ("chain", "static", "gaincost")
+
+    @property
+    def sized_by_cost(self) -> bool:
+        """Whether the cost model sizes this tree (gain-cost, and copies from the text)."""
+        return self.kind in ("gaincost", "lookup")
+
+    @property
     def max_nodes(self) -> int:
-        if self.kind == "gaincost":
+        if self.sized_by_cost:
             return self.cap
         total, level = 0, 1
         for width in self.widths:
@@ -155,8 +175,8 @@ class TreeSpec(msgspec.Struct, frozen=True):
             return "none"
         if self.kind == "chain":
             return f"chain:{len(self.widths)}"
-        if self.kind == "gaincost":
-            return f"gaincost:{self.cap}"
+        if self.sized_by_cost:
+            return f"{self.kind}:{self.cap}"
         return "static:" + ",".join(map(str, self.widths))
 
 
@@ -246,6 +266,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     ring_slots: Annotated[int, msgspec.Meta(ge=2)] = 2  # one slot read while one computes
     # or "chain:4", "none", ...; left out: DEFAULT_TREE where a draft is named, else none
     tree: TreeSpec = DEFAULT_TREE
+    # None: the tree (and draft) as given; else a plan (Plan), which sets the tree
+    plan: Plan | None = None
     early_exit: EarlyExit = "auto"  # auto: trained if one is saved beside the target, else lens
     exit_layer: Annotated[int, msgspec.Meta(ge=0)] | None = None  # default: 7/8 of the target
     # drop a child scoring below this within its candidate set

@@ -17,7 +17,7 @@ from lever_actors.config import EngineConfig, TreeSpec
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import read_manifest
 from lever_actors.engine import Engine
-from lever_actors.model.sampling import GREEDY
+from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.policy import setup as policy_setup
 from lever_actors.testing import (
     BYTE_VOCAB,
@@ -166,6 +166,20 @@ async def test_trees_that_copy_from_the_text_keep_the_output_exact():
     off = msgspec.structs.replace(config, lookup=False)
     result = await assert_matches_sequential(off, [5, 6, 7, 8, 9] * 4, 40)
     assert not any(s.copied for s in result.steps)
+
+
+async def test_copies_alone_keep_the_output_exact_without_a_draft_model():
+    """Tree `lookup`: no draft model is loaded, each step verifies the chain of tokens
+    copied from the text, and a target that repeats itself takes several a pass; the
+    output is sequential greedy's, and seeded sampling's."""
+    pair = model_pair(TINY_ARGS, "perturbed", 0)
+    config = EngineConfig(target=str(pair.target), draft=str(pair.draft), tree="lookup")
+    result = await assert_matches_sequential(config, [5, 6, 7, 8, 9] * 4, 40)
+    assert any(s.copied for s in result.steps)
+    assert any(s.new_tokens > 1 for s in result.steps)
+    assert all(s.draft_rounds == () for s in result.steps)
+    sampled = Sampling(temperature=0.8, seed=3)
+    await assert_matches_sequential(config, [5, 6, 7, 8, 9] * 4, 40, sampling=sampled)
 
 
 async def test_trees_drafted_ahead_and_carried_over_keep_the_output_exact(slow_flash, monkeypatch):

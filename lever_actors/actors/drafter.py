@@ -19,8 +19,9 @@ from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.sampling import GREEDY, Chooser, Sampling
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.calibration import AcceptanceCalibrator
+from lever_actors.policy.copies import copied_chain
 from lever_actors.policy.cost_model import CostModel
-from lever_actors.policy.lookup import ContextIndex
+from lever_actors.policy.lookup import LOOKUP_RANK, ContextIndex
 from lever_actors.policy.trees import GainCostGrowth, TreeBuilder, grow_gain_cost, grow_static
 
 # Draft forwards of at most this many nodes go to the "cpu" unit, wider ones to the batched
@@ -43,7 +44,7 @@ class DraftPolicy:
     cost: CostModel | None = None  # needed by the gain-cost tree
     calibrator: AcceptanceCalibrator | None = None  # needed by the gain-cost tree
     ahead: bool = False  # gain-cost only: draft the next tree while flash paces this one's pass
-    lookup: bool = False  # gain-cost only: nodes not yet run also offer copies of the text
+    lookup: bool = False  # gain-cost: nodes not yet run also offer copies of the text
     sampling: Sampling = GREEDY  # the request's: the draft draws with the target's noise
 
 
@@ -89,7 +90,8 @@ class Drafter:
         self.growth: GainCostGrowth | None = None  # the last tree's, when gain-cost
         self.carried: TreeBuilder | None = None  # the next tree, when the commit hit a run node
         self.chooser = Chooser(policy.sampling, noise_dtype=torch.float32)  # ranks only
-        self.context = ContextIndex(prompt) if policy.lookup else None  # the committed text
+        copying = policy.lookup or policy.spec.kind == "lookup"
+        self.context = ContextIndex(prompt) if copying else None  # the committed text
         self.matcher = matcher
 
     async def run(
@@ -153,23 +155,17 @@ class Drafter:
 
     async def draft(self, request: DraftRequest) -> DraftTree:
         started = time.perf_counter()
-        if self.policy.spec.kind == "none":  # autoregressive: the tree is the committed chain
-            n = len(self.chain)
-            return DraftTree(
-                step=request.step,
-                tokens=tuple(self.chain),
-                parents=tuple(range(-1, n - 1)),
-                n_committed=n,
-                draft_probs=(1.0,) * n,
-                draft_ranks=(0,) * n,
-                shadows=((),) * n,
-                draft_seconds=0.0,
-                draft_rounds=(),
-            )
+        spec = self.policy.spec
+        if spec.kind == "none":  # autoregressive: the tree is the committed chain
+            return self._chain_tree(request, [], started)
+        if spec.kind == "lookup":  # the chain, then copies of the text below it
+            cost, calibrator, context = self.policy.cost, self.policy.calibrator, self.context
+            assert cost is not None and calibrator is not None and context is not None
+            copies = copied_chain(context, len(self.chain), cost, calibrator, request.max_nodes)
+            return self._chain_tree(request, copies, started)
         builder = self.carried
         self.carried = None
         if builder is None:
-            # only a tree of kind "none" needs no draft
             assert self.model is not None and self.cache is not None
             builder = TreeBuilder(
                 self.model,
@@ -183,7 +179,6 @@ class Drafter:
             self.backlog, self.unviewed = [], 0
         carried = len(builder.tokens) - builder.n_chain
         self.builder = builder
-        spec = self.policy.spec
         if spec.kind == "gaincost":
             cost, calibrator = self.policy.cost, self.policy.calibrator
             assert cost is not None and calibrator is not None  # a gain-cost tree needs them
@@ -210,6 +205,22 @@ class Drafter:
             drafted_ahead=carried,
         )
 
+    def _chain_tree(self, request: DraftRequest, copies: list[int], started: float) -> DraftTree:
+        """The committed chain the target has not seen, then `copies` of the text below it:
+        one path, no draft forward."""
+        tokens, n = (*self.chain, *copies), len(self.chain)
+        return DraftTree(
+            step=request.step,
+            tokens=tokens,
+            parents=tuple(range(-1, len(tokens) - 1)),
+            n_committed=n,
+            draft_probs=(1.0,) * n + (0.0,) * len(copies),
+            draft_ranks=(0,) * n + (LOOKUP_RANK,) * len(copies),
+            shadows=((),) * len(tokens),
+            draft_seconds=time.perf_counter() - started,
+            draft_rounds=(),
+        )
+
     async def commit(self, commit: Commit, tree: DraftTree, max_nodes: int) -> None:
         self.chain = list(commit.next_tokens)
         path = [tree.tokens[n] for n in commit.accepted if n >= tree.n_committed]
@@ -219,12 +230,12 @@ class Drafter:
         if self.matcher is not None:
             for token in committed:
                 self.matcher.consume(token)
-        if self.model is None or self.cache is None:
-            return
         if self.policy.calibrator is not None:
             self.policy.calibrator.observe(
                 tree.parents, tree.draft_probs, tree.draft_ranks, tree.n_committed, commit.accepted
             )
+        if self.model is None or self.cache is None:  # no draft model: nothing to keep
+            return
         builder, gain_cost = self.builder, self.growth is not None
         self.builder = self.growth = None
         if builder is None:  # autoregressive: nothing drafted, nothing to keep

@@ -111,7 +111,7 @@ def repetitive_prompts(
     return (pattern * size)[:size]
 
 
-TREE_KINDS = ("chain", "static", "gaincost", "none")  # hypothesis favours the first
+TREE_KINDS = ("chain", "static", "gaincost", "lookup", "none")  # hypothesis favours the first
 
 
 @st.composite
@@ -123,16 +123,17 @@ def trees(
     max_nodes: int = 24,
 ) -> str:
     """Tree policies of the given kinds: "none"; "chain:1".."chain:6"; "static:W1,.." of
-    depth 1-4 and widths 1-3; Lever's "gaincost" (default cap) or "gaincost:CAP". Static
-    trees and caps stay within `max_nodes` draft nodes."""
+    depth 1-4 and widths 1-3; Lever's "gaincost" (default cap) or "gaincost:CAP"; copies
+    alone, "lookup" or "lookup:CAP". Static trees and caps stay within `max_nodes` draft
+    nodes."""
     kind = draw(st.sampled_from(kinds))
     if kind == "none":
         return "none"
     if kind == "chain":
         return f"chain:{draw(st.integers(1, max_chain))}"
-    if kind == "gaincost":
+    if kind in ("gaincost", "lookup"):
         cap = draw(st.one_of(st.none(), st.integers(1, max_nodes)))
-        return "gaincost" if cap is None else f"gaincost:{cap}"
+        return kind if cap is None else f"{kind}:{cap}"
     widths: list[int] = []
     level = total = 0
     for _ in range(draw(st.integers(1, 4))):
