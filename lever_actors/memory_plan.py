@@ -19,8 +19,10 @@ from lever_actors.sizes import format_bytes
 # the context an auto budget keeps room for where ctx_size says none (the real pair's 4,096
 # tokens of KV are 160 MiB, and room for them 320 MiB)
 AUTO_CONTEXT = 4096
-# where no ctx_size was asked for and AUTO_CONTEXT's room does not fit beside the target's
-# least budget, auto keeps room for a smaller context, down to this, before it refuses
+# where no ctx_size was asked for, auto gives the target's weights the memory beyond room
+# for this many tokens: room kept for a longer context would be streamed again every step
+# (under 1.25 GiB, AUTO_CONTEXT's room was 320 MiB beside a 370 MiB budget), and the context
+# is measured again after loading, from what is then free (context.py)
 FEWEST_AUTO_CONTEXT = 1024
 
 
@@ -60,14 +62,14 @@ def plan_memory(
     fewest_context_tokens: int | None = None,
 ) -> MemoryPlan:
     """The plan for a target of `model_bytes` (at least `least_budget` in DRAM) under
-    `limit`, beside what is held, with room for `context_tokens`, or for as few as
-    `fewest_context_tokens` where that is all an auto budget leaves room for; ConfigError,
-    naming the parts, where it cannot fit."""
+    `limit`, beside what is held, with room for `context_tokens`; or, given
+    `fewest_context_tokens`, an auto budget takes the whole target first where the limit
+    holds it beside room for that many, and room for more only beside the whole target.
+    ConfigError, naming the parts, where it cannot fit."""
     held = process + draft + libraries
     if budget.kind == "auto" and fewest_context_tokens is not None:
-        fits = int((limit - held - least_budget) * KV_SHARE) // max(kv_bytes_per_token, 1)
-        if fewest_context_tokens <= fits < context_tokens:
-            context_tokens = fits
+        beside_all = int((limit - held - model_bytes) * KV_SHARE) // max(kv_bytes_per_token, 1)
+        context_tokens = max(fewest_context_tokens, min(context_tokens, beside_all))
     room = math.ceil(kv_bytes_per_token * context_tokens / KV_SHARE)
     parts = (
         f"the process {format_bytes(process)}, the draft {format_bytes(draft)}, "

@@ -38,14 +38,17 @@ def test_auto_takes_what_is_left_after_the_room_for_the_context():
     assert "target budget 114.0 MiB (auto)" in str(plan("auto", 1024 * MiB))
 
 
-def test_without_a_ctx_size_auto_keeps_room_for_a_smaller_context_before_it_refuses():
-    # 1,000 MiB less 590 held and the least budget of 100 leave 310 MiB: 3,968 tokens' room
-    shrunk = plan("auto", 1000 * MiB, fewest=1024)
-    assert (shrunk.context_tokens, shrunk.room, shrunk.budget) == (3968, 310 * MiB, 100 * MiB)
-    assert plan("auto", 1024 * MiB, fewest=1024).context_tokens == 4096  # it fits: no change
+def test_without_a_ctx_size_auto_gives_the_target_the_memory_beyond_a_smaller_context():
+    # the target streams: room for 1,024 tokens (80 MiB) only, the rest is its budget
+    streams = plan("auto", 1000 * MiB, fewest=1024)
+    assert (streams.context_tokens, streams.room, streams.budget) == (1024, 80 * MiB, 330 * MiB)
+    # the whole target fits beside room for 2,048 tokens (1,100 + 590 + 160 MiB), not 4,096
+    fits = plan("auto", (1100 + 590 + 160) * MiB, fewest=1024)
+    assert (fits.context_tokens, fits.budget) == (2048, 1100 * MiB)
+    assert plan("auto", 3072 * MiB, fewest=1024).context_tokens == 4096  # room for all of it
     with pytest.raises(ConfigError, match="raise the limit or lower ctx_size"):
-        plan("auto", 1000 * MiB)  # a ctx_size was asked for: refused, as it does not fit
-    with pytest.raises(ConfigError, match="room for 4,096 tokens"):
+        plan("auto", 700 * MiB)  # a ctx_size was asked for: refused, as it does not fit
+    with pytest.raises(ConfigError, match="room for 1,024 tokens"):
         plan("auto", (590 + 100 + 79) * MiB, fewest=1024)  # 1,024 tokens need 80 MiB
 
 
