@@ -19,10 +19,13 @@ import trio
 
 from lever_actors.channels.bounded import ChannelSet
 from lever_actors.channels.messages import TokenEvent
+from lever_actors.checkpoints.flash_layout import layout_tokenizer
 from lever_actors.checkpoints.tokenizer import Message, Tokenizer
 from lever_actors.config import EngineConfig, check_request_size
 from lever_actors.context import Context
+from lever_actors.decode_plan import DecodePlan, choose_plan, given_plan
 from lever_actors.device.layout import Manifest, read_manifest
+from lever_actors.device.memory import return_freed_heap
 from lever_actors.device.units import ComputeUnit
 from lever_actors.draft import DraftModel
 from lever_actors.errors import ConfigError, DeadlineError, EngineClosedError
@@ -55,10 +58,13 @@ class Engine:
         prefixes: PrefixCache,
         load_times: LoadTimes | None = None,
         memory: MemoryPlan | None = None,
+        decode_plan: DecodePlan | None = None,
     ) -> None:
         self.config = config
         self.context = context  # how many tokens a request may fill, and why
         self.memory = memory  # how the memory the process may use was shared out at start
+        # how tokens are proposed, and why
+        self.decode_plan = decode_plan or given_plan(config)
         self.load_times = load_times
         self.target = target
         self.tokenizer: Tokenizer | None = target.tokenizer
@@ -88,17 +94,22 @@ class Engine:
         it is loaded from `config.draft`. `progress(done, total, label)` hears about the
         start-up profiling of the gain-cost tree.
         """
-        drafting = config.tree.kind != "none"
-        if drafting and draft is None and config.draft is None:
+        if config.plan is None and config.tree.needs_draft and draft is config.draft is None:
             raise ConfigError(f"tree {str(config.tree)!r} needs a draft model; set draft")
         manifest = read_manifest(Path(config.target))
-        check_room(config, manifest, loading_draft=drafting and draft is None)
-        # loading and profiling on the "npu" unit's thread too: no other thread of ours
-        # starts an OpenMP team (units.py)
+        # planning, loading and profiling on the "npu" unit's thread too: no other thread of
+        # ours starts an OpenMP team (units.py)
         npu = ComputeUnit("npu")
         units = (npu, ComputeUnit("cpu") if config.units == "split" else npu)
         try:
-            async with cls._serving(config, manifest, draft, drafting, units, progress) as engine:
+            # the tokenizer first: its parse peaks about 130 MB above the 46 MiB it keeps
+            # (the real pair's), which then comes before any weights, and the plans count
+            # what it keeps (the target's, and a draft's of the same bytes, reuse it)
+            await npu.run(layout_tokenizer, Path(config.target), manifest)
+            return_freed_heap()
+            config, plan = await npu.run(choose_plan, config, manifest, draft is not None)
+            check_room(config, manifest, loading_draft=config.tree.needs_draft and draft is None)
+            async with cls._serving(config, manifest, draft, plan, units, progress) as engine:
                 yield engine
         finally:
             for unit in set(units):
@@ -111,11 +122,12 @@ class Engine:
         config: EngineConfig,
         manifest: Manifest,
         draft: DraftModel | None,
-        drafting: bool,
+        plan: DecodePlan,
         units: tuple[ComputeUnit, ComputeUnit],
         progress: Progress | None,
     ) -> AsyncIterator[Engine]:
         npu = units[0]
+        drafting = config.tree.needs_draft
         async with load(config, manifest, draft, drafting, npu, progress) as loaded:
             engine: Engine | None = None
             try:
@@ -131,6 +143,7 @@ class Engine:
                         loaded.prefixes,
                         loaded.times,
                         loaded.memory,
+                        plan,
                     )
                     try:
                         yield engine

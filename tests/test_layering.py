@@ -16,6 +16,7 @@ LAYERS = (
     ("cli",),
     ("bench", "testing", "aio", "serve"),
     ("engine",),
+    ("decode_plan",),
     ("wiring", "loading"),
     ("steps", "results"),
     ("sequences",),

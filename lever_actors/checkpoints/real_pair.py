@@ -23,9 +23,6 @@ def real_model_path(cache_dir: Path, key: str, progress: Progress | None = None)
 
 # the real target's layout when none is named: its matrices as the GGUF keeps them
 REAL_TARGET_WEIGHTS: Weights = "auto"
-# EngineConfig fields the real pair takes where the user gives none: a quarter of the
-# target's weights in DRAM, so that the demo streams the rest from flash
-REAL_PAIR_DEFAULTS = {"dram_budget": "25%"}
 
 
 def real_target_layout(

@@ -4,6 +4,7 @@ sampling flags, shared by `generate` and `bench`."""
 from __future__ import annotations
 
 import argparse
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,6 @@ import msgspec
 
 from lever_actors.checkpoints.quantize import WEIGHTS_CHOICES
 from lever_actors.checkpoints.real_pair import (
-    REAL_PAIR_DEFAULTS,
     REAL_TARGET_WEIGHTS,
     real_model_path,
     real_target_layout,
@@ -20,6 +20,7 @@ from lever_actors.config import (
     DEFAULT_PROMPT_CACHE,
     SPILLED_PROMPT_CACHE,
     EngineConfig,
+    Plan,
     choices_of,
     default_of,
 )
@@ -87,8 +88,15 @@ def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
         "--dram-budget",
         help="target weights held in DRAM: auto (what the memory limit leaves beside the "
         "process, the draft and room for a context), 25%%, 1.5GiB or all (default: "
-        f"{_escaped(REAL_PAIR_DEFAULTS['dram_budget'])} for the real pair, else "
         f"{default_of('dram_budget')})",
+    )
+    gen.add_argument(
+        "--plan",
+        choices=typing.get_args(Plan),
+        help="how tokens are proposed: trees (the draft's gain-cost trees), lookup (copies "
+        "from the text, no draft in memory), ar (one token a pass), or auto, the one the "
+        "cost model predicts fastest for the memory limit (default: auto, unless --tree "
+        "is given)",
     )
     gen.add_argument(
         "--ctx-size",
@@ -130,7 +138,7 @@ def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The config the flags ask for. Without --target, the real pair (fetched and converted
-    on first use), with its defaults (REAL_PAIR_DEFAULTS) where a flag is not given."""
+    on first use)."""
     flags: dict[str, Any] = dict(
         throttle=args.throttle,
         verify_checksums=args.verify,
@@ -155,8 +163,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     # left out, these take EngineConfig's defaults (the tree: one with a draft, else none)
     given = {"tree": args.tree, "dram_budget": args.dram_budget}
     flags |= {name: value for name, value in given.items() if value is not None}
+    # a tree given is followed as given, unless a plan is asked for too
+    flags["plan"] = args.plan or (None if args.tree else "auto")
     if args.target is None:
-        flags = REAL_PAIR_DEFAULTS | flags
         # the flags are checked before the pair is fetched and converted (minutes, once)
         EngineConfig(target="the real target", draft="the real draft", **flags)
         target = real_target_layout(args.cache_dir, ProgressLine(), args.target_weights)

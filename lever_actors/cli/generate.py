@@ -266,7 +266,7 @@ async def _stream_from_engine(
         loaded = time.perf_counter() - started
         print(
             f"loaded in {loaded:.1f} s ({engine.load_times}); {engine.context}; "
-            f"tree {config.tree}, "
+            f"tree {engine.config.tree}, "
             f"{len(plan.streamed_layers)}/{target.args.n_layers} target layers streamed "
             f"({target.store.mode}), {format_bytes(plan.used(target.manifest))} of target "
             "weights in DRAM",
@@ -274,6 +274,7 @@ async def _stream_from_engine(
         )
         if engine.memory is not None:
             print(engine.memory, file=sys.stderr)
+        print(engine.decode_plan, file=sys.stderr)
         before = target.store.stats.bytes_read
         events: list[TokenEvent] = []
         prefill = ProgressLine(unit=" tokens")

@@ -15,6 +15,7 @@ from lever_actors.paths import default_cache_dir
 from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.cost_model import CostModel
 from lever_actors.policy.exit_predictor import LensPredictor, LowRankAdapter
+from lever_actors.policy.figures import save_draft_curve
 from lever_actors.policy.profile_cache import cached_costs, profile_key
 from lever_actors.policy.profiler import profile_costs
 from lever_actors.policy.pruning import (
@@ -51,7 +52,17 @@ def machine_costs(
     then read from the cache (policy/profile_cache.py)."""
     directory = default_cache_dir() / "profiles"
     key = profile_key(config, target)
-    return cached_costs(directory, key, lambda: profile_costs(target, draft, progress))
+    measured: list[CostModel] = []  # profiled now, not read back
+
+    def profile() -> CostModel:
+        measured.append(profile_costs(target, draft, progress))
+        return measured[0]
+
+    cost = cached_costs(directory, key, profile)
+    if measured and draft is not None and config.draft is not None:
+        # later engines' plans price this draft's rounds by it
+        save_draft_curve(config, cost.draft)
+    return cost
 
 
 def build_policies(
@@ -62,7 +73,7 @@ def build_policies(
 ) -> Policies:
     """Blocking: may profile the machine (a second or two) and load a trained predictor."""
     spec = config.tree
-    cost = machine_costs(config, target, draft, progress) if spec.kind == "gaincost" else None
+    cost = machine_costs(config, target, draft, progress) if spec.sized_by_cost else None
     n_layers = target.args.n_layers
     exit_layer = default_exit_layer(n_layers) if config.exit_layer is None else config.exit_layer
     if not 0 <= exit_layer < n_layers:

@@ -1,0 +1,96 @@
+"""What a plan is chosen by, before either model loads (decode_plan.py): this machine's
+target pass over a number of rows, its flash bandwidth and a node's projection, measured
+once per machine and layout with every layer streamed and the head resident (profiler.py,
+a second or two); and a draft forward's curve, saved when an engine first profiles its
+draft, else estimated from the target's."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+
+from lever_actors.config import EngineConfig
+from lever_actors.device.budget import head_resident_budget, plan_residency
+from lever_actors.device.layout import Manifest
+from lever_actors.logs import get_logger
+from lever_actors.model.native import requested
+from lever_actors.paths import cache_key, default_cache_dir, file_identity
+from lever_actors.policy.cost_model import CostModel, Curve
+from lever_actors.policy.profile_cache import cached_costs, machine_identity
+from lever_actors.policy.profiler import profile_costs
+from lever_actors.target import FlashTarget
+
+log = get_logger(__name__)
+
+# a draft forward against a target pass over as many nodes, until the draft is measured:
+# small forwards cost each layer's fixed work more than its bytes (the real pair's 0.5B draft
+# took 22 ms for one node against the 1.5B target's 28 ms, on a 2-core Xeon)
+UNMEASURED_DRAFT_SHARE = 0.8
+
+
+def target_figures(config: EngineConfig, manifest: Manifest) -> CostModel:
+    """The target's costs on this machine with every layer streamed; blocking."""
+    directory = default_cache_dir() / "profiles"
+    key = cache_key(
+        {
+            "figures": "target",
+            "machine": machine_identity(),
+            "kernels": requested().value,
+            "target": file_identity(Path(config.target) / "manifest.json"),
+        }
+    )
+
+    def probe() -> CostModel:
+        # the head resident: a projection's own time (a streamed head's read is priced apart)
+        plan = plan_residency(manifest, head_resident_budget(manifest, config.ring_slots))
+        target = FlashTarget(
+            Path(config.target), plan, throttle=config.throttle, verify=config.verify_checksums
+        )
+        try:
+            return profile_costs(target, None)
+        finally:
+            target.close()
+
+    return cached_costs(directory, key, probe)
+
+
+def draft_curve(config: EngineConfig, target: CostModel) -> Curve:
+    """A draft forward by nodes: as measured by an engine that profiled the config's draft
+    on this machine, else the target's pass scaled by UNMEASURED_DRAFT_SHARE."""
+    try:
+        if config.draft is not None:
+            return msgspec.msgpack.decode(_draft_path(config).read_bytes(), type=Curve)
+    except FileNotFoundError:
+        pass
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as error:
+        log.warning("figures.unreadable", path=str(_draft_path(config)), error=str(error))
+    share = UNMEASURED_DRAFT_SHARE
+    return Curve(list(target.verify.sizes), [s * share for s in target.verify.seconds])
+
+
+def save_draft_curve(config: EngineConfig, curve: Curve) -> None:
+    """Keep a measured draft curve for the plans of later engines."""
+    path = _draft_path(config)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        partial.write_bytes(msgspec.msgpack.encode(curve))
+        os.replace(partial, path)
+    except OSError as error:
+        log.warning("figures.not_saved", path=str(path), error=str(error))
+
+
+def _draft_path(config: EngineConfig) -> Path:
+    assert config.draft is not None  # a draft named by its file
+    key = cache_key(
+        {
+            "figures": "draft",
+            "machine": machine_identity(),
+            "kernels": requested().value,
+            "draft": file_identity(Path(config.draft)),
+            "draft_formats": [config.draft_dtype, config.draft_weights, config.draft_vocabulary],
+        }
+    )
+    return default_cache_dir() / "profiles" / f"draft-{key}.msgpack"
