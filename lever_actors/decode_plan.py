@@ -110,7 +110,7 @@ def choose_plan(
     if not predicted:
         assert refusal is not None
         raise refusal
-    best: PlanName = max(predicted, key=predicted.__getitem__)  # type: ignore[arg-type]
+    best = max((name for name in names if name in predicted), key=predicted.__getitem__)
     return planned_config(config, best, draft_loaded), DecodePlan(best, True, predicted)
 
 
@@ -124,12 +124,12 @@ def _predicted_rate(
     held = path_bytes(Path(config.draft)) if drafts and config.draft and not draft_loaded else 0
     memory = memory_plan(config, manifest, process=anonymous_rss_bytes(), draft=held)
     residency = plan_residency(manifest, memory.budget, config.ring_slots)
+    head = manifest.extent(head_key(manifest)).nbytes
     cost = msgspec.structs.replace(
         figures,
         streamed_bytes=sum(manifest.layer(i).nbytes for i in residency.streamed_layers),
-        head_bytes=manifest.extent(head_key(manifest)).nbytes
-        if residency.head_rows_per_read
-        else 0,
+        head_bytes=head if residency.head_rows_per_read else 0,
+        overhead_seconds=STEP_OVERHEAD_SECONDS,
     )
     if drafts:
         cost.draft = draft_curve(config, figures)
