@@ -156,10 +156,13 @@ def test_context_fits_the_prompt_and_the_new_tokens():
 
 FAKE_PROGRAM = r'''#!{python}
 """Prints what llama.cpp prints: the text, then its timings in its own format."""
-import os, sys
+import os, sys, time
 args = sys.argv[1:]
 def opt(name):
     return args[args.index(name) + 1]
+# held while the harness polls its VmHWM (a program over before the first poll has none)
+ballast = bytearray(4 << 20)
+time.sleep(0.2)
 if os.environ.get("FAKE_LLAMA_FAIL"):
     sys.stderr.write("0.00.001.000 E llama_model_load: error loading model: bad magic\n")
     sys.exit(1)
