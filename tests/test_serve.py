@@ -484,6 +484,9 @@ def test_the_command_ends_in_one_line_on_ctrl_c_and_shuts_down_on_sigterm(
     assert child.returncode == code, err
     assert "Traceback" not in err
     assert err.splitlines()[-1] == last_line
+    lines = err.splitlines()
+    assert "plan: trees" in lines  # the tree given: followed as given
+    assert any(line.startswith("memory: limit ") for line in lines)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -9,6 +9,7 @@ from functools import partial
 import trio
 
 from lever_actors.cli.engine_options import add_engine_arguments, engine_config
+from lever_actors.engine import Engine
 from lever_actors.progress import ProgressLine
 from lever_actors.serve import DEFAULTS, check_address, serve
 from lever_actors.serve.options import ServeOptions
@@ -120,7 +121,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     check_address(options.host, options.port)  # before the real pair is fetched (minutes)
     config = engine_config(args)
-    run = partial(serve, config, options, progress=ProgressLine(unit=""))
+    run = partial(serve, config, options, progress=ProgressLine(unit=""), opened=_plans)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -129,3 +130,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     trio.run(main)
     return 0
+
+
+def _plans(engine: Engine) -> None:
+    """How the engine shared out the memory and how it decodes, as `generate` prints them."""
+    if engine.memory is not None:
+        print(engine.memory, file=sys.stderr)
+    print(engine.decode_plan, file=sys.stderr)

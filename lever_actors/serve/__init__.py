@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
-from collections.abc import AsyncIterator, Collection, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Iterator
 from contextlib import contextmanager
 from functools import partial
 
@@ -40,17 +40,20 @@ async def serve(
     *,
     drain_on: Collection[signal.Signals] = (signal.SIGTERM,),
     progress: Progress | None = None,
+    opened: Callable[[Engine], object] = lambda engine: None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Open the engine and serve it as `options` say until cancelled, or until one of
     `drain_on` arrives (the main thread's trio run alone can take signals; give none
     elsewhere): then new requests get 503, those inside `options.grace` seconds to finish
     before they are cut, and serve returns. `task_status.started` gets the bound addresses
-    ("http://127.0.0.1:8000"; port 0 binds a free one)."""
+    ("http://127.0.0.1:8000"; port 0 binds a free one); `opened` hears of the engine once it
+    has loaded, before the port opens."""
     check_address(options.host, options.port)  # before the engine loads, which can take minutes
     if options.keyless_exposure:
         log.warning(f"serving {options.host} without an API key: whoever reaches it can use it")
     async with Engine.open(config, progress=progress) as engine:
+        opened(engine)
         app = build_app(engine, options)
         settings = hypercorn.config.Config()
         settings.bind = [f"{options.host}:{options.port}"]
