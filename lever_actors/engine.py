@@ -94,7 +94,8 @@ class Engine:
         it is loaded from `config.draft`. `progress(done, total, label)` hears about the
         start-up profiling of the gain-cost tree.
         """
-        if config.plan is None and config.tree.needs_draft and draft is config.draft is None:
+        drafts = draft is not None or config.draft is not None
+        if config.plan is None and config.tree.needs_draft and not drafts:
             raise ConfigError(f"tree {str(config.tree)!r} needs a draft model; set draft")
         manifest = read_manifest(Path(config.target))
         # planning, loading and profiling on the "npu" unit's thread too: no other thread of
