@@ -94,7 +94,12 @@ def choose_plan(
         return config, given_plan(config)
     if config.plan != "auto":
         return planned_config(config, config.plan, draft_loaded), DecodePlan(config.plan, False)
-    figures = target_figures(config, manifest)
+    # the plan that needs least memory first: a limit too small for it is refused before
+    # the figures are measured, and they are measured within what it may hold
+    least = memory_plan(
+        planned_config(config, "ar", draft_loaded), manifest, process=anonymous_rss_bytes(), draft=0
+    )
+    figures = target_figures(config, manifest, least.budget)
     return_freed_heap()  # where it measured them: its temporaries
     drafts = config.draft is not None or draft_loaded
     names: list[PlanName] = ["trees", "lookup", "ar"] if drafts else ["lookup", "ar"]

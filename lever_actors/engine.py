@@ -103,9 +103,12 @@ class Engine:
         npu = ComputeUnit("npu")
         units = (npu, ComputeUnit("cpu") if config.units == "split" else npu)
         try:
-            # the tokenizer first: its parse peaks about 130 MB above the 46 MiB it keeps
-            # (the real pair's), which then comes before any weights, and the plans count
-            # what it keeps (the target's, and a draft's of the same bytes, reuse it)
+            # a limit that cannot hold the process beside the target's least budget is
+            # refused before anything is parsed; then the tokenizer: its parse peaks about
+            # 130 MB above the 46 MiB it keeps (the real pair's), which then comes before
+            # any weights, and the plans count what it keeps (the target's, and a draft's
+            # of the same bytes, reuse it)
+            check_room(config, manifest, loading_draft=False)
             await npu.run(layout_tokenizer, Path(config.target), manifest)
             return_freed_heap()
             config, plan = await npu.run(choose_plan, config, manifest, draft is not None)

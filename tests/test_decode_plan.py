@@ -71,6 +71,8 @@ def test_a_limit_that_cannot_hold_the_draft_leaves_the_plans_without_one(pair, m
 
 def test_a_limit_that_holds_no_plan_is_refused_in_one_line(pair, monkeypatch):
     under(monkeypatch, least_limit(pair, 0) - 1)
+    measured = []  # the machine's figures: not measured where nothing can fit
+    monkeypatch.setattr(decode_plan, "target_figures", lambda *a: measured.append(a))
     with pytest.raises(ConfigError) as refused:
         choose_plan(config_of(pair, plan="auto"), read_manifest(pair.target), False)
     message = str(refused.value)
@@ -78,6 +80,7 @@ def test_a_limit_that_holds_no_plan_is_refused_in_one_line(pair, monkeypatch):
     assert message.startswith("a memory limit of ")
     assert "room for 256 tokens of context" in message
     assert message.endswith("raise the limit or lower ctx_size")
+    assert measured == []
 
 
 def test_a_plan_given_is_followed_and_no_plan_keeps_the_tree(pair):

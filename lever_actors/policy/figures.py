@@ -30,8 +30,9 @@ log = get_logger(__name__)
 UNMEASURED_DRAFT_SHARE = 0.8
 
 
-def target_figures(config: EngineConfig, manifest: Manifest) -> CostModel:
-    """The target's costs on this machine with every layer streamed; blocking."""
+def target_figures(config: EngineConfig, manifest: Manifest, room: int) -> CostModel:
+    """The target's costs on this machine with every layer streamed; blocking. Measured
+    where none are kept, in `room` bytes of target weights at most."""
     directory = default_cache_dir() / "profiles"
     key = cache_key(
         {
@@ -43,8 +44,10 @@ def target_figures(config: EngineConfig, manifest: Manifest) -> CostModel:
     )
 
     def probe() -> CostModel:
-        # the head resident: a projection's own time (a streamed head's read is priced apart)
-        plan = plan_residency(manifest, head_resident_budget(manifest, config.ring_slots))
+        # the head resident where there is room: a projection's own time (a streamed head's
+        # read is priced apart)
+        budget = min(room, head_resident_budget(manifest, config.ring_slots))
+        plan = plan_residency(manifest, budget, config.ring_slots)
         target = FlashTarget(
             Path(config.target), plan, throttle=config.throttle, verify=config.verify_checksums
         )
