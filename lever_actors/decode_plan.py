@@ -78,9 +78,19 @@ def planned_config(config: EngineConfig, name: PlanName, draft_loaded: bool) -> 
     if name == "trees":
         if config.draft is None and not draft_loaded:
             raise ConfigError("plan 'trees' needs a draft model; set draft")
-        tree = config.tree if config.tree.needs_draft else DEFAULT_TREE
+        # a copy of the default: the default itself, with no draft named, reads as "none"
+        tree = (
+            config.tree if config.tree.needs_draft else TreeSpec("gaincost", cap=DEFAULT_TREE.cap)
+        )
         return msgspec.structs.replace(config, tree=tree, plan=name)
-    tree = TreeSpec("lookup", cap=DEFAULT_TREE.cap) if name == "lookup" else TreeSpec("none")
+    if name == "lookup":
+        tree = (
+            config.tree
+            if config.tree.kind == "lookup"
+            else TreeSpec("lookup", cap=DEFAULT_TREE.cap)
+        )
+    else:
+        tree = TreeSpec("none")
     return msgspec.structs.replace(config, tree=tree, draft=None, plan=name)
 
 
@@ -90,8 +100,11 @@ def choose_plan(
     """The config to load and the plan it follows; blocking where `plan` is auto (the first
     time on a machine, its figures are measured). `draft_loaded`: the caller passes a draft
     model already in memory."""
-    if config.plan is None:
-        return config, given_plan(config)
+    if config.plan is None:  # a draft named but not drafting from is not loaded, nor profiled
+        drafting = config.tree.needs_draft
+        return config if drafting else msgspec.structs.replace(config, draft=None), given_plan(
+            config
+        )
     if config.plan != "auto":
         return planned_config(config, config.plan, draft_loaded), DecodePlan(config.plan, False)
     # the plan that needs least memory first: a limit too small for it is refused before

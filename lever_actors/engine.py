@@ -87,12 +87,12 @@ class Engine:
         draft: DraftModel | None = None,
         progress: Progress | None = None,
     ) -> AsyncIterator[Engine]:
-        """Load both models (the config was checked when it was built) and serve requests
-        until the block ends.
+        """Choose the decode plan (decode_plan.py), load what it needs (the config was
+        checked when it was built) and serve requests until the block ends.
 
         `draft` may pass an already loaded draft model (engines can share one); otherwise
-        it is loaded from `config.draft`. `progress(done, total, label)` hears about the
-        start-up profiling of the gain-cost tree.
+        it is loaded from `config.draft` where the plan drafts. `progress(done, total,
+        label)` hears about the start-up profiling of a cost-sized tree.
         """
         drafts = draft is not None or config.draft is not None
         if config.plan is None and config.tree.needs_draft and not drafts:

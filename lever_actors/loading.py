@@ -171,7 +171,7 @@ def memory_plan(
     else AUTO_CONTEXT or the model's, if less)."""
     if context_tokens is None:
         context_tokens = config.ctx_size or min(AUTO_CONTEXT, manifest.args.max_seq_len)
-    # without a ctx_size the room may shrink before a limit is refused
+    # without a ctx_size the target's weights come before room beyond the fewest tokens
     fewest = None if config.ctx_size else min(FEWEST_AUTO_CONTEXT, context_tokens)
     return plan_memory(
         budget or config.dram_budget,

@@ -16,8 +16,8 @@ from lever_actors.context import KV_SHARE
 from lever_actors.errors import ConfigError
 from lever_actors.sizes import format_bytes
 
-# the context an auto budget keeps room for where ctx_size says none (the real pair's 4,096
-# tokens of KV are 160 MiB, and room for them 320 MiB)
+# the most context an auto budget keeps room for where ctx_size says none, beside the whole
+# target (the real pair's 4,096 tokens of KV are 160 MiB, and room for them 320 MiB)
 AUTO_CONTEXT = 4096
 # where no ctx_size was asked for, auto gives the target's weights the memory beyond room
 # for this many tokens: room kept for a longer context would be streamed again every step

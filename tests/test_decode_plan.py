@@ -12,9 +12,10 @@ from lever_actors import decode_plan, loading
 from lever_actors.cli import main
 from lever_actors.config import EngineConfig
 from lever_actors.context import KV_SHARE
-from lever_actors.decode_plan import DecodePlan, choose_plan, given_plan
+from lever_actors.decode_plan import DecodePlan, choose_plan, given_plan, planned_config
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import read_manifest
+from lever_actors.draft import load_draft
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError
 from lever_actors.memory_plan import FEWEST_AUTO_CONTEXT
@@ -94,6 +95,21 @@ def test_a_plan_given_is_followed_and_no_plan_keeps_the_tree(pair):
     assert given_plan(config_of(pair, tree="none")).name == "ar"
     with pytest.raises(ConfigError, match="plan 'trees' needs a draft model"):
         choose_plan(EngineConfig(target=str(pair.target), plan="trees"), manifest, False)
+
+
+async def test_a_draft_passed_loaded_is_the_trees_plans_draft(pair):
+    """A draft handed to Engine.open (config.draft None) drafts Lever's trees under the
+    trees plan, not the "none" a config without a draft reads as; a lookup tree given is
+    kept with its cap."""
+    config = EngineConfig(target=str(pair.target), plan="trees")
+    assert planned_config(config, "trees", True).tree.kind == "gaincost"
+    assert str(planned_config(config_of(pair, tree="lookup:5"), "lookup", False).tree) == "lookup:5"
+    draft = load_draft(str(pair.draft), "float64", "dense")
+    async with Engine.open(config, draft=draft) as engine:
+        assert str(engine.config.tree) == "gaincost:64"
+        assert engine.draft is not None
+        result = await engine.generate([5, 6, 7, 8], max_new_tokens=12)
+    assert any(s.draft_rounds for s in result.steps)
 
 
 async def test_the_lookup_plan_loads_no_draft_and_stays_exact(pair):

@@ -41,8 +41,8 @@ def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--draft", type=Path, help="draft model: HF dir, GGUF file or flash layout")
     gen.add_argument(
         "--tree",
-        help="none, chain:K, static:W1,W2,... or gaincost[:CAP] (default: "
-        f"{default_of('tree')} with a draft, else none)",
+        help="none, chain:K, static:W1,W2,..., gaincost[:CAP] or lookup[:CAP] (copies from "
+        "the text, no draft); given, it is followed as given (default: the plan's)",
     )
     _option(gen, "early_exit", help="trained needs `train-exit` first")
     gen.add_argument("--exit-layer", type=int, help="default: 7/8 of the way through")
@@ -173,11 +173,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     else:
         target, draft = args.target, args.draft
     return EngineConfig(target=str(target), draft=str(draft) if draft else None, **flags)
-
-
-def _escaped(help_text: str) -> str:
-    """argparse formats help with %: a literal one is written twice."""
-    return help_text.replace("%", "%%")
 
 
 def _count_or_all(text: str) -> int | None:

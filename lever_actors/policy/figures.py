@@ -34,19 +34,22 @@ def target_figures(config: EngineConfig, manifest: Manifest, room: int) -> CostM
     """The target's costs on this machine with every layer streamed; blocking. Measured
     where none are kept, in `room` bytes of target weights at most."""
     directory = default_cache_dir() / "profiles"
+    # the head resident where there is room: a projection's own time (a streamed head's
+    # read is priced apart)
+    budget = min(room, head_resident_budget(manifest, config.ring_slots))
     key = cache_key(
         {
             "figures": "target",
             "machine": machine_identity(),
             "kernels": requested().value,
             "target": file_identity(Path(config.target) / "manifest.json"),
+            "throttle": config.throttle,
+            "verify": config.verify_checksums,
+            "head_resident": budget >= head_resident_budget(manifest, config.ring_slots),
         }
     )
 
     def probe() -> CostModel:
-        # the head resident where there is room: a projection's own time (a streamed head's
-        # read is priced apart)
-        budget = min(room, head_resident_budget(manifest, config.ring_slots))
         plan = plan_residency(manifest, budget, config.ring_slots)
         target = FlashTarget(
             Path(config.target), plan, throttle=config.throttle, verify=config.verify_checksums
