@@ -80,9 +80,7 @@ def throughput_plot(results: BenchResults, path: Path) -> dict[str, dict[str, fl
     ax.set_ylabel("decode tok/s relative to Lever")
     ax.set_title(f"Throughput normalised to Lever ({results.machine.date})")
     ax.legend(title="prompt set", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
     return data
 
 
@@ -111,9 +109,7 @@ def accepted_plot(results: BenchResults, path: Path) -> dict[str, dict[str, floa
         ax.legend(title="prompt set", fontsize=8)
     else:
         ax.text(0.5, 0.5, "no speculative modes in this run", ha="center", transform=ax.transAxes)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
     return data
 
 
@@ -145,9 +141,7 @@ def sweep_plot(
         ax.set_ylabel("decode tok/s")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
     return data
 
 
@@ -190,7 +184,12 @@ def limits_plot(results: BenchResults, path: Path) -> dict[str, list[tuple[float
         ax.legend(fontsize=8)
     else:
         ax.text(0.5, 0.5, "no rates under any limit", ha="center", transform=ax.transAxes)
+    _save(fig, path)
+    return data
+
+
+def _save(fig, path: Path) -> None:
+    """Lay out, write and let go of a finished figure."""
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return data
+    _pyplot().close(fig)

@@ -6,23 +6,17 @@ draft, else estimated from the target's."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-
-import msgspec
 
 from lever_actors.config import EngineConfig
 from lever_actors.device.budget import head_resident_budget, plan_residency
 from lever_actors.device.layout import Manifest
-from lever_actors.logs import get_logger
 from lever_actors.model.native import requested
 from lever_actors.paths import cache_key, default_cache_dir, file_identity
 from lever_actors.policy.cost_model import CostModel, Curve
-from lever_actors.policy.profile_cache import cached_costs, machine_identity
+from lever_actors.policy.profile_cache import cached_costs, keep, machine_identity, read_kept
 from lever_actors.policy.profiler import profile_costs
 from lever_actors.target import FlashTarget
-
-log = get_logger(__name__)
 
 # a draft forward against a target pass over as many nodes, until the draft is measured:
 # small forwards cost each layer's fixed work more than its bytes (the real pair's 0.5B draft
@@ -65,27 +59,16 @@ def target_figures(config: EngineConfig, manifest: Manifest, room: int) -> CostM
 def draft_curve(config: EngineConfig, target: CostModel) -> Curve:
     """A draft forward by nodes: as measured by an engine that profiled the config's draft
     on this machine, else the target's pass scaled by UNMEASURED_DRAFT_SHARE."""
-    try:
-        if config.draft is not None:
-            return msgspec.msgpack.decode(_draft_path(config).read_bytes(), type=Curve)
-    except FileNotFoundError:
-        pass
-    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as error:
-        log.warning("figures.unreadable", path=str(_draft_path(config)), error=str(error))
+    measured = read_kept(_draft_path(config), Curve) if config.draft is not None else None
+    if measured is not None:
+        return measured
     share = UNMEASURED_DRAFT_SHARE
     return Curve(list(target.verify.sizes), [s * share for s in target.verify.seconds])
 
 
 def save_draft_curve(config: EngineConfig, curve: Curve) -> None:
     """Keep a measured draft curve for the plans of later engines."""
-    path = _draft_path(config)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.{os.getpid()}")
-        partial.write_bytes(msgspec.msgpack.encode(curve))
-        os.replace(partial, path)
-    except OSError as error:
-        log.warning("figures.not_saved", path=str(path), error=str(error))
+    keep(_draft_path(config), curve)
 
 
 def _draft_path(config: EngineConfig) -> Path:

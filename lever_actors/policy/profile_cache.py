@@ -10,6 +10,7 @@ import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 import torch
@@ -24,6 +25,7 @@ from lever_actors.policy.cost_model import CostModel
 from lever_actors.target import FlashTarget
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 
 def profile_key(config: EngineConfig, target: FlashTarget) -> str:
@@ -65,18 +67,30 @@ def machine_identity() -> str:
 def cached_costs(directory: Path, key: str, profile: Callable[[], CostModel]) -> CostModel:
     """The profile saved as `key` in `directory`, else `profile()`, saved for next time."""
     path = directory / f"{key}.msgpack"  # not JSON: a resident plan's bandwidth is inf
+    cost = read_kept(path, CostModel)
+    if cost is None:
+        cost = profile()
+        keep(path, cost)
+    return cost
+
+
+def read_kept(path: Path, kind: type[T]) -> T | None:
+    """What `keep` wrote at `path`; None where nothing readable is there (logged)."""
     try:
-        return msgspec.msgpack.decode(path.read_bytes(), type=CostModel)
+        return msgspec.msgpack.decode(path.read_bytes(), type=kind)
     except FileNotFoundError:
-        pass
+        return None
     except (OSError, msgspec.DecodeError, msgspec.ValidationError) as error:
         log.warning("profile.unreadable", path=str(path), error=str(error))
-    cost = profile()
+        return None
+
+
+def keep(path: Path, value: object) -> None:
+    """Write `value` to `path` for later engines, whole or not at all (a failure is logged)."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.{os.getpid()}")
-        partial.write_bytes(msgspec.msgpack.encode(cost))
-        os.replace(partial, path)  # whole or not at all
+        partial.write_bytes(msgspec.msgpack.encode(value))
+        os.replace(partial, path)
     except OSError as error:
         log.warning("profile.not_saved", path=str(path), error=str(error))
-    return cost
