@@ -34,6 +34,7 @@ POLICIES: dict[str, dict[str, Any]] = {
     "gaincost-ahead": {"tree": "gaincost", "draft_ahead": True},
     "gaincost-prune-always": {"tree": "gaincost", "early_exit": "lens", "prune_when": "always"},
     "gaincost-exit-off": {"tree": "gaincost", "early_exit": "off"},
+    "lookup": {"tree": "lookup"},  # copies from the text alone, no draft model
 }
 
 # continued as raw text: repetition makes the target's top two tokens close
