@@ -302,6 +302,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # tokens a request's prompt and new ones may fill; None: the model's context, or less
     # where the memory left after loading holds less KV (context.py)
     ctx_size: Annotated[int, msgspec.Meta(gt=0)] | None = None
+    # requests decoding at once, their trees verified in one pass over the layers (batch.py);
+    # more wait for a place, in arrival order. None: as many requests of AUTO_REQUEST_TOKENS
+    # as the KV room after loading holds, at most MAX_AUTO_PARALLEL
+    parallel: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
     # bytes of finished requests' KV (target and draft) kept, so that a later request that
     # starts with the same tokens prefills only the rest ("256MiB", bytes; 0: none)
     prompt_cache: Annotated[int, msgspec.Meta(ge=0)] = DEFAULT_PROMPT_CACHE

@@ -106,6 +106,13 @@ def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
         "or less where the memory left after loading holds less KV)",
     )
     gen.add_argument(
+        "--parallel",
+        type=int,
+        metavar="N",
+        help="requests decoding at once, verified in one pass over the layers; more wait "
+        "in arrival order (default: as many as the KV room after loading holds, at most 8)",
+    )
+    gen.add_argument(
         "--prompt-cache",
         metavar="SIZE",
         default=compact_bytes(DEFAULT_PROMPT_CACHE),
@@ -157,6 +164,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         prompt_cache=args.prompt_cache,
         prompt_cache_dir=args.prompt_cache_dir,
         ctx_size=args.ctx_size,
+        parallel=args.parallel,
         stall_seconds=args.stall_seconds,
         trace=str(args.trace) if args.trace else None,
     )
