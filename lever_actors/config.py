@@ -236,10 +236,10 @@ class DramBudget(msgspec.Struct, frozen=True):
 
 
 class ChannelSizes(msgspec.Struct, frozen=True):
-    """Capacity of every bounded channel between actors."""
+    """Capacity of the bounded channels between actors (the verifier's arrivals hold what
+    the batch's requests may send at once: wiring.py; the layers, the ring's slots)."""
 
     requests: Annotated[int, msgspec.Meta(ge=1)] = 1
-    trees: Annotated[int, msgspec.Meta(ge=1)] = 1
     probes: Annotated[int, msgspec.Meta(ge=1)] = 1
     prune_verdicts: Annotated[int, msgspec.Meta(ge=1)] = 1
     finals: Annotated[int, msgspec.Meta(ge=1)] = 1

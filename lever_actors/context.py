@@ -32,6 +32,12 @@ class Context(msgspec.Struct, frozen=True):
         return int(self.free_bytes * CACHE_SHARE)
 
     @property
+    def room_tokens(self) -> int:
+        """The KV the requests decoding at once may hold together, in tokens: KV_SHARE of
+        the memory left after loading, or one whole context where that was asked for."""
+        return max(self.tokens, int(self.free_bytes * KV_SHARE) // self.kv_bytes_per_token)
+
+    @property
     def why(self) -> str:
         """Where its size comes from, for an error message."""
         if self.asked:

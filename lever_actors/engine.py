@@ -1,10 +1,11 @@
-"""The engine: loads the models once (loading.py), then serves requests, wiring the five
-actors for each (wiring.py).
+"""The engine: loads the models once (loading.py), then serves requests, several at once
+(batch.py), wiring the actors (wiring.py).
 
-Each request runs its actors in a nursery of its own, inside the engine's nursery, so that
-a request that ends early (break, cancellation, an error) takes all its actors and
-channels with it and the next request starts clean. Requests are served one at a time;
-what a finished one leaves is its text's KV, in the prefix cache (prefix_cache.py).
+The prefetcher, the verifier and the pruner serve every request for the engine's life. Each
+request runs its drafter, projector and step loop in a nursery of its own, inside the
+engine's nursery, so that a request that ends early (break, cancellation, an error) takes
+them and its channels with it. What a finished one leaves is its text's KV, in the prefix
+cache (prefix_cache.py).
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from typing import Any, Unpack
 
 import trio
 
+from lever_actors.batch import Batch, parallel_of
 from lever_actors.channels.bounded import ChannelSet
 from lever_actors.channels.messages import TokenEvent
+from lever_actors.channels.trace import Tracer
 from lever_actors.checkpoints.flash_layout import layout_tokenizer
 from lever_actors.checkpoints.tokenizer import Message, Tokenizer
 from lever_actors.config import EngineConfig, check_request_size
@@ -38,9 +41,9 @@ from lever_actors.prefix_cache import PrefixCache
 from lever_actors.progress import Progress
 from lever_actors.request import GenerationKeywords, GenerationOptions, options_of
 from lever_actors.results import GenerationResult, result_of
-from lever_actors.sequences import Request, grammar_matcher, tokens_of
+from lever_actors.sequences import Request, grammar_matcher, kv_tokens, tokens_of
 from lever_actors.target import FlashTarget
-from lever_actors.wiring import run_actors
+from lever_actors.wiring import Crew, original, run_request
 
 __all__ = ["Engine", "GenerationResult", "LoadTimes"]
 
@@ -73,7 +76,11 @@ class Engine:
         self.spec = policies.spec
         self.npu, self.cpu = units
         self._nursery = nursery
-        self._one_at_a_time = trio.Lock()
+        # the requests decoding at once, and those waiting for a place
+        self.batch = Batch(parallel_of(config, context), context.room_tokens)
+        self.tracer = Tracer(config.trace) if config.trace else None
+        # the actors every request shares (their channels: crew.channels)
+        self.crew = Crew(self.batch, config, target, policies, self.npu, self.tracer)
         self.prefixes = prefixes  # finished requests' KV, for those that start the same
         self._closed = False
         self.channels: ChannelSet | None = None  # those of the latest request, for statistics
@@ -149,18 +156,21 @@ class Engine:
                         loaded.memory,
                         plan,
                     )
+                    nursery.start_soon(engine.crew.run)
                     try:
                         yield engine
                     finally:
                         engine._closed = True
                     nursery.cancel_scope.cancel()  # requests still running end with the block
             except BaseExceptionGroup as group:
-                raise _original(group) from None
+                raise original(group) from None
             finally:
                 if engine is not None:  # its requests have ended with the nursery
                     with trio.CancelScope(shield=True):  # what it holds goes to its directory
                         await npu.run(engine.prefixes.close)
                     engine._let_go_of_weights()
+                    if engine.tracer is not None:
+                        engine.tracer.close()
 
     def _let_go_of_weights(self) -> None:
         """A closed engine may live on in a caller's variable, say while the next one opens:
@@ -296,21 +306,9 @@ class Engine:
         try:
             with events, request.scope:
                 try:
-                    async with self._one_at_a_time:
-                        self.channels = ChannelSet(self.config.trace)
-                        await run_actors(
-                            request,
-                            events,
-                            self.channels,
-                            self.config,
-                            self.target,
-                            self.draft,
-                            self.policies,
-                            (self.npu, self.cpu),
-                            self.prefixes,
-                        )
+                    await self._run_placed(request, events)
                 except Exception as error:  # handed to the consumer, who raises it
-                    request.error = _original(error)
+                    request.error = original(error)
             if request.scope.cancelled_caught and request.past_deadline:
                 request.error = DeadlineError(
                     f"no token within the deadline of {request.options.deadline_seconds:g} s: "
@@ -320,19 +318,23 @@ class Engine:
             if request.on_done is not None:
                 request.on_done()
 
-
-CHANNEL_CLOSED = (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError)
-
-
-def _original(error: BaseException) -> BaseException:
-    """The exception an actor raised, out of the groups the nurseries wrapped it in; a
-    peer that merely saw its channel close because of it does not count."""
-    while isinstance(error, BaseExceptionGroup):
-        causes = [e for e in error.exceptions if not isinstance(e, CHANNEL_CLOSED)]
-        if len(error.exceptions) == 1:
-            error = error.exceptions[0]
-        elif len(causes) == 1:
-            error = causes[0]
-        else:
-            break
-    return error
+    async def _run_placed(
+        self, request: Request, events: trio.MemorySendChannel[TokenEvent]
+    ) -> None:
+        """Wait in line for a place in the batch, then run the request in it."""
+        async with self.batch.place(kv_tokens(request, self.config)) as place:
+            self.channels = ChannelSet(self.tracer)
+            with place.scope:  # cancelled where an actor the batch shares fails
+                await run_request(
+                    request,
+                    place,
+                    self.crew,
+                    events,
+                    self.channels,
+                    self.draft,
+                    (self.npu, self.cpu),
+                    self.prefixes,
+                )
+        if place.failure is not None:
+            await self.crew.ended()  # nothing of it still runs once the request raises
+            raise place.failure

@@ -129,7 +129,7 @@ def new_caches(
     from where its view begins, `request.draft_start`)."""
     request.reuse = reuse = prefixes.claim(request.prompt)
     nodes = config.tree.max_nodes
-    room = len(request.prompt) + request.options.max_new_tokens + nodes + 2
+    room = kv_tokens(request, config)
     target_cache = target.new_cache(room)
     reuse.restore(target_cache)
     draft_cache = None
@@ -140,6 +140,12 @@ def new_caches(
         if request.draft_start == reuse.draft_start:
             reuse.restore_draft(draft_cache)
     return target_cache, draft_cache
+
+
+def kv_tokens(request: Request, config: EngineConfig) -> int:
+    """The positions a request's KV caches hold at most: its prompt, its new tokens and a
+    tree's nodes (and the bonus token and the chain's last, beyond the tree)."""
+    return len(request.prompt) + request.options.max_new_tokens + config.tree.max_nodes + 2
 
 
 def draft_view(reuse: Reuse, prompt_tokens: int, window: int | None) -> int:

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import trio
 
+from lever_actors.batch import Batch, Place
 from lever_actors.channels.messages import (
     Commit,
     DraftRequest,
@@ -25,6 +26,7 @@ from lever_actors.channels.stats import DecodePhase
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.device.memory import return_freed_heap
 from lever_actors.errors import ConsumerStalledError
+from lever_actors.policy.cost_model import Beside
 from lever_actors.policy.setup import Policies
 from lever_actors.sequences import Request
 from lever_actors.stop_text import StopText
@@ -33,6 +35,8 @@ from lever_actors.target import FlashTarget
 
 async def run_steps(
     request: Request,
+    place: Place,
+    batch: Batch,
     events: trio.MemorySendChannel[TokenEvent],
     requests: Any,  # send ends: trio's, or tracing wrappers with the same methods
     verdicts: trio.MemoryReceiveChannel[Verdict],
@@ -41,13 +45,22 @@ async def run_steps(
     policies: Policies,
     stall_seconds: float | None,
 ) -> None:
-    """Ask for a tree, take the verdict, emit, commit; until the request ends."""
+    """Ask for a tree (sized for the requests beside it in the batch), take the verdict,
+    emit, commit; until the request ends."""
     emitter = Emitter(request, target.tokenizer)
     reads = target.store.stats
     for step in range(request.options.max_new_tokens):
         step_started = time.perf_counter()
         bytes_before, read_seconds_before = reads.bytes_read, reads.read_seconds
-        await requests.send(DraftRequest(step=step, max_nodes=policies.spec.max_nodes))
+        beside = batch.beside(place)
+        await requests.send(
+            DraftRequest(
+                step=step,
+                max_nodes=policies.spec.max_nodes,
+                beside_rows=beside.rows,
+                beside_tokens=beside.tokens,
+            )
+        )
         verdict: Verdict = await verdicts.receive()
         request.scope.deadline = math.inf  # from the first token on, the deadline is soft
         finish: FinishReason | None = None
@@ -80,6 +93,7 @@ async def run_steps(
             read_seconds=reads.read_seconds - read_seconds_before,
         )
         request.steps.append(stats)
+        place.last = Beside(stats.tree_nodes, emitted)
         if policies.cost is not None:
             policies.cost.observe(stats)
         commit = Commit(step=step, accepted=verdict.accepted, next_tokens=verdict.tokens[-1:])

@@ -1,11 +1,18 @@
-"""One request's actors and channels: the engine's only wiring.
+"""The engine's only wiring: the actors every request shares, and each request's own.
 
-The five actors run in a nursery of the request's own, so that a request that ends early
-takes every actor and channel with it. The request's KV caches start from the prefix
-cache and go back to it, holding the text's prefix, once the actors have ended."""
+The prefetcher, the verifier and the pruner serve the whole batch (batch.py) while it has
+requests: a layer read once is applied to every request's tree, and the next pass's reads
+go on while a request leaves and another joins. An idle engine reads nothing and holds no
+ring slots. Where one of them fails, every request in the batch ends with its error; the
+next request starts a new crew.
+
+A request's drafter, projector and step loop run in a nursery of its own, so that a
+request that ends early takes them and its channels with it. Its KV caches start from the
+prefix cache and go back to it, holding the text's prefix, once the verifier lets go."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import trio
@@ -15,20 +22,23 @@ from lever_actors.actors.jitter import Jitter
 from lever_actors.actors.prefetcher import Prefetcher
 from lever_actors.actors.projector import Projector
 from lever_actors.actors.pruner import Pruner
-from lever_actors.actors.verifier import Verifier, VerifierInbox, VerifierOutbox
+from lever_actors.actors.verifier import Arrival, Verifier, VerifierInbox, VerifierOutbox
+from lever_actors.batch import Batch, Place
 from lever_actors.channels.bounded import ChannelSet
 from lever_actors.channels.messages import (
     Commit,
     DraftRequest,
-    DraftTree,
     ExitProbe,
     FinalHidden,
     LayerWeights,
+    LeaveSeat,
     PruneVerdict,
     SlotRelease,
+    TakeSeat,
     TokenEvent,
     Verdict,
 )
+from lever_actors.channels.trace import Tracer
 from lever_actors.config import EngineConfig
 from lever_actors.device.units import ComputeUnit
 from lever_actors.model.transformer import Transformer
@@ -38,30 +48,119 @@ from lever_actors.sequences import Request, new_caches
 from lever_actors.steps import run_steps
 from lever_actors.target import FlashTarget
 
+# a request's messages to the verifier that may be in flight at once: its seat, its tree
+# and its leaving, so that leaving never waits
+ARRIVALS_PER_REQUEST = 3
 
-async def run_actors(
+
+class Crew:
+    """The actors every request shares, and the end their requests' trees go to."""
+
+    def __init__(
+        self,
+        batch: Batch,
+        config: EngineConfig,
+        target: FlashTarget,
+        policies: Policies,
+        npu: ComputeUnit,
+        tracer: Tracer | None,
+    ) -> None:
+        self.batch, self.config, self.target, self.policies = batch, config, target, policies
+        self.npu, self.tracer = npu, tracer
+        self.channels: ChannelSet | None = None  # the latest crew's
+        self._arrivals: trio.MemorySendChannel[Arrival] | None = None  # to its verifier
+        self._running = trio.Event()
+        self._ended = trio.Event()  # the latest crew's
+        self._ended.set()
+
+    async def run(self) -> None:
+        """For the engine's life: a crew while the batch has requests."""
+        while True:
+            await self.batch.occupied()
+            ended = self._ended = trio.Event()
+            try:
+                async with trio.open_nursery() as nursery:
+                    with await self._start(nursery) as self._arrivals:  # the requests clone it
+                        self._running.set()
+                        await self.batch.emptied()
+                        self._close_doors()
+                        nursery.cancel_scope.cancel()
+            except* Exception:
+                self._close_doors()  # the batch has heard of it (_guard)
+            ended.set()
+
+    async def ended(self) -> None:
+        """Return once the latest crew has ended, its threads too."""
+        await self._ended.wait()
+
+    def _close_doors(self) -> None:
+        """No request joins this crew from now on: it is ending."""
+        self._arrivals, self._running = None, trio.Event()
+
+    async def _guard(self, run, inbox, outbox, *, task_status: trio.TaskStatus[None]) -> None:
+        """Run an actor of the crew; where it fails, before anything else runs, no request
+        joins the crew any more and those in the batch end with its error."""
+        try:
+            await run(inbox, outbox, task_status=task_status)
+        except Exception as error:
+            self._close_doors()
+            self.batch.fail(original(error))
+            raise
+
+    async def join(self) -> trio.MemorySendChannel[Arrival]:
+        """A placed request's end of the verifier's arrivals, once the crew runs."""
+        await self._running.wait()
+        assert self._arrivals is not None  # set before `running`
+        return self._arrivals.clone()
+
+    async def _start(self, nursery: trio.Nursery) -> trio.MemorySendChannel[Arrival]:
+        """Start the actors; returns the send end of the verifier's arrivals."""
+        config, target, p = self.config, self.target, self.policies
+        ch = self.channels = ChannelSet(self.tracer)
+        capacity = ARRIVALS_PER_REQUEST * self.batch.parallel
+        arrivals = ch.open("arrivals", Arrival, capacity)
+        # room for the resident layers too: queued, they cost no memory, and the verifier
+        # applies the layers that have arrived in one job
+        slots = max(target.plan.ring_slots, 1)
+        layers = ch.open("layers", LayerWeights, slots + len(target.resident_layers))
+        releases = ch.open("releases", SlotRelease, slots)
+        probes = ch.open("probes", ExitProbe, config.channels.probes)
+        prune_verdicts = ch.open("prune_verdicts", PruneVerdict, config.channels.prune_verdicts)
+        jitter = _jitters(config)
+        prefetcher = Prefetcher(target.store, target.plan, target.resident_layers)
+        verifier = Verifier(
+            target, p.exit_layer, self.npu, next(jitter), config.audit_every, p.probe_when
+        )
+        # the verifier's unit, idle while it awaits the verdict; the policy is looked up at
+        # each probe, since the crew outlives a swap (the engine's close lets go of the lens)
+        pruner = Pruner(lambda probe: p.prune(probe), self.npu, next(jitter))
+        await nursery.start(self._guard, prefetcher.run, releases.receive, layers.send)
+        await nursery.start(
+            self._guard,
+            verifier.run,
+            VerifierInbox(arrivals.receive, layers.receive, prune_verdicts.receive),
+            VerifierOutbox(releases.send, probes.send),
+        )
+        await nursery.start(self._guard, pruner.run, probes.receive, prune_verdicts.send)
+        return arrivals.send
+
+
+async def run_request(
     request: Request,
+    place: Place,
+    crew: Crew,
     events: trio.MemorySendChannel[TokenEvent],
     ch: ChannelSet,
-    config: EngineConfig,
-    target: FlashTarget,
     draft: Transformer | None,
-    policies: Policies,
     units: tuple[ComputeUnit, ComputeUnit],  # "npu", "cpu"
     prefixes: PrefixCache,
 ) -> None:
-    """Run `request` to its end on channels opened in `ch`, its events sent to `events`."""
+    """Run `request` to its end in its place in the batch, on channels opened in `ch`, its
+    events sent to `events`."""
+    config, target, p = crew.config, crew.target, crew.policies
     npu, cpu = units
     sizes = config.channels
     requests = ch.open("requests", DraftRequest, sizes.requests)
-    trees = ch.open("trees", DraftTree, sizes.trees)
-    # room for the resident layers too: queued, they cost no memory, and the verifier
-    # applies the layers that have arrived in one job
-    room = max(target.plan.ring_slots, 1) + len(target.resident_layers)
-    layers = ch.open("layers", LayerWeights, room)
-    releases = ch.open("releases", SlotRelease, max(target.plan.ring_slots, 1))
-    probes = ch.open("probes", ExitProbe, sizes.probes)
-    prune_verdicts = ch.open("prune_verdicts", PruneVerdict, sizes.prune_verdicts)
     finals = ch.open("finals", FinalHidden, sizes.finals)
     verdicts = ch.open("verdicts", Verdict, sizes.verdicts)
     draft_commits = ch.open("draft_commits", Commit, sizes.commits)
@@ -70,8 +169,7 @@ async def run_actors(
     caches = await npu.run(  # units.py: copies start a team
         new_caches, request, prefixes, target, draft, config
     )
-    jitter = _jitters(config)
-    p = policies
+    jitter = _jitters(config, 2 + place.seat)
     draft_policy = DraftPolicy(
         p.spec,
         p.cost,
@@ -90,20 +188,8 @@ async def run_actors(
         cached=request.reuse.tokens,
         view=request.draft_start,
         matcher=request.matcher.copy() if request.matcher else None,
+        seat=place.seat,
     )
-    verifier = Verifier(
-        target,
-        caches[0],
-        p.exit_layer,
-        npu,
-        next(jitter),
-        config.audit_every,
-        p.probe_when,
-        request.progress,
-    )
-    # the verifier's unit, idle while it awaits the verdict (the other may be drafting
-    # ahead, on a pass flash paces)
-    pruner = Pruner(p.prune, npu, next(jitter))
     projector = Projector(
         target.logits,
         npu if p.eager_projection else cpu,
@@ -113,38 +199,81 @@ async def run_actors(
         request.options.top_logprobs,
         request.matcher,
     )
-    async with trio.open_nursery() as nursery:
-        prefetcher = Prefetcher(target.store, target.plan, target.resident_layers)
-        await nursery.start(prefetcher.run, releases.receive, layers.send)
-        await nursery.start(
-            drafter.run, DrafterInbox(requests.receive, draft_commits.receive), trees.send
+    leaving = LeaveSeat(step=-1, seat=place.seat, done=trio.Event())
+    left = False
+    with await crew.join() as arrivals:
+        seat = TakeSeat(
+            step=-1,
+            seat=place.seat,
+            cache=caches[0],
+            commits=verify_commits.receive,
+            finals=finals.send,
+            progress=request.progress,
         )
-        await nursery.start(
-            verifier.run,
-            VerifierInbox(
-                trees.receive, layers.receive, prune_verdicts.receive, verify_commits.receive
-            ),
-            VerifierOutbox(releases.send, probes.send, finals.send),
-        )
-        await nursery.start(pruner.run, probes.receive, prune_verdicts.send)
-        await nursery.start(projector.run, finals.receive, verdicts.send)
-        with requests.send, draft_commits.send, verify_commits.send, verdicts.receive:
-            await run_steps(
-                request,
-                events,
-                requests.send,
-                verdicts.receive,
-                (draft_commits.send, verify_commits.send),
-                target,
-                policies,
-                config.stall_seconds,
-            )
-    # the actors have ended, so the caches hold what they kept: the text's prefix
+        await arrivals.send(seat)  # the verifier owns the ends it names from here
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(
+                    drafter.run,
+                    DrafterInbox(requests.receive, draft_commits.receive),
+                    arrivals.clone(),
+                )
+                await nursery.start(projector.run, finals.receive, verdicts.send)
+                with requests.send, draft_commits.send, verify_commits.send, verdicts.receive:
+                    await run_steps(
+                        request,
+                        place,
+                        crew.batch,
+                        events,
+                        requests.send,
+                        verdicts.receive,
+                        (draft_commits.send, verify_commits.send),
+                        target,
+                        p,
+                        config.stall_seconds,
+                    )
+                left = True  # the verifier then closes the projector's inbox, which ends it
+                await _leave(arrivals, leaving)
+        finally:
+            if not left:
+                await _leave(arrivals, leaving)
+    await leaving.done.wait()  # the verifier has kept the last accepted path
     await npu.run(prefixes.store, request.text_tokens, *caches, request.draft_start)
 
 
-def _jitters(config: EngineConfig) -> Iterator[Jitter]:
-    seed = config.seed
+async def _leave(arrivals, message: LeaveSeat) -> None:
+    """Tell the verifier, even from a cancelled request: there is room for it
+    (ARRIVALS_PER_REQUEST), unless requests came and went in one long pass; a crew that
+    failed has nobody to tell."""
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        try:
+            arrivals.send_nowait(message)
+        except trio.WouldBlock:
+            with trio.CancelScope(shield=True):  # until the verifier's pass ends
+                await arrivals.send(message)
+
+
+def _jitters(config: EngineConfig, stream: int = 0) -> Iterator[Jitter]:
+    """Each actor's own random sleeps: the crew's from the config's seed, a request's from
+    its seat's (`stream`), so that no two actors share a sequence."""
+    seed = config.seed + 1000 * stream
     while True:
         seed += 1
         yield Jitter(config.jitter_seconds, seed)
+
+
+CHANNEL_CLOSED = (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError)
+
+
+def original(error: BaseException) -> BaseException:
+    """The exception an actor raised, out of the groups the nurseries wrapped it in; a
+    peer that merely saw its channel close because of it does not count."""
+    while isinstance(error, BaseExceptionGroup):
+        causes = [e for e in error.exceptions if not isinstance(e, CHANNEL_CLOSED)]
+        if len(error.exceptions) == 1:
+            error = error.exceptions[0]
+        elif len(causes) == 1:
+            error = causes[0]
+        else:
+            break
+    return error

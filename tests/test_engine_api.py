@@ -29,8 +29,10 @@ from lever_actors.channels.messages import (
     ExitProbe,
     FinalHidden,
     LayerWeights,
+    LeaveSeat,
     PruneVerdict,
     SlotRelease,
+    TakeSeat,
     Verdict,
 )
 from lever_actors.channels.trace import TraceRecord, read_trace
@@ -362,22 +364,22 @@ def plant(where: str, engine: Engine, monkeypatch) -> Fault:
     if where == "verifier":
         verify = Verifier._verify
 
-        async def failing_verify(self, message, *args):
-            fault.fire(message.step == 2)
-            return await verify(self, message, *args)
+        async def failing_verify(self, batch, *args):
+            fault.fire(self.passes == 2)
+            return await verify(self, batch, *args)
 
         monkeypatch.setattr(Verifier, "_verify", failing_verify)
     elif where == "verifier layer":
         import lever_actors.actors.verifier as verifier_module
 
-        layer_forward = verifier_module.layers_forward
+        layer_forward = verifier_module.batch_layers_forward
 
         def failing_layer(*args):  # runs in a worker thread: step 2, layer 2
             fault.calls += 1
             fault.fire(fault.calls == 2 * N_LAYERS + 3)
             return layer_forward(*args)
 
-        monkeypatch.setattr(verifier_module, "layers_forward", failing_layer)
+        monkeypatch.setattr(verifier_module, "batch_layers_forward", failing_layer)
     elif where == "projector":
         walk = Projector.walk
 
@@ -442,6 +444,8 @@ async def test_an_actor_error_surfaces_as_itself_and_leaves_nothing_running(
         assert str(raised.value) == fault.message
         assert not fault.armed
         assert [e.token for e in events] == tiny.expected[: len(events)]
+        with trio.fail_after(TIMEOUT):  # the shared actors wind down once no request is left
+            await engine.crew.ended()
         assert engine.npu.running == engine.cpu.running == 0  # no compute job still going
         assert leftover_threads(before) == []
         # the engine survives: the next request runs clean
@@ -516,7 +520,7 @@ async def test_a_request_filling_the_context_exactly_works(tiny):
             {"prune_when": "never"}, "prune_when = 'never': expected one of", id="prune-when"
         ),
         pytest.param(
-            lambda: {"channels": ChannelSizes(trees=0)}, "channel trees = 0", id="channel-0"
+            lambda: {"channels": ChannelSizes(finals=0)}, "channel finals = 0", id="channel-0"
         ),
     ],
 )
@@ -583,7 +587,9 @@ async def test_a_static_tree_wider_than_the_vocabulary_is_refused_or_capped(tiny
 
 MESSAGE_CHANNELS = {
     DraftRequest: {"requests"},
-    DraftTree: {"trees"},
+    DraftTree: {"arrivals"},
+    TakeSeat: {"arrivals"},
+    LeaveSeat: {"arrivals"},
     LayerWeights: {"layers"},
     SlotRelease: {"releases"},
     ExitProbe: {"probes"},
@@ -607,7 +613,7 @@ async def test_the_trace_holds_every_message_of_every_step_as_typed_structs(tiny
     path = tmp_path / "trace.jsonl"
     async with Engine.open(tiny.config(trace=str(path))) as engine:
         result = await generate(engine)
-        assert engine.channels.tracer.file.closed  # with the request's last channel
+    assert engine.tracer.file.closed  # with the engine
     records = read_trace(path)
     assert records and all(isinstance(r, TraceRecord) for r in records)
     seconds = [r.seconds for r in records]
@@ -635,6 +641,10 @@ async def test_the_trace_holds_every_message_of_every_step_as_typed_structs(tiny
     for final in by_type[FinalHidden]:
         assert isinstance(final.tree, DraftTree)
         assert is_tensor_summary(final.hidden, (len(final.nodes), d_model))
+    [seat] = by_type[TakeSeat]
+    [leave] = by_type[LeaveSeat]
+    assert seat.seat == leave.seat == 0 and seat.cache == "KVCache"  # objects: named only
+    assert all(tree.seat == 0 for tree in by_type[DraftTree])
     layers = by_type[LayerWeights]
     assert {m.layer for m in layers} == set(range(N_LAYERS))
     for m in layers:
@@ -645,16 +655,17 @@ async def test_the_trace_holds_every_message_of_every_step_as_typed_structs(tiny
 
 
 async def test_channel_statistics_are_exposed(tiny):
-    sizes = ChannelSizes(
-        requests=2, trees=3, probes=1, prune_verdicts=2, finals=2, commits=3, verdicts=2
-    )
-    async with Engine.open(tiny.config(channels=sizes, ring_slots=3)) as engine:
-        assert engine.channels is None
+    sizes = ChannelSizes(requests=2, probes=1, prune_verdicts=2, finals=2, commits=3, verdicts=2)
+    config = tiny.config(channels=sizes, ring_slots=3, parallel=2)
+    async with Engine.open(config) as engine:
+        assert engine.channels is engine.crew.channels is None
         await generate(engine)
-        stats = engine.channels.statistics()
+        with trio.fail_after(TIMEOUT):
+            await engine.crew.ended()  # the shared actors wind down once no request is left
+        stats = engine.channels.statistics() | engine.crew.channels.statistics()
     capacities = {
         "requests": 2,
-        "trees": 3,
+        "arrivals": 3 * 2,  # a seat, a tree and a leaving for each request of the batch
         "layers": 3,
         "releases": 3,
         "probes": 1,
@@ -688,11 +699,12 @@ async def test_the_trace_of_a_request_left_early_is_complete_and_closed(tiny, tm
                 for s in channels.statistics().values()
             ):
                 await trio.sleep(0.01)
-        assert channels.tracer.file.closed, "the trace file is left open"
-        records = read_trace(path)
-        verdict_steps = [r.message.step for r in records if type(r.message) is Verdict]
-        # every step whose tokens the consumer saw is in the trace
-        assert verdict_steps[: seen[-1].step + 1] == list(range(seen[-1].step + 1))
+    assert channels.tracer.file.closed, "the trace file is left open"
+    records = read_trace(path)
+    verdict_steps = [r.message.step for r in records if type(r.message) is Verdict]
+    # every step whose tokens the consumer saw is in the trace
+    assert verdict_steps[: seen[-1].step + 1] == list(range(seen[-1].step + 1))
+    assert [type(r.message) for r in records].count(LeaveSeat) == 1  # it left the batch
 
 
 async def test_a_target_alone_decodes_one_token_per_pass(tiny):
@@ -740,7 +752,11 @@ async def test_a_deadline_ends_the_request_at_the_step_it_passes_in():
     pair = model_pair(TINY_ARGS, "perturbed", 0)
     prompt = [3, 14, 15, 9, 6, 5]  # the tiny pair's vocabulary is 32 tokens
     config = EngineConfig(
-        target=str(pair.target), draft=str(pair.draft), tree="chain:2", jitter_seconds=0.05
+        target=str(pair.target),
+        draft=str(pair.draft),
+        tree="chain:2",
+        jitter_seconds=0.05,
+        parallel=1,  # the second request waits behind the first
     )
     with trio.fail_after(60):
         async with Engine.open(config) as engine:

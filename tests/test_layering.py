@@ -19,7 +19,7 @@ LAYERS = (
     ("decode_plan",),
     ("wiring", "loading"),
     ("steps", "results"),
-    ("sequences",),
+    ("sequences", "batch"),
     ("actors", "prefix_cache"),
     ("policy",),
     ("target", "draft"),

@@ -20,7 +20,7 @@ from lever_actors.model.sampling import GREEDY, Chooser, Sampling
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.copies import copied_chain
-from lever_actors.policy.cost_model import CostModel
+from lever_actors.policy.cost_model import Beside, CostModel
 from lever_actors.policy.lookup import LOOKUP_RANK, ContextIndex
 from lever_actors.policy.trees import GainCostGrowth, TreeBuilder, grow_gain_cost, grow_static
 
@@ -71,12 +71,15 @@ class Drafter:
         cached: int = 0,
         view: int = 0,
         matcher: Matcher | None = None,
+        seat: int = 0,
     ) -> None:
         """`cache`: the draft's (None without a draft model), which holds the KV of the
         prompt's tokens from `view` on, if any; `cached`: the prompt's first tokens whose KV
         the target's cache already holds; `matcher`: the request's grammar (a copy of the
-        projector's), which the drafter moves along the committed text."""
+        projector's), which the drafter moves along the committed text; `seat`: the
+        request's in the verifier's batch, on each tree."""
         self.model = model
+        self.seat = seat
         self.policy = policy
         self.cpu, self.npu = units
         self.jitter = jitter
@@ -156,12 +159,15 @@ class Drafter:
     async def draft(self, request: DraftRequest) -> DraftTree:
         started = time.perf_counter()
         spec = self.policy.spec
+        beside = Beside(request.beside_rows, request.beside_tokens)
         if spec.kind == "none":  # autoregressive: the tree is the committed chain
             return self._chain_tree(request, [], started)
         if spec.kind == "lookup":  # the chain, then copies of the text below it
             cost, calibrator, context = self.policy.cost, self.policy.calibrator, self.context
             assert cost is not None and calibrator is not None and context is not None
-            copies = copied_chain(context, len(self.chain), cost, calibrator, request.max_nodes)
+            copies = copied_chain(
+                context, len(self.chain), cost, calibrator, request.max_nodes, beside
+            )
             return self._chain_tree(request, copies, started)
         builder = self.carried
         self.carried = None
@@ -189,6 +195,7 @@ class Drafter:
                 request.max_nodes,
                 self._run,
                 self.context,
+                beside,
             )
         else:
             await grow_static(builder, spec.widths, request.max_nodes, self._run)
@@ -203,6 +210,7 @@ class Drafter:
             draft_seconds=time.perf_counter() - started,
             draft_rounds=tuple(builder.rounds),
             drafted_ahead=carried,
+            seat=self.seat,
         )
 
     def _chain_tree(self, request: DraftRequest, copies: list[int], started: float) -> DraftTree:
@@ -219,6 +227,7 @@ class Drafter:
             shadows=((),) * len(tokens),
             draft_seconds=time.perf_counter() - started,
             draft_rounds=(),
+            seat=self.seat,
         )
 
     async def commit(self, commit: Commit, tree: DraftTree, max_nodes: int) -> None:

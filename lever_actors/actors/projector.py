@@ -108,6 +108,8 @@ class Projector:
             io_wait_seconds=final.io_wait_seconds,
             verify_seconds=final.verify_seconds,
             project_seconds=time.perf_counter() - started,
+            pass_rows=final.pass_rows,
+            pass_requests=final.pass_requests,
         )
         emitted = torch.stack([logits[n] for n in path])
         return Verdict(

@@ -1,9 +1,10 @@
-"""The verifier actor: runs the flash-resident target over the whole tree, layer by layer."""
+"""The verifier actor: runs the flash-resident target over the trees of every request in
+the batch, layer by layer, each arriving layer applied to all their rows in one job."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import trio
@@ -15,12 +16,14 @@ from lever_actors.channels.messages import (
     ExitProbe,
     FinalHidden,
     LayerWeights,
+    LeaveSeat,
     PruneVerdict,
     SlotRelease,
+    TakeSeat,
 )
 from lever_actors.device.units import ComputeUnit
 from lever_actors.model.kv_cache import KVCache
-from lever_actors.model.layers import layers_forward
+from lever_actors.model.layers import Block, batch_layers_forward
 from lever_actors.model.placement import Placement, tree_placement
 from lever_actors.model.tree import TokenTree
 from lever_actors.policy.pruning import ProbeWhen, always
@@ -29,49 +32,97 @@ from lever_actors.target import FlashTarget
 
 # committed tokens from which a pass counts as a prefill that reports progress
 PREFILL_SHOWN = 256
+# the ends a request's trees arrive on, together with its comings and goings
+Arrival = DraftTree | TakeSeat | LeaveSeat
 
 
 @dataclass
 class VerifierInbox:
-    trees: trio.MemoryReceiveChannel[DraftTree]
+    arrivals: trio.MemoryReceiveChannel[Arrival]
     layers: trio.MemoryReceiveChannel[LayerWeights]
     prune_verdicts: trio.MemoryReceiveChannel[PruneVerdict]
-    commits: trio.MemoryReceiveChannel[Commit]
 
 
 @dataclass
 class VerifierOutbox:
     releases: trio.MemorySendChannel[SlotRelease]
     probes: trio.MemorySendChannel[ExitProbe]
+
+
+@dataclass
+class Seat:
+    """A request in the batch: its target cache and channel ends, and the accepted path of
+    its last tree, kept in the cache by its next pass's first job."""
+
+    cache: KVCache
+    commits: trio.MemoryReceiveChannel[Commit]
     finals: trio.MemorySendChannel[FinalHidden]
+    progress: Progress | None
+    awaiting_commit: bool = False  # its last tree's commit not yet taken
+    kept: list[int] | None = None
+
+    @classmethod
+    def taken(cls, message: TakeSeat) -> Seat:
+        return cls(message.cache, message.commits, message.finals, message.progress)
+
+    async def take_commit(self) -> None:
+        """Its last tree's accepted path, once the engine has committed it (none if the
+        request ended without)."""
+        if self.awaiting_commit:
+            self.awaiting_commit = False
+            try:
+                self.kept = list((await self.commits.receive()).accepted)
+            except trio.EndOfChannel:
+                self.kept = None
+
+    def close(self) -> None:
+        self.commits.close()
+        self.finals.close()
+
+
+@dataclass
+class _Tree:
+    """One request's tree in a pass, and where the pass has taken it."""
+
+    seat_id: int
+    seat: Seat
+    message: DraftTree
+    tree: TokenTree
+    probes: bool = False  # whether the pass probes it at the exit layer
+    live: list[int] = field(default_factory=list)  # its nodes still going through the layers
+    x: torch.Tensor | None = None  # [len(tree), d_model]: set by the pass's first job
+    place: Placement | None = None
+    context: int = 0  # the cache's length before the tree: its first node's position
+    audit: bool = False
+    would_drop: tuple[int, ...] = ()
+    probe_seconds: float = 0.0
 
 
 class Verifier:
-    """One tree per step: the layers are applied to the live nodes as they arrive (those
-    already queued in one job) and a layer's slot released as soon as it is applied. At
-    the exit layer the pruner may drop nodes; they and their descendants skip the
-    remaining layers. The target's KV cache (the request's, which may start from a reused
-    prefix) keeps the accepted path."""
+    """One pass per step of the batch: the trees of every seated request, once each has
+    sent its next one, go through the layers together. Layers are applied to the live
+    nodes as they arrive (those already queued in one job) and a layer's slot released as
+    soon as it is applied, so each layer is read once for the whole batch. At the exit
+    layer the pruner may drop nodes of each tree; they and their descendants skip the
+    remaining layers. A request's target cache (which may start from a reused prefix)
+    keeps its accepted path; a request joins and leaves between passes."""
 
     def __init__(
         self,
         target: FlashTarget,
-        cache: KVCache,
         exit_layer: int | None,
         unit: ComputeUnit,
         jitter: Jitter,
         audit_every: int = 0,
         probe_when: ProbeWhen = always,
-        progress: Progress | None = None,
     ) -> None:
         self.target = target
-        self.cache = cache
         self.exit_layer = exit_layer  # None: no probes, the pruner is out of the loop
         self.probe_when = probe_when  # tree nodes -> whether this pass probes at exit_layer
         self.unit = unit
         self.jitter = jitter
         self.audit_every = audit_every  # every n-th step the pruner's drops still run in full
-        self.progress = progress  # hears of a long prefill's layers, as prompt tokens done
+        self.passes = 0  # the next pass's index: the prefetcher's, on each layer
 
     async def run(
         self,
@@ -80,96 +131,126 @@ class Verifier:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        with inbox.trees, inbox.layers, inbox.prune_verdicts, inbox.commits:
-            with outbox.releases, outbox.probes, outbox.finals:
+        # a request's ends stay open if we fail: it learns of the failure from the batch
+        # (wiring.Crew), not from an end of its channels
+        with inbox.arrivals, inbox.layers, inbox.prune_verdicts:
+            with outbox.releases, outbox.probes:
                 task_status.started()
-                kept: list[int] | None = None  # the last step's accepted path, not yet kept
-                async for message in inbox.trees:
-                    await self.jitter()
-                    final = await self._verify(message, kept, inbox, outbox)
-                    await outbox.finals.send(final)
-                    try:
-                        commit = await inbox.commits.receive()
-                    except trio.EndOfChannel:
-                        return
-                    kept = list(commit.accepted)  # kept in the next pass's first job
-                if kept is not None:  # the last step's too, for the prefix cache
-                    await self.unit.run(self.cache.keep, kept)
+                await self._serve({}, inbox, outbox)
+
+    async def _serve(self, seats: dict[int, Seat], inbox: VerifierInbox, outbox: VerifierOutbox):
+        trees: dict[int, DraftTree] = {}  # the next pass's, by seat
+        async for message in inbox.arrivals:
+            if isinstance(message, TakeSeat):
+                seats[message.seat] = Seat.taken(message)
+            elif isinstance(message, LeaveSeat):
+                trees.pop(message.seat, None)
+                if (seat := seats.pop(message.seat, None)) is not None:
+                    await self._let_go(seat)
+                message.done.set()
+            elif (seat := seats.get(message.seat)) is not None:  # else its request is gone
+                await seat.take_commit()
+                trees[message.seat] = message
+            if trees and len(trees) == len(seats):  # every request's next tree is here
+                await self.jitter()
+                batch = [_Tree(s, seats[s], trees[s], _token_tree(trees[s])) for s in sorted(trees)]
+                trees = {}
+                for gone in await self._verify(batch, inbox, outbox):
+                    seats.pop(gone).close()
+
+    async def _let_go(self, seat: Seat) -> None:
+        """A request that ended: its last accepted path kept, for the prefix cache."""
+        await seat.take_commit()
+        if seat.kept is not None:
+            await self.unit.run(seat.cache.keep, seat.kept)
+        seat.close()
 
     async def _verify(
-        self,
-        message: DraftTree,
-        kept: list[int] | None,
-        inbox: VerifierInbox,
-        outbox: VerifierOutbox,
-    ):
-        target, cache = self.target, self.cache
-        n_layers = target.args.n_layers
-        tree = TokenTree(message.tokens, message.parents)
-        x: torch.Tensor  # x and place: set by the pass's first job
-        place: Placement
-        context = 0
-        live = list(range(len(tree)))
-        probes = (
-            self.exit_layer is not None
-            and len(tree) > message.n_committed
-            and self.probe_when(len(tree))
-        )
-        probe_at = self.exit_layer if probes else None  # the layer this pass probes at
-        audit = False
-        would_drop: tuple[int, ...] = ()
-        io_wait = compute = probe_seconds = 0.0
+        self, batch: list[_Tree], inbox: VerifierInbox, outbox: VerifierOutbox
+    ) -> list[int]:
+        """One pass over `batch`; each tree's final hidden states go to its request.
+        Returns the seats whose requests had gone."""
+        step, self.passes = self.passes, self.passes + 1
+        n_layers = self.target.args.n_layers
+        for t in batch:
+            t.live = list(range(len(t.tree)))
+            t.probes = (
+                self.exit_layer is not None
+                and len(t.tree) > t.message.n_committed
+                and self.probe_when(len(t.tree))
+            )
+        probe_at = self.exit_layer if any(t.probes for t in batch) else None
+        io_wait = compute = 0.0
         layer = 0
         while layer < n_layers:
-            # up to the exit layer first when this pass probes there: the pruner's verdict
-            # decides which nodes go on
+            # up to the exit layer first when this pass probes there: the pruner's verdicts
+            # decide which nodes go on
             last = probe_at if probe_at is not None and layer <= probe_at else n_layers - 1
             waited = time.perf_counter()
-            arrived = await self._layers_arrived(inbox.layers, message.step, layer, last)
+            arrived = await self._layers_arrived(inbox.layers, step, layer, last)
             started = time.perf_counter()
             tensors = [weights.tensors for weights in arrived]
             # the jobs' own time: a wait behind a round drafted ahead on the unit is no cost
-            # of the tree's nodes
+            # of the trees' nodes
             if layer == 0:  # one job, not three: each hands over between threads (units.py)
-                (x, place, context), seconds = await self.unit.run_timed(
-                    _first_layers, target, tree, cache, kept, tensors
+                firsts, seconds = await self.unit.run_timed(
+                    _first_layers, self.target, batch, tensors
                 )
+                for t, (x, place, context) in zip(batch, firsts, strict=True):
+                    t.x, t.place, t.context, t.seat.kept = x, place, context, None
             else:
-                x, seconds = await self.unit.run_timed(
-                    _apply_layers, x, torch.tensor(live), tensors, target.args, cache, layer, place
+                xs, seconds = await self.unit.run_timed(
+                    _apply_layers, batch, tensors, self.target.args, layer
                 )
+                for t, x in zip(batch, xs, strict=True):
+                    t.x = x
             io_wait += started - waited
             compute += seconds
             for weights in arrived:
                 if weights.slot is not None:
-                    await outbox.releases.send(SlotRelease(step=message.step, slot=weights.slot))
+                    await outbox.releases.send(SlotRelease(step=step, slot=weights.slot))
             layer += len(arrived)
-            if self.progress is not None and message.n_committed >= PREFILL_SHOWN:
-                done = message.n_committed * layer // n_layers
-                self.progress(done, message.n_committed, "prefill")
+            for t in batch:
+                committed = t.message.n_committed
+                if t.seat.progress is not None and committed >= PREFILL_SHOWN:
+                    t.seat.progress(committed * layer // n_layers, committed, "prefill")
             if layer - 1 == probe_at:
-                asked = time.perf_counter()
-                kept = await self._prune(message, tree, live, x, layer - 1, inbox, outbox)
-                probe_seconds = time.perf_counter() - asked
-                audit = bool(self.audit_every) and message.step % self.audit_every == 0
-                if audit:
-                    would_drop = tuple(n for n in live if n not in kept)  # run them anyway
-                else:
-                    live = kept
-        pruned = len(tree) - len(live)
+                for t in batch:
+                    if t.probes:
+                        await self._prune(t, layer - 1, inbox, outbox)
+        gone = []
+        rows = sum(len(t.tree) for t in batch)
+        for t in batch:
+            final = await self._final(t, io_wait, compute, rows, len(batch))
+            try:
+                await t.seat.finals.send(final)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                gone.append(t.seat_id)  # its projector has ended: the request was cancelled
+            else:
+                t.seat.awaiting_commit = True
+        return gone
+
+    async def _final(
+        self, t: _Tree, io_wait: float, compute: float, rows: int, requests: int
+    ) -> FinalHidden:
+        """A tree's last-layer hidden states with the pass's figures."""
+        assert t.x is not None  # set by the pass's first job
+        pruned = len(t.tree) - len(t.live)
         return FinalHidden(
-            step=message.step,
-            tree=message,
-            position=context,
-            nodes=tuple(live),
-            hidden=await self._rows(x, live),
+            step=t.message.step,
+            tree=t.message,
+            position=t.context,
+            nodes=tuple(t.live),
+            hidden=await self._rows(t.x, t.live),
             io_wait_seconds=io_wait,
             verify_seconds=compute,
             pruned=pruned,
-            saved_node_layers=pruned * (n_layers - 1 - (self.exit_layer or 0)),
-            probe_seconds=probe_seconds,
-            audit=audit,
-            would_drop=would_drop,
+            saved_node_layers=pruned * (self.target.args.n_layers - 1 - (self.exit_layer or 0)),
+            probe_seconds=t.probe_seconds,
+            audit=t.audit,
+            would_drop=t.would_drop,
+            pass_rows=rows,
+            pass_requests=requests,
         )
 
     async def _rows(self, x: torch.Tensor, live: list[int]) -> torch.Tensor:
@@ -182,7 +263,7 @@ class Verifier:
     async def _layers_arrived(
         layers: trio.MemoryReceiveChannel[LayerWeights], step: int, first: int, last: int
     ) -> list[LayerWeights]:
-        """Layer `first` of this step (waiting for it), then those after it up to `last` that
+        """Layer `first` of this pass (waiting for it), then those after it up to `last` that
         have already arrived, until one holds a slot: applied in one job, since a job per
         layer cost about 1 ms of thread handoff each (a resident 1-row pass, 28 layers:
         127-135 ms against 100). A job holds at most one slot, so the prefetcher can read
@@ -196,59 +277,81 @@ class Verifier:
         for expected, weights in enumerate(arrived, start=first):
             if (weights.step, weights.layer) != (step, expected):
                 raise RuntimeError(
-                    f"verifier expected layer {expected} of step {step}, got layer "
-                    f"{weights.layer} of step {weights.step}"
+                    f"verifier expected layer {expected} of pass {step}, got layer "
+                    f"{weights.layer} of pass {weights.step}"
                 )
         return arrived
 
     async def _prune(
-        self,
-        message: DraftTree,
-        tree: TokenTree,
-        live: list[int],
-        x: torch.Tensor,
-        layer: int,
-        inbox: VerifierInbox,
-        outbox: VerifierOutbox,
-    ) -> list[int]:
-        hidden = await self._rows(x, live)
+        self, t: _Tree, layer: int, inbox: VerifierInbox, outbox: VerifierOutbox
+    ) -> None:
+        """Ask the pruner about a tree's live nodes at the exit layer; on an audit step its
+        drops are only noted, else they leave the pass."""
+        assert t.x is not None  # the pass's first job has run
+        asked = time.perf_counter()
+        message = t.message
+        hidden = await self._rows(t.x, t.live)
         await outbox.probes.send(
             ExitProbe(
-                step=message.step, tree=message, layer=layer, nodes=tuple(live), hidden=hidden
+                step=message.step, tree=message, layer=layer, nodes=tuple(t.live), hidden=hidden
             )
         )
         verdict = await inbox.prune_verdicts.receive()
         # committed tokens are never dropped: their KV entries must reach the cache
         dropped = [n for n in verdict.dropped if n >= message.n_committed]
-        alive = tree.without(dropped)
-        return [n for n in live if alive[n]]
+        alive = t.tree.without(dropped)
+        kept = [n for n in t.live if alive[n]]
+        t.probe_seconds = time.perf_counter() - asked
+        t.audit = bool(self.audit_every) and message.step % self.audit_every == 0
+        if t.audit:
+            t.would_drop = tuple(n for n in t.live if n not in kept)  # run them anyway
+        else:
+            t.live = kept
+
+
+def _token_tree(message: DraftTree) -> TokenTree:
+    return TokenTree(message.tokens, message.parents)
 
 
 def _first_layers(
-    target: FlashTarget, tree: TokenTree, cache, kept: list[int] | None, layers: list
-) -> tuple[torch.Tensor, Placement, int]:
-    """A pass's first job: the last step's accepted path kept in the KV cache, the tree
-    embedded and placed after it (its masks on the unit too: a prompt's are large), and the
-    first `layers` applied. Returns x [n, d_model], the placement and the context length."""
-    if kept is not None:
-        cache.keep(kept)
-    context = cache.length
-    x = target.embed(list(tree.tokens))
-    place = tree_placement(target.rope, context, tree, target.dtype)
-    index = torch.arange(len(tree))
-    return _apply_layers(x, index, layers, target.args, cache, 0, place), place, context
+    target: FlashTarget, batch: list[_Tree], layers: list
+) -> list[tuple[torch.Tensor, Placement, int]]:
+    """A pass's first job: each request's last accepted path kept in its KV cache, its tree
+    embedded and placed after it (the masks on the unit too: a prompt's are large), and the
+    first `layers` applied to all. Returns per tree x [n, d_model], its placement and its
+    context length."""
+    xs, blocks, contexts = [], [], []
+    for t in batch:
+        cache = t.seat.cache
+        if t.seat.kept is not None:
+            cache.keep(t.seat.kept)
+        contexts.append(cache.length)
+        xs.append(target.embed(list(t.tree.tokens)))
+        blocks.append((cache, tree_placement(target.rope, cache.length, t.tree, target.dtype)))
+    out = batch_layers_forward(xs, layers, target.args, blocks, 0)
+    return [(x, place, n) for x, (_, place), n in zip(out, blocks, contexts, strict=True)]
 
 
-def _apply_layers(x, index, layers, args, cache, first, place) -> torch.Tensor:
-    """x: [n, d_model] for the whole tree placed at `place`; only rows `index` advance
-    through `layers`, the target's layers first, first + 1, ..."""
-    everyone = len(index) == x.shape[0]
-    rows = x if everyone else x[index]
-    if not everyone:  # the whole tree keeps its placement: cache writes stay slices
-        place = place.rows(index)
-    rows = layers_forward(rows, layers, args, cache, first, place)
-    if everyone:
-        return rows
-    out = x.clone()
-    out[index] = rows
-    return out
+def _apply_layers(batch: list[_Tree], layers: list, args, first: int) -> list[torch.Tensor]:
+    """Each tree's x: [n, d_model] placed whole; only its live rows advance through
+    `layers`, the target's layers first, first + 1, ..."""
+    rows: list[torch.Tensor] = []
+    blocks: list[Block] = []
+    for t in batch:
+        assert t.x is not None and t.place is not None  # set by the pass's first job
+        everyone = len(t.live) == t.x.shape[0]
+        index = torch.tensor(t.live)
+        rows.append(t.x if everyone else t.x[index])
+        # the whole tree keeps its placement: cache writes stay slices
+        blocks.append((t.seat.cache, t.place if everyone else t.place.rows(index)))
+    out = batch_layers_forward(rows, layers, args, blocks, first)
+    xs = []
+    for t, advanced in zip(batch, out, strict=True):
+        assert t.x is not None
+        if len(t.live) == t.x.shape[0]:
+            xs.append(advanced)
+        else:
+            x = t.x.clone()
+            x[torch.tensor(t.live)] = advanced
+            xs.append(x)
+    return xs

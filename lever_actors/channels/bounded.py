@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import UnionType
 from typing import Any, Generic, TypeVar
 
 import trio
@@ -15,19 +16,20 @@ T = TypeVar("T")
 @dataclass
 class Channel(Generic[T]):
     name: str
-    message_type: type
+    message_type: type | UnionType  # a message type, or a union of them
     send: Any  # trio.MemorySendChannel[T], or a tracing wrapper with the same methods
     receive: trio.MemoryReceiveChannel[T]
 
 
 class ChannelSet:
-    """Every channel of one request. Capacities are always explicit: nothing is unbounded."""
+    """Channels opened together: one request's, or those of the actors every request
+    shares. Capacities are always explicit: nothing is unbounded."""
 
-    def __init__(self, trace_path: str | None = None) -> None:
+    def __init__(self, tracer: Tracer | None = None) -> None:
         self.channels: dict[str, Channel] = {}
-        self.tracer = Tracer(trace_path) if trace_path else None
+        self.tracer = tracer  # records every message sent, where the engine traces
 
-    def open(self, name: str, message_type: type, capacity: int) -> Channel:
+    def open(self, name: str, message_type: type | UnionType, capacity: int) -> Channel:
         if capacity < 1:
             raise ValueError(f"channel {name} needs a capacity of at least 1, got {capacity}")
         # message_type is known only at run time: to the type checker, any message

@@ -18,6 +18,10 @@ class DraftRequest(Message, frozen=True):
     """engine -> drafter: build the tree for this step from the committed context."""
 
     max_nodes: int  # hard cap on draft nodes (not counting the committed chain)
+    # the other requests in the pass, as of their last steps: their tree nodes and the
+    # tokens those gave (a tree is sized for the pass's rows and all its requests' tokens)
+    beside_rows: int = 0
+    beside_tokens: float = 0.0
 
 
 class DraftTree(Message, frozen=True):
@@ -35,6 +39,26 @@ class DraftTree(Message, frozen=True):
     draft_seconds: float
     draft_rounds: tuple[int, ...]  # nodes in each draft forward
     drafted_ahead: int = 0  # draft nodes carried from the previous tree (run before the commit)
+    seat: int = 0  # the request's place in the verifier's batch (TakeSeat)
+
+
+class TakeSeat(Message, frozen=True):
+    """engine -> verifier: a request joins the batch; its trees, tagged with `seat`, are
+    verified with the others' from the next pass on. The verifier owns the ends given."""
+
+    seat: int
+    cache: Any  # KVCache: the target's, for the request's text
+    commits: Any  # trio.MemoryReceiveChannel[Commit]: the request's, from the engine
+    finals: Any  # trio.MemorySendChannel[FinalHidden]: to the request's projector
+    progress: Any = None  # Progress | None: hears of a long prefill's layers
+
+
+class LeaveSeat(Message, frozen=True):
+    """engine -> verifier: the request has ended; its last commit is kept in its cache
+    (if it sent one), its ends closed, then `done` (a trio.Event) is set."""
+
+    seat: int
+    done: Any
 
 
 class LayerWeights(Message, frozen=True):
@@ -80,6 +104,8 @@ class FinalHidden(Message, frozen=True):
     probe_seconds: float  # the pruner's round trip at the exit layer (0: no probe)
     audit: bool  # an audit step: the pruner's drops were run in full anyway
     would_drop: tuple[int, ...]  # on an audit step: the nodes the pruner dropped
+    pass_rows: int = 0  # every request's tree nodes in the pass
+    pass_requests: int = 1  # requests whose trees the pass verified
 
 
 class StepStats(msgspec.Struct, frozen=True):
@@ -106,6 +132,8 @@ class StepStats(msgspec.Struct, frozen=True):
     bytes_read: int = 0  # from flash during the step, by every reader
     read_seconds: float = 0.0  # those reads' own time (summed over the threads reading)
     copied: int = 0  # tree nodes copied from the committed text, not drafted (policy/lookup.py)
+    pass_rows: int = 0  # every request's tree nodes in the pass (0: this tree's alone)
+    pass_requests: int = 1  # requests whose trees the pass verified
 
 
 class Verdict(Message, frozen=True):

@@ -21,8 +21,10 @@ from lever_actors.channels.messages import (
     ExitProbe,
     FinalHidden,
     LayerWeights,
+    LeaveSeat,
     PruneVerdict,
     SlotRelease,
+    TakeSeat,
     Verdict,
 )
 
@@ -36,6 +38,8 @@ AnyMessage = (
     | FinalHidden
     | Verdict
     | Commit
+    | TakeSeat
+    | LeaveSeat
 )
 
 
@@ -53,28 +57,24 @@ class TraceRecord(msgspec.Struct, frozen=True):
 def _summarise(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
-    raise NotImplementedError(f"cannot trace a {type(value).__name__}")
+    return type(value).__name__  # a seat's cache, channel ends and event: named only
 
 
 class Tracer:
     def __init__(self, path: str | Path) -> None:
-        self.file = open(path, "ab")  # noqa: SIM115 - closed with the last traced channel
+        self.file = open(path, "ab")  # noqa: SIM115 - closed with its engine (close)
         self.encoder = msgspec.json.Encoder(enc_hook=_summarise)
         self.started = time.perf_counter()
-        self.open_channels = 0
 
     def wrap(self, name: str, send) -> _TracedSend:
-        self.open_channels += 1
         return _TracedSend(self, name, send)
 
     def record(self, channel: str, message: Any) -> None:
         record = TraceRecord(time.perf_counter() - self.started, channel, message)
         self.file.write(self.encoder.encode(record) + b"\n")
 
-    def channel_closed(self) -> None:
-        self.open_channels -= 1
-        if self.open_channels == 0:
-            self.file.close()
+    def close(self) -> None:
+        self.file.close()
 
 
 class _TracedSend:
@@ -82,16 +82,20 @@ class _TracedSend:
 
     def __init__(self, tracer: Tracer, name: str, inner) -> None:
         self.tracer, self.name, self.inner = tracer, name, inner
-        self.closed = False
 
     async def send(self, message: Any) -> None:
         self.tracer.record(self.name, message)
         await self.inner.send(message)
 
+    def clone(self) -> _TracedSend:
+        """Another end of the same channel (trio's clone), traced under the same name."""
+        return self.tracer.wrap(self.name, self.inner.clone())
+
+    def send_nowait(self, message: Any) -> None:
+        self.inner.send_nowait(message)
+        self.tracer.record(self.name, message)
+
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.tracer.channel_closed()
         self.inner.close()
 
     async def aclose(self) -> None:

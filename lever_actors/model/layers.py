@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -13,6 +15,9 @@ from lever_actors.model.placement import Placement
 from lever_actors.model.rope import apply_rope
 from lever_actors.model.row_blocks import linear
 from lever_actors.model.weights import LayerTensors, Weight, cuts_into_rows, dense, row_range
+
+# one sequence's pending block in a pass: its KV cache and where its rows sit
+Block = tuple[KVCache, Placement]
 
 # Every reduction below gives a row the same result whatever rows and columns come with it
 # (matrix products through row_blocks.linear; attention and norms on our row kernels in bf16,
@@ -87,13 +92,34 @@ def attention(
     x: torch.Tensor,
     w: LayerTensors,
     args: ModelArgs,
+    blocks: Sequence[Block],
+    layer: int,
+) -> torch.Tensor:
+    """x: [n, d_model] normed, each block's rows in turn -> [n, d_model]. The projections
+    take every row at once; each block's k/v go into its own cache where its placement
+    says, and its queries see that cache alone (a block-diagonal mask over the batch)."""
+    q, k, v = project_qkv(x, w, args)
+    outs, lo = [], 0
+    for cache, place in blocks:
+        hi = lo + place.positions.shape[0]
+        outs.append(_attend_block(q[lo:hi], k[lo:hi], v[lo:hi], w, args, cache, layer, place))
+        lo = hi
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return linear(out, w["wo"])
+
+
+def _attend_block(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    w: LayerTensors,
+    args: ModelArgs,
     cache: KVCache,
     layer: int,
     place: Placement,
 ) -> torch.Tensor:
-    """x: [n, d_model] normed -> [n, d_model]; k/v go into the cache where `place` says."""
-    n = x.shape[0]
-    q, k, v = project_qkv(x, w, args)
+    """One block's q: [n, n_heads*hd], k and v: [n, n_kv_heads*hd] -> [n, n_heads*hd]"""
+    n = q.shape[0]
     q = q.view(n, args.n_heads, args.head_dim).transpose(0, 1)
     k = k.view(n, args.n_kv_heads, args.head_dim).transpose(0, 1)
     v = v.view(n, args.n_kv_heads, args.head_dim).transpose(0, 1)
@@ -106,7 +132,7 @@ def attention(
     if window is not None:
         mask = within_window(mask, place.positions, cache.positions[: keys.shape[1]], window)
     out = attend(q, keys, values, mask, args)  # [n_heads, n, hd]
-    return linear(out.transpose(0, 1).reshape(n, -1), w["wo"])
+    return out.transpose(0, 1).reshape(n, -1)
 
 
 def feed_forward(x: torch.Tensor, w: LayerTensors, args: ModelArgs) -> torch.Tensor:
@@ -130,8 +156,16 @@ def layer_forward(
     """x: [n, d_model] residual stream of the n pending tokens -> the same after this layer."""
     if fused.takes(x, w, args, layer):  # the same ops in one call of our kernels
         return fused.layer_forward(x, w, args, cache, layer, place)
+    return blocks_layer_forward(x, w, args, [(cache, place)], layer)
+
+
+def blocks_layer_forward(
+    x: torch.Tensor, w: LayerTensors, args: ModelArgs, blocks: Sequence[Block], layer: int
+) -> torch.Tensor:
+    """x: [n, d_model] pending rows of several sequences, each block's in turn (its cache
+    and placement) -> the same after this layer."""
     eps = args.norm_eps
-    h = attention(rms_norm(x, dense(w["attn_norm"]), eps), w, args, cache, layer, place)
+    h = attention(rms_norm(x, dense(w["attn_norm"]), eps), w, args, blocks, layer)
     if args.gemma:
         h = rms_norm(h, dense(w["post_attn_norm"]), eps)
     x = x + h
@@ -183,6 +217,33 @@ def layers_forward(
             ]
         )
     return x
+
+
+def batch_layers_forward(
+    xs: Sequence[torch.Tensor],
+    layers: list[LayerTensors],
+    args: ModelArgs,
+    blocks: Sequence[Block],
+    first: int,
+) -> list[torch.Tensor]:
+    """Several sequences' pending rows, xs[i]: [n_i, d_model] with blocks[i] (its own KV
+    cache and placement) -> each the same after `layers`. Their rows go through each matrix
+    product together, which reads a layer's weights once for all and gives each row what it
+    alone would (the kernels are row-invariant); a batch whose temporaries would pass
+    CHUNK_BYTES (a prompt among them) goes a sequence at a time, each as `layers_forward`."""
+    sizes = [x.shape[0] for x in xs]
+    keys = max(cache.length for cache, _ in blocks) + sum(sizes)
+    # our fused layer (AVX2) takes one cache: its batches share reads, not products
+    alone = len(xs) == 1 or fused.takes(xs[0], layers[0], args, first)
+    if alone or sum(sizes) > rows_per_chunk(args, keys):
+        return [
+            layers_forward(x, layers, args, cache, first, place)
+            for x, (cache, place) in zip(xs, blocks, strict=True)
+        ]
+    x = torch.cat(list(xs))
+    for offset, weights in enumerate(layers):
+        x = blocks_layer_forward(x, weights, args, blocks, first + offset)
+    return list(x.split(sizes))
 
 
 def embedding(rows: torch.Tensor, args: ModelArgs) -> torch.Tensor:

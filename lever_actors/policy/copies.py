@@ -7,7 +7,7 @@ for the rows it verifies."""
 from __future__ import annotations
 
 from lever_actors.policy.calibration import AcceptanceCalibrator
-from lever_actors.policy.cost_model import CostModel
+from lever_actors.policy.cost_model import ALONE, Beside, CostModel
 from lever_actors.policy.lookup import ContextIndex
 
 
@@ -17,20 +17,22 @@ def copied_chain(
     cost: CostModel,
     calibrator: AcceptanceCalibrator,
     cap: int,
+    beside: Beside = ALONE,
 ) -> list[int]:
     """The copies to verify below the committed chain of `n_chain` tokens (the text's end):
-    each is taken while expected tokens per predicted second of step time improve."""
+    each is taken while expected tokens per predicted second of the pass (with the requests
+    `beside` it) improve."""
     rate = calibrator.copy_acceptance()
     copies: list[int] = []
     reach, expected = 1.0, 0.0  # the chance every copy so far is accepted; their sum
-    best = 1 / cost.step_seconds(n_chain, [], 1)  # the bonus token always comes
+    best = cost.pass_rate(n_chain, [], 1, beside)  # the bonus token always comes
     while len(copies) < cap:
         token = context.follower(copies)
         if token is None:
             break
         gain = reach * rate
         tokens = 1 + expected + gain
-        score = tokens / cost.step_seconds(n_chain + len(copies) + 1, [], tokens)
+        score = cost.pass_rate(n_chain + len(copies) + 1, [], tokens, beside)
         if score <= best:
             break
         copies.append(token)

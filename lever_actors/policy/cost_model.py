@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from typing import NamedTuple
 
 import msgspec
 
@@ -59,6 +60,17 @@ class Curve(msgspec.Struct):
         else:  # cheaper ones lower those below them
             for j in range(segment[-1] - 1, -1, -1):
                 seconds[j] = min(seconds[j], seconds[j + 1])
+
+
+class Beside(NamedTuple):
+    """The other requests in a pass, as of their last steps: their tree nodes, and the
+    tokens those gave."""
+
+    rows: int = 0
+    tokens: float = 0.0
+
+
+ALONE = Beside()
 
 
 class CostModel(msgspec.Struct):
@@ -122,6 +134,17 @@ class CostModel(msgspec.Struct):
         )
         return drafting + verifying + projecting + self.overhead_seconds
 
+    def pass_rate(
+        self, nodes: int, draft_rounds: list[int], expected_tokens: float, beside: Beside = ALONE
+    ) -> float:
+        """Predicted tokens per second of a pass: a tree of `nodes` that gives
+        `expected_tokens`, verified with the rows of the requests `beside` it, whose tokens
+        count too (a node slows every request in the pass)."""
+        rows = nodes + beside.rows
+        return (expected_tokens + beside.tokens) / self.step_seconds(
+            rows, draft_rounds, expected_tokens
+        )
+
     def observe(self, step: StepStats) -> None:
         """Correct the beliefs with one finished step: its drafting and compute times, its
         flash reads, how long the pass waited for layers, and its whole time. The reads
@@ -131,7 +154,8 @@ class CostModel(msgspec.Struct):
         teach `contention`; one that waited longer took its reads' time plus a share of its
         compute, which teaches `overlap`."""
         rounds = list(step.draft_rounds)
-        self.verify.learn(step.tree_nodes, step.verify_seconds, VERIFY_WEIGHT)
+        rows = step.pass_rows or step.tree_nodes  # the pass's compute: all its requests' nodes
+        self.verify.learn(rows, step.verify_seconds, VERIFY_WEIGHT)
         _correct(self.draft, sum(self.draft(w) for w in rounds), step.draft_seconds)
         if step.read_seconds > 0 and (self.streamed_bytes or self.head_bytes):
             seen = step.bytes_read / step.read_seconds
@@ -149,7 +173,7 @@ class CostModel(msgspec.Struct):
                 self.overlap += ONLINE_WEIGHT * (min(seen, 1.0) - self.overlap)
         if step.probe_seconds > 0:
             self.probe_seconds += ONLINE_WEIGHT * (step.probe_seconds - self.probe_seconds)
-        predicted = self.step_seconds(step.tree_nodes, rounds, step.new_tokens)
+        predicted = self.step_seconds(rows, rounds, step.new_tokens)
         unexplained = step.step_seconds - (predicted - self.overhead_seconds)
         self.overhead_seconds += ONLINE_WEIGHT * (max(unexplained, 0.0) - self.overhead_seconds)
 

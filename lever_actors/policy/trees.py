@@ -21,7 +21,7 @@ from lever_actors.model.sampling import Chooser
 from lever_actors.model.transformer import Transformer
 from lever_actors.model.tree import TokenTree
 from lever_actors.policy.calibration import AcceptanceCalibrator
-from lever_actors.policy.cost_model import CostModel
+from lever_actors.policy.cost_model import ALONE, Beside, CostModel
 from lever_actors.policy.lookup import LOOKUP_RANK, MATCH, ContextIndex
 
 SHADOWS = 4  # untaken candidates kept per expanded node, standing for the mass outside the tree
@@ -247,9 +247,11 @@ class GainCostGrowth:
         cost: CostModel,
         calibrator: AcceptanceCalibrator,
         context: ContextIndex | None = None,
+        beside: Beside = ALONE,
     ) -> None:
         self.builder = builder
         self.cost = cost
+        self.beside = beside  # the other requests in the pass
         self.calibrator = calibrator
         self.context = context
         self.root = builder.n_chain - 1
@@ -313,7 +315,7 @@ class GainCostGrowth:
 
     def _objective(self, nodes: int, expected: float, rounds: list[int]) -> float:
         tokens = 1 + expected  # the bonus token always comes
-        return tokens / self.cost.step_seconds(self.root + 1 + nodes, rounds, tokens)
+        return self.cost.pass_rate(self.root + 1 + nodes, rounds, tokens, self.beside)
 
     async def grow(self, cap: int, run: RunBatch) -> None:
         builder = self.builder
@@ -417,8 +419,9 @@ async def grow_gain_cost(
     cap: int,
     run: RunBatch,
     context: ContextIndex | None = None,
+    beside: Beside = ALONE,
 ) -> GainCostGrowth:
     """Lever's tree: best-first under the gain-cost objective (see GainCostGrowth)."""
-    growth = GainCostGrowth(builder, cost, calibrator, context)
+    growth = GainCostGrowth(builder, cost, calibrator, context, beside)
     await growth.grow(cap, run)
     return growth

@@ -1,11 +1,13 @@
-"""The verifier alone: trees, layers, prune verdicts and commits in; slot releases, exit
-probes and final hidden states out. Its final states equal a direct computation of the
-target over the tree, with pruned nodes and their descendants left out."""
+"""The verifier alone: seats, trees, layers, prune verdicts and commits in; slot releases,
+exit probes and final hidden states out. Its final states equal a direct computation of the
+target over each tree, with pruned nodes and their descendants left out, whatever other
+requests' trees share the pass."""
 
 from __future__ import annotations
 
 import contextlib
 
+import msgspec
 import pytest
 import torch
 import trio
@@ -19,8 +21,10 @@ from lever_actors.channels.messages import (
     ExitProbe,
     FinalHidden,
     LayerWeights,
+    LeaveSeat,
     PruneVerdict,
     SlotRelease,
+    TakeSeat,
 )
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.convert import convert
@@ -106,6 +110,17 @@ def direct(
     return model.forward(torch.tensor(t.tokens), cache, place)
 
 
+class SeatEnds:
+    """One request's side of the batch: its cache, its commits' send end, its finals'
+    receive end."""
+
+    def __init__(self, seat: int, cache) -> None:
+        self.cache = cache
+        self.commits, commits = trio.open_memory_channel[Commit](1)
+        finals, self.finals = trio.open_memory_channel[FinalHidden](1)
+        self.take = TakeSeat(step=-1, seat=seat, cache=cache, commits=commits, finals=finals)
+
+
 class Wired:
     """A verifier with channels we hold the other ends of. Layers are fed by hand from the
     target's resident weights, each tagged with a made-up ring slot to be released."""
@@ -115,34 +130,44 @@ class Wired:
     ):
         self.target = target
         self.verifier = Verifier(
-            target,
-            target.new_cache(64),
-            exit_layer,
-            ComputeUnit("npu"),
-            Jitter(0, 0),
-            audit_every,
-            probe_when,
+            target, exit_layer, ComputeUnit("npu"), Jitter(0, 0), audit_every, probe_when
         )
-        self.trees, trees = trio.open_memory_channel[DraftTree](1)
+        self.trees, arrivals = trio.open_memory_channel[DraftTree | TakeSeat | LeaveSeat](8)
         self.layers, layers = trio.open_memory_channel[LayerWeights](N_LAYERS)
         self.prune_verdicts, prune_verdicts = trio.open_memory_channel[PruneVerdict](1)
-        self.commits, commits = trio.open_memory_channel[Commit](1)
         releases, self.releases = trio.open_memory_channel[SlotRelease](N_LAYERS)
         probes, self.probes = trio.open_memory_channel[ExitProbe](1)
-        finals, self.finals = trio.open_memory_channel[FinalHidden](1)
-        self.inbox = VerifierInbox(trees, layers, prune_verdicts, commits)
+        self.inbox = VerifierInbox(arrivals, layers, prune_verdicts)
         self.released: list[SlotRelease] = []
-        self.outbox = VerifierOutbox(releases, probes, finals)
+        self.outbox = VerifierOutbox(releases, probes)
+        self.seats: dict[int, SeatEnds] = {}
+
+    def seat(self, seat: int = 0) -> SeatEnds:
+        """A request's ends in the batch, and the TakeSeat that hands the verifier its own."""
+        ends = self.seats[seat] = SeatEnds(seat, self.target.new_cache(64))
+        return ends
+
+    @property
+    def commits(self) -> trio.MemorySendChannel[Commit]:
+        return self.seats[0].commits
+
+    @property
+    def finals(self) -> trio.MemoryReceiveChannel[FinalHidden]:
+        return self.seats[0].finals
 
     @contextlib.asynccontextmanager
-    async def running(self):
-        """The verifier started in a nursery, our channel ends open; leaving closes them."""
+    async def running(self, seats: int = 1):
+        """The verifier started in a nursery with `seats` requests seated, our channel ends
+        open; leaving closes them."""
         async with trio.open_nursery() as nursery:
             await nursery.start(self.verifier.run, self.inbox, self.outbox)
             async with contextlib.AsyncExitStack() as stack:
-                ours = (self.trees, self.layers, self.prune_verdicts, self.commits)
-                for end in (*ours, self.releases, self.probes, self.finals):
+                for end in (self.trees, self.layers, self.prune_verdicts):
                     await stack.enter_async_context(end)
+                for end in (self.releases, self.probes):
+                    await stack.enter_async_context(end)
+                for seat in range(seats):
+                    await self.trees.send(self.seat(seat).take)
                 yield nursery
 
     async def send_layers(self, step: int, slots: bool = True) -> None:
@@ -331,7 +356,7 @@ async def test_a_layer_out_of_order_is_an_error(target, step, layer):
     wired = Wired(target)
     with trio.fail_after(TIMEOUT):
         with pytest.RaisesGroup(
-            pytest.RaisesExc(RuntimeError, match=r"expected layer 0 of step 0")
+            pytest.RaisesExc(RuntimeError, match=r"expected layer 0 of pass 0")
         ):
             async with wired.running():
                 await wired.trees.send(draft_tree(0, PROMPT))
@@ -347,29 +372,81 @@ async def test_a_layer_out_of_order_is_an_error(target, step, layer):
                     await wired.finals.receive()
 
 
-async def test_closing_the_trees_ends_the_verifier_and_all_its_outboxes(target):
-    wired = Wired(target)
-    with trio.fail_after(TIMEOUT):
-        async with wired.running():
-            tree = draft_tree(0, PROMPT)
-            await wired.verify(tree)
-            await wired.commits.send(
-                Commit(step=0, accepted=tuple(range(len(PROMPT))), next_tokens=(1,))
-            )
-            await wired.trees.aclose()
-            for outbox in (wired.releases, wired.probes, wired.finals):
-                with pytest.raises(trio.EndOfChannel):
-                    await outbox.receive()
-
-
-async def test_closing_the_commits_while_waiting_for_one_ends_the_verifier(target):
+async def test_closing_the_arrivals_ends_the_verifier_and_its_outboxes(target):
     wired = Wired(target)
     with trio.fail_after(TIMEOUT):
         async with wired.running():
             await wired.verify(draft_tree(0, PROMPT))
-            await wired.commits.aclose()
+            await wired.trees.aclose()
+            for outbox in (wired.releases, wired.probes):
+                with pytest.raises(trio.EndOfChannel):
+                    await outbox.receive()
+
+
+@pytest.mark.parametrize("committed", [True, False])
+async def test_a_request_leaving_has_its_last_path_kept_then_its_ends_closed(target, committed):
+    wired = Wired(target)
+    accepted = (*range(len(PROMPT)), 5, 7)
+    with trio.fail_after(TIMEOUT):
+        async with wired.running():
+            await wired.verify(draft_tree(0, PROMPT))
+            if committed:
+                await wired.commits.send(Commit(step=0, accepted=accepted, next_tokens=(1,)))
+            await wired.commits.aclose()  # the step loop's end, before it leaves
+            leave = LeaveSeat(step=-1, seat=0, done=trio.Event())
+            await wired.trees.send(leave)
+            await leave.done.wait()
             with pytest.raises(trio.EndOfChannel):
                 await wired.finals.receive()
+    # the cache holds the accepted path, ready for the prefix cache; nothing without a commit
+    assert wired.seats[0].cache.length == (len(accepted) if committed else 0)
+
+
+async def test_trees_of_several_requests_share_each_layer_and_each_gets_its_own(
+    target, reference
+):
+    wired = Wired(target)
+    first = draft_tree(0, PROMPT)
+    other = [9, 8, 7]
+    second = draft_tree(0, other, parents=(2, 3), tokens=(30, 31))
+    with trio.fail_after(TIMEOUT):
+        async with wired.running(seats=2):
+            await wired.trees.send(first)
+            await wired.trees.send(msgspec.structs.replace(second, seat=1))
+            await wired.send_layers(0)  # one pass: each layer once, for both
+            probes = []
+            for _ in range(2):  # each tree's probe in turn
+                probes.append(await wired.probes.receive())
+                await wired.prune_verdicts.send(PruneVerdict(step=0, dropped=()))
+            finals = [await wired.seats[s].finals.receive() for s in (0, 1)]
+            wired.drain_releases()
+    assert [p.tree.seat for p in probes] == [0, 1]
+    for final, tree in zip(finals, (first, second), strict=True):
+        torch.testing.assert_close(
+            final.hidden, direct(reference, [], tree), rtol=1e-10, atol=1e-10
+        )
+        assert (final.pass_rows, final.pass_requests) == (len(first.tokens) + 5, 2)
+    assert wired.released == [SlotRelease(step=0, slot=10 + layer) for layer in range(N_LAYERS)]
+    assert wired.verifier.unit.jobs == N_LAYERS  # the two trees in each layer's one job
+
+
+async def test_a_pass_waits_for_every_seated_request_but_not_one_that_left(target, reference):
+    wired = Wired(target, exit_layer=None)
+    tree = draft_tree(0, PROMPT)
+    with trio.fail_after(TIMEOUT):
+        async with wired.running(seats=2):
+            await wired.trees.send(tree)
+            await wired.send_layers(0, slots=False)
+            await trio.sleep(0.05)
+            with pytest.raises(trio.WouldBlock):  # seat 1 has sent no tree yet
+                wired.finals.receive_nowait()
+            await wired.seats[1].commits.aclose()
+            leave = LeaveSeat(step=-1, seat=1, done=trio.Event())
+            await wired.trees.send(leave)
+            final = await wired.finals.receive()
+            await leave.done.wait()
+    assert final.pass_requests == 1
+    torch.testing.assert_close(final.hidden, direct(reference, [], tree), rtol=1e-10, atol=1e-10)
 
 
 async def test_an_error_survives_a_peer_failing_while_the_verifier_closes(target, monkeypatch):
@@ -386,7 +463,7 @@ async def test_an_error_survives_a_peer_failing_while_the_verifier_closes(target
     def broken(*args):
         raise LayerBroke("layer 0 broke")
 
-    monkeypatch.setattr(verifier_module, "layers_forward", broken)
+    monkeypatch.setattr(verifier_module, "batch_layers_forward", broken)
     wired = Wired(target)
 
     async def peer():  # stands for the projector and the engine behind it

@@ -1,0 +1,139 @@
+"""The requests decoding together (EngineConfig.parallel): who holds a place in the batch
+and who waits for one, in arrival order, and what each put in its last pass, by which the
+others size their trees.
+
+A request takes a place when there is one free and the KV it may fill (its prompt, its new
+tokens and a tree) fits beside the places' in the room the context leaves (context.py);
+a request alone always fits, since its size was checked against the context. It leaves
+at its end, and the next in line may enter. The verifier seats a placed request from the
+pass after it asks (actors/verifier.py)."""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import trio
+
+from lever_actors.config import EngineConfig
+from lever_actors.context import Context
+from lever_actors.policy.cost_model import Beside
+
+# a request's tokens the automatic `parallel` plans for: a chat turn with its history
+AUTO_REQUEST_TOKENS = 1024
+MAX_AUTO_PARALLEL = 8
+
+
+def parallel_of(config: EngineConfig, context: Context) -> int:
+    """Requests that may decode at once: config.parallel, else as many requests of
+    AUTO_REQUEST_TOKENS as the KV room holds (at least one, at most MAX_AUTO_PARALLEL)."""
+    if config.parallel is not None:
+        return config.parallel
+    return max(1, min(MAX_AUTO_PARALLEL, context.room_tokens // AUTO_REQUEST_TOKENS))
+
+
+@dataclass
+class Place:
+    """A request's place in the batch."""
+
+    seat: int  # its number in the verifier's batch: in arrival order
+    kv_tokens: int  # the KV it may fill
+    # cancelled, with `failure` set, when an actor the batch shares fails
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    failure: BaseException | None = None
+    last: Beside = Beside()  # its last tree's nodes and the tokens they gave
+
+
+@dataclass
+class _Waiter:
+    kv_tokens: int
+    admitted: trio.Event = field(default_factory=trio.Event)
+    place: Place | None = None
+
+
+class Batch:
+    """The places of the requests decoding at once, and the line of those waiting. Runs on
+    the event loop's thread alone, so plain counts suffice."""
+
+    def __init__(self, parallel: int, room_tokens: int) -> None:
+        self.parallel = parallel
+        self.room_tokens = room_tokens
+        self.places: dict[int, Place] = {}
+        self._line: deque[_Waiter] = deque()
+        self._seats = itertools.count()
+        self._changed = trio.Event()  # set, and replaced, when a request takes or leaves a place
+
+    @property
+    def active(self) -> int:
+        return len(self.places)
+
+    @property
+    def queued(self) -> int:
+        return len(self._line)
+
+    @asynccontextmanager
+    async def place(self, kv_tokens: int) -> AsyncIterator[Place]:
+        """Wait in line for a place for a request that may fill `kv_tokens` of KV; hold it
+        for the block."""
+        waiter = _Waiter(kv_tokens)
+        self._line.append(waiter)
+        self._admit()
+        try:
+            await waiter.admitted.wait()
+        except BaseException:
+            if waiter.place is None:
+                self._line.remove(waiter)
+            else:  # admitted as it was cancelled
+                self._leave(waiter.place)
+            raise
+        assert waiter.place is not None  # set with `admitted`
+        try:
+            yield waiter.place
+        finally:
+            self._leave(waiter.place)
+
+    async def occupied(self) -> None:
+        """Return once a request holds a place."""
+        while not self.places:
+            await self._changed.wait()
+
+    async def emptied(self) -> None:
+        """Return once no request holds a place."""
+        while self.places:
+            await self._changed.wait()
+
+    def beside(self, place: Place) -> Beside:
+        """The other places' last trees: what a pass will verify beside this one's."""
+        others = [p.last for seat, p in self.places.items() if seat != place.seat]
+        return Beside(sum(b.rows for b in others), sum(b.tokens for b in others))
+
+    def fail(self, error: BaseException) -> None:
+        """An actor every request shares has failed: each placed request ends with `error`
+        (the first one's: its peers may fail next, seeing their channels close)."""
+        for place in self.places.values():
+            if place.failure is None:
+                place.failure = error
+            place.scope.cancel()
+
+    def _admit(self) -> None:
+        while self._line:
+            waiter = self._line[0]
+            held = sum(p.kv_tokens for p in self.places.values())
+            full = len(self.places) >= self.parallel
+            if self.places and (full or held + waiter.kv_tokens > self.room_tokens):
+                return
+            self._line.popleft()
+            waiter.place = Place(next(self._seats), waiter.kv_tokens)
+            self.places[waiter.place.seat] = waiter.place
+            waiter.admitted.set()
+            self._changed.set()
+            self._changed = trio.Event()
+
+    def _leave(self, place: Place) -> None:
+        del self.places[place.seat]
+        self._changed.set()
+        self._changed = trio.Event()
+        self._admit()
