@@ -306,27 +306,12 @@ class LlamaCppMode:
         return Decoded(list(tokens), stamps, steps=steps or 0, first_step_tokens=1)
 
     def _failure(self, ran: _Ran) -> str:
-        if self.cgroup is not None and self.cgroup.oom_kills():
-            return (
-                f"killed by the memory limit of {format_bytes(self.cgroup.limit_bytes)} "
-                f"(cgroup OOM kill, exit status {ran.returncode})"
-            )
-        lines = [line for line in without_colors(ran.stderr).splitlines() if line.strip()]
-        errors = [line for line in lines if " E " in line or "error" in line.lower()]
-        last = (errors or lines or ["(no output)"])[-1].strip()
-        if ran.returncode < 0:
-            why = f"killed by {signal.Signals(-ran.returncode).name}"
-        else:
-            why = f"exit status {ran.returncode}"
-        return f"{Path(self.spec.program).name} failed ({why}): {last}"
+        return failure(self.spec.program, ran.returncode, ran.stderr, self.cgroup)
 
     def _run(self, argv: list[str]) -> _Ran:
-        """Run one llama.cpp process to its end, inside the cgroup when there is one (it
-        moves itself in before it executes llama.cpp); poll its peak RSS meanwhile."""
-        command = argv
-        if self.cgroup is not None:
-            procs = str(self.cgroup.path / "cgroup.procs")
-            command = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', procs, *argv]
+        """Run one llama.cpp process to its end, inside the cgroup when there is one; poll
+        its peak RSS meanwhile."""
+        command = in_cgroup(argv, self.cgroup)
         started = time.perf_counter()
         with (
             open(os.devnull, "rb") as stdin,
@@ -352,6 +337,43 @@ class LlamaCppMode:
             )
 
 
+def failure(program: str, returncode: int, stderr: str, cgroup: MemoryCgroup | None) -> str:
+    """Why a llama.cpp process failed: its cgroup's OOM kill, else its last error line."""
+    if cgroup is not None and cgroup.oom_kills():
+        return (
+            f"killed by the memory limit of {format_bytes(cgroup.limit_bytes)} "
+            f"(cgroup OOM kill, exit status {returncode})"
+        )
+    lines = [line for line in without_colors(stderr).splitlines() if line.strip()]
+    errors = [line for line in lines if " E " in line or "error" in line.lower()]
+    last = (errors or lines or ["(no output)"])[-1].strip()
+    if returncode < 0:
+        why = f"killed by {signal.Signals(-returncode).name}"
+    else:
+        why = f"exit status {returncode}"
+    return f"{Path(program).name} failed ({why}): {last}"
+
+
+def in_cgroup(argv: list[str], cgroup: MemoryCgroup | None) -> list[str]:
+    """`argv` run so that it moves itself into `cgroup` before it executes the program, which
+    is then charged for everything it loads (the command as it is without a cgroup)."""
+    if cgroup is None:
+        return argv
+    procs = str(cgroup.path / "cgroup.procs")
+    return ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', procs, *argv]
+
+
+def process_peak_rss(pid: int) -> int | None:
+    """A running process's peak RSS (its VmHWM) in bytes; None once it has exited."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass  # exiting: its memory is gone
+    return None
+
+
 class _Capture:
     """An unnamed temporary file for a process's output (a pipe could fill and block it)."""
 
@@ -372,19 +394,15 @@ def _wait_polling_peak(
 ) -> tuple[int, resource.struct_rusage, int | None]:
     """Wait for `process`, reading its VmHWM until it exits: (exit code, its rusage, peak
     RSS bytes). Killed past RUN_TIMEOUT_S."""
-    status_file = Path(f"/proc/{process.pid}/status")
     peak = None
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while True:
         pid, status, usage = os.wait4(process.pid, os.WNOHANG)
         if pid == process.pid:
             break
-        try:
-            for line in status_file.read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    peak = max(peak or 0, int(line.split()[1]) * 1024)
-        except (OSError, ValueError, IndexError):
-            pass  # exiting: its memory is gone
+        now = process_peak_rss(process.pid)
+        if now is not None:
+            peak = max(peak or 0, now)
         if time.monotonic() > deadline:
             process.kill()
         time.sleep(POLL_S)
