@@ -2,10 +2,11 @@
 the messages between harness and child, the child's loop, and ChildMode, the harness's side,
 a Mode like the in-process ones.
 
-The messages are msgspec JSON, one per line. stdin: Open(planned mode), then Decode
-requests; end of input ends the child. stdout: Opened, Result or Failure; the child's own
-prints and logs go to stderr. The harness starts the child, moves it into its cgroup, and
-only then sends Open, so that everything the mode loads is charged to the cgroup.
+The messages are msgspec JSON, one per line. stdin: Open(planned mode), then Decode or
+DecodeTogether requests; end of input ends the child. stdout: Opened, Result, Together or
+Failure; the child's own prints and logs go to stderr. The harness starts the child, moves
+it into its cgroup, and only then sends Open, so that everything the mode loads is charged
+to the cgroup.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from lever_actors.bench.modes import (
 )
 from lever_actors.bench.plan import ModeSpec, PlannedMode, open_in_process
 from lever_actors.bench.results import ModeInfo
+from lever_actors.bench.together import Together, decode_together
 from lever_actors.device.memory import anonymous_rss_bytes, file_rss_bytes, peak_rss_bytes
 from lever_actors.model.sampling import Sampling
 from lever_actors.sizes import format_bytes
@@ -67,6 +69,15 @@ class Decode(msgspec.Struct, frozen=True, tag="decode"):
     sampling: Sampling
 
 
+class DecodeTogether(msgspec.Struct, frozen=True, tag="decode-together"):
+    """harness -> child: decode these prompts at once, a stream each (bench/together.py)."""
+
+    prompts: list[list[int]]
+    max_new_tokens: int
+    stop_ids: list[int]
+    sampling: Sampling
+
+
 class Opened(msgspec.Struct, frozen=True, tag="opened"):
     """child -> harness: the mode is loaded."""
 
@@ -89,8 +100,8 @@ class Failure(msgspec.Struct, frozen=True, tag="failed"):
     error: str
 
 
-Request = Open | Decode
-Response = Opened | Result | Failure
+Request = Open | Decode | DecodeTogether
+Response = Opened | Result | Together | Failure
 
 
 def serve(first: bytes, out: BinaryIO) -> int:
@@ -122,22 +133,27 @@ async def _serve(first: bytes, out: BinaryIO) -> int:
             if not line:
                 return 0
             request = decoder.decode(line)
-            if not isinstance(request, Decode):
-                send(Failure("expected a Decode request"))
+            if not isinstance(request, Decode | DecodeTogether):
+                send(Failure("expected a Decode or DecodeTogether request"))
                 return 2
-            started = time.perf_counter()
             try:
-                decoded = await mode.decode(
-                    request.prompt,
-                    request.max_new_tokens,
-                    frozenset(request.stop_ids),
-                    request.sampling,
-                )
+                send(await _answer(mode, request))
             except Exception as e:
                 send(Failure(describe(e)))
                 return 1
-            decoded.peak_rss_bytes = peak_rss_bytes()
-            send(Result(decoded, started))
+
+
+async def _answer(mode: Mode, request: Decode | DecodeTogether) -> Result | Together:
+    stop_ids = frozenset(request.stop_ids)
+    if isinstance(request, DecodeTogether):
+        together = await decode_together(
+            mode, request.prompts, request.max_new_tokens, stop_ids, request.sampling
+        )
+        return msgspec.structs.replace(together, peak_rss_bytes=peak_rss_bytes())
+    started = time.perf_counter()
+    decoded = await mode.decode(request.prompt, request.max_new_tokens, stop_ids, request.sampling)
+    decoded.peak_rss_bytes = peak_rss_bytes()
+    return Result(decoded, started)
 
 
 def idle_info(mode: Mode) -> ModeInfo:
@@ -223,6 +239,23 @@ class ChildMode:
         if self.cgroup is not None:
             decoded.cgroup_peak_bytes = self.cgroup.peak_bytes()
         return decoded
+
+    async def decode_together(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        stop_ids: frozenset[int],
+        sampling: Sampling,
+    ) -> Together:
+        """The prompts decoded at once in the child; times on the child's clock."""
+        request = DecodeTogether(prompts, max_new_tokens, sorted(stop_ids), sampling)
+        response = await self._request(request)
+        if isinstance(response, Failure):
+            raise ModeFailed(response.error)
+        if not isinstance(response, Together):
+            raise ModeFailed(f"child answered {type(response).__name__} to DecodeTogether")
+        peak = self.cgroup.peak_bytes() if self.cgroup is not None else None
+        return msgspec.structs.replace(response, cgroup_peak_bytes=peak)
 
     async def _request(self, message: Request) -> Response:
         process = self.process
