@@ -94,6 +94,9 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     # runs under each, in a child (isolate "all"); ours plan their own DRAM budget under it
     # (dram_budget auto), Lever its decode plan too (plan auto); the budgets above are unused
     limits: tuple[str, ...] = ()
+    # requests at once (bench/concurrency.py): under each limit, Lever's engine and
+    # llama-server take each many at once, over the prompt sets' prompts mixed; () for none
+    concurrency: tuple[int, ...] = ()
     cache_dir: str = ""  # where the peer's HF exports and offload folders go
     # llama.cpp (bench/llamacpp.py): drafted tokens per step of llamacpp-spec, threads, a
     # directory holding its programs (default: the cache's build), and the GGUFs it runs
@@ -134,6 +137,25 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
                 "--limits runs every mode in a child under each limit: it needs --isolate all "
                 "and no --memory-limit"
             )
+        if self.concurrency:
+            self._check_concurrency()
+
+    def _check_concurrency(self) -> None:
+        pool = self.prompts * len(self.prompt_sets)
+        if 1 not in self.concurrency:
+            raise ConfigError(
+                "--concurrency needs 1 among its counts: each request is compared with its "
+                "sequential run, and the aggregates with one request's"
+            )
+        if max(self.concurrency) > pool or min(self.concurrency) < 1:
+            raise ConfigError(
+                f"--concurrency {max(self.concurrency)} needs as many different prompts: "
+                f"--prompts {self.prompts} over {len(self.prompt_sets)} prompt set(s) gives {pool}"
+            )
+        if not self.limits:
+            raise ConfigError("--concurrency runs under memory limits: give --limits")
+        if not self.sampling.greedy:
+            raise ConfigError("--concurrency decodes greedily, as llama-server is driven")
 
     def isolates(self, family: str) -> bool:
         """Whether modes of this family run in a process of their own: a child, or for
@@ -392,13 +414,21 @@ def draft_dram_bytes(path: Path, dtype: str) -> int:
 
 
 def plan_llamacpp(
-    options: BenchOptions, family: str, target: Path, draft: Path | None
+    options: BenchOptions,
+    family: str,
+    target: Path,
+    draft: Path | None,
+    program_name: str | None = None,
 ) -> LlamaCppSpec:
     """What a llama.cpp mode runs: its program (from --llamacpp-bin, else the cache's
-    build) and the GGUFs. What is missing makes the spec `unavailable`, with the reason:
-    the mode's rows then say so and the rest of the run goes on."""
+    build) and the GGUFs; `program_name` names another of the build's programs for the same
+    GGUFs (llama-server: the draft's with llamacpp-spec). What is missing makes the spec
+    `unavailable`, with the reason: the mode's rows then say so and the rest of the run
+    goes on."""
     cache = Path(options.cache_dir) if options.cache_dir else default_cache_dir()
-    name = llamacpp_build.COMPLETION if family == "llamacpp-ar" else llamacpp_build.SPECULATIVE
+    name = program_name or (
+        llamacpp_build.COMPLETION if family == "llamacpp-ar" else llamacpp_build.SPECULATIVE
+    )
     unavailable = None
     if options.llamacpp_bin:
         program = Path(options.llamacpp_bin) / name

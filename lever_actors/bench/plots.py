@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lever_actors.bench.concurrency_summary import ENGINES
 from lever_actors.bench.report import ReportError, output_paths
-from lever_actors.bench.results import AnyResults, BenchResults, SweepResults
+from lever_actors.bench.results import AnyResults, BenchResults, ConcurrencyResults, SweepResults
 from lever_actors.bench.summary import SWEEP_LINES, budget_percent, sweep_rates
 from lever_actors.sizes import parse_bytes
 
@@ -17,6 +18,9 @@ def write_plots(results: AnyResults, json_path: Path) -> list[Path]:
     if isinstance(results, SweepResults):
         sweep_plot(results, paths["sweep"])
         return [paths["sweep"]]
+    if isinstance(results, ConcurrencyResults):
+        concurrency_plot(results, paths["concurrency"])
+        return [paths["concurrency"]]
     throughput_plot(results, paths["throughput"])
     accepted_plot(results, paths["accepted"])
     written = [paths["throughput"], paths["accepted"]]
@@ -184,6 +188,45 @@ def limits_plot(results: BenchResults, path: Path) -> dict[str, list[tuple[float
         ax.legend(fontsize=8)
     else:
         ax.text(0.5, 0.5, "no rates under any limit", ha="center", transform=ax.transAxes)
+    _save(fig, path)
+    return data
+
+
+def concurrency_data(results: ConcurrencyResults) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """limit -> engine -> [(requests at once, aggregate tok/s)], in the order run; a run
+    without an aggregate (failed, unavailable) is left out."""
+    data: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for run in results.runs:
+        lines = data.setdefault(run.limit, {engine: [] for engine in ENGINES})
+        if run.aggregate_tok_s is not None:
+            lines[run.engine].append((run.parallel, run.aggregate_tok_s))
+    return data
+
+
+def concurrency_plot(
+    results: ConcurrencyResults, path: Path
+) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """One panel per memory limit: aggregate tok/s against the requests at once, for Lever
+    and llama-server without and with its draft."""
+    plt = _pyplot()
+    data = concurrency_data(results)
+    panels = max(len(data), 1)
+    fig, axes = plt.subplots(1, panels, figsize=(4.5 * panels, 4), squeeze=False)
+    for ax, (limit, lines) in zip(axes[0], data.items(), strict=False):
+        for engine, points in lines.items():
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=engine)
+        counts = sorted({n for points in lines.values() for n, _ in points})
+        ax.set_title(f"under {limit}")
+        ax.set_xlabel("requests at once")
+        ax.set_ylabel("aggregate tok/s")
+        ax.set_xscale("log", base=2)  # 1, 2, 4, 8 evenly apart
+        ax.set_xticks(counts, [str(n) for n in counts])
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        if any(lines.values()):
+            ax.legend(fontsize=8)
     _save(fig, path)
     return data
 

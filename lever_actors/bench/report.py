@@ -7,7 +7,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from lever_actors.bench.results import AnyResults, BenchResults, ModeSummary, SweepResults
+from lever_actors.bench.concurrency_summary import OURS, SERVERS
+from lever_actors.bench.results import (
+    AnyResults,
+    BenchResults,
+    ConcurrencyResults,
+    ConcurrencyRun,
+    ModeSummary,
+    SweepResults,
+)
 from lever_actors.bench.summary import (
     LLAMACPP_FAMILIES,
     OFFLOADED_PEERS,
@@ -45,12 +53,15 @@ def output_paths(json_path: Path) -> dict[str, Path]:
         "accepted": stem.with_name(stem.name + "-accepted.png"),
         "sweep": stem.with_name(stem.name + "-sweep.png"),
         "limits": stem.with_name(stem.name + "-limits.png"),
+        "concurrency": stem.with_name(stem.name + "-concurrency.png"),
     }
 
 
 def render_markdown(results: AnyResults) -> str:
     if isinstance(results, SweepResults):
         return sweep_markdown(results)
+    if isinstance(results, ConcurrencyResults):
+        return concurrency_markdown(results)
     parts = [machine_line(results), "", *_figures(results)]
     notes = memory_note(results)
     if notes:
@@ -326,6 +337,76 @@ def sweep_markdown(results: SweepResults) -> str:
             f"| {point.throttle} | {point.budget} | " + " | ".join(cells) + f" | {ratio} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def concurrency_markdown(results: ConcurrencyResults) -> str:
+    """Per limit and requests at once: the aggregates of Lever and of llama-server without
+    and with its draft, Lever's over the better server's, Lever's requests' means, peaks and
+    plan; the summary's figures; failures; the servers' command lines."""
+    runs = {(r.limit, r.parallel, r.engine): r for r in results.runs}
+    lines = [
+        machine_line(results),
+        "",
+        "Aggregate tok/s: every new token of the rounds over their wall time, each round from "
+        "its first request's start to its last one's end (prefills included). Per request: "
+        "Lever's mean decode tok/s and time to first token.",
+        "",
+        "| limit | at once | Lever | llama-server | llama-server + draft | Lever / better "
+        "server | Lever per request tok/s | Lever first token s | Lever peak GiB: RSS, "
+        "cgroup | Lever's plan |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for limit, parallel in dict.fromkeys((r.limit, r.parallel) for r in results.runs):
+        ours = runs.get((limit, parallel, OURS))
+        servers = [runs.get((limit, parallel, engine)) for engine in SERVERS]
+        rates = [run.aggregate_tok_s for run in servers if run and run.aggregate_tok_s]
+        lever = ours.aggregate_tok_s if ours else None
+        ratio = f"{lever / max(rates):.2f}x" if lever is not None and rates else "—"
+        cells = [_aggregate(run) for run in (ours, *servers)]
+        lines.append(
+            f"| {limit} | {parallel} | " + " | ".join(cells) + f" | {ratio} "
+            f"| {_num(ours.mean_request_decode_tok_s if ours else None)} "
+            f"| {_num(ours.mean_first_token_s if ours else None)} "
+            f"| {_gib(ours.peak_rss_bytes if ours else None)}, "
+            f"{_gib(ours.cgroup_peak_bytes if ours else None)} "
+            f"| {(ours.plan if ours else None) or '—'} |"
+        )
+    s = results.summary
+    lines += [
+        "",
+        "Lever's aggregate with 4 at once over 1, under 1 GiB: "
+        f"{_times(s.aggregate_4_over_1_at_1gib)}; over the better llama-server's with 4 "
+        f"slots: {_times(s.aggregate_4_vs_llamacpp_server_1gib)} under 1 GiB, "
+        f"{_times(s.aggregate_4_vs_llamacpp_server_3gib)} under 3 GiB; lowest agreement of "
+        f"Lever's concurrent requests with their sequential runs: {_pct(s.min_agreement)}.",
+    ]
+    failed = [
+        f"- {r.engine} under {r.limit}, {r.parallel} at once: {_cell(r.failed)}"
+        for r in results.runs
+        if r.failed is not None
+    ]
+    if failed:
+        lines += ["", "Failed:", *failed]
+    commands: dict[str, str] = {}
+    for r in results.runs:
+        if r.command:
+            commands.setdefault(r.engine, r.command)
+    if commands:
+        lines += ["", "llama-server, stopped after each limit and count; its first command line:"]
+        lines += [f"- {engine}: `{command}`" for engine, command in commands.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _aggregate(run: ConcurrencyRun | None) -> str:
+    if run is None:
+        return "—"
+    if run.failed is not None:
+        return "unavailable" if run.failed.startswith("unavailable") else "failed"
+    return _num(run.aggregate_tok_s)
+
+
+def _times(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}x"
 
 
 def readme_section(results: BenchResults, readme: Path, json_path: Path) -> str:

@@ -220,7 +220,83 @@ class SweepResults(msgspec.Struct, frozen=True, tag="sweep", tag_field="kind"):
     schema: int = SCHEMA_VERSION
 
 
-AnyResults = BenchResults | SweepResults
+class RequestRun(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One request of a concurrent round (bench/concurrency.py); times in seconds."""
+
+    prompt_set: str
+    prompt_index: int
+    prompt_tokens: int
+    new_tokens: int
+    started_s: float  # when it was sent, from the start of its round
+    first_token_s: float  # from its start to its first token
+    ended_s: float  # when its response ended, from the start of its round
+    # the tokens after those that came with the first / the seconds from them to the last
+    decode_tok_s: float | None
+    tokens: list[int]
+    # share of tokens equal to its own sequential run's (ours with one request at a time)
+    agreement: float | None = None
+    reported: dict[str, float | int | str] | None = None  # llama-server's own timings
+
+
+class Round(msgspec.Struct, frozen=True):
+    """Requests sent together; wall_s runs from the first one's start to the last one's end."""
+
+    requests: list[RequestRun]
+    wall_s: float
+
+
+class ConcurrencyRun(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One server (ours, or llama-server with or without its draft) under one memory limit,
+    taking `parallel` requests at once, over rounds of that many."""
+
+    engine: str  # "lever", "llama-server" or "llama-server-draft"
+    limit: str  # e.g. "1GiB"
+    parallel: int
+    rounds: list[Round] = []
+    aggregate_tok_s: float | None = None  # concurrency_summary.aggregate_tok_s
+    mean_first_token_s: float | None = None
+    mean_request_decode_tok_s: float | None = None
+    peak_rss_bytes: int | None = None  # of the process that served
+    cgroup_peak_bytes: int | None = None  # of its cgroup (page cache included)
+    memory_limit_bytes: int | None = None
+    limit_enforced: bool = False
+    plan: str | None = None  # ours: the decode plan the engine chose
+    budget_bytes: int | None = None  # ours: the DRAM budget its memory plan gave the target
+    command: str | None = None  # llama-server's command line
+    failed: str | None = None
+
+
+class ConcurrencySummary(msgspec.Struct, frozen=True):
+    """The issue's figures (None where a run they need is absent or failed): Lever's
+    aggregate with 4 requests over its aggregate with 1 under 1 GiB; Lever's aggregate with
+    4 over the better llama-server's (with or without its draft) with 4 slots, under 1 and
+    3 GiB; the lowest agreement of our concurrent requests with their sequential runs; and
+    every aggregate tok/s, limit -> engine -> requests at once."""
+
+    aggregate_4_over_1_at_1gib: float | None = msgspec.field(
+        default=None, name="aggregate_4_over_1_at_1GiB"
+    )
+    aggregate_4_vs_llamacpp_server_1gib: float | None = msgspec.field(
+        default=None, name="aggregate_4_vs_llamacpp_server_1GiB"
+    )
+    aggregate_4_vs_llamacpp_server_3gib: float | None = msgspec.field(
+        default=None, name="aggregate_4_vs_llamacpp_server_3GiB"
+    )
+    min_agreement: float | None = None
+    aggregates: dict[str, dict[str, dict[str, float | None]]] = {}
+
+
+class ConcurrencyResults(msgspec.Struct, frozen=True, tag="concurrency", tag_field="kind"):
+    machine: Machine
+    command: str
+    config: dict[str, object]
+    runs: list[ConcurrencyRun]
+    summary: ConcurrencySummary
+    disk: list[DiskProfile] = []
+    schema: int = SCHEMA_VERSION
+
+
+AnyResults = BenchResults | SweepResults | ConcurrencyResults
 
 
 def write_results(results: AnyResults, path: Path) -> None:

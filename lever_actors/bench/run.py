@@ -32,6 +32,7 @@ from lever_actors.bench.report import ReportError, output_paths, render_markdown
 from lever_actors.bench.results import (
     AnyResults,
     BenchResults,
+    ConcurrencyResults,
     Machine,
     SweepPoint,
     SweepResults,
@@ -44,7 +45,7 @@ from lever_actors.draft import DraftModel
 from lever_actors.model import native
 from lever_actors.target import budget_in_bytes
 
-R = TypeVar("R", BenchResults, SweepResults)  # either kind of results, as it came
+R = TypeVar("R", BenchResults, SweepResults, ConcurrencyResults)  # any results, as it came
 
 DISK_PROFILE_BYTES = 2**30  # read at most this much of the layout to measure the raw disk
 SWEEP_FAMILIES = ("flash-ar", "sd-chain", "sd-static", "lever")

@@ -1,6 +1,6 @@
 """`lever-actors bench`: decoding modes side by side on real prompts, results to JSON,
-markdown and PNGs (`--sweep` for the scaling sweep); its options may also come from a TOML
-file."""
+markdown and PNGs (`--sweep` for the scaling sweep, `--concurrency` for requests at once);
+its options may also come from a TOML file."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+from lever_actors.bench.concurrency import concurrency_bench
 from lever_actors.bench.harness import PromptSet
 from lever_actors.bench.llamacpp import DEFAULT_DRAFT_MAX, DEFAULT_THREADS
 from lever_actors.bench.plan import MODES, NEEDS_DRAFT, BenchOptions
@@ -33,6 +34,11 @@ from lever_actors.errors import ConfigError
 from lever_actors.progress import ProgressLine
 
 DEFAULT_MODES = "memory-ar,flash-ar"
+DEFAULT_PROMPT_SETS = "humaneval"
+DEFAULT_PROMPTS = 5
+# --concurrency: both prompt sets mixed, under the issue's limits (#49)
+CONCURRENCY_PROMPT_SETS = "humaneval,sharegpt"
+CONCURRENCY_LIMITS = "1GiB,3GiB"
 
 
 def add_bench_command(sub: argparse._SubParsersAction) -> None:
@@ -92,9 +98,18 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="early-exit threshold of the Lever modes (default: the engine's)",
     )
     parser.add_argument(
-        "--prompt-sets", default="humaneval", help=f"comma-separated: {','.join(PROMPT_SETS)}"
+        "--prompt-sets",
+        default=None,
+        help=f"comma-separated: {','.join(PROMPT_SETS)} (default: {DEFAULT_PROMPT_SETS}; with "
+        f"--concurrency: {CONCURRENCY_PROMPT_SETS}, mixed)",
     )
-    parser.add_argument("--prompts", type=int, default=5, help="prompts per set")
+    parser.add_argument(
+        "--prompts",
+        type=int,
+        default=None,
+        help=f"prompts per set (default: {DEFAULT_PROMPTS}; with --concurrency: enough for its "
+        "largest count)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     parser.add_argument(
         "--dtype",
@@ -143,6 +158,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--dram-budget auto and lever with --plan auto (--budgets is then unused); named "
         "mode@limit",
     )
+    parser.add_argument(
+        "--concurrency",
+        default=None,
+        help="requests at once, e.g. 1,2,4,8 (1 among them): under each of --limits (default: "
+        f"{CONCURRENCY_LIMITS}), Lever's engine opened to decode that many together and "
+        "llama-server with as many slots, without and with its draft, each sent rounds of that "
+        "many different prompts at once; --modes is then unused (default: "
+        "bench/results/concurrency.json)",
+    )
     llamacpp = parser.add_argument_group(
         "llama.cpp", "the llamacpp-ar and llamacpp-spec modes (built by `build-llamacpp`)"
     )
@@ -161,8 +185,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     llamacpp.add_argument(
         "--llamacpp-bin",
         default=None,
-        help="a directory holding llama-completion and llama-speculative-simple (default: "
-        "the build in the cache)",
+        help="a directory holding llama-completion, llama-speculative-simple and llama-server "
+        "(default: the build in the cache)",
     )
     llamacpp.add_argument(
         "--llamacpp-target",
@@ -225,8 +249,18 @@ def apply_config(parser: argparse.ArgumentParser, path: Path) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
+    concurrency = tuple(int(n) for n in split(args.concurrency)) if args.concurrency else ()
+    if concurrency and args.sweep:
+        raise ConfigError("--concurrency and --sweep are runs of their own: give one")
     modes = args.modes or (",".join(SWEEP_FAMILIES) if args.sweep else DEFAULT_MODES)
-    limits = split(args.limits) if args.limits else ()
+    modes = "lever" if concurrency else modes  # ours there is Lever, as --limits runs it
+    prompt_sets = split(
+        args.prompt_sets or (CONCURRENCY_PROMPT_SETS if concurrency else DEFAULT_PROMPT_SETS)
+    )
+    prompts = args.prompts
+    if prompts is None:
+        prompts = -(-max(concurrency) // len(prompt_sets)) if concurrency else DEFAULT_PROMPTS
+    limits = split(args.limits or (CONCURRENCY_LIMITS if concurrency else ""))
     isolate = "all" if limits and args.isolate == "none" else args.isolate  # limits need children
     return BenchOptions(
         modes=split(modes),
@@ -237,8 +271,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         prune_threshold=args.prune_threshold,
         draft_dtype=args.draft_dtype,
         dtype=args.dtype,
-        prompt_sets=split(args.prompt_sets),
-        prompts=args.prompts,
+        prompt_sets=prompt_sets,
+        prompts=prompts,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         sampling=sampling_of(args, args.seed),
@@ -247,6 +281,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         memory_limit=args.memory_limit,
         memory_overhead=args.memory_overhead,
         limits=limits,
+        concurrency=concurrency,
         cache_dir=str(args.cache_dir),
         llamacpp_draft_max=args.llamacpp_draft_max,
         llamacpp_threads=args.llamacpp_threads,
@@ -279,7 +314,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
     command = shlex.join(["lever-actors", *sys.argv[1:]])
     plots = not args.no_plots
     results: AnyResults
-    if args.sweep:
+    if options.concurrency:
+        out = args.out or Path("bench/results/concurrency.json")
+        results = concurrency_bench(options, workload, out=out, command=command, plots=plots)
+    elif args.sweep:
         out = args.out or Path("bench/results/sweep.json")
         budgets = tuple(DramBudget.parse(b) for b in split(args.sweep_budgets))
         throttles = split(args.sweep_throttles)
