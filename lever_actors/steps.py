@@ -71,7 +71,9 @@ async def run_steps(
             verdict.tokens, verdict.from_draft, verdict.logprobs, tops, strict=True
         ):
             emitted += 1
-            event = emitter.event(step, token, from_draft, logprob, top, emitted == last)
+            event = emitter.event(
+                step, token, from_draft, logprob, top, emitted == last, verdict.stats.pass_requests
+            )
             finish = event.finish_reason
             try:
                 with trio.fail_after(stall_seconds or math.inf):
@@ -132,6 +134,7 @@ class Emitter:
         logprob: float,
         top: tuple[tuple[int, float], ...],
         last_of_step: bool,
+        batched: int = 1,
     ) -> TokenEvent:
         """The event of the request's next token; its finish_reason says when it is the
         last (an end token, a stop string, max_new_tokens, or past the deadline at the
@@ -171,4 +174,5 @@ class Emitter:
             finish_reason=finish,
             piece=piece,
             top_logprobs=alternatives,
+            batched=batched,
         )

@@ -151,8 +151,8 @@ async def test_raw_http_streams_server_sent_events_and_health(config):
     }
 
 
-@pytest.mark.parametrize("queue", [8, 2])
-async def test_eight_concurrent_clients_each_get_their_text_or_a_429(config, queue):
+@pytest.mark.parametrize(("queue", "parallel"), [(8, 1), (2, 1), (2, 3)])
+async def test_eight_concurrent_clients_each_get_their_text_or_a_429(config, queue, parallel):
     prompts = [[3, 1, 4], [1, 5, 9], [2, 6], [5, 3, 5], [8, 9, 7], [9, 3], [2, 3, 8, 4], [6, 2]]
     answers: dict[int, object] = {}
 
@@ -168,7 +168,9 @@ async def test_eight_concurrent_clients_each_get_their_text_or_a_429(config, que
 
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            base = await start(nursery, config, queue=queue)
+            base = await start(
+                nursery, msgspec.structs.replace(config, parallel=parallel), queue=queue
+            )
             api = client(base)
             async with trio.open_nursery() as clients:
                 for index in range(len(prompts)):
@@ -180,9 +182,35 @@ async def test_eight_concurrent_clients_each_get_their_text_or_a_429(config, que
             assert answer == text_of(config, prompts[index]), f"client {index}"
     if queue == 8:
         assert refused == []
-    else:  # one running, two waiting: the rest are told to come back
-        assert len(refused) == len(prompts) - 3
+    else:  # `parallel` running, two waiting: the rest are told to come back
+        assert len(refused) == len(prompts) - parallel - queue
         assert all(answers[i].response.headers["retry-after"] == "5" for i in refused)
+
+
+async def test_health_shows_the_requests_decoding_and_those_waiting(config):
+    body = {"prompt": "t3 t1 t4", "max_tokens": 200, "temperature": 0, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            base = await start(nursery, msgspec.structs.replace(config, parallel=2))
+            async with httpx.AsyncClient(base_url=base, headers=headers) as http:
+
+                async def hold():  # a stream read slowly: its request keeps its place
+                    async with http.stream("POST", "/v1/completions", json=body) as response:
+                        async for _ in response.aiter_lines():
+                            await trio.sleep(1)
+
+                async with trio.open_nursery() as clients:
+                    for _ in range(3):
+                        clients.start_soon(hold)
+                    while True:  # all three inside the engine: two decoding, one waiting
+                        health = (await http.get("/health")).json()
+                        if health["active"] + health["queued"] == 3:
+                            break
+                        await trio.sleep(0.01)
+                    clients.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
+    assert (health["active"], health["queued"], health["parallel"]) == (2, 1, 2)
 
 
 async def test_a_client_that_leaves_mid_stream_cancels_its_request(config):
@@ -494,7 +522,8 @@ async def test_a_client_that_leaves_before_its_answer_cancels_its_request(config
     """Whole, or streamed before its first token (a prefill): the engine is free again at
     once, not after the generation the client no longer waits for."""
     caplog.set_level(logging.INFO, logger="lever_actors")
-    slow = msgspec.structs.replace(config, jitter_seconds=0.2)  # steps of up to a second
+    # steps of up to a second, one request at a time
+    slow = msgspec.structs.replace(config, jitter_seconds=0.2, parallel=1)
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
             base = await start(nursery, slow)
@@ -544,7 +573,8 @@ async def test_a_body_over_the_limit_gets_413_before_it_is_read_whole(config, de
 
 
 async def test_a_deadline_cuts_a_running_request_short_and_a_waiting_one_gets_504(config):
-    slow = msgspec.structs.replace(config, jitter_seconds=0.2)  # steps of up to a second
+    # steps of up to a second, one request at a time
+    slow = msgspec.structs.replace(config, jitter_seconds=0.2, parallel=1)
     body = {"model": "lever", "prompt": "t1 t2", "max_tokens": 200, "temperature": 0}
     answers = {}
 

@@ -184,3 +184,4 @@ class TokenEvent(msgspec.Struct, frozen=True):
     piece: str = ""  # the token's own text in context (stop strings aside; "" if special)
     # where the request asks (top_logprobs): its position's likeliest tokens
     top_logprobs: tuple[TopLogprob, ...] = ()
+    batched: int = 1  # requests whose trees the pass that verified this token took

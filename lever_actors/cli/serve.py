@@ -39,7 +39,8 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
         "--queue",
         type=count,
         default=DEFAULTS.queue,
-        help=f"requests that may wait; more get 429 (default: {DEFAULTS.queue})",
+        help="requests that may wait beside the --parallel ones decoding; more get 429 "
+        f"(default: {DEFAULTS.queue})",
     )
     parser.add_argument(
         "--grace",

@@ -1,10 +1,11 @@
 """The OpenAI-compatible routes over one open Engine, as a Starlette (ASGI) application.
 
-The engine serves one request at a time; `Admission` lets `queue` more wait and answers
-the rest 429 with Retry-After. A streamed response is server-sent events; a client that
-disconnects mid-stream cancels its request (Starlette cancels the body's iteration, which
-closes the engine's stream). `Admission.drain` shuts the doors: new requests get 503, and
-those inside are cut after a grace period, a stream with a last chunk.
+The engine decodes up to `parallel` requests at once (EngineConfig.parallel); `Admission`
+lets `queue` more wait and answers the rest 429 with Retry-After. A streamed response is
+server-sent events; a client that disconnects mid-stream cancels its request (Starlette
+cancels the body's iteration, which closes the engine's stream). `Admission.drain` shuts
+the doors: new requests get 503, and those inside are cut after a grace period, a stream
+with a last chunk.
 
 Bodies must be sent as application/json (415 otherwise): a web page can post text/plain
 or a form to a local server without asking, but not JSON. Where `allowed_hosts` is given,
@@ -110,13 +111,13 @@ class ApiError(Exception):
 
 
 class Admission:
-    """Requests inside the server: of those the engine has or waits for (`working`), one
-    running and at most `queue` waiting; none once it drains, which waits for every
-    response to end (`inside`: a stream may still be sending what the engine finished).
+    """Requests inside the server: of those the engine has or waits for (`working`), up to
+    `parallel` running and at most `queue` waiting; none once it drains, which waits for
+    every response to end (`inside`: a stream may still be sending what the engine finished).
     Runs on the event loop's single thread, so plain counts suffice."""
 
-    def __init__(self, queue: int) -> None:
-        self.limit = queue + 1
+    def __init__(self, queue: int, parallel: int = 1) -> None:
+        self.limit = queue + parallel
         self.inside = 0
         self.working = 0
         self.draining = False
@@ -206,7 +207,7 @@ class _Ticket:
 
 def build_app(engine: Engine, options: ServeOptions) -> Starlette:
     """The application serving `engine` as `options` say; its `state.admission` drains it."""
-    admission = Admission(options.queue)
+    admission = Admission(options.queue, engine.batch.parallel)
     routes = _Routes(engine, options, admission)
     allowed = options.allowed_hosts
     hosts = [] if allowed is None else [Middleware(_AllowedHosts, names=allowed)]
@@ -264,8 +265,17 @@ class _Routes:
         self.marker_tokens = tokenizer is not None and tokenizer.has_token(OPEN)
 
     async def health(self, request: Request) -> Response:
-        n_ctx = self.engine.context.tokens
-        return _JSON({"status": "ok", "requests": self.admission.inside, "n_ctx": n_ctx})
+        batch = self.engine.batch
+        return _JSON(
+            {
+                "status": "ok",
+                "requests": self.admission.inside,
+                "active": batch.active,  # decoding
+                "queued": batch.queued,  # waiting for a place in the batch
+                "parallel": batch.parallel,
+                "n_ctx": self.engine.context.tokens,
+            }
+        )
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)

@@ -21,7 +21,7 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8000  # 0: a free one
     model_name: str = "lever"  # the id /v1/models lists
-    queue: int = 8  # requests that may wait beside the one running; more get 429
+    queue: int = 8  # requests that may wait beside those running (--parallel); more get 429
     api_key: str | None = None  # required as "Authorization: Bearer KEY" when given
     default_max_tokens: int = DEFAULT_MAX_NEW_TOKENS  # for a request that gives none
     # the names a request's Host header may give, others get 421; None: the loopback names
