@@ -87,8 +87,12 @@ def check_exact(
     max_new_tokens: int,
     dram_budget: DramBudget,
     draft_dtype: DraftDtype = "bfloat16",
+    concurrent: int = 1,
 ) -> list[Divergence]:
-    """Run every policy on every prompt; -> the divergences from one-token greedy."""
+    """Run every policy on every prompt, `concurrent` requests at once (all the prompts
+    sent together, the engine's batch that many); -> the divergences from one-token greedy."""
+    if concurrent < 1:
+        raise ConfigError(f"concurrent = {concurrent}: expected >= 1")
     unknown = set(policies) - set(POLICIES)
     if unknown:
         raise ConfigError(f"unknown policies {sorted(unknown)}; known: {', '.join(POLICIES)}")
@@ -110,9 +114,10 @@ def check_exact(
             draft=str(draft_path),
             dram_budget=dram_budget,
             draft_dtype=draft_dtype,
+            parallel=concurrent,
             **POLICIES[policy],
         )
-        found = trio.run(_run_policy, config, draft, prompts, max_new_tokens)
+        found = trio.run(_run_policy, config, draft, prompts, max_new_tokens, concurrent > 1)
         for prompt in prompts:
             got, want = found[prompt.name], expected[prompt.name]
             if got != want:
@@ -126,20 +131,35 @@ def check_exact(
 
 
 async def _run_policy(
-    config: EngineConfig, draft: DraftModel, prompts: Sequence[Prompt], max_new_tokens: int
+    config: EngineConfig,
+    draft: DraftModel,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int,
+    together: bool,
 ) -> dict[str, list[int]]:
+    """Each prompt's tokens: the prompts one after another, or all sent at once."""
     tokens = {}
+
+    async def run(engine: Engine, prompt: Prompt) -> None:
+        started = time.perf_counter()
+        result = await engine.generate(prompt.tokens, max_new_tokens=max_new_tokens)
+        tokens[prompt.name] = result.tokens
+        largest = max(s.tree_nodes for s in result.steps)
+        shared = max(s.pass_requests for s in result.steps)
+        _say(
+            f"  {config.tree} {prompt.name}: {len(result.tokens)} tokens in "
+            f"{len(result.steps)} steps, largest tree {largest} nodes, passes shared by up "
+            f"to {shared} requests, {time.perf_counter() - started:.1f} s"
+        )
+
     async with Engine.open(config, draft=draft) as engine:
-        for prompt in prompts:
-            started = time.perf_counter()
-            result = await engine.generate(prompt.tokens, max_new_tokens=max_new_tokens)
-            tokens[prompt.name] = result.tokens
-            largest = max(s.tree_nodes for s in result.steps)
-            _say(
-                f"  {config.tree} {prompt.name}: {len(result.tokens)} tokens in "
-                f"{len(result.steps)} steps, largest tree {largest} nodes, "
-                f"{time.perf_counter() - started:.1f} s"
-            )
+        if together:
+            async with trio.open_nursery() as nursery:
+                for prompt in prompts:
+                    nursery.start_soon(run, engine, prompt)
+        else:
+            for prompt in prompts:
+                await run(engine, prompt)
     return tokens
 
 

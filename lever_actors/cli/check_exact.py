@@ -46,6 +46,14 @@ def add_check_exact_command(sub: argparse._SubParsersAction) -> None:
         default="all",
         help="target weights in DRAM; exactness does not depend on it (default: all)",
     )
+    parser.add_argument(
+        "--concurrent",
+        type=int,
+        default=1,
+        metavar="N",
+        help="requests decoding at once (EngineConfig.parallel): every prompt is sent at "
+        "once, so that each one's trees share passes with others' (default: 1, in turn)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="picks the prompts")
     parser.set_defaults(command=run_check_exact_command)
 
@@ -71,6 +79,7 @@ def run_check_exact_command(args: argparse.Namespace) -> int:
         policies=policies,
         max_new_tokens=args.max_new_tokens,
         dram_budget=budget,
+        concurrent=args.concurrent,
     )
     for d in divergences:
         print(
@@ -79,9 +88,10 @@ def run_check_exact_command(args: argparse.Namespace) -> int:
             f"{tokenizer.decode(d.got)!r}"
         )
     runs = len(prompts) * len(policies)
+    together = f", {args.concurrent} at once" if args.concurrent > 1 else ""
     print(
-        f"check-exact: {len(prompts)} prompts x {len(policies)} policies = {runs} runs, "
-        f"{args.max_new_tokens} tokens each, target {target.name} "
+        f"check-exact: {len(prompts)} prompts x {len(policies)} policies = {runs} runs"
+        f"{together}, {args.max_new_tokens} tokens each, target {target.name} "
         f"({read_manifest(target).dtype}): {len(divergences)} divergences"
     )
     return 1 if divergences else 0

@@ -1,0 +1,62 @@
+"""check-exact's audit on the tiny pair: every policy against one-token greedy, one request
+at a time or all at once in the engine's batch; a divergence is found where there is one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lever_actors.bench import exactness
+from lever_actors.bench.exactness import Prompt, check_exact
+from lever_actors.config import DramBudget
+from lever_actors.errors import ConfigError
+from lever_actors.testing.checkpoints import TINY_ARGS, model_pair
+
+PROMPTS = [Prompt("a", [5, 6, 7, 8]), Prompt("b", [1, 2, 3]), Prompt("c", [9, 9, 4, 2, 7])]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return model_pair(TINY_ARGS, "perturbed", 0)
+
+
+def audit(pair, **options):
+    return check_exact(
+        Path(pair.target),
+        Path(pair.draft),
+        PROMPTS,
+        policies=["chain-4", "gaincost", "lookup"],
+        max_new_tokens=12,
+        dram_budget=DramBudget("all"),
+        draft_dtype="float64",
+        **options,
+    )
+
+
+@pytest.mark.parametrize("concurrent", [1, 3])
+def test_every_policy_equals_one_token_greedy_in_turn_and_all_at_once(pair, concurrent, capsys):
+    assert audit(pair, concurrent=concurrent) == []
+    shared = [line for line in capsys.readouterr().err.splitlines() if "passes shared" in line]
+    assert len(shared) == 3 * len(PROMPTS)
+    most = max(int(line.split("up to ")[1].split()[0]) for line in shared)
+    assert most == concurrent  # all at once: some pass took every prompt's tree
+
+
+def test_a_divergence_names_the_prompt_policy_and_first_token(pair, monkeypatch):
+    sequential = exactness.sequential_cached
+
+    def off_by_one_at_three(model, prompt, n, stop_ids):
+        tokens = sequential(model, prompt, n, stop_ids)
+        return [*tokens[:3], (tokens[3] + 1) % TINY_ARGS.vocab_size, *tokens[4:]]
+
+    monkeypatch.setattr(exactness, "sequential_cached", off_by_one_at_three)
+    found = audit(pair, concurrent=2)
+    assert {(d.prompt, d.policy, d.position) for d in found} == {
+        (p.name, policy, 3) for p in PROMPTS for policy in ("chain-4", "gaincost", "lookup")
+    }
+
+
+def test_concurrent_below_one_is_refused(pair):
+    with pytest.raises(ConfigError, match="concurrent = 0: expected >= 1"):
+        audit(pair, concurrent=0)
