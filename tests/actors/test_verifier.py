@@ -402,9 +402,7 @@ async def test_a_request_leaving_has_its_last_path_kept_then_its_ends_closed(tar
     assert wired.seats[0].cache.length == (len(accepted) if committed else 0)
 
 
-async def test_trees_of_several_requests_share_each_layer_and_each_gets_its_own(
-    target, reference
-):
+async def test_trees_of_several_requests_share_each_layer_and_each_gets_its_own(target, reference):
     wired = Wired(target)
     first = draft_tree(0, PROMPT)
     other = [9, 8, 7]
