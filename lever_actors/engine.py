@@ -324,17 +324,21 @@ class Engine:
         """Wait in line for a place in the batch, then run the request in it."""
         async with self.batch.place(kv_tokens(request, self.config)) as place:
             self.channels = ChannelSet(self.tracer)
-            with place.scope:  # cancelled where an actor the batch shares fails
-                await run_request(
-                    request,
-                    place,
-                    self.crew,
-                    events,
-                    self.channels,
-                    self.draft,
-                    (self.npu, self.cpu),
-                    self.prefixes,
-                )
+            try:
+                with place.scope:  # cancelled where an actor the batch shares fails
+                    await run_request(
+                        request,
+                        place,
+                        self.crew,
+                        events,
+                        self.channels,
+                        self.draft,
+                        (self.npu, self.cpu),
+                        self.prefixes,
+                    )
+            except Exception:
+                if place.failure is None:  # else the channels it saw close were the crew's
+                    raise
         if place.failure is not None:
             await self.crew.ended()  # nothing of it still runs once the request raises
             raise place.failure

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from functools import partial
 
 import trio
 
@@ -28,6 +29,7 @@ from lever_actors.channels.bounded import ChannelSet
 from lever_actors.channels.messages import (
     Commit,
     DraftRequest,
+    DraftRound,
     ExitProbe,
     FinalHidden,
     LayerWeights,
@@ -41,8 +43,10 @@ from lever_actors.channels.messages import (
 from lever_actors.channels.trace import Tracer
 from lever_actors.config import EngineConfig
 from lever_actors.device.units import ComputeUnit
+from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.setup import Policies
+from lever_actors.policy.trees import Round
 from lever_actors.prefix_cache import PrefixCache
 from lever_actors.sequences import Request, new_caches
 from lever_actors.steps import run_steps
@@ -158,7 +162,7 @@ async def run_request(
     """Run `request` to its end in its place in the batch, on channels opened in `ch`, its
     events sent to `events`."""
     config, target, p = crew.config, crew.target, crew.policies
-    npu, cpu = units
+    npu = units[0]
     sizes = config.channels
     requests = ch.open("requests", DraftRequest, sizes.requests)
     finals = ch.open("finals", FinalHidden, sizes.finals)
@@ -169,39 +173,10 @@ async def run_request(
     caches = await npu.run(  # units.py: copies start a team
         new_caches, request, prefixes, target, draft, config
     )
-    jitter = _jitters(config, 2 + place.seat)
-    draft_policy = DraftPolicy(
-        p.spec,
-        p.cost,
-        p.calibrator,
-        ahead=config.draft_ahead,
-        lookup=config.lookup,
-        sampling=request.options.sampling,
-    )
-    drafter = Drafter(
-        draft,
-        draft_policy,
-        request.prompt,
-        caches[1],
-        (cpu, npu),
-        next(jitter),
-        cached=request.reuse.tokens,
-        view=request.draft_start,
-        matcher=request.matcher.copy() if request.matcher else None,
-        seat=place.seat,
-    )
-    projector = Projector(
-        target.logits,
-        npu if p.eager_projection else cpu,
-        next(jitter),
-        p.eager_projection,
-        request.options.sampling,
-        request.options.top_logprobs,
-        request.matcher,
-    )
     leaving = LeaveSeat(step=-1, seat=place.seat, done=trio.Event())
     left = False
     with await crew.join() as arrivals:
+        drafter, projector = _own_actors(request, place, crew, caches[1], draft, units, arrivals)
         seat = TakeSeat(
             step=-1,
             seat=place.seat,
@@ -239,6 +214,62 @@ async def run_request(
                 await _leave(arrivals, leaving)
     await leaving.done.wait()  # the verifier has kept the last accepted path
     await npu.run(prefixes.store, request.text_tokens, *caches, request.draft_start)
+
+
+def _own_actors(
+    request: Request,
+    place: Place,
+    crew: Crew,
+    draft_cache: KVCache | None,
+    draft: Transformer | None,
+    units: tuple[ComputeUnit, ComputeUnit],
+    arrivals: trio.MemorySendChannel[Arrival],
+) -> tuple[Drafter, Projector]:
+    """A request's drafter, whose forwards the verifier runs with the batch's others, and
+    its projector."""
+    config, target, p = crew.config, crew.target, crew.policies
+    npu, cpu = units
+    jitter = _jitters(config, 2 + place.seat)
+    draft_policy = DraftPolicy(
+        p.spec,
+        p.cost,
+        p.calibrator,
+        ahead=config.draft_ahead,
+        lookup=config.lookup,
+        sampling=request.options.sampling,
+    )
+    drafter = Drafter(
+        draft,
+        draft_policy,
+        request.prompt,
+        draft_cache,
+        (cpu, npu),
+        next(jitter),
+        cached=request.reuse.tokens,
+        view=request.draft_start,
+        matcher=request.matcher.copy() if request.matcher else None,
+        seat=place.seat,
+        rounds=partial(_draft_round, arrivals, place.seat),
+    )
+    projector = Projector(
+        target.logits,
+        npu if p.eager_projection else cpu,
+        next(jitter),
+        p.eager_projection,
+        request.options.sampling,
+        request.options.top_logprobs,
+        request.matcher,
+    )
+    return drafter, projector
+
+
+async def _draft_round(arrivals, seat: int, round: Round) -> None:
+    """A draft forward, run by the verifier with those of the batch's other requests."""
+    done = trio.Event()
+    await arrivals.send(DraftRound(step=-1, seat=seat, round=round, done=done))
+    await done.wait()
+    if round.error is not None:
+        raise round.error
 
 
 async def _leave(arrivals, message: LeaveSeat) -> None:

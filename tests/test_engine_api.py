@@ -25,6 +25,7 @@ from lever_actors.actors.verifier import Verifier
 from lever_actors.channels.messages import (
     Commit,
     DraftRequest,
+    DraftRound,
     DraftTree,
     ExitProbe,
     FinalHidden,
@@ -590,6 +591,7 @@ MESSAGE_CHANNELS = {
     DraftTree: {"arrivals"},
     TakeSeat: {"arrivals"},
     LeaveSeat: {"arrivals"},
+    DraftRound: {"arrivals"},
     LayerWeights: {"layers"},
     SlotRelease: {"releases"},
     ExitProbe: {"probes"},

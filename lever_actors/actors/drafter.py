@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,13 @@ from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.copies import copied_chain
 from lever_actors.policy.cost_model import Beside, CostModel
 from lever_actors.policy.lookup import LOOKUP_RANK, ContextIndex
-from lever_actors.policy.trees import GainCostGrowth, TreeBuilder, grow_gain_cost, grow_static
+from lever_actors.policy.trees import (
+    GainCostGrowth,
+    Round,
+    TreeBuilder,
+    grow_gain_cost,
+    grow_static,
+)
 
 # Draft forwards of at most this many nodes go to the "cpu" unit, wider ones to the batched
 # "npu" unit (on a machine without an accelerator both are CPU worker threads).
@@ -30,6 +37,10 @@ SMALL_BATCH = 4
 # Nodes per draft-ahead round: no dearer than one, and small enough for the "cpu" unit, which
 # leaves the "npu" unit to the verifier.
 AHEAD_WIDTH = SMALL_BATCH
+
+
+# runs one draft forward with other requests' (wiring.py: through the verifier)
+RunRound = Callable[[Round], Awaitable[None]]
 
 
 @dataclass
@@ -72,14 +83,17 @@ class Drafter:
         view: int = 0,
         matcher: Matcher | None = None,
         seat: int = 0,
+        rounds: RunRound | None = None,
     ) -> None:
         """`cache`: the draft's (None without a draft model), which holds the KV of the
         prompt's tokens from `view` on, if any; `cached`: the prompt's first tokens whose KV
         the target's cache already holds; `matcher`: the request's grammar (a copy of the
         projector's), which the drafter moves along the committed text; `seat`: the
-        request's in the verifier's batch, on each tree."""
+        request's in the verifier's batch, on each tree; `rounds`: runs a draft forward
+        with the batch's other requests' (else it runs on our units alone)."""
         self.model = model
         self.seat = seat
+        self.rounds = rounds
         self.policy = policy
         self.cpu, self.npu = units
         self.jitter = jitter
@@ -152,9 +166,19 @@ class Drafter:
                 pass
 
     async def _run(self, nodes: list[int]) -> None:
-        unit = self.cpu if len(nodes) <= SMALL_BATCH else self.npu
         assert self.builder is not None  # the tree being drafted
-        await unit.run(self.builder.run, nodes)
+        await self._forward(self.builder, nodes)
+
+    async def _forward(self, builder: TreeBuilder, nodes: list[int] | None) -> None:
+        """A draft forward: a round of `nodes`, or (None) the step's first, of the backlog
+        and the chain; with the batch's others where `rounds` runs them."""
+        if self.rounds is not None:
+            await self.rounds(Round(builder, nodes, self.backlog if nodes is None else []))
+        elif nodes is None:
+            await self.npu.run(builder.run_chain, self.backlog)
+        else:
+            unit = self.cpu if len(nodes) <= SMALL_BATCH else self.npu
+            await unit.run(builder.run, nodes)
 
     async def draft(self, request: DraftRequest) -> DraftTree:
         started = time.perf_counter()
@@ -181,7 +205,7 @@ class Drafter:
                 unviewed=self.unviewed,
                 matcher=self.matcher,
             )
-            await self.npu.run(builder.run_chain, self.backlog)
+            await self._forward(builder, None)
             self.backlog, self.unviewed = [], 0
         carried = len(builder.tokens) - builder.n_chain
         self.builder = builder

@@ -1,5 +1,6 @@
 """The verifier actor: runs the flash-resident target over the trees of every request in
-the batch, layer by layer, each arriving layer applied to all their rows in one job."""
+the batch, layer by layer, each arriving layer applied to all their rows in one job; and,
+between passes, the draft forwards of the requests still drafting, together."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import trio
 from lever_actors.actors.jitter import Jitter
 from lever_actors.channels.messages import (
     Commit,
+    DraftRound,
     DraftTree,
     ExitProbe,
     FinalHidden,
@@ -27,13 +29,14 @@ from lever_actors.model.layers import Block, batch_layers_forward
 from lever_actors.model.placement import Placement, tree_placement
 from lever_actors.model.tree import TokenTree
 from lever_actors.policy.pruning import ProbeWhen, always
+from lever_actors.policy.trees import run_rounds
 from lever_actors.progress import Progress
 from lever_actors.target import FlashTarget
 
 # committed tokens from which a pass counts as a prefill that reports progress
 PREFILL_SHOWN = 256
-# the ends a request's trees arrive on, together with its comings and goings
-Arrival = DraftTree | TakeSeat | LeaveSeat
+# what a request sends the verifier: its comings and goings, its draft forwards, its trees
+Arrival = DraftTree | DraftRound | TakeSeat | LeaveSeat
 
 
 @dataclass
@@ -131,26 +134,40 @@ class Verifier:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        # a request's ends stay open if we fail: it learns of the failure from the batch
-        # (wiring.Crew), not from an end of its channels
-        with inbox.arrivals, inbox.layers, inbox.prune_verdicts:
-            with outbox.releases, outbox.probes:
-                task_status.started()
-                await self._serve({}, inbox, outbox)
+        seats: dict[int, Seat] = {}
+        try:
+            with inbox.arrivals, inbox.layers, inbox.prune_verdicts:
+                with outbox.releases, outbox.probes:
+                    task_status.started()
+                    await self._serve(seats, inbox, outbox)
+        finally:  # those whose leaving we never read (a request whose crew failed hears
+            for seat in seats.values():  # of it from the batch before its ends close)
+                seat.close()
 
     async def _serve(self, seats: dict[int, Seat], inbox: VerifierInbox, outbox: VerifierOutbox):
         trees: dict[int, DraftTree] = {}  # the next pass's, by seat
+        rounds: dict[int, DraftRound] = {}  # draft forwards waiting for the others', by seat
         async for message in inbox.arrivals:
             if isinstance(message, TakeSeat):
                 seats[message.seat] = Seat.taken(message)
             elif isinstance(message, LeaveSeat):
                 trees.pop(message.seat, None)
+                rounds.pop(message.seat, None)
                 if (seat := seats.pop(message.seat, None)) is not None:
-                    await self._let_go(seat)
+                    try:
+                        await self._let_go(seat)
+                    finally:
+                        seat.close()
                 message.done.set()
+            elif isinstance(message, DraftRound):
+                rounds[message.seat] = message
             elif (seat := seats.get(message.seat)) is not None:  # else its request is gone
                 await seat.take_commit()
                 trees[message.seat] = message
+            drafting = [s for s in seats if s not in trees]
+            if rounds and all(s in rounds for s in drafting):  # no other round is coming
+                await self._draft(list(rounds.values()))
+                rounds = {}
             if trees and len(trees) == len(seats):  # every request's next tree is here
                 await self.jitter()
                 batch = [_Tree(s, seats[s], trees[s], _token_tree(trees[s])) for s in sorted(trees)]
@@ -158,12 +175,22 @@ class Verifier:
                 for gone in await self._verify(batch, inbox, outbox):
                     seats.pop(gone).close()
 
+    async def _draft(self, asked: list[DraftRound]) -> None:
+        """The draft forwards of every request still drafting, in one job; a failure is
+        each one's to raise."""
+        try:
+            await self.unit.run(run_rounds, [message.round for message in asked])
+        except Exception as error:
+            for message in asked:
+                message.round.error = error
+        for message in asked:
+            message.done.set()
+
     async def _let_go(self, seat: Seat) -> None:
         """A request that ended: its last accepted path kept, for the prefix cache."""
         await seat.take_commit()
         if seat.kept is not None:
             await self.unit.run(seat.cache.keep, seat.kept)
-        seat.close()
 
     async def _verify(
         self, batch: list[_Tree], inbox: VerifierInbox, outbox: VerifierOutbox

@@ -53,6 +53,16 @@ class TakeSeat(Message, frozen=True):
     progress: Any = None  # Progress | None: hears of a long prefill's layers
 
 
+class DraftRound(Message, frozen=True):
+    """drafter -> verifier: run this draft forward (a policy.trees.Round) with those of the
+    other requests still drafting, in one job; then `done` (a trio.Event) is set, and the
+    round holds its error if it failed."""
+
+    seat: int
+    round: Any
+    done: Any
+
+
 class LeaveSeat(Message, frozen=True):
     """engine -> verifier: the request has ended; its last commit is kept in its cache
     (if it sent one), its ends closed, then `done` (a trio.Event) is set."""

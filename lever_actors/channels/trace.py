@@ -17,6 +17,7 @@ import trio
 from lever_actors.channels.messages import (
     Commit,
     DraftRequest,
+    DraftRound,
     DraftTree,
     ExitProbe,
     FinalHidden,
@@ -40,6 +41,7 @@ AnyMessage = (
     | Commit
     | TakeSeat
     | LeaveSeat
+    | DraftRound
 )
 
 

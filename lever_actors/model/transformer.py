@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
 
 from lever_actors.model.args import ModelArgs
 from lever_actors.model.kv_cache import KVCache
-from lever_actors.model.layers import embedding, layers_forward, output_logits
+from lever_actors.model.layers import (
+    Block,
+    batch_layers_forward,
+    embedding,
+    layers_forward,
+    output_logits,
+)
 from lever_actors.model.placement import Placement, chain_placement
 from lever_actors.model.rope import Rope
 from lever_actors.model.weights import ModelWeights, cuts_into_rows, row_range
@@ -58,6 +64,18 @@ class Transformer:
             if pause is not None:
                 pause()
         return x
+
+    @torch.inference_mode()
+    def forward_blocks(
+        self, tokens: Sequence[torch.Tensor], blocks: Sequence[Block]
+    ) -> list[torch.Tensor]:
+        """Several sequences' pending tokens, tokens[i]: [n_i] placed in blocks[i] (its own
+        KV cache and placement) -> each one's final hidden states [n_i, d_model], their rows
+        through each layer together."""
+        xs = [embedding(self.weights.embed[t], self.args) for t in tokens]
+        for i, layer in enumerate(self.weights.layers):
+            xs = batch_layers_forward(xs, [layer], self.args, blocks, i)
+        return xs
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from lever_actors.config import MAX_STATIC_WIDTH
 from lever_actors.model.grammar import Matcher, masked
 from lever_actors.model.kv_cache import KVCache
-from lever_actors.model.placement import Placement
+from lever_actors.model.placement import Placement, chain_placement
 from lever_actors.model.sampling import Chooser
 from lever_actors.model.transformer import Transformer
 from lever_actors.model.tree import TokenTree
@@ -124,6 +124,17 @@ class TreeBuilder:
         """Blocking: run the draft model on `nodes` (ancestors already run) in one batch;
         each gets its children's distribution. `pause`: as `Transformer.forward`'s; where it
         raises (units.Abandoned), `nodes` stay unrun and their slots free, the error raised."""
+        tokens, place = self.placed(nodes)
+        try:
+            hidden = self.model.forward(tokens, self.cache, place, pause)
+        except BaseException:
+            self.unplaced(nodes)
+            raise
+        self.ran(nodes, hidden, place)
+
+    def placed(self, nodes: list[int]) -> tuple[torch.Tensor, Placement]:
+        """`nodes` given the next slots of the cache's pending block: their tokens [n] and
+        placement, for a draft forward."""
         tree = TokenTree(tuple(self.tokens), tuple(self.parents))
         for node in nodes:
             self.offsets[node] = len(self.offsets)
@@ -136,25 +147,36 @@ class TreeBuilder:
         mask = torch.cat((torch.ones(len(nodes), context, dtype=torch.bool), visible), dim=1)
         offsets = torch.tensor([self.offsets[n] for n in nodes])
         place = Placement(positions, cos, sin, mask, offsets, len(columns))
-        tokens = torch.tensor([self.tokens[n] for n in nodes])
-        try:
-            hidden = self.model.forward(tokens, self.cache, place, pause)
-        except BaseException:
-            for node in nodes:  # the last slots given: what they hold is written over later
-                del self.offsets[node]
-            raise
+        return torch.tensor([self.tokens[n] for n in nodes]), place
+
+    def unplaced(self, nodes: list[int]) -> None:
+        """A forward of `nodes` failed: they stay unrun, their slots free."""
+        for node in nodes:  # the last slots given: what they hold is written over later
+            del self.offsets[node]
+
+    def ran(self, nodes: list[int], hidden: torch.Tensor, place: Placement) -> None:
+        """The draft forward of `nodes` gave their final hidden states [n, d_model]."""
         self.rounds.append(len(nodes))
-        self._rank_children(nodes, hidden, positions)
+        self._rank_children(nodes, hidden, place.positions)
 
     def run_chain(self, unseen: list[int]) -> None:
         """Blocking: a step's first draft forward, before any draft node: `unseen` (committed
         tokens the draft never ran, the accepted path's deepest nodes) and then the chain,
         in one batch, since two rows cost about a third more than one, not twice. `unseen`
         is committed to the cache; the chain's last node gets its children."""
+        tokens, place = self.chain_placed(unseen)
+        self.chain_ran(unseen, self.model.forward(tokens, self.cache, place))
+
+    def chain_placed(self, unseen: list[int]) -> tuple[torch.Tensor, Placement]:
+        """The step's first forward: `unseen`, then the chain, after the committed context."""
+        tokens = torch.tensor([*unseen, *self.tokens[self.unviewed : self.n_chain]])
+        place = chain_placement(self.model.rope, self.cache.length, len(tokens), self.model.dtype)
+        return tokens, place
+
+    def chain_ran(self, unseen: list[int], hidden: torch.Tensor) -> None:
+        """The step's first forward gave its final hidden states."""
         chain = list(range(self.unviewed, self.n_chain))
         self.rounds.append(len(unseen) + len(chain))
-        tokens = torch.tensor([*unseen, *self.tokens[self.unviewed : self.n_chain]])
-        hidden = self.model.forward(tokens, self.cache)  # a chain after the committed context
         self.cache.commit(len(unseen))  # the chain's entries now open the pending block
         self.offsets = {node: slot for slot, node in enumerate(chain)}
         last = torch.tensor([self.cache.length + len(chain) - 1])  # its position
@@ -200,6 +222,48 @@ class TreeBuilder:
             top = [token for _, token in best.best(SHADOWS + len(taken))]
             out.append(tuple(t for t in top if t not in taken)[:SHADOWS])
         return tuple(out)
+
+
+@dataclass
+class Round:
+    """One draft forward of a tree under construction: a round of its `nodes`, or (None)
+    the step's first, of the `unseen` committed tokens and the chain."""
+
+    builder: TreeBuilder
+    nodes: list[int] | None
+    unseen: list[int] = field(default_factory=list)
+    error: BaseException | None = None  # where the forward failed
+
+    def placed(self) -> tuple[torch.Tensor, Placement]:
+        b = self.builder
+        return b.chain_placed(self.unseen) if self.nodes is None else b.placed(self.nodes)
+
+    def ran(self, hidden: torch.Tensor, place: Placement) -> None:
+        if self.nodes is None:
+            self.builder.chain_ran(self.unseen, hidden)
+        else:
+            self.builder.ran(self.nodes, hidden, place)
+
+    def unplaced(self) -> None:
+        if self.nodes is not None:
+            self.builder.unplaced(self.nodes)
+
+
+def run_rounds(rounds: list[Round]) -> None:
+    """Blocking: the draft forwards of several trees (of one draft model, each with its own
+    cache) as one: each layer's weights read once for all their rows."""
+    model = rounds[0].builder.model
+    assert all(r.builder.model is model for r in rounds)  # one engine's draft
+    placed = [r.placed() for r in rounds]
+    try:
+        blocks = [(r.builder.cache, place) for r, (_, place) in zip(rounds, placed, strict=True)]
+        hidden = model.forward_blocks([tokens for tokens, _ in placed], blocks)
+    except BaseException:
+        for r in rounds:
+            r.unplaced()
+        raise
+    for r, h, (_, place) in zip(rounds, hidden, placed, strict=True):
+        r.ran(h, place)
 
 
 async def grow_static(
