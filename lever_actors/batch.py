@@ -108,7 +108,7 @@ class Batch:
     def beside(self, place: Place) -> Beside:
         """The other places' last trees: what a pass will verify beside this one's."""
         others = [p.last for seat, p in self.places.items() if seat != place.seat]
-        return Beside(sum(b.rows for b in others), sum(b.tokens for b in others))
+        return Beside(len(others), sum(b.rows for b in others), sum(b.tokens for b in others))
 
     def fail(self, error: BaseException) -> None:
         """An actor every request shares has failed: each placed request ends with `error`

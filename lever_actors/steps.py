@@ -57,6 +57,7 @@ async def run_steps(
             DraftRequest(
                 step=step,
                 max_nodes=policies.spec.max_nodes,
+                beside_requests=beside.requests,
                 beside_rows=beside.rows,
                 beside_tokens=beside.tokens,
             )
@@ -95,7 +96,7 @@ async def run_steps(
             read_seconds=reads.read_seconds - read_seconds_before,
         )
         request.steps.append(stats)
-        place.last = Beside(stats.tree_nodes, emitted)
+        place.last = Beside(0, stats.tree_nodes, emitted)
         if policies.cost is not None:
             policies.cost.observe(stats)
         commit = Commit(step=step, accepted=verdict.accepted, next_tokens=verdict.tokens[-1:])

@@ -133,7 +133,13 @@ class Crew:
         jitter = _jitters(config)
         prefetcher = Prefetcher(target.store, target.plan, target.resident_layers)
         verifier = Verifier(
-            target, p.exit_layer, self.npu, next(jitter), config.audit_every, p.probe_when
+            target,
+            p.exit_layer,
+            self.npu,
+            next(jitter),
+            config.audit_every,
+            p.probe_when,
+            project_chains=not p.eager_projection,
         )
         # the verifier's unit, idle while it awaits the verdict; the policy is looked up at
         # each probe, since the crew outlives a swap (the engine's close lets go of the lens)

@@ -183,7 +183,7 @@ class Drafter:
     async def draft(self, request: DraftRequest) -> DraftTree:
         started = time.perf_counter()
         spec = self.policy.spec
-        beside = Beside(request.beside_rows, request.beside_tokens)
+        beside = Beside(request.beside_requests, request.beside_rows, request.beside_tokens)
         if spec.kind == "none":  # autoregressive: the tree is the committed chain
             return self._chain_tree(request, [], started)
         if spec.kind == "lookup":  # the chain, then copies of the text below it

@@ -67,7 +67,9 @@ class Projector:
         message = final.tree
         tree = TokenTree(message.tokens, message.parents)
         row = {node: i for i, node in enumerate(final.nodes)}
-        logits: dict[int, torch.Tensor] = {}  # node -> its logits [vocab]
+        # node -> its logits [vocab]: the predicted chain's came with the pass, projected
+        # with the batch's other trees' (one read of the LM head for all)
+        logits: dict[int, torch.Tensor] = dict(final.logits)
         if self.eager:  # the walk starts at the last committed node: none before it matter
             walkable = [n for n in final.nodes if n >= message.n_committed - 1]
             self._project(final, walkable, row, logits)
@@ -78,7 +80,7 @@ class Projector:
         from_draft: list[bool] = []
         while True:
             if node not in logits:
-                chain = _predicted_chain(tree, message.draft_ranks, row, node)
+                chain = tree.predicted_chain(node, message.draft_ranks, row)
                 self._project(final, chain, row, logits)
             token = self._choose(logits[node], int(positions[node]))
             child = next(
@@ -142,15 +144,3 @@ class Projector:
         if self.matcher is not None:
             self.matcher.consume(token)
         return token
-
-
-def _predicted_chain(
-    tree: TokenTree, ranks: tuple[int, ...], row: dict[int, int], node: int
-) -> list[int]:
-    """`node` and, below it, each time the live child the drafter ranked best."""
-    chain = [node]
-    while True:
-        live = [c for c in tree.children(chain[-1]) if c in row]
-        if not live:
-            return chain
-        chain.append(min(live, key=lambda c: ranks[c]))

@@ -118,8 +118,12 @@ class Verifier:
         jitter: Jitter,
         audit_every: int = 0,
         probe_when: ProbeWhen = always,
+        project_chains: bool = False,
     ) -> None:
         self.target = target
+        # project each tree's predicted chain at the pass's end, all trees' in one read of
+        # the LM head (not where the head streams: the projector reads it once a step)
+        self.project_chains = project_chains
         self.exit_layer = exit_layer  # None: no probes, the pruner is out of the loop
         self.probe_when = probe_when  # tree nodes -> whether this pass probes at exit_layer
         self.unit = unit
@@ -245,10 +249,14 @@ class Verifier:
                 for t in batch:
                     if t.probes:
                         await self._prune(t, layer - 1, inbox, outbox)
+        projected: list[dict[int, torch.Tensor]] = [{} for _ in batch]
+        if self.project_chains:
+            projected, seconds = await self.unit.run_timed(_chains_projected, self.target, batch)
+            compute += seconds
         gone = []
         rows = sum(len(t.tree) for t in batch)
-        for t in batch:
-            final = await self._final(t, io_wait, compute, rows, len(batch))
+        for t, logits in zip(batch, projected, strict=True):
+            final = await self._final(t, io_wait, compute, rows, len(batch), logits)
             try:
                 await t.seat.finals.send(final)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -258,7 +266,13 @@ class Verifier:
         return gone
 
     async def _final(
-        self, t: _Tree, io_wait: float, compute: float, rows: int, requests: int
+        self,
+        t: _Tree,
+        io_wait: float,
+        compute: float,
+        rows: int,
+        requests: int,
+        logits: dict[int, torch.Tensor],
     ) -> FinalHidden:
         """A tree's last-layer hidden states with the pass's figures."""
         assert t.x is not None  # set by the pass's first job
@@ -278,6 +292,7 @@ class Verifier:
             would_drop=t.would_drop,
             pass_rows=rows,
             pass_requests=requests,
+            logits=logits,
         )
 
     async def _rows(self, x: torch.Tensor, live: list[int]) -> torch.Tensor:
@@ -357,6 +372,20 @@ def _first_layers(
         blocks.append((cache, tree_placement(target.rope, cache.length, t.tree, target.dtype)))
     out = batch_layers_forward(xs, layers, target.args, blocks, 0)
     return [(x, place, n) for x, (_, place), n in zip(out, blocks, contexts, strict=True)]
+
+
+def _chains_projected(target: FlashTarget, batch: list[_Tree]) -> list[dict[int, torch.Tensor]]:
+    """Each tree's predicted chain from its last committed node, projected to logits in
+    one batch for all: node -> [vocab]."""
+    chains, rows = [], []
+    for t in batch:
+        assert t.x is not None  # the pass has run
+        live = set(t.live)
+        chain = t.tree.predicted_chain(t.message.n_committed - 1, t.message.draft_ranks, live)
+        chains.append(chain)
+        rows.append(t.x[chain])
+    logits = target.logits(torch.cat(rows)).split([len(c) for c in chains])
+    return [dict(zip(c, lg, strict=True)) for c, lg in zip(chains, logits, strict=True)]
 
 
 def _apply_layers(batch: list[_Tree], layers: list, args, first: int) -> list[torch.Tensor]:

@@ -18,8 +18,10 @@ class DraftRequest(Message, frozen=True):
     """engine -> drafter: build the tree for this step from the committed context."""
 
     max_nodes: int  # hard cap on draft nodes (not counting the committed chain)
-    # the other requests in the pass, as of their last steps: their tree nodes and the
-    # tokens those gave (a tree is sized for the pass's rows and all its requests' tokens)
+    # the other requests in the pass, as of their last steps: how many, their tree nodes
+    # and the tokens those gave (a tree is sized for the pass's rows and all its requests'
+    # tokens)
+    beside_requests: int = 0
     beside_rows: int = 0
     beside_tokens: float = 0.0
 
@@ -116,6 +118,9 @@ class FinalHidden(Message, frozen=True):
     would_drop: tuple[int, ...]  # on an audit step: the nodes the pruner dropped
     pass_rows: int = 0  # every request's tree nodes in the pass
     pass_requests: int = 1  # requests whose trees the pass verified
+    # node -> its logits [vocab], for the predicted chain from the last committed node
+    # (the drafter's first-ranked live children), where the pass projected it
+    logits: dict[int, Any] = {}
 
 
 class StepStats(msgspec.Struct, frozen=True):

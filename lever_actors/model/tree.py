@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +64,15 @@ class TokenTree:
             path.append(node)
             node = self.parents[node]
         return path[::-1]
+
+    def predicted_chain(self, node: int, ranks: Sequence[int], live: Container[int]) -> list[int]:
+        """`node` and, below it, each time the `live` child the drafter ranked best."""
+        chain = [node]
+        while True:
+            below = [c for c in self.children(chain[-1]) if c in live]
+            if not below:
+                return chain
+            chain.append(min(below, key=lambda c: ranks[c]))
 
     def without(self, dropped: Sequence[int]) -> list[bool]:
         """alive[i]: False for dropped nodes and all their descendants."""

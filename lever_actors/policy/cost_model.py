@@ -63,9 +63,10 @@ class Curve(msgspec.Struct):
 
 
 class Beside(NamedTuple):
-    """The other requests in a pass, as of their last steps: their tree nodes, and the
-    tokens those gave."""
+    """The other requests in a pass, as of their last steps: how many, their tree nodes,
+    and the tokens those gave."""
 
+    requests: int = 0
     rows: int = 0
     tokens: float = 0.0
 
@@ -122,11 +123,17 @@ class CostModel(msgspec.Struct):
         most = (self.pass_compute_seconds(nodes) - self.pass_compute_seconds(1)) * share_after_exit
         return most > self.probe_seconds
 
-    def step_seconds(self, nodes: int, draft_rounds: list[int], expected_tokens: float) -> float:
-        """Predicted step time: drafting, then verification overlapped with its flash reads,
-        then projection along the expected accepted path (or, with a streamed head, of
-        every node in one pass over it)."""
-        drafting = sum(self.draft(width) for width in draft_rounds)
+    def step_seconds(
+        self,
+        nodes: int,
+        draft_rounds: list[int],
+        expected_tokens: float,
+        drafting_together: int = 1,
+    ) -> float:
+        """Predicted step time: drafting (its rounds shared by `drafting_together` trees),
+        then verification overlapped with its flash reads, then projection along the
+        expected accepted path (or, with a streamed head, of every node in one pass over it)."""
+        drafting = sum(self.draft(width) for width in draft_rounds) / drafting_together
         compute, io = self.pass_compute_seconds(nodes), self.io_seconds
         verifying = max(io, compute) + self.overlap * min(io, compute)
         projecting = self.head_read_seconds + self.project_seconds * (
@@ -139,11 +146,12 @@ class CostModel(msgspec.Struct):
     ) -> float:
         """Predicted tokens per second of a pass: a tree of `nodes` that gives
         `expected_tokens`, verified with the rows of the requests `beside` it, whose tokens
-        count too (a node slows every request in the pass)."""
+        count too (a node slows every request in the pass). Their draft rounds run with
+        ours, a forward for all (a few rows cost about what one does): a round's time is
+        shared among them."""
         rows = nodes + beside.rows
-        return (expected_tokens + beside.tokens) / self.step_seconds(
-            rows, draft_rounds, expected_tokens
-        )
+        seconds = self.step_seconds(rows, draft_rounds, expected_tokens, 1 + beside.requests)
+        return (expected_tokens + beside.tokens) / seconds
 
     def observe(self, step: StepStats) -> None:
         """Correct the beliefs with one finished step: its drafting and compute times, its
