@@ -1,8 +1,8 @@
 """The engine: loads the models once (loading.py), then serves requests, several at once
 (batch.py), wiring the actors (wiring.py).
 
-The prefetcher, the verifier and the pruner serve every request for the engine's life. Each
-request runs its drafter, projector and step loop in a nursery of its own, inside the
+The prefetcher, the verifier and the pruner serve the requests in the batch while it has
+any (wiring.Crew). Each request runs its drafter, projector and step loop in a nursery of its own, inside the
 engine's nursery, so that a request that ends early (break, cancellation, an error) takes
 them and its channels with it. What a finished one leaves is its text's KV, in the prefix
 cache (prefix_cache.py).

@@ -52,8 +52,8 @@ from lever_actors.sequences import Request, new_caches
 from lever_actors.steps import run_steps
 from lever_actors.target import FlashTarget
 
-# a request's messages to the verifier that may be in flight at once: its seat, its tree
-# and its leaving, so that leaving never waits
+# a request's messages to the verifier that may be in flight at once: its seat, its tree or
+# a draft forward (one at a time), and its leaving, so that leaving never waits
 ARRIVALS_PER_REQUEST = 3
 
 

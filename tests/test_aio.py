@@ -1,6 +1,7 @@
 """The engine under asyncio (`lever_actors.aio`): exact output through stream and generate,
-cancellation by break and by task cancel, errors raised as themselves, requests after the
-block refused, and requests still running when it ends failed."""
+gathered requests decoding together, cancellation by break and by task cancel, errors
+raised as themselves, requests after the block refused, and requests still running when
+it ends failed."""
 
 from __future__ import annotations
 
@@ -53,6 +54,27 @@ def test_stream_and_generate_are_exact_under_asyncio(config):
     assert streamed == expected(config)
     assert sampled.tokens == expected(config, sampling)
     assert sampled.finish_reason == "length"
+
+
+def test_requests_gathered_under_asyncio_decode_together_each_exact(config):
+    prompts = [PROMPT, [2, 7, 1, 8], [9, 4]]
+    sampling = Sampling(temperature=0.8, seed=5)
+
+    async def main():
+        async with AsyncEngine.open(msgspec.structs.replace(config, parallel=3)) as engine:
+            return await asyncio.gather(
+                *(
+                    engine.generate(p, max_new_tokens=NEW, **msgspec.structs.asdict(sampling))
+                    for p in prompts
+                )
+            )
+
+    results = run(main)
+    assert max(s.pass_requests for s in results[0].steps) == 3  # really at once
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.tokens == reference_tokens(
+            Path(config.target), prompt, NEW, sampling=sampling
+        )
 
 
 def test_break_and_task_cancellation_end_the_request_and_the_next_is_exact(config):

@@ -148,7 +148,9 @@ class Verifier:
             for seat in seats.values():  # of it from the batch before its ends close)
                 seat.close()
 
-    async def _serve(self, seats: dict[int, Seat], inbox: VerifierInbox, outbox: VerifierOutbox):
+    async def _serve(
+        self, seats: dict[int, Seat], inbox: VerifierInbox, outbox: VerifierOutbox
+    ) -> None:
         trees: dict[int, DraftTree] = {}  # the next pass's, by seat
         rounds: dict[int, DraftRound] = {}  # draft forwards waiting for the others', by seat
         async for message in inbox.arrivals:

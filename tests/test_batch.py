@@ -1,0 +1,110 @@
+"""The batch's places (batch.py): arrival order, at most `parallel`, the KV room held, a
+request cancelled in line leaving no trace, and a shared failure reaching every place."""
+
+from __future__ import annotations
+
+import trio
+
+from lever_actors.batch import MAX_AUTO_PARALLEL, Batch, parallel_of
+from lever_actors.config import EngineConfig
+from lever_actors.context import Context
+from lever_actors.policy.cost_model import Beside
+
+TIMEOUT = 10
+
+
+async def hold(batch: Batch, name: str, kv: int, order: list, release: trio.Event) -> None:
+    async with batch.place(kv) as place:
+        order.append((name, place.seat))
+        await release.wait()
+
+
+async def test_places_go_in_arrival_order_within_parallel_and_the_kv_room():
+    batch = Batch(parallel=2, room_tokens=100)
+    order: list = []
+    releases = {name: trio.Event() for name in "abcd"}
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            for name, kv in zip("abcd", (40, 40, 10, 10), strict=True):
+                nursery.start_soon(hold, batch, name, kv, order, releases[name])
+                await trio.sleep(0.01)  # in this order
+            assert [n for n, _ in order] == ["a", "b"]  # two places
+            assert (batch.active, batch.queued) == (2, 2)
+            releases["a"].set()
+            await trio.sleep(0.01)
+            assert [n for n, _ in order] == ["a", "b", "c"]  # c in a's place, d behind it
+            releases["b"].set()
+            await trio.sleep(0.01)
+            assert [n for n, _ in order] == ["a", "b", "c", "d"]
+            for release in releases.values():
+                release.set()
+    assert [seat for _, seat in order] == [0, 1, 2, 3]
+    assert (batch.active, batch.queued) == (0, 0)
+
+
+async def test_a_request_waits_while_its_kv_does_not_fit_beside_the_others():
+    batch = Batch(parallel=4, room_tokens=100)
+    order: list = []
+    releases = [trio.Event() for _ in range(3)]
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hold, batch, "big", 80, order, releases[0])
+            await trio.sleep(0.01)
+            nursery.start_soon(hold, batch, "fits-not", 30, order, releases[1])
+            await trio.sleep(0.01)
+            nursery.start_soon(hold, batch, "small", 10, order, releases[2])  # fits, but waits
+            await trio.sleep(0.01)
+            assert [n for n, _ in order] == ["big"]  # arrival order: nobody overtakes
+            releases[0].set()
+            await trio.sleep(0.01)
+            assert [n for n, _ in order] == ["big", "fits-not", "small"]
+            for release in releases:
+                release.set()
+
+
+async def test_a_request_alone_always_gets_a_place_whatever_its_kv():
+    batch = Batch(parallel=2, room_tokens=10)
+    with trio.fail_after(TIMEOUT):
+        async with batch.place(500) as place:
+            assert place.seat == 0 and batch.active == 1
+
+
+async def test_a_request_cancelled_in_line_leaves_it():
+    batch = Batch(parallel=1, room_tokens=100)
+    order: list = []
+    first = trio.Event()
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hold, batch, "a", 10, order, first)
+            await trio.sleep(0.01)
+            with trio.move_on_after(0.05):
+                async with batch.place(10):
+                    raise AssertionError("no place while a holds the only one")
+            assert batch.queued == 0  # gone from the line
+            first.set()
+    async with batch.place(10) as place:
+        assert place.seat == 1  # the cancelled one never took a seat
+
+
+async def test_beside_sums_the_other_places_last_trees_and_fail_reaches_each():
+    batch = Batch(parallel=3, room_tokens=100)
+    error = RuntimeError("the verifier broke")
+    with trio.fail_after(TIMEOUT):
+        async with batch.place(10) as a, batch.place(10) as b, batch.place(10) as c:
+            a.last, b.last, c.last = Beside(0, 5, 2.0), Beside(0, 7, 3.0), Beside(0, 1, 1.0)
+            assert batch.beside(a) == Beside(2, 8, 4.0)
+            batch.fail(error)
+            batch.fail(RuntimeError("a peer that saw its channel close"))
+            assert [p.failure for p in (a, b, c)] == [error] * 3  # the first one's
+            assert all(p.scope.cancel_called for p in (a, b, c))
+
+
+def test_parallel_is_the_config_s_or_what_the_kv_room_holds():
+    def context(free_bytes: int) -> Context:
+        return Context(512, 32768, 1024, 2**30, free_bytes, asked=False)
+
+    assert parallel_of(EngineConfig(target="t", parallel=3), context(0)) == 3
+    auto = EngineConfig(target="t")
+    assert parallel_of(auto, context(0)) == 1
+    assert parallel_of(auto, context(2 * 3 * 1024 * 1024)) == 3  # half of it: 3,072 tokens
+    assert parallel_of(auto, context(2**34)) == MAX_AUTO_PARALLEL
