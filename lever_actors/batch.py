@@ -41,9 +41,11 @@ class Place:
 
     seat: int  # its number in the verifier's batch: in arrival order
     kv_tokens: int  # the KV it may fill
-    # cancelled, with `failure` set, when an actor the batch shares fails
+    # cancelled, with `failure` set, when an actor of the crew it joined fails
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     failure: BaseException | None = None
+    # the crew it joined (that crew's end: wiring.Crew), until the verifier let it go
+    crew: trio.Event | None = None
     last: Beside = Beside()  # its last tree's nodes and the tokens they gave
 
 
@@ -86,6 +88,7 @@ class Batch:
         except BaseException:
             if waiter.place is None:
                 self._line.remove(waiter)
+                self._admit()  # those behind it may fit now
             else:  # admitted as it was cancelled
                 self._leave(waiter.place)
             raise
@@ -110,10 +113,13 @@ class Batch:
         others = [p.last for seat, p in self.places.items() if seat != place.seat]
         return Beside(len(others), sum(b.rows for b in others), sum(b.tokens for b in others))
 
-    def fail(self, error: BaseException) -> None:
-        """An actor every request shares has failed: each placed request ends with `error`
-        (the first one's: its peers may fail next, seeing their channels close)."""
+    def fail(self, error: BaseException, crew: trio.Event) -> None:
+        """An actor of `crew` has failed: each request that joined it, and that its verifier
+        has not let go of, ends with `error` (the first one's: its peers may fail next,
+        seeing their channels close)."""
         for place in self.places.values():
+            if place.crew is not crew:
+                continue
             if place.failure is None:
                 place.failure = error
             place.scope.cancel()

@@ -313,7 +313,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # most SPILLED_PROMPT_CACHE bytes), for later requests and later engines; None: nowhere
     prompt_cache_dir: str | None = None
     # a request whose consumer takes no token for this long, its buffer full, is ended
-    # (ConsumerStalledError), so that a stalled reader cannot hold the engine; None: never
+    # (ConsumerStalledError), so that a stalled reader cannot hold the batch's passes; None:
+    # never
     stall_seconds: Annotated[float, msgspec.Meta(gt=0)] | None = 60.0
     throttle: Throttle = "none"
     verify_checksums: bool = True  # every flash read, before its bytes are used

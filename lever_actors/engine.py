@@ -2,10 +2,10 @@
 (batch.py), wiring the actors (wiring.py).
 
 The prefetcher, the verifier and the pruner serve the requests in the batch while it has
-any (wiring.Crew). Each request runs its drafter, projector and step loop in a nursery of its own, inside the
-engine's nursery, so that a request that ends early (break, cancellation, an error) takes
-them and its channels with it. What a finished one leaves is its text's KV, in the prefix
-cache (prefix_cache.py).
+any (wiring.Crew). Each request runs its drafter, projector and step loop in a nursery of
+its own, inside the engine's nursery, so that a request that ends early (break,
+cancellation, an error) takes them and its channels with it. What a finished one leaves is
+its text's KV, in the prefix cache (prefix_cache.py).
 """
 
 from __future__ import annotations
@@ -340,5 +340,6 @@ class Engine:
                 if place.failure is None:  # else the channels it saw close were the crew's
                     raise
         if place.failure is not None:
-            await self.crew.ended()  # nothing of it still runs once the request raises
+            assert place.crew is not None  # the crew it joined failed
+            await place.crew.wait()  # nothing of that crew still runs once the request raises
             raise place.failure

@@ -32,7 +32,8 @@ class ContextLengthError(ConfigError):
 
 class ConsumerStalledError(LeverError, RuntimeError):
     """A request's consumer took no token for `EngineConfig.stall_seconds` while its buffer
-    was full: the engine ended the request, so that the requests behind it could run."""
+    was full: the engine ended the request, so that the others (which wait for its next
+    tree before each pass) could run."""
 
 
 class DeadlineError(LeverError, TimeoutError):

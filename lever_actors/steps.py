@@ -84,7 +84,7 @@ async def run_steps(
             except trio.TooSlowError:
                 raise ConsumerStalledError(
                     f"no token was taken for {stall_seconds:g} s: the request "
-                    "was ended, so that the next could run"
+                    "was ended, so that the others could run"
                 ) from None
             if finish is not None:
                 break

@@ -13,8 +13,9 @@ prefix cache and go back to it, holding the text's prefix, once the verifier let
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from functools import partial
+from typing import Any
 
 import trio
 
@@ -89,33 +90,45 @@ class Crew:
                         await self.batch.emptied()
                         self._close_doors()
                         nursery.cancel_scope.cancel()
-            except* Exception:
-                self._close_doors()  # the batch has heard of it (_guard)
-            ended.set()
+            except* Exception as group:  # a guarded actor's was told at once; any other now
+                self._close_doors()
+                self.batch.fail(original(group), ended)
+            finally:
+                ended.set()
 
     async def ended(self) -> None:
         """Return once the latest crew has ended, its threads too."""
         await self._ended.wait()
 
+    async def join(self, place: Place) -> trio.MemorySendChannel[Arrival]:
+        """A placed request's end of the verifier's arrivals, once a crew runs; the place
+        belongs to that crew from then on."""
+        await self._running.wait()
+        assert self._arrivals is not None  # set before `running`
+        place.crew = self._ended
+        return self._arrivals.clone()
+
     def _close_doors(self) -> None:
         """No request joins this crew from now on: it is ending."""
         self._arrivals, self._running = None, trio.Event()
 
-    async def _guard(self, run, inbox, outbox, *, task_status: trio.TaskStatus[None]) -> None:
+    async def _guard(
+        self,
+        run: Callable[..., Awaitable[None]],
+        inbox: Any,
+        outbox: Any,
+        *,
+        task_status: trio.TaskStatus[None],
+    ) -> None:
         """Run an actor of the crew; where it fails, before anything else runs, no request
-        joins the crew any more and those in the batch end with its error."""
+        joins the crew any more and those that joined it end with its error."""
+        crew = self._ended
         try:
             await run(inbox, outbox, task_status=task_status)
         except Exception as error:
             self._close_doors()
-            self.batch.fail(original(error))
+            self.batch.fail(original(error), crew)
             raise
-
-    async def join(self) -> trio.MemorySendChannel[Arrival]:
-        """A placed request's end of the verifier's arrivals, once the crew runs."""
-        await self._running.wait()
-        assert self._arrivals is not None  # set before `running`
-        return self._arrivals.clone()
 
     async def _start(self, nursery: trio.Nursery) -> trio.MemorySendChannel[Arrival]:
         """Start the actors; returns the send end of the verifier's arrivals."""
@@ -181,7 +194,7 @@ async def run_request(
     )
     leaving = LeaveSeat(step=-1, seat=place.seat, done=trio.Event())
     left = False
-    with await crew.join() as arrivals:
+    with await crew.join(place) as arrivals:
         drafter, projector = _own_actors(request, place, crew, caches[1], draft, units, arrivals)
         seat = TakeSeat(
             step=-1,
@@ -218,7 +231,12 @@ async def run_request(
         finally:
             if not left:
                 await _leave(arrivals, leaving)
+                # its place, and the KV room it holds, are free once the verifier lets go
+                # of its cache (or its crew ends): at most the end of the pass
+                with trio.CancelScope(shield=True):
+                    await _first_of(leaving.done, place.crew)
     await leaving.done.wait()  # the verifier has kept the last accepted path
+    place.crew = None  # no failure of the crew concerns it now
     await npu.run(prefixes.store, request.text_tokens, *caches, request.draft_start)
 
 
@@ -269,7 +287,7 @@ def _own_actors(
     return drafter, projector
 
 
-async def _draft_round(arrivals, seat: int, round: Round) -> None:
+async def _draft_round(arrivals: trio.MemorySendChannel[Arrival], seat: int, round: Round) -> None:
     """A draft forward, run by the verifier with those of the batch's other requests."""
     done = trio.Event()
     await arrivals.send(DraftRound(step=-1, seat=seat, round=round, done=done))
@@ -278,7 +296,20 @@ async def _draft_round(arrivals, seat: int, round: Round) -> None:
         raise round.error
 
 
-async def _leave(arrivals, message: LeaveSeat) -> None:
+async def _first_of(*events: trio.Event | None) -> None:
+    """Return once one of `events` is set."""
+    async with trio.open_nursery() as nursery:
+
+        async def wait(event: trio.Event) -> None:
+            await event.wait()
+            nursery.cancel_scope.cancel()
+
+        for event in events:
+            if event is not None:
+                nursery.start_soon(wait, event)
+
+
+async def _leave(arrivals: trio.MemorySendChannel[Arrival], message: LeaveSeat) -> None:
     """Tell the verifier, even from a cancelled request: there is room for it
     (ARRIVALS_PER_REQUEST), unless requests came and went in one long pass; a crew that
     failed has nobody to tell."""

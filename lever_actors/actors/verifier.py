@@ -166,7 +166,11 @@ class Verifier:
                         seat.close()
                 message.done.set()
             elif isinstance(message, DraftRound):
-                rounds[message.seat] = message
+                if message.seat in seats:
+                    rounds[message.seat] = message
+                else:  # its request has gone: nothing waits for it
+                    message.round.error = RuntimeError("the request left the batch")
+                    message.done.set()
             elif (seat := seats.get(message.seat)) is not None:  # else its request is gone
                 await seat.take_commit()
                 trees[message.seat] = message
@@ -182,13 +186,19 @@ class Verifier:
                     seats.pop(gone).close()
 
     async def _draft(self, asked: list[DraftRound]) -> None:
-        """The draft forwards of every request still drafting, in one job; a failure is
-        each one's to raise."""
+        """The draft forwards of every request still drafting, in one job. Where it fails,
+        each runs again alone, so that only the request whose forward fails raises."""
         try:
             await self.unit.run(run_rounds, [message.round for message in asked])
         except Exception as error:
-            for message in asked:
-                message.round.error = error
+            if len(asked) == 1:
+                asked[0].round.error = error
+            else:
+                for message in asked:  # a failed job leaves its rounds unrun: they may rerun
+                    try:
+                        await self.unit.run(run_rounds, [message.round])
+                    except Exception as own:
+                        message.round.error = own
         for message in asked:
             message.done.set()
 

@@ -254,12 +254,14 @@ def run_rounds(rounds: list[Round]) -> None:
     cache) as one: each layer's weights read once for all their rows."""
     model = rounds[0].builder.model
     assert all(r.builder.model is model for r in rounds)  # one engine's draft
-    placed = [r.placed() for r in rounds]
+    placed: list[tuple[torch.Tensor, Placement]] = []
     try:
+        for r in rounds:
+            placed.append(r.placed())
         blocks = [(r.builder.cache, place) for r, (_, place) in zip(rounds, placed, strict=True)]
         hidden = model.forward_blocks([tokens for tokens, _ in placed], blocks)
     except BaseException:
-        for r in rounds:
+        for r in rounds[: len(placed)]:  # those given slots
             r.unplaced()
         raise
     for r, h, (_, place) in zip(rounds, hidden, placed, strict=True):

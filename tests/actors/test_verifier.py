@@ -11,6 +11,7 @@ import msgspec
 import pytest
 import torch
 import trio
+from trio.testing import wait_all_tasks_blocked
 
 import lever_actors.actors.verifier as verifier_module
 from lever_actors.actors.jitter import Jitter
@@ -435,9 +436,9 @@ async def test_a_pass_waits_for_every_seated_request_but_not_one_that_left(targe
         async with wired.running(seats=2):
             await wired.trees.send(tree)
             await wired.send_layers(0, slots=False)
-            await trio.sleep(0.05)
-            with pytest.raises(trio.WouldBlock):  # seat 1 has sent no tree yet
-                wired.finals.receive_nowait()
+            await wait_all_tasks_blocked()
+            # seat 1 has sent no tree yet: the pass has not started, no layer is taken
+            assert wired.layers.statistics().current_buffer_used == N_LAYERS
             await wired.seats[1].commits.aclose()
             leave = LeaveSeat(step=-1, seat=1, done=trio.Event())
             await wired.trees.send(leave)
