@@ -83,7 +83,8 @@ class Engine:
         self.crew = Crew(self.batch, config, target, policies, self.npu, self.tracer)
         self.prefixes = prefixes  # finished requests' KV, for those that start the same
         self._closed = False
-        self.channels: ChannelSet | None = None  # those of the latest request, for statistics
+        # the channels of the request placed last (with several at once, any of them)
+        self.channels: ChannelSet | None = None
 
     @classmethod
     @asynccontextmanager

@@ -31,8 +31,9 @@ from lever_actors.policy.trees import (
     grow_static,
 )
 
-# Draft forwards of at most this many nodes go to the "cpu" unit, wider ones to the batched
-# "npu" unit (on a machine without an accelerator both are CPU worker threads).
+# A drafter alone (no `rounds`: its tests, a tool) runs forwards of at most this many nodes
+# on the "cpu" unit, wider ones on the batched "npu" unit (on a machine without an
+# accelerator both are CPU worker threads); in the engine the verifier runs them all.
 SMALL_BATCH = 4
 # Nodes per draft-ahead round: no dearer than one, and small enough for the "cpu" unit, which
 # leaves the "npu" unit to the verifier.

@@ -80,7 +80,7 @@ class Tracer:
 
 
 class _TracedSend:
-    """A send channel end that records each message before sending it."""
+    """A send channel end that records each message it sends."""
 
     def __init__(self, tracer: Tracer, name: str, inner) -> None:
         self.tracer, self.name, self.inner = tracer, name, inner
