@@ -6,8 +6,10 @@ profile (tests/conftest.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass
+from functools import partial
 
 import msgspec
 import trio
@@ -20,8 +22,17 @@ from lever_actors.engine import Engine
 from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.policy.trees import Round
 from lever_actors.request import GenerationOptions
-from lever_actors.testing import engine_cases, prompts, reference_tokens, samplings, trees
+from lever_actors.testing import (
+    bf16_engine_cases,
+    engine_cases,
+    prompts,
+    reference_tokens,
+    repetitive_prompts,
+    samplings,
+    trees,
+)
 from lever_actors.testing.checkpoints import TINY_ARGS, model_pair
+from lever_actors.testing.strategies import BF16_MAX_SEQUENCE, BF16_PROMPT
 
 TIMEOUT = 120
 
@@ -38,15 +49,20 @@ class Arrival:
 
 
 @st.composite
-def schedules(draw: st.DrawFn, vocab: int) -> list[Arrival]:
+def schedules(
+    draw: st.DrawFn,
+    vocab: int,
+    prompt_lists: Callable[[int], st.SearchStrategy[list[int]]] = prompts,
+    most_new: int = 16,
+) -> list[Arrival]:
     """Two to five requests arriving at random times, some of them cancelled midway."""
     return draw(
         st.lists(
             st.builds(
                 Arrival,
                 delay=st.sampled_from([0.0, 0.0, 0.01, 0.05, 0.2]),
-                prompt=prompts(vocab),
-                max_new_tokens=st.integers(1, 16),
+                prompt=prompt_lists(vocab),
+                max_new_tokens=st.integers(1, most_new),
                 sampling=st.one_of(st.just(GREEDY), samplings()),
                 leave_after=st.one_of(st.none(), st.none(), st.integers(1, 8)),
             ),
@@ -110,6 +126,27 @@ async def test_each_request_equals_its_sequential_decoding_whatever_runs_beside_
     note(f"most requests in one pass: {batched}")
     event(f"most requests in one pass: {min(batched, parallel)}")
     assert batched <= parallel
+    assert_each_sequential(config.target, schedule, seen)
+
+
+@settings(max_examples=max(1, settings.default.max_examples // 15))  # ci: 8
+@given(case=bf16_engine_cases(), parallel=st.integers(2, 4), data=st.data())
+async def test_in_bf16_and_quantized_each_request_equals_its_sequential_decoding(
+    case, parallel, data
+):
+    """bf16 targets with near-tied twin tokens, dense or quantized, whose trees mostly pass
+    32 rows, so that a pass of several trees runs the products where a kernel that is not
+    batch-invariant would round a row differently beside other requests' rows."""
+    bf16_prompts = partial(repetitive_prompts, min_size=2, max_size=BF16_PROMPT)
+    schedule = data.draw(
+        schedules(case.args.vocab_size, bf16_prompts, BF16_MAX_SEQUENCE - BF16_PROMPT),
+        label="schedule",
+    )
+    config = msgspec.structs.replace(case.engine_config(), parallel=parallel)
+    async with Engine.open(config) as engine:
+        seen = await run_schedule(engine, schedule)
+    batched = max((e.batched for events in seen.values() for e in events), default=1)
+    event(f"most requests in one pass: {batched}")
     assert_each_sequential(config.target, schedule, seen)
 
 
