@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import trio
 
+from lever_actors.channels.messages import Beside
 from lever_actors.config import EngineConfig
 from lever_actors.context import Context
-from lever_actors.policy.cost_model import Beside
 
 # a request's tokens the automatic `parallel` plans for: a chat turn with its history
 AUTO_REQUEST_TOKENS = 1024

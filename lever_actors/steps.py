@@ -15,6 +15,7 @@ import trio
 
 from lever_actors.batch import Batch, Place
 from lever_actors.channels.messages import (
+    Beside,
     Commit,
     DraftRequest,
     FinishReason,
@@ -26,7 +27,6 @@ from lever_actors.channels.stats import DecodePhase
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.device.memory import return_freed_heap
 from lever_actors.errors import ConsumerStalledError
-from lever_actors.policy.cost_model import Beside
 from lever_actors.policy.setup import Policies
 from lever_actors.sequences import Request
 from lever_actors.stop_text import StopText
@@ -52,15 +52,8 @@ async def run_steps(
     for step in range(request.options.max_new_tokens):
         step_started = time.perf_counter()
         bytes_before, read_seconds_before = reads.bytes_read, reads.read_seconds
-        beside = batch.beside(place)
         await requests.send(
-            DraftRequest(
-                step=step,
-                max_nodes=policies.spec.max_nodes,
-                beside_requests=beside.requests,
-                beside_rows=beside.rows,
-                beside_tokens=beside.tokens,
-            )
+            DraftRequest(step=step, max_nodes=policies.spec.max_nodes, beside=batch.beside(place))
         )
         verdict: Verdict = await verdicts.receive()
         request.scope.deadline = math.inf  # from the first token on, the deadline is soft

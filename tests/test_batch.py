@@ -7,9 +7,9 @@ import trio
 from trio.testing import wait_all_tasks_blocked
 
 from lever_actors.batch import MAX_AUTO_PARALLEL, Batch, parallel_of
+from lever_actors.channels.messages import Beside
 from lever_actors.config import EngineConfig
 from lever_actors.context import Context
-from lever_actors.policy.cost_model import Beside
 
 TIMEOUT = 10
 

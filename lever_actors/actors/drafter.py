@@ -21,7 +21,7 @@ from lever_actors.model.sampling import GREEDY, Chooser, Sampling
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.copies import copied_chain
-from lever_actors.policy.cost_model import Beside, CostModel
+from lever_actors.policy.cost_model import CostModel
 from lever_actors.policy.lookup import LOOKUP_RANK, ContextIndex
 from lever_actors.policy.trees import (
     GainCostGrowth,
@@ -184,14 +184,13 @@ class Drafter:
     async def draft(self, request: DraftRequest) -> DraftTree:
         started = time.perf_counter()
         spec = self.policy.spec
-        beside = Beside(request.beside_requests, request.beside_rows, request.beside_tokens)
         if spec.kind == "none":  # autoregressive: the tree is the committed chain
             return self._chain_tree(request, [], started)
         if spec.kind == "lookup":  # the chain, then copies of the text below it
             cost, calibrator, context = self.policy.cost, self.policy.calibrator, self.context
             assert cost is not None and calibrator is not None and context is not None
             copies = copied_chain(
-                context, len(self.chain), cost, calibrator, request.max_nodes, beside
+                context, len(self.chain), cost, calibrator, request.max_nodes, request.beside
             )
             return self._chain_tree(request, copies, started)
         builder = self.carried
@@ -220,7 +219,7 @@ class Drafter:
                 request.max_nodes,
                 self._run,
                 self.context,
-                beside,
+                request.beside,
             )
         else:
             await grow_static(builder, spec.widths, request.max_nodes, self._run)

@@ -28,7 +28,7 @@ import trio
 from lever_actors.bench.isolation import MemoryCgroup
 from lever_actors.bench.llamacpp import LlamaCppSpec, failure, in_cgroup
 from lever_actors.bench.modes import ModeFailed
-from lever_actors.bench.together import first_error
+from lever_actors.bench.together import at_once
 from lever_actors.threads import one_stream_environ
 
 HOST = "127.0.0.1"
@@ -133,12 +133,7 @@ async def complete_together(
     async def one(i: int) -> None:
         done[i] = await trio.to_thread.run_sync(complete, port, prompts[i], n_predict)
 
-    try:
-        async with trio.open_nursery() as nursery:
-            for i in range(len(prompts)):
-                nursery.start_soon(one, i)
-    except ExceptionGroup as group:
-        raise first_error(group) from None
+    await at_once(len(prompts), one)
     return done
 
 

@@ -5,7 +5,7 @@ decode together is the engine's `EngineConfig.parallel`; the rest wait for a pla
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from typing import Protocol
 
@@ -51,8 +51,7 @@ async def decode_together(
     stop_ids: frozenset[int],
     sampling: Sampling,
 ) -> Together:
-    """Every prompt through `mode.decode` at once; the first error ends them all and is raised
-    as itself (not in a group), so that the results show what went wrong."""
+    """Every prompt through `mode.decode` at once (`at_once`)."""
     decoded = [Decoded() for _ in prompts]
     started = [0.0] * len(prompts)
     ended = [0.0] * len(prompts)
@@ -62,13 +61,19 @@ async def decode_together(
         decoded[i] = await mode.decode(prompts[i], max_new_tokens, stop_ids, sampling)
         ended[i] = time.perf_counter()
 
+    await at_once(len(prompts), one)
+    return Together(decoded, started, ended)
+
+
+async def at_once(count: int, one: Callable[[int], Awaitable[None]]) -> None:
+    """`one(0)` to `one(count - 1)` started together; the first error ends them all and is
+    raised as itself (not in a group), so that the results show what went wrong."""
     try:
         async with trio.open_nursery() as nursery:
-            for i in range(len(prompts)):
+            for i in range(count):
                 nursery.start_soon(one, i)
     except ExceptionGroup as group:
         raise first_error(group) from None
-    return Together(decoded, started, ended)
 
 
 def first_error(group: BaseExceptionGroup) -> BaseException:

@@ -3,7 +3,7 @@ the trace codec (channels/trace.py) summarises them when messages are written ou
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
@@ -14,16 +14,25 @@ class Message(msgspec.Struct, frozen=True, tag=True):
     step: int  # the decoding step this message belongs to (-1 when it has none)
 
 
+class Beside(NamedTuple):
+    """The other requests in a pass, as of their last steps: how many, their tree nodes,
+    and the tokens those gave."""
+
+    requests: int = 0
+    rows: int = 0
+    tokens: float = 0.0
+
+
+ALONE = Beside()
+
+
 class DraftRequest(Message, frozen=True):
     """engine -> drafter: build the tree for this step from the committed context."""
 
     max_nodes: int  # hard cap on draft nodes (not counting the committed chain)
-    # the other requests in the pass, as of their last steps: how many, their tree nodes
-    # and the tokens those gave (a tree is sized for the pass's rows and all its requests'
-    # tokens)
-    beside_requests: int = 0
-    beside_rows: int = 0
-    beside_tokens: float = 0.0
+    # the other requests in the pass (a tree is sized for the pass's rows and all its
+    # requests' tokens)
+    beside: Beside = ALONE
 
 
 class DraftTree(Message, frozen=True):

@@ -6,8 +6,9 @@ for the rows it verifies."""
 
 from __future__ import annotations
 
+from lever_actors.channels.messages import ALONE, Beside
 from lever_actors.policy.calibration import AcceptanceCalibrator
-from lever_actors.policy.cost_model import ALONE, Beside, CostModel
+from lever_actors.policy.cost_model import CostModel
 from lever_actors.policy.lookup import ContextIndex
 
 

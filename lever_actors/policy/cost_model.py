@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import NamedTuple
 
 import msgspec
 
-from lever_actors.channels.messages import StepStats
+from lever_actors.channels.messages import ALONE, Beside, StepStats
 
 ONLINE_WEIGHT = 0.2  # exponential moving average: recent steps count, one outlier does not
 # the verify curve learns a segment at a time, from the passes read from it, so it may move
@@ -60,18 +59,6 @@ class Curve(msgspec.Struct):
         else:  # cheaper ones lower those below them
             for j in range(segment[-1] - 1, -1, -1):
                 seconds[j] = min(seconds[j], seconds[j + 1])
-
-
-class Beside(NamedTuple):
-    """The other requests in a pass, as of their last steps: how many, their tree nodes,
-    and the tokens those gave."""
-
-    requests: int = 0
-    rows: int = 0
-    tokens: float = 0.0
-
-
-ALONE = Beside()
 
 
 class CostModel(msgspec.Struct):

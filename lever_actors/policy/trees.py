@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lever_actors.channels.messages import ALONE, Beside
 from lever_actors.config import MAX_STATIC_WIDTH
 from lever_actors.model.grammar import Matcher, masked
 from lever_actors.model.kv_cache import KVCache
@@ -21,7 +22,7 @@ from lever_actors.model.sampling import Chooser
 from lever_actors.model.transformer import Transformer
 from lever_actors.model.tree import TokenTree
 from lever_actors.policy.calibration import AcceptanceCalibrator
-from lever_actors.policy.cost_model import ALONE, Beside, CostModel
+from lever_actors.policy.cost_model import CostModel
 from lever_actors.policy.lookup import LOOKUP_RANK, MATCH, ContextIndex
 
 SHADOWS = 4  # untaken candidates kept per expanded node, standing for the mass outside the tree
