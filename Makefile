@@ -29,7 +29,7 @@ test: $(DEV)
 	$(VENV)/bin/python -m pytest $(ARGS)
 
 lint: $(DEV)
-	$(VENV)/bin/ruff check lever_actors tests bench
+	$(VENV)/bin/ruff check lever_actors tests benchmarks
 	$(VENV)/bin/mypy
 
 bench: $(DEV)

@@ -297,7 +297,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     draft_vocabulary: Annotated[int, msgspec.Meta(gt=0)] | None = DRAFT_VOCABULARY
     # the draft prefills at most a prompt's last this many new tokens: it proposes from
     # recent text, and a 1,400-token prompt's whole draft prefill was a quarter of the
-    # wait for the first token (sequences.py); None: all of them
+    # wait for the first token (engine/state.py); None: all of them
     draft_window: Annotated[int, msgspec.Meta(gt=0)] | None = DRAFT_WINDOW
     # tokens a request's prompt and new ones may fill; None: the model's context, or less
     # where the memory left after loading holds less KV (context.py)

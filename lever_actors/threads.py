@@ -11,7 +11,7 @@ OpenMP reads them only once, when it loads. Values the user set are kept.
   where two compute units share the cores (`--units split`, and a bench, whose children
   with one team go without it): a spinning team of one unit takes the cores the other
   needs, and libgomp sleeps every team after each product anyway once two exist.
-  Figures: `bench/thread_policy.py`, docs/benchmarks.md.
+  Figures: `benchmarks/thread_policy.py`, docs/benchmarks.md.
 - A core counts as taken only when at least 3/4 busy in each of three 0.1 s windows, so
   that a process that has just exited (freeing its memory) does not count. The probe is
   part of every launch's wait: 0.3 s of it.

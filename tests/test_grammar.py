@@ -20,10 +20,10 @@ from lever_actors.errors import ConfigError
 from lever_actors.model.grammar import Grammar, Matcher
 from lever_actors.model.sampling import GREEDY, Chooser
 from lever_actors.model.transformer import Transformer
+from lever_actors.options import GenerationOptions
 from lever_actors.policy.trees import TreeBuilder, grow_static
-from lever_actors.request import GenerationOptions
 from lever_actors.testing import BYTE_VOCAB, TINY_ARGS, model_pair, reference_tokens
-from lever_actors.tool_calls import CallText, call_grammar, read_calls
+from lever_actors.text.tool_calls import CallText, call_grammar, read_calls
 
 BYTE_ARGS = msgspec.structs.replace(TINY_ARGS, vocab_size=BYTE_VOCAB)
 END = BYTE_VOCAB - 1  # the byte-level tokenizer's end token

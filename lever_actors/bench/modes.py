@@ -23,7 +23,7 @@ from lever_actors.engine import Engine
 from lever_actors.model.sampling import Sampling
 from lever_actors.model.sequential import sequential_stream
 from lever_actors.model.transformer import Transformer
-from lever_actors.request import GenerationOptions
+from lever_actors.options import GenerationOptions
 
 
 @dataclass
@@ -141,9 +141,12 @@ def opened_info(info: ModeInfo, engine: Engine) -> ModeInfo:
     """`info` with what an open engine decided: its decode plan, the tok/s its cost model
     predicted for each plan (the finite ones: a results file holds nothing else), and the
     DRAM budget its memory plan gave the target."""
-    plan = engine.decode_plan
+    plan = engine.plan.decode
     predicted = {name: rate for name, rate in plan.predicted.items() if math.isfinite(rate)}
-    budget = engine.memory.budget if engine.memory is not None else info.budget_bytes
     return msgspec.structs.replace(
-        info, plan=plan.name, plan_auto=plan.auto, predicted_tok_s=predicted, budget_bytes=budget
+        info,
+        plan=plan.name,
+        plan_auto=plan.auto,
+        predicted_tok_s=predicted,
+        budget_bytes=engine.plan.memory.budget,
     )

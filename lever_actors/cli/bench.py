@@ -52,7 +52,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--config",
         type=Path,
         default=None,
-        help="a TOML file of these options (e.g. bench/headline.toml); flags given here win",
+        help="a TOML file of these options (e.g. benchmarks/headline.toml); flags given here win",
     )
     parser.add_argument(
         "--modes",
@@ -165,7 +165,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         f"{CONCURRENCY_LIMITS}), Lever's engine opened to decode that many together and "
         "llama-server with as many slots, without and with its draft, each sent rounds of that "
         "many different prompts at once; --modes is then unused (default: "
-        "bench/results/concurrency.json)",
+        "benchmarks/results/concurrency.json)",
     )
     llamacpp = parser.add_argument_group(
         "llama.cpp", "the llamacpp-ar and llamacpp-spec modes (built by `build-llamacpp`)"
@@ -211,8 +211,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--out",
         type=Path,
         default=None,
-        help="results JSON; .md and .png files go beside it (default: bench/results/latest.json, "
-        "bench/results/sweep.json with --sweep)",
+        help="results JSON; .md and .png files go beside it (default: "
+        "benchmarks/results/latest.json, benchmarks/results/sweep.json with --sweep)",
     )
     parser.set_defaults(command=run_bench_command, bench_parser=parser)
 
@@ -315,10 +315,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
     plots = not args.no_plots
     results: AnyResults
     if options.concurrency:
-        out = args.out or Path("bench/results/concurrency.json")
+        out = args.out or Path("benchmarks/results/concurrency.json")
         results = concurrency_bench(options, workload, out=out, command=command, plots=plots)
     elif args.sweep:
-        out = args.out or Path("bench/results/sweep.json")
+        out = args.out or Path("benchmarks/results/sweep.json")
         budgets = tuple(DramBudget.parse(b) for b in split(args.sweep_budgets))
         throttles = split(args.sweep_throttles)
         results = sweep(
@@ -331,7 +331,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             plots=plots,
         )
     else:
-        out = args.out or Path("bench/results/latest.json")
+        out = args.out or Path("benchmarks/results/latest.json")
         results = bench(options, workload, out=out, command=command, plots=plots)
     print(render_markdown(results))
     print(f"results: {out}", file=sys.stderr)

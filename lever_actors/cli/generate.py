@@ -35,8 +35,8 @@ from lever_actors.errors import ConfigError
 from lever_actors.model.sampling import seed_or_drawn
 from lever_actors.model.sequential import sequential_stream
 from lever_actors.model.transformer import Transformer
+from lever_actors.options import GenerationOptions
 from lever_actors.progress import ProgressLine
-from lever_actors.request import GenerationOptions
 from lever_actors.sizes import format_bytes
 
 DTYPES = ("float32", "bfloat16", "float64")  # --model computes in one of these DTYPE_NAMES
@@ -272,9 +272,7 @@ async def _stream_from_engine(
             "weights in DRAM",
             file=sys.stderr,
         )
-        if engine.memory is not None:
-            print(engine.memory, file=sys.stderr)
-        print(engine.decode_plan, file=sys.stderr)
+        print(engine.plan, file=sys.stderr)
         before = target.store.stats.bytes_read
         events: list[TokenEvent] = []
         prefill = ProgressLine(unit=" tokens")

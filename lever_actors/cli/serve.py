@@ -135,6 +135,4 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def _plans(engine: Engine) -> None:
     """How the engine shared out the memory and how it decodes, as `generate` prints them."""
-    if engine.memory is not None:
-        print(engine.memory, file=sys.stderr)
-    print(engine.decode_plan, file=sys.stderr)
+    print(engine.plan, file=sys.stderr)

@@ -48,7 +48,7 @@ class Header(msgspec.Struct, frozen=True):
 @dataclass(frozen=True)
 class CachedPrefix:
     """A finished request's text and the KV both models hold of it: the target's of all of
-    it, the draft's of its tokens from `draft_start` on (the draft's view, sequences.py)."""
+    it, the draft's of its tokens from `draft_start` on (the draft's view, engine/state.py)."""
 
     tokens: tuple[int, ...]
     target: KVPrefix

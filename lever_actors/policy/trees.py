@@ -70,7 +70,7 @@ class TreeBuilder:
         matcher: Matcher | None = None,
     ) -> None:
         """`unviewed`: the chain's first nodes the draft never runs, before its view of the
-        text begins (sequences.py): no node sees them, and positions count from after them."""
+        text begins (engine/state.py): no node sees them, and positions count from after them."""
         self.model = model
         self.cache = cache
         self.chooser = chooser

@@ -60,7 +60,7 @@ from lever_actors.serve.schemas import (
     error_body,
     usage,
 )
-from lever_actors.tool_calls import OPEN, CallText, read_calls
+from lever_actors.text.tool_calls import OPEN, CallText, read_calls
 
 log = get_logger(__name__)
 

@@ -16,8 +16,8 @@ import msgspec
 from lever_actors.channels.messages import FinishReason
 from lever_actors.errors import ConfigError
 from lever_actors.model.grammar import Grammar
-from lever_actors.request import GenerationOptions, generation_options
-from lever_actors.tool_calls import ToolCall, call_grammar
+from lever_actors.options import GenerationOptions, generation_options
+from lever_actors.text.tool_calls import ToolCall, call_grammar
 
 Role = Literal["system", "user", "assistant", "tool"]
 

@@ -16,12 +16,12 @@ from lever_actors.config import EngineConfig
 from lever_actors.device.layout import read_manifest
 from lever_actors.draft import DraftModel
 from lever_actors.engine import Engine
+from lever_actors.engine.results import GenerationResult
 from lever_actors.model.grammar import Grammar, Matcher
 from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.model.sequential import sequential_reference
 from lever_actors.model.transformer import Transformer
-from lever_actors.request import GenerationOptions
-from lever_actors.results import GenerationResult
+from lever_actors.options import GenerationOptions
 
 _references: OrderedDict[Path, tuple[Transformer, Tokenizer | None]] = OrderedDict()
 

@@ -44,7 +44,7 @@ from lever_actors.testing.checkpoints import (
     model_pair,
     with_exit_predictor,
 )
-from lever_actors.tool_calls import call_grammar
+from lever_actors.text.tool_calls import call_grammar
 
 
 @st.composite

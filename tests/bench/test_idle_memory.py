@@ -1,4 +1,4 @@
-"""bench/idle_memory.py's reading of /proc/PID/status (the script itself needs the real
+"""benchmarks/idle_memory.py's reading of /proc/PID/status (the script itself needs the real
 pair, and runs as a process of its own)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-SCRIPT = Path(__file__).parents[2] / "bench" / "idle_memory.py"
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "idle_memory.py"
 
 
 def _script():

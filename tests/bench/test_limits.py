@@ -139,7 +139,7 @@ def curve(tmp_path) -> tuple[Path, object]:
             command="lever-actors bench --limits 0.75GiB,1GiB,3GiB",
         )
     )
-    path = tmp_path / "bench" / "results" / "memory-curve.json"
+    path = tmp_path / "benchmarks" / "results" / "memory-curve.json"
     write_results(results, path)
     return path, results
 
@@ -207,11 +207,11 @@ def test_the_report_and_the_plot_show_the_curve(curve, tmp_path):
     readme = path.parents[2] / "README.md"
     section = readme_section(results, readme, path)
     assert "![decode tok/s against the memory limit" in section
-    assert "bench/results/memory-curve-limits.png" in section
+    assert "benchmarks/results/memory-curve-limits.png" in section
 
 
 def test_a_limits_file_from_before_these_fields_still_reads():
-    path = Path(__file__).parents[2] / "bench" / "results" / "quantized.json"
+    path = Path(__file__).parents[2] / "benchmarks" / "results" / "quantized.json"
     results = read_results(path)
     assert results.summary.limits and results.summary.idle_rss_mib == {}
     assert results.summary.lever_over_memory_ar_3gib is None

@@ -39,7 +39,7 @@ def results_file(tmp_path) -> Path:
             command="lever-actors bench --modes flash-ar,lever --budgets 25%",
         )
     )
-    path = tmp_path / "bench" / "results" / "headline.json"
+    path = tmp_path / "benchmarks" / "results" / "headline.json"
     write_results(results, path)
     return path
 
@@ -79,9 +79,10 @@ def test_report_rewrites_only_the_marked_section(results_file, tmp_path, capsys)
     results = read_results(results_file)
     assert results.machine.date in section and results.machine.cpu in section
     assert (
-        "![decode throughput normalised to Lever](bench/results/headline-throughput.png)" in section
+        "![decode throughput normalised to Lever](benchmarks/results/headline-throughput.png)"
+        in section
     )
-    assert "(bench/results/headline.json)" in section
+    assert "(benchmarks/results/headline.json)" in section
     assert (results_file.parent / "headline-accepted.png").is_file()
     assert (results_file.parent / "headline.md").is_file()
     # idempotent: a second run changes nothing
@@ -197,7 +198,7 @@ def test_a_bad_config_file_is_refused_with_the_reason(bench_parser, tmp_path, te
 
 
 def test_the_committed_headline_config_is_a_valid_bench_config(bench_parser):
-    apply_config(bench_parser, Path(__file__).parents[2] / "bench" / "headline.toml")
+    apply_config(bench_parser, Path(__file__).parents[2] / "benchmarks" / "headline.toml")
     options = options_from_args(bench_parser.parse_args([]))
     assert "lever" in options.modes and "peer-offload" in options.modes
     assert options.prompt_sets == ("humaneval", "sharegpt") and options.budgets == (

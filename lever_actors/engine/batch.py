@@ -1,0 +1,131 @@
+"""The requests decoding together (EngineConfig.parallel): who holds a place in the batch
+and who waits for one, in arrival order, and what each put in its last pass, by which the
+others size their trees.
+
+A request takes a place when there is one free and the KV it may fill (its prompt, its new
+tokens and a tree) fits beside the places' in the room the context leaves (context.py);
+a request alone always fits, since its size was checked against the context. It leaves
+at its end, and the next in line may enter. The verifier seats a placed request from the
+pass after it asks (actors/verifier.py)."""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import trio
+
+from lever_actors.channels.messages import Beside
+
+
+@dataclass
+class Place:
+    """A request's place in the batch."""
+
+    seat: int  # its number in the verifier's batch: in arrival order
+    kv_tokens: int  # the KV it may fill
+    # cancelled, with `failure` set, when an actor of the crew it joined fails
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    failure: BaseException | None = None
+    # the crew it joined (that crew's end: wiring.Crew), until the verifier let it go
+    crew: trio.Event | None = None
+    last: Beside = Beside()  # its last tree's nodes and the tokens they gave
+
+
+@dataclass
+class _Waiter:
+    kv_tokens: int
+    admitted: trio.Event = field(default_factory=trio.Event)
+    place: Place | None = None
+
+
+class Batch:
+    """The places of the requests decoding at once, and the line of those waiting. Runs on
+    the event loop's thread alone, so plain counts suffice."""
+
+    def __init__(self, parallel: int, room_tokens: int) -> None:
+        self.parallel = parallel
+        self.room_tokens = room_tokens
+        self.places: dict[int, Place] = {}
+        self._line: deque[_Waiter] = deque()
+        self._seats = itertools.count()
+        self._changed = trio.Event()  # set, and replaced, when a request takes or leaves a place
+
+    @property
+    def active(self) -> int:
+        return len(self.places)
+
+    @property
+    def queued(self) -> int:
+        return len(self._line)
+
+    @asynccontextmanager
+    async def place(self, kv_tokens: int) -> AsyncIterator[Place]:
+        """Wait in line for a place for a request that may fill `kv_tokens` of KV; hold it
+        for the block."""
+        waiter = _Waiter(kv_tokens)
+        self._line.append(waiter)
+        self._admit()
+        try:
+            await waiter.admitted.wait()
+        except BaseException:
+            if waiter.place is None:
+                self._line.remove(waiter)
+                self._admit()  # those behind it may fit now
+            else:  # admitted as it was cancelled
+                self._leave(waiter.place)
+            raise
+        assert waiter.place is not None  # set with `admitted`
+        try:
+            yield waiter.place
+        finally:
+            self._leave(waiter.place)
+
+    async def occupied(self) -> None:
+        """Return once a request holds a place."""
+        while not self.places:
+            await self._changed.wait()
+
+    async def emptied(self) -> None:
+        """Return once no request holds a place."""
+        while self.places:
+            await self._changed.wait()
+
+    def beside(self, place: Place) -> Beside:
+        """The other places' last trees: what a pass will verify beside this one's."""
+        others = [p.last for seat, p in self.places.items() if seat != place.seat]
+        return Beside(len(others), sum(b.rows for b in others), sum(b.tokens for b in others))
+
+    def fail(self, error: BaseException, crew: trio.Event) -> None:
+        """An actor of `crew` has failed: each request that joined it, and that its verifier
+        has not let go of, ends with `error` (the first one's: its peers may fail next,
+        seeing their channels close)."""
+        for place in self.places.values():
+            if place.crew is not crew:
+                continue
+            if place.failure is None:
+                place.failure = error
+            place.scope.cancel()
+
+    def _admit(self) -> None:
+        while self._line:
+            waiter = self._line[0]
+            held = sum(p.kv_tokens for p in self.places.values())
+            full = len(self.places) >= self.parallel
+            if self.places and (full or held + waiter.kv_tokens > self.room_tokens):
+                return
+            self._line.popleft()
+            waiter.place = Place(next(self._seats), waiter.kv_tokens)
+            self.places[waiter.place.seat] = waiter.place
+            waiter.admitted.set()
+            self._changed.set()
+            self._changed = trio.Event()
+
+    def _leave(self, place: Place) -> None:
+        del self.places[place.seat]
+        self._changed.set()
+        self._changed = trio.Event()
+        self._admit()

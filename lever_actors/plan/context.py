@@ -1,0 +1,83 @@
+"""The context a request may fill: the model's own, or less where the memory left after
+loading holds less KV. The KV of target and draft per token is known (KVCache), and so is
+what the process may hold (its cgroup's limit, else the machine's free memory)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from lever_actors.errors import ConfigError
+from lever_actors.model.kv_cache import position_bytes
+from lever_actors.model.transformer import Transformer
+from lever_actors.sizes import format_bytes
+from lever_actors.target import FlashTarget
+
+# Of the memory left after loading: the share a request's KV may fill, and the share the
+# prefix cache may hold; the rest is a step's temporaries' (a layer's are bounded:
+# model/layers.py CHUNK_BYTES)
+KV_SHARE = 0.5
+CACHE_SHARE = 0.25
+
+
+class Context(msgspec.Struct, frozen=True):
+    """The context an engine serves, and where its size came from."""
+
+    tokens: int  # n_ctx: a request's prompt and new tokens together, at most
+    model_tokens: int  # the model's own context
+    kv_bytes_per_token: int  # target's and draft's
+    limit_bytes: int  # what the process may hold
+    free_bytes: int  # of which not yet held after loading
+    asked: bool  # set by ctx_size, not derived from memory
+
+    @property
+    def cache_bytes(self) -> int:
+        """The most the prefix cache may hold beside a request."""
+        return int(self.free_bytes * CACHE_SHARE)
+
+    @property
+    def room_tokens(self) -> int:
+        """The KV the requests decoding at once may hold together, in tokens: KV_SHARE of
+        the memory left after loading, or one whole context where that was asked for."""
+        return max(self.tokens, int(self.free_bytes * KV_SHARE) // self.kv_bytes_per_token)
+
+    @property
+    def why(self) -> str:
+        """Where its size comes from, for an error message."""
+        if self.asked:
+            return "ctx_size"
+        if self.tokens < self.model_tokens:
+            return (
+                f"what the {format_bytes(self.free_bytes)} left of a "
+                f"{format_bytes(self.limit_bytes)} memory limit holds; set ctx_size for more"
+            )
+        return "the model's"
+
+    def __str__(self) -> str:
+        kv = f"{format_bytes(self.kv_bytes_per_token)} of KV a token"
+        free = f"{format_bytes(self.free_bytes)} free of {format_bytes(self.limit_bytes)}"
+        if self.asked:
+            source = f"ctx_size; the model's {self.model_tokens:,}, {kv}, {free}"
+        elif self.tokens == self.model_tokens:
+            source = f"the model's; {kv}, {free}"
+        else:
+            source = f"what {free} holds at {kv}; the model's {self.model_tokens:,}"
+        return f"context {self.tokens:,} tokens ({source})"
+
+
+def plan_context(
+    asked: int | None, model_tokens: int, kv_bytes_per_token: int, limit: int, held: int
+) -> Context:
+    """`asked` tokens (ctx_size), at most the model's; else the model's, or as many as
+    KV_SHARE of the memory left after loading (`limit` less `held`) holds."""
+    free = max(limit - held, 0)
+    if asked is not None and asked > model_tokens:
+        raise ConfigError(f"ctx_size {asked} exceeds the model's context of {model_tokens} tokens")
+    fits = int(free * KV_SHARE) // kv_bytes_per_token
+    tokens = asked if asked is not None else min(model_tokens, fits)
+    return Context(tokens, model_tokens, kv_bytes_per_token, limit, free, asked is not None)
+
+
+def kv_bytes_per_token(target: FlashTarget, draft: Transformer | None) -> int:
+    """What a token costs in a request's KV caches, target's and draft's."""
+    draft_bytes = position_bytes(draft.args, draft.dtype) if draft is not None else 0
+    return position_bytes(target.args, target.dtype) + draft_bytes

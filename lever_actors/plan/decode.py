@@ -1,0 +1,161 @@
+"""How tokens are proposed, chosen at start for the memory there is (`plan="auto"`): a
+draft model's gain-cost trees, copies from the text alone, or one token a pass. Each
+candidate gets its own memory plan (a draft in DRAM leaves the target less), hence its own
+streamed bytes; the cost model (policy/cost_model.py) prices a step of the shape that
+candidate's trees take, with this machine's figures (policy/figures.py); the most tokens per
+second wins. A candidate whose memory plan is refused is not a candidate; where none fits,
+the refusal of the one that needs least is the engine's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from lever_actors.config import DEFAULT_TREE, EngineConfig, TreeSpec
+from lever_actors.device.budget import head_key, plan_residency
+from lever_actors.device.layout import Manifest
+from lever_actors.device.memory import return_freed_heap
+from lever_actors.errors import ConfigError
+from lever_actors.paths import path_bytes
+from lever_actors.plan.memory import Reading, memory_plan, read_process
+from lever_actors.policy.cost_model import CostModel
+from lever_actors.policy.figures import draft_curve, target_figures
+
+PlanName = Literal["trees", "lookup", "ar"]
+
+
+class Shape(msgspec.Struct, frozen=True):
+    """A step's tree as a plan grows it: tokens committed, nodes verified, draft rounds."""
+
+    tokens: float
+    nodes: int
+    rounds: tuple[int, ...] = ()
+
+
+# Measured on the real pair (a 2-core Xeon, 2026-12-03: 2 HumanEval and 2 ShareGPT prompts,
+# 64 tokens each, and one under a 1.25 GiB limit), means over steps. Trees grow where flash
+# paces the pass, since nodes then cost little; copies pay only where the text repeats
+# itself (4.9 tokens a pass on one prompt, 1.0-1.05 on the others: the median is priced).
+SHAPES: dict[tuple[PlanName, bool], Shape] = {  # (plan, flash paces the pass)
+    ("trees", False): Shape(tokens=2.6, nodes=3, rounds=(2, 1)),
+    ("trees", True): Shape(tokens=5.0, nodes=15, rounds=(4, 4, 4, 3)),
+    ("lookup", False): Shape(tokens=1.05, nodes=1),
+    ("lookup", True): Shape(tokens=1.05, nodes=2),
+    ("ar", False): Shape(tokens=1.0, nodes=1),
+    ("ar", True): Shape(tokens=1.0, nodes=1),
+}
+# a step's time beyond its draft rounds, the profiled pass and projection (each layer's
+# hand-off between threads, the sampler, the event loop): a resident one-token step took
+# 52 ms where the profile priced its pass and projection at 42
+STEP_OVERHEAD_SECONDS = 0.010
+
+
+class DecodePlan(msgspec.Struct, frozen=True):
+    """The plan an engine decodes by (`Engine.decode_plan`), and why."""
+
+    name: PlanName
+    auto: bool  # chosen by the cost model, not given
+    predicted: dict[str, float] = {}  # tokens per second each candidate was predicted
+
+    def __str__(self) -> str:
+        if not self.auto:
+            return f"plan: {self.name}"
+        figures = ", ".join(f"{name} {rate:.1f}" for name, rate in self.predicted.items())
+        return f"plan: {self.name} (auto; predicted tok/s: {figures})"
+
+
+def given_plan(config: EngineConfig) -> DecodePlan:
+    """The plan a config's tree makes, where no plan was asked for."""
+    kind = config.tree.kind
+    return DecodePlan("ar" if kind == "none" else "lookup" if kind == "lookup" else "trees", False)
+
+
+def planned_config(config: EngineConfig, name: PlanName, draft_loaded: bool) -> EngineConfig:
+    """`config` as plan `name` decodes: trees keep a drafting tree (else Lever's default);
+    lookup and ar load no draft. `draft_loaded`: the caller holds a draft model already."""
+    if name == "trees":
+        if config.draft is None and not draft_loaded:
+            raise ConfigError("plan 'trees' needs a draft model; set draft")
+        # a copy of the default: the default itself, with no draft named, reads as "none"
+        tree = (
+            config.tree if config.tree.needs_draft else TreeSpec("gaincost", cap=DEFAULT_TREE.cap)
+        )
+        return msgspec.structs.replace(config, tree=tree, plan=name)
+    if name == "lookup":
+        tree = (
+            config.tree
+            if config.tree.kind == "lookup"
+            else TreeSpec("lookup", cap=DEFAULT_TREE.cap)
+        )
+    else:
+        tree = TreeSpec("none")
+    return msgspec.structs.replace(config, tree=tree, draft=None, plan=name)
+
+
+def choose_plan(
+    config: EngineConfig, manifest: Manifest, draft_loaded: bool
+) -> tuple[EngineConfig, DecodePlan]:
+    """The config to load and the plan it follows; blocking where `plan` is auto (the first
+    time on a machine, its figures are measured). `draft_loaded`: the caller passes a draft
+    model already in memory."""
+    if config.plan is None:  # a draft named but not drafting from is not loaded, nor profiled
+        drafting = config.tree.needs_draft
+        return config if drafting else msgspec.structs.replace(config, draft=None), given_plan(
+            config
+        )
+    if config.plan != "auto":
+        return planned_config(config, config.plan, draft_loaded), DecodePlan(config.plan, False)
+    # the plan that needs least memory first: a limit too small for it is refused before
+    # the figures are measured, and they are measured within what it may hold
+    least = memory_plan(
+        planned_config(config, "ar", draft_loaded), manifest, read_process(), draft=0
+    )
+    figures = target_figures(config, manifest, least.budget)
+    return_freed_heap()  # where it measured them: its temporaries
+    reading = read_process()  # once, for every candidate
+    drafts = config.draft is not None or draft_loaded
+    names: list[PlanName] = ["trees", "lookup", "ar"] if drafts else ["lookup", "ar"]
+    predicted: dict[str, float] = {}
+    refusal: ConfigError | None = None
+    for name in names:
+        try:
+            predicted[name] = _predicted_rate(
+                planned_config(config, name, draft_loaded), manifest, reading, figures, draft_loaded
+            )
+        except ConfigError as error:
+            refusal = error  # the last is the one that needs least memory
+    if not predicted:
+        assert refusal is not None
+        raise refusal
+    best = max((name for name in names if name in predicted), key=predicted.__getitem__)
+    return planned_config(config, best, draft_loaded), DecodePlan(best, True, predicted)
+
+
+def _predicted_rate(
+    config: EngineConfig,
+    manifest: Manifest,
+    reading: Reading,
+    figures: CostModel,
+    draft_loaded: bool,
+) -> float:
+    """Tokens per second for `config`'s plan, under its memory plan; ConfigError where the
+    limit cannot hold it."""
+    assert config.plan is not None and config.plan != "auto"
+    drafts = config.tree.needs_draft
+    held = path_bytes(Path(config.draft)) if drafts and config.draft and not draft_loaded else 0
+    memory = memory_plan(config, manifest, reading, draft=held)
+    residency = plan_residency(manifest, memory.budget, config.ring_slots)
+    head = manifest.extent(head_key(manifest)).nbytes
+    cost = msgspec.structs.replace(
+        figures,
+        streamed_bytes=sum(manifest.layer(i).nbytes for i in residency.streamed_layers),
+        head_bytes=head if residency.head_rows_per_read else 0,
+        overhead_seconds=STEP_OVERHEAD_SECONDS,
+    )
+    if drafts:
+        cost.draft = draft_curve(config, figures)
+    paced = cost.io_bound(SHAPES[config.plan, True].nodes)
+    shape = SHAPES[config.plan, paced]
+    return shape.tokens / cost.step_seconds(shape.nodes, list(shape.rounds), shape.tokens)

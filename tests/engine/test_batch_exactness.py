@@ -1,0 +1,242 @@
+"""Several requests at once (EngineConfig.parallel): each request's tokens are its own
+sequential decoding, greedy or sampled with its seed, whatever runs beside it: arrival
+times, the other requests' lengths, prompts and sampling, cancellations and the batch's
+size. Float64 tiny models (lever_actors.testing); example counts scale with the hypothesis
+profile (tests/conftest.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from functools import partial
+
+import msgspec
+import trio
+from hypothesis import event, given, note, settings
+from hypothesis import strategies as st
+
+import lever_actors.actors.verifier as verifier_module
+from lever_actors.config import EngineConfig
+from lever_actors.engine import Engine
+from lever_actors.model.sampling import GREEDY, Sampling
+from lever_actors.options import GenerationOptions
+from lever_actors.policy.trees import Round
+from lever_actors.testing import (
+    bf16_engine_cases,
+    engine_cases,
+    prompts,
+    reference_tokens,
+    repetitive_prompts,
+    samplings,
+    trees,
+)
+from lever_actors.testing.checkpoints import TINY_ARGS, model_pair
+from lever_actors.testing.strategies import BF16_MAX_SEQUENCE, BF16_PROMPT
+
+TIMEOUT = 120
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One request of a schedule: when it comes, what it asks, when its consumer leaves."""
+
+    delay: float  # seconds after the schedule starts
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: Sampling
+    leave_after: int | None  # tokens taken before the consumer stops listening; None: all
+
+
+@st.composite
+def schedules(
+    draw: st.DrawFn,
+    vocab: int,
+    prompt_lists: Callable[[int], st.SearchStrategy[list[int]]] = prompts,
+    most_new: int = 16,
+) -> list[Arrival]:
+    """Two to five requests arriving at random times, some of them cancelled midway."""
+    return draw(
+        st.lists(
+            st.builds(
+                Arrival,
+                delay=st.sampled_from([0.0, 0.0, 0.01, 0.05, 0.2]),
+                prompt=prompt_lists(vocab),
+                max_new_tokens=st.integers(1, most_new),
+                sampling=st.one_of(st.just(GREEDY), samplings()),
+                leave_after=st.one_of(st.none(), st.none(), st.integers(1, 8)),
+            ),
+            min_size=2,
+            max_size=5,
+        )
+    )
+
+
+def options(arrival: Arrival) -> GenerationOptions:
+    return GenerationOptions(max_new_tokens=arrival.max_new_tokens, sampling=arrival.sampling)
+
+
+async def run_schedule(engine: Engine, schedule: list[Arrival]) -> dict[int, list]:
+    """Every request of the schedule at its time; each one's events as its consumer saw them."""
+    seen: dict[int, list] = {}
+
+    async def one(index: int, arrival: Arrival) -> None:
+        await trio.sleep(arrival.delay)
+        events = seen[index] = []
+        stream = engine.stream(arrival.prompt, options=options(arrival))
+        async with aclosing(stream) as tokens:
+            async for token in tokens:
+                events.append(token)
+                if len(events) == arrival.leave_after:
+                    break  # leaving the loop cancels the request
+
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            for index, arrival in enumerate(schedule):
+                nursery.start_soon(one, index, arrival)
+    return seen
+
+
+def assert_each_sequential(target, schedule: list[Arrival], seen: dict[int, list]) -> None:
+    for index, arrival in enumerate(schedule):
+        expected = reference_tokens(
+            target, arrival.prompt, arrival.max_new_tokens, sampling=arrival.sampling
+        )
+        got = [e.token for e in seen[index]]
+        if arrival.leave_after is None:
+            assert got == expected, f"request {index}: {arrival}"
+        else:  # cancelled: what it took is the sequential decoding's beginning
+            assert got == expected[: len(got)], f"request {index}: {arrival}"
+
+
+@settings(max_examples=max(1, round(settings.default.max_examples * 0.5)))
+@given(
+    case=engine_cases(tree_shapes=trees(kinds=("none", "chain", "static", "gaincost", "lookup"))),
+    parallel=st.integers(1, 4),
+    data=st.data(),
+)
+async def test_each_request_equals_its_sequential_decoding_whatever_runs_beside_it(
+    case, parallel, data
+):
+    schedule = data.draw(schedules(case.args.vocab_size), label="schedule")
+    config = msgspec.structs.replace(case.engine_config(), parallel=parallel)
+    async with Engine.open(config) as engine:
+        seen = await run_schedule(engine, schedule)
+    batched = max((e.batched for events in seen.values() for e in events), default=1)
+    note(f"most requests in one pass: {batched}")
+    event(f"most requests in one pass: {min(batched, parallel)}")
+    assert batched <= parallel
+    assert_each_sequential(config.target, schedule, seen)
+
+
+@settings(max_examples=max(1, settings.default.max_examples // 15))  # ci: 8
+@given(case=bf16_engine_cases(), parallel=st.integers(2, 4), data=st.data())
+async def test_in_bf16_and_quantized_each_request_equals_its_sequential_decoding(
+    case, parallel, data
+):
+    """bf16 targets with near-tied twin tokens, dense or quantized, whose trees mostly pass
+    32 rows, so that a pass of several trees runs the products where a kernel that is not
+    batch-invariant would round a row differently beside other requests' rows."""
+    bf16_prompts = partial(repetitive_prompts, min_size=2, max_size=BF16_PROMPT)
+    schedule = data.draw(
+        schedules(case.args.vocab_size, bf16_prompts, BF16_MAX_SEQUENCE - BF16_PROMPT),
+        label="schedule",
+    )
+    config = msgspec.structs.replace(case.engine_config(), parallel=parallel)
+    async with Engine.open(config) as engine:
+        seen = await run_schedule(engine, schedule)
+    batched = max((e.batched for events in seen.values() for e in events), default=1)
+    event(f"most requests in one pass: {batched}")
+    assert_each_sequential(config.target, schedule, seen)
+
+
+async def test_requests_that_arrive_together_share_passes_and_stay_exact():
+    """Three requests of different lengths and samplings at once: their trees go through
+    the same passes (StepStats.pass_requests), and each emits its own sequential tokens;
+    a fourth waits for a place and then runs exactly too."""
+    pair = model_pair(TINY_ARGS, "perturbed", 0)
+    config = EngineConfig(
+        target=str(pair.target), draft=str(pair.draft), tree="gaincost", parallel=3
+    )
+    schedule = [
+        Arrival(0.0, [5, 6, 7, 8], 24, GREEDY, None),
+        Arrival(0.0, [1, 2, 3], 12, Sampling(temperature=0.8, seed=7), None),
+        Arrival(0.0, [9, 10, 11, 12, 13, 14], 18, GREEDY, None),
+        Arrival(0.0, [4, 4, 4], 10, Sampling(temperature=1.2, top_k=5, seed=1), None),
+    ]
+    async with Engine.open(config) as engine:
+        results: dict[int, object] = {}
+
+        async def generate(index: int, arrival: Arrival) -> None:
+            results[index] = await engine.generate(arrival.prompt, options=options(arrival))
+
+        with trio.fail_after(TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                for index, arrival in enumerate(schedule):
+                    nursery.start_soon(generate, index, arrival)
+                    await trio.sleep(0)  # in this order
+        assert engine.batch.active == engine.batch.queued == 0
+    passes = [max(s.pass_requests for s in results[i].steps) for i in range(4)]
+    assert max(passes) == 3  # the three shared passes
+    for index, arrival in enumerate(schedule):
+        expected = reference_tokens(
+            config.target, arrival.prompt, arrival.max_new_tokens, sampling=arrival.sampling
+        )
+        assert results[index].tokens == expected, index
+
+
+async def test_a_failing_draft_forward_fails_its_own_request_and_no_other(monkeypatch):
+    """Draft forwards of several requests run as one job; where it fails, each runs again
+    alone, so that only the request whose forward fails raises, and the others stay exact."""
+    pair = model_pair(TINY_ARGS, "perturbed", 0)
+    config = EngineConfig(
+        target=str(pair.target), draft=str(pair.draft), tree="static:2,2", parallel=2
+    )
+    doomed = [7, 7, 7, 7]  # its first tree's chain, four long, marks its draft cache
+    seen = {"cache": None, "rounds": 0}
+    placed = Round.placed
+
+    def failing(self):
+        b = self.builder
+        if self.nodes is not None:
+            if b.tokens[: b.n_chain] == doomed:
+                seen["cache"] = b.cache
+            if b.cache is seen["cache"]:
+                seen["rounds"] += 1
+                if seen["rounds"] > 2:  # its second tree's: both requests draft in step then
+                    raise Broken("this request's draft forward broke")
+        return placed(self)
+
+    monkeypatch.setattr(Round, "placed", failing)
+    failed_jobs: list[int] = []  # rounds in each draft job that failed
+    run_rounds = verifier_module.run_rounds
+
+    def counted(rounds):
+        try:
+            run_rounds(rounds)
+        except Broken:
+            failed_jobs.append(len(rounds))
+            raise
+
+    monkeypatch.setattr(verifier_module, "run_rounds", counted)
+    async with Engine.open(config) as engine:
+        outcome: dict[str, object] = {}
+
+        async def run(name: str, prompt: list[int]) -> None:
+            try:
+                outcome[name] = await engine.generate(prompt, max_new_tokens=24)
+            except Broken as error:
+                outcome[name] = error
+
+        with trio.fail_after(TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run, "doomed", doomed)
+                nursery.start_soon(run, "other", [1, 2, 3])
+    assert isinstance(outcome["doomed"], Broken)
+    other = outcome["other"]
+    assert other.tokens == reference_tokens(config.target, [1, 2, 3], 24)
+    assert failed_jobs[:2] == [2, 1]  # the job of both, then the doomed one's alone
+
+
+class Broken(Exception):
+    pass

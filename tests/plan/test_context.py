@@ -1,0 +1,120 @@
+"""The context an engine serves: the model's, what ctx_size asks, or what the memory left
+after loading holds; a request beyond it is refused before any work, with its sizes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lever_actors.config import EngineConfig
+from lever_actors.device.memory import anonymous_rss_bytes, memory_limit_bytes
+from lever_actors.engine import Engine
+from lever_actors.errors import ConfigError, ContextLengthError
+from lever_actors.model.kv_cache import position_bytes
+from lever_actors.plan import memory as memory_plan
+from lever_actors.plan.context import CACHE_SHARE, KV_SHARE, plan_context
+from lever_actors.testing import TINY_ARGS, model_pair
+
+MiB = 2**20
+
+
+def test_the_context_is_the_models_what_was_asked_or_what_the_memory_holds():
+    roomy = plan_context(None, 32768, 40 * 1024, limit=24 << 30, held=1 << 30)
+    assert roomy.tokens == 32768 and "the model's" in str(roomy)
+    tight = plan_context(None, 32768, 40 * 1024, limit=1 << 30, held=(1 << 30) - 100 * MiB)
+    assert tight.tokens == int(100 * MiB * KV_SHARE) // (40 * 1024)  # 1,280
+    assert "what 100.0 MiB free of 1.00 GiB holds" in str(tight)
+    assert "set ctx_size for more" in tight.why
+    asked = plan_context(4096, 32768, 40 * 1024, limit=1 << 30, held=(1 << 30) - 100 * MiB)
+    assert asked.tokens == 4096 and asked.why == "ctx_size"
+    with pytest.raises(ConfigError, match="ctx_size 40000 exceeds the model's context of 32768"):
+        plan_context(40000, 32768, 1, limit=1 << 40, held=0)
+
+
+def fake_system(tmp_path: Path, cgroup: str, files: dict[str, str]) -> tuple[Path, Path]:
+    proc, cgroups = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text(cgroup)
+    (proc / "meminfo").write_text("MemTotal: 8000000 kB\nMemAvailable: 4000000 kB\n")
+    for name, text in files.items():
+        (cgroups / name).parent.mkdir(parents=True, exist_ok=True)
+        (cgroups / name).write_text(text)
+    return proc, cgroups
+
+
+def test_the_memory_limit_is_the_tightest_cgroup_limit_above_us(tmp_path):
+    v2 = fake_system(
+        tmp_path / "v2",
+        "0::/user/app\n",
+        {"user/memory.max": f"{600 * MiB}\n", "user/app/memory.max": "max\n"},
+    )
+    assert memory_limit_bytes(*v2) == 600 * MiB
+    v1 = fake_system(
+        tmp_path / "v1",
+        "4:memory:/box\n1:cpu:/\n",
+        {"memory/box/memory.limit_in_bytes": f"{900 * MiB}\n"},
+    )
+    assert memory_limit_bytes(*v1) == 900 * MiB
+    free = fake_system(tmp_path / "none", "0::/\n", {})
+    assert memory_limit_bytes(*free) == 4000000 * 1024 + anonymous_rss_bytes()
+
+
+@pytest.fixture(scope="module")
+def config() -> EngineConfig:
+    pair = model_pair(TINY_ARGS, "perturbed", 0)
+    return EngineConfig(target=str(pair.target), draft=str(pair.draft), tree="chain:2")
+
+
+async def test_a_request_beyond_ctx_size_is_refused_with_its_sizes(config):
+    async with Engine.open(EngineConfig(**{**_fields(config), "ctx_size": 12})) as engine:
+        assert engine.context.tokens == 12
+        assert len((await engine.generate([1, 2, 3], max_new_tokens=9)).tokens) == 9
+        with pytest.raises(ContextLengthError) as refused:
+            await engine.generate([1, 2, 3, 4], max_new_tokens=9)
+    assert (refused.value.prompt_tokens, refused.value.context_tokens) == (4, 12)
+    assert str(refused.value) == (
+        "prompt (4 tokens) + max_new_tokens (9) exceeds the context of 12 tokens (ctx_size)"
+    )
+
+
+async def test_a_context_the_memory_bounds_says_so(config, monkeypatch):
+    room = 100_000  # bytes left after loading: the tiny weights fit, a whole context not
+    monkeypatch.setattr(memory_plan, "anonymous_rss_bytes", lambda: 0)
+    monkeypatch.setattr(memory_plan, "file_rss_bytes", lambda: 0)
+    monkeypatch.setattr(memory_plan, "memory_limit_bytes", lambda: room)
+    fixed = EngineConfig(**{**_fields(config), "dram_budget": "all"})  # auto keeps room
+    async with Engine.open(fixed) as engine:
+        target, draft = engine.target, engine.draft
+        assert draft is not None
+        per_token = position_bytes(target.args, target.dtype) + position_bytes(
+            draft.args, draft.dtype
+        )
+        assert engine.context.kv_bytes_per_token == per_token
+        assert engine.context.tokens == int(room * KV_SHARE) // per_token
+        assert engine.prefixes.capacity_bytes == int(room * CACHE_SHARE)
+        with pytest.raises(
+            ContextLengthError, match=r"left of a .* memory limit holds; set ctx_size for more"
+        ):
+            await engine.generate([1, 2, 3], max_new_tokens=engine.context.tokens)
+
+
+def _fields(config: EngineConfig) -> dict:
+    return {f: getattr(config, f) for f in config.__struct_fields__}
+
+
+async def test_a_text_too_long_for_the_context_is_refused_from_its_length(monkeypatch):
+    pair = model_pair(TINY_ARGS, "identical", 0, tokenizer="words")
+    config = EngineConfig(target=str(pair.target), ctx_size=64)
+    encoded: list[int] = []
+    async with Engine.open(config) as engine:
+        tokenizer = engine.tokenizer
+        assert tokenizer is not None
+        encode = tokenizer.encode
+        monkeypatch.setattr(tokenizer, "encode", lambda text: encoded.append(1) or encode(text))
+        with pytest.raises(ContextLengthError, match=r"prompt \(at least \d+ tokens: 40,000 char"):
+            await engine.generate("t1" * 20_000, max_new_tokens=4)
+        assert encoded == []  # refused before tokenizing
+        fits = "t1 " * 30  # longer in bytes than the room, shorter in tokens
+        assert len((await engine.generate(fits, max_new_tokens=4)).tokens) == 4
+        assert encoded == [1]
