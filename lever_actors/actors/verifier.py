@@ -1,6 +1,8 @@
 """The verifier actor: runs the flash-resident target over the trees of every request in
 the batch, layer by layer, each arriving layer applied to all their rows in one job; and,
-between passes, the draft forwards of the requests still drafting, together."""
+between passes, the draft forwards of the requests still drafting, together. When a pass
+or a job of draft rounds is ready is the scheduler's decision (policy/schedule.py Passes);
+the verifier runs what it is given."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from lever_actors.model.layers import Block, batch_layers_forward
 from lever_actors.model.placement import Placement, tree_placement
 from lever_actors.model.tree import TokenTree
 from lever_actors.policy.pruning import ProbeWhen, always
+from lever_actors.policy.schedule import Passes
 from lever_actors.policy.trees import run_rounds
 from lever_actors.progress import Progress
 from lever_actors.target import FlashTarget
@@ -151,39 +154,43 @@ class Verifier:
     async def _serve(
         self, seats: dict[int, Seat], inbox: VerifierInbox, outbox: VerifierOutbox
     ) -> None:
-        trees: dict[int, DraftTree] = {}  # the next pass's, by seat
-        rounds: dict[int, DraftRound] = {}  # draft forwards waiting for the others', by seat
+        passes: Passes[DraftTree, DraftRound] = Passes()
         async for message in inbox.arrivals:
-            if isinstance(message, TakeSeat):
-                seats[message.seat] = Seat.taken(message)
-            elif isinstance(message, LeaveSeat):
-                trees.pop(message.seat, None)
-                rounds.pop(message.seat, None)
-                if (seat := seats.pop(message.seat, None)) is not None:
-                    try:
-                        await self._let_go(seat)
-                    finally:
-                        seat.close()
-                message.done.set()
-            elif isinstance(message, DraftRound):
-                if message.seat in seats:
-                    rounds[message.seat] = message
-                else:  # its request has gone: nothing waits for it
-                    message.round.error = RuntimeError("the request left the batch")
+            match message:
+                case TakeSeat():
+                    seats[message.seat] = Seat.taken(message)
+                    passes.seat(message.seat)
+                case LeaveSeat():
+                    passes.unseat(message.seat)
+                    await self._unseat(seats.pop(message.seat, None))
                     message.done.set()
-            elif (seat := seats.get(message.seat)) is not None:  # else its request is gone
-                await seat.take_commit()
-                trees[message.seat] = message
-            drafting = [s for s in seats if s not in trees]
-            if rounds and all(s in rounds for s in drafting):  # no other round is coming
-                await self._draft(list(rounds.values()))
-                rounds = {}
-            if trees and len(trees) == len(seats):  # every request's next tree is here
+                case DraftRound():
+                    if not passes.add_round(message.seat, message):  # its request has gone:
+                        message.round.error = RuntimeError("the request left the batch")
+                        message.done.set()  # nothing waits for it
+                case DraftTree():
+                    if (seat := seats.get(message.seat)) is not None:  # else its request is gone
+                        await seat.take_commit()
+                        passes.add_tree(message.seat, message)
+            if rounds := passes.rounds_ready():
+                await self._draft(rounds)
+            if trees := passes.pass_ready():
                 await self.jitter()
-                batch = [_Tree(s, seats[s], trees[s], _token_tree(trees[s])) for s in sorted(trees)]
-                trees = {}
+                batch = [_Tree(s, seats[s], tree, _token_tree(tree)) for s, tree in trees]
                 for gone in await self._verify(batch, inbox, outbox):
+                    passes.unseat(gone)
                     seats.pop(gone).close()
+
+    async def _unseat(self, seat: Seat | None) -> None:
+        """A request that left: its last accepted path kept, for the prefix cache."""
+        if seat is None:
+            return
+        try:
+            await seat.take_commit()
+            if seat.kept is not None:
+                await self.unit.run(seat.cache.keep, seat.kept)
+        finally:
+            seat.close()
 
     async def _draft(self, asked: list[DraftRound]) -> None:
         """The draft forwards of every request still drafting, in one job. Where it fails,
@@ -201,12 +208,6 @@ class Verifier:
                         message.round.error = own
         for message in asked:
             message.done.set()
-
-    async def _let_go(self, seat: Seat) -> None:
-        """A request that ended: its last accepted path kept, for the prefix cache."""
-        await seat.take_commit()
-        if seat.kept is not None:
-            await self.unit.run(seat.cache.keep, seat.kept)
 
     async def _verify(
         self, batch: list[_Tree], inbox: VerifierInbox, outbox: VerifierOutbox

@@ -2,16 +2,14 @@
 and who waits for one, in arrival order, and what each put in its last pass, by which the
 others size their trees.
 
-A request takes a place when there is one free and the KV it may fill (its prompt, its new
-tokens and a tree) fits beside the places' in the room the context leaves (context.py);
-a request alone always fits, since its size was checked against the context. It leaves
-at its end, and the next in line may enter. The verifier seats a placed request from the
-pass after it asks (actors/verifier.py)."""
+Who takes a place is the scheduler's decision (policy/schedule.py Places: in arrival order,
+within `parallel` and the KV room the context leaves); this module waits for it and keeps
+each place's state. A request leaves at its end, and the next in line may enter. The
+verifier seats a placed request from the pass after it asks (actors/verifier.py)."""
 
 from __future__ import annotations
 
 import itertools
-from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -19,6 +17,7 @@ from dataclasses import dataclass, field
 import trio
 
 from lever_actors.channels.messages import Beside
+from lever_actors.policy.schedule import Places
 
 
 @dataclass
@@ -48,10 +47,10 @@ class Batch:
 
     def __init__(self, parallel: int, room_tokens: int) -> None:
         self.parallel = parallel
-        self.room_tokens = room_tokens
         self.places: dict[int, Place] = {}
-        self._line: deque[_Waiter] = deque()
-        self._seats = itertools.count()
+        self._scheduler = Places(parallel, room_tokens)
+        self._line: dict[int, _Waiter] = {}  # by ticket
+        self._tickets = itertools.count()
         self._changed = trio.Event()  # set, and replaced, when a request takes or leaves a place
 
     @property
@@ -66,15 +65,15 @@ class Batch:
     async def place(self, kv_tokens: int) -> AsyncIterator[Place]:
         """Wait in line for a place for a request that may fill `kv_tokens` of KV; hold it
         for the block."""
-        waiter = _Waiter(kv_tokens)
-        self._line.append(waiter)
-        self._admit()
+        ticket, waiter = next(self._tickets), _Waiter(kv_tokens)
+        self._line[ticket] = waiter
+        self._seat(self._scheduler.join(ticket, kv_tokens))
         try:
             await waiter.admitted.wait()
         except BaseException:
             if waiter.place is None:
-                self._line.remove(waiter)
-                self._admit()  # those behind it may fit now
+                del self._line[ticket]
+                self._seat(self._scheduler.withdraw(ticket))  # those behind it may fit now
             else:  # admitted as it was cancelled
                 self._leave(waiter.place)
             raise
@@ -110,16 +109,12 @@ class Batch:
                 place.failure = error
             place.scope.cancel()
 
-    def _admit(self) -> None:
-        while self._line:
-            waiter = self._line[0]
-            held = sum(p.kv_tokens for p in self.places.values())
-            full = len(self.places) >= self.parallel
-            if self.places and (full or held + waiter.kv_tokens > self.room_tokens):
-                return
-            self._line.popleft()
-            waiter.place = Place(next(self._seats), waiter.kv_tokens)
-            self.places[waiter.place.seat] = waiter.place
+    def _seat(self, admitted: list[tuple[int, int]]) -> None:
+        """The places the scheduler gave, taken by those waiting."""
+        for ticket, seat in admitted:
+            waiter = self._line.pop(ticket)
+            waiter.place = Place(seat, waiter.kv_tokens)
+            self.places[seat] = waiter.place
             waiter.admitted.set()
             self._changed.set()
             self._changed = trio.Event()
@@ -128,4 +123,4 @@ class Batch:
         del self.places[place.seat]
         self._changed.set()
         self._changed = trio.Event()
-        self._admit()
+        self._seat(self._scheduler.leave(place.seat))

@@ -39,8 +39,7 @@ from lever_actors.errors import ConfigError, DeadlineError, EngineClosedError
 from lever_actors.model.transformer import Transformer
 from lever_actors.options import GenerationKeywords, GenerationOptions, options_of
 from lever_actors.plan.context import Context
-from lever_actors.plan.decode import DecodePlan
-from lever_actors.plan.start import StartPlan, check_room, propose
+from lever_actors.plan.start import Proposal, StartPlan, propose, refuse_early
 from lever_actors.policy.pruning import keep_everything
 from lever_actors.policy.setup import Policies
 from lever_actors.progress import Progress
@@ -112,11 +111,11 @@ class Engine:
             # 130 MB above the 46 MiB it keeps (the real pair's), which then comes before
             # any weights, and the plans count what it keeps (the target's, and a draft's
             # of the same bytes, reuse it)
-            check_room(config, manifest, loading_draft=False)
+            refuse_early(config, manifest)
             await npu.run(layout_tokenizer, Path(config.target), manifest)
             return_freed_heap()
-            config, decode = await npu.run(propose, config, manifest, draft is not None)
-            async with cls._serving(config, manifest, draft, decode, units, progress) as engine:
+            proposal = await npu.run(propose, config, manifest, draft is not None)
+            async with cls._serving(manifest, proposal, draft, units, progress) as engine:
                 yield engine
         finally:
             for unit in set(units):
@@ -126,20 +125,19 @@ class Engine:
     @asynccontextmanager
     async def _serving(
         cls,
-        config: EngineConfig,
         manifest: Manifest,
+        proposal: Proposal,
         draft: DraftModel | None,
-        decode: DecodePlan,
         units: tuple[ComputeUnit, ComputeUnit],
         progress: Progress | None,
     ) -> AsyncIterator[Engine]:
         npu = units[0]
-        async with load(config, manifest, decode, draft, npu, progress) as loaded:
+        async with load(manifest, proposal, draft, npu, progress) as loaded:
             engine: Engine | None = None
             try:
                 async with trio.open_nursery() as nursery:
                     engine = cls(
-                        config,
+                        proposal.config,
                         loaded.target,
                         loaded.draft,
                         loaded.policies,

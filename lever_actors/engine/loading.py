@@ -26,13 +26,7 @@ from lever_actors.draft import DraftModel, load_draft
 from lever_actors.engine.prefix_cache import PrefixCache, open_prefix_cache
 from lever_actors.errors import ConfigError
 from lever_actors.model.transformer import Transformer
-from lever_actors.plan.decode import DecodePlan
-from lever_actors.plan.start import (
-    StartPlan,
-    finish,
-    plan_memory_after_draft,
-    residency_beside_draft,
-)
+from lever_actors.plan.start import Proposal, StartPlan, finish, plan_memory_after_draft
 from lever_actors.policy.setup import Policies, build_policies
 from lever_actors.progress import Progress
 from lever_actors.target import FlashTarget, Resident, read_resident
@@ -68,21 +62,21 @@ class Loaded:
 
 @asynccontextmanager
 async def load(
-    config: EngineConfig,
     manifest: Manifest,
-    decode: DecodePlan,
+    proposal: Proposal,
     draft: DraftModel | None,
     npu: ComputeUnit,
     progress: Progress | None,
 ) -> AsyncIterator[Loaded]:
-    """Load what `config` names (or use `draft`, already loaded) on `npu`'s thread, making
-    the rest of the start-up plan as each part becomes known (plan/start.py); the target is
-    closed when the block ends."""
+    """Load what the proposal's config names (or use `draft`, already loaded) on `npu`'s
+    thread, making the rest of the start-up plan as each part becomes known (plan/start.py);
+    the target is closed when the block ends."""
     started = time.perf_counter()
+    config = proposal.config
     drafting = config.tree.needs_draft
     before_draft = anonymous_rss_bytes()
     loading_draft = draft is None and drafting
-    early = residency_beside_draft(config, manifest) if loading_draft else None
+    early = proposal.beside_draft
     resident: list[Resident] = []  # the target's extents, where they are read beside the draft
     reads: list[float] = []  # and the seconds that took
     # the draft first: its loading peak (several hundred MB of temporaries) then comes
@@ -114,7 +108,7 @@ async def load(
             model = draft.model.proposing(config.draft_vocabulary)
         policies = await npu.run(build_policies, config, target, model, progress)
         return_freed_heap()  # the start-up profiling's temporaries
-        plan = finish(config, decode, memory, target, model)
+        plan = finish(config, proposal.decode, memory, target, model)
         prefixes = await npu.run(open_prefix_cache, config, plan.context, target, model)
         times = LoadTimes(
             draft=draft_loaded - started,

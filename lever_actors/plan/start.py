@@ -19,7 +19,7 @@ from lever_actors.model.transformer import Transformer
 from lever_actors.paths import path_bytes
 from lever_actors.plan.context import Context, kv_bytes_per_token, plan_context
 from lever_actors.plan.decode import DecodePlan, choose_plan
-from lever_actors.plan.memory import AUTO_CONTEXT, MemoryPlan, memory_plan, read_process
+from lever_actors.plan.memory import AUTO_CONTEXT, MemoryPlan, Reading, memory_plan, read_process
 from lever_actors.plan.parallel import parallel_of
 from lever_actors.target import FlashTarget
 
@@ -39,33 +39,52 @@ class StartPlan(msgspec.Struct, frozen=True):
         return f"{self.memory}\n{self.decode}"
 
 
-def check_room(config: EngineConfig, manifest: Manifest, loading_draft: bool) -> None:
-    """A limit that cannot hold the draft's file (its weights take no more) beside the
-    process and the target's least budget is refused now, before what would not fit is
-    parsed or loaded; the budget itself is planned once the draft is in."""
-    draft_file = path_bytes(Path(config.draft)) if loading_draft and config.draft else 0
-    memory_plan(config, manifest, read_process(), draft=draft_file, context_tokens=0, budget=AUTO)
+class Proposal(msgspec.Struct, frozen=True):
+    """The plan before the draft loads."""
+
+    config: EngineConfig  # as the decode plan loads it (no draft for lookup or ar)
+    decode: DecodePlan
+    # the target's residency, where it does not depend on what the draft will hold: its
+    # weights may then be read beside the draft's load
+    beside_draft: ResidencyPlan | None
 
 
-def propose(
-    config: EngineConfig, manifest: Manifest, draft_loaded: bool
-) -> tuple[EngineConfig, DecodePlan]:
-    """Before the draft loads: the config to load and the plan it decodes by (blocking where
-    `plan` is auto), refused where the limit cannot hold its draft."""
+def check_room(config: EngineConfig, manifest: Manifest, reading: Reading, draft: int) -> None:
+    """A limit that cannot hold `draft` bytes beside the process and the target's least
+    budget is refused now, before what would not fit is parsed or loaded; the budget
+    itself is planned once the draft is in."""
+    memory_plan(config, manifest, reading, draft=draft, context_tokens=0, budget=AUTO)
+
+
+def refuse_early(config: EngineConfig, manifest: Manifest) -> None:
+    """Before anything is parsed: a limit that cannot hold the process beside the target's
+    least budget is refused."""
+    check_room(config, manifest, read_process(), draft=0)
+
+
+def propose(config: EngineConfig, manifest: Manifest, draft_loaded: bool) -> Proposal:
+    """Before the draft loads (blocking where `plan` is auto): the config to load and the
+    plan it decodes by, refused where the limit cannot hold its draft's file (its weights
+    take no more)."""
     config, decode = choose_plan(config, manifest, draft_loaded)
-    check_room(config, manifest, loading_draft=config.tree.needs_draft and not draft_loaded)
-    return config, decode
+    reading = read_process()
+    loading_draft = config.tree.needs_draft and not draft_loaded
+    draft_file = path_bytes(Path(config.draft)) if loading_draft and config.draft else 0
+    check_room(config, manifest, reading, draft_file)
+    beside = residency_beside_draft(config, manifest, reading, draft_file) if draft_file else None
+    return Proposal(config, decode, beside)
 
 
-def residency_beside_draft(config: EngineConfig, manifest: Manifest) -> ResidencyPlan | None:
+def residency_beside_draft(
+    config: EngineConfig, manifest: Manifest, reading: Reading, draft_file: int
+) -> ResidencyPlan | None:
     """The target's residency before the draft loads, where it does not depend on what the
-    draft will hold: a fixed budget that the limit holds beside the draft's whole file (its
-    load takes no more) with room for AUTO_CONTEXT's tokens to spare; else None."""
-    if config.dram_budget.kind == "auto" or not config.draft:
+    draft will hold: a fixed budget that the limit holds beside the draft's whole file
+    with room for AUTO_CONTEXT's tokens to spare; else None."""
+    if config.dram_budget.kind == "auto":
         return None
     try:
-        draft_file = path_bytes(Path(config.draft))
-        memory = memory_plan(config, manifest, read_process(), draft=draft_file)
+        memory = memory_plan(config, manifest, reading, draft=draft_file)
     except ConfigError:
         return None  # the plan made after the draft's load says why
     if memory.context_tokens < AUTO_CONTEXT:

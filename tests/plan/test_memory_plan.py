@@ -4,11 +4,14 @@ line naming the parts, before the target loads."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lever_actors.config import DramBudget, EngineConfig
 from lever_actors.engine import Engine, loading
 from lever_actors.errors import ConfigError
+from lever_actors.paths import path_bytes
 from lever_actors.plan import memory as memory_plan
 from lever_actors.plan.memory import plan_memory
 from lever_actors.plan.start import residency_beside_draft
@@ -122,5 +125,7 @@ async def test_a_fixed_budget_with_room_to_spare_reads_the_target_beside_the_dra
             texts[budget] = (await engine.generate([1, 2, 3], max_new_tokens=8)).tokens
         assert len(reads) == (budget == "all")  # auto plans from what the draft holds
     monkeypatch.setattr(memory_plan, "memory_limit_bytes", lambda: engine.plan.memory.limit // 1000)
-    assert residency_beside_draft(config, engine.target.manifest) is None  # no room: in turn
+    draft_file = path_bytes(Path(config.draft))
+    reading = memory_plan.read_process()
+    assert residency_beside_draft(config, engine.target.manifest, reading, draft_file) is None
     assert texts["auto"] == texts["all"]

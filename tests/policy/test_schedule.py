@@ -1,0 +1,76 @@
+"""The scheduler decides alone, without trio or tensors: places in arrival order within
+`parallel` and the KV room, a job of draft rounds once no other round is coming, a pass
+once every seat has sent its tree."""
+
+from __future__ import annotations
+
+from lever_actors.policy.schedule import Places, Passes
+
+
+def test_places_go_in_arrival_order_within_parallel():
+    places = Places(parallel=2, room_tokens=1000)
+    assert places.join(ticket=10, kv_tokens=100) == [(10, 0)]
+    assert places.join(ticket=11, kv_tokens=100) == [(11, 1)]
+    assert places.join(ticket=12, kv_tokens=100) == []  # two placed: it waits
+    assert places.join(ticket=13, kv_tokens=100) == []
+    assert places.leave(0) == [(12, 2)]  # the head of the line, not the one behind
+    assert places.leave(1) == [(13, 3)]
+    assert list(places.line) == []
+
+
+def test_the_kv_room_holds_back_the_head_of_the_line_and_those_behind_it():
+    places = Places(parallel=8, room_tokens=1000)
+    assert places.join(1, 600) == [(1, 0)]
+    assert places.join(2, 500) == []  # 1,100 would pass the room
+    assert places.join(3, 100) == []  # it would fit, but it came later
+    assert places.leave(0) == [(2, 1), (3, 2)]
+
+
+def test_a_request_alone_always_fits():
+    places = Places(parallel=1, room_tokens=10)
+    assert places.join(1, 10_000) == [(1, 0)]
+
+
+def test_one_leaving_the_line_lets_in_those_behind_it():
+    places = Places(parallel=4, room_tokens=1000)
+    places.join(1, 600)
+    assert places.join(2, 600) == []
+    assert places.join(3, 300) == []
+    assert places.withdraw(2) == [(3, 1)]
+    assert places.placed == {0: 600, 1: 300}
+
+
+def test_draft_rounds_wait_for_every_seat_still_drafting():
+    passes: Passes[str, str] = Passes()
+    for seat in (0, 1, 2):
+        passes.seat(seat)
+    assert passes.add_tree(2, "tree 2")  # seat 2 has its tree: it drafts no more
+    assert passes.add_round(0, "round 0")
+    assert passes.rounds_ready() == []  # seat 1 still drafts
+    assert passes.add_round(1, "round 1")
+    assert passes.rounds_ready() == ["round 0", "round 1"]
+    assert passes.rounds_ready() == []  # taken
+
+
+def test_a_pass_waits_for_every_seats_tree_and_goes_in_seat_order():
+    passes: Passes[str, str] = Passes()
+    passes.seat(1)
+    passes.seat(0)
+    assert passes.add_tree(1, "b")
+    assert passes.pass_ready() == []
+    assert passes.add_tree(0, "a")
+    assert passes.pass_ready() == [(0, "a"), (1, "b")]
+    assert passes.pass_ready() == []  # taken
+
+
+def test_a_seat_that_leaves_takes_what_it_sent_and_no_longer_holds_up_the_rest():
+    passes: Passes[str, str] = Passes()
+    for seat in (0, 1):
+        passes.seat(seat)
+    passes.add_tree(0, "a")
+    passes.add_round(1, "r")
+    passes.unseat(1)
+    assert passes.rounds_ready() == []  # its round went with it
+    assert passes.pass_ready() == [(0, "a")]
+    assert not passes.add_tree(1, "late")  # its request has gone
+    assert not passes.add_round(1, "late")
