@@ -56,9 +56,10 @@ class VerifierOutbox:
 
 
 @dataclass
-class Seat:
-    """A request in the batch: its target cache and channel ends, and the accepted path of
-    its last tree, kept in the cache by its next pass's first job."""
+class Occupant:
+    """The request in a seat of the batch (a seat is a number: engine/batch.py Place.seat):
+    its target cache and channel ends, and the accepted path of its last tree, kept in the
+    cache by its next pass's first job."""
 
     cache: KVCache
     commits: trio.MemoryReceiveChannel[Commit]
@@ -68,7 +69,7 @@ class Seat:
     kept: list[int] | None = None
 
     @classmethod
-    def taken(cls, message: TakeSeat) -> Seat:
+    def taken(cls, message: TakeSeat) -> Occupant:
         return cls(message.cache, message.commits, message.finals, message.progress)
 
     async def take_commit(self) -> None:
@@ -91,7 +92,7 @@ class _Tree:
     """One request's tree in a pass, and where the pass has taken it."""
 
     seat_id: int
-    seat: Seat
+    seat: Occupant
     message: DraftTree
     tree: TokenTree
     probes: bool = False  # whether the pass probes it at the exit layer
@@ -141,7 +142,7 @@ class Verifier:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        seats: dict[int, Seat] = {}
+        seats: dict[int, Occupant] = {}
         try:
             with inbox.arrivals, inbox.layers, inbox.prune_verdicts:
                 with outbox.releases, outbox.probes:
@@ -152,13 +153,13 @@ class Verifier:
                 seat.close()
 
     async def _serve(
-        self, seats: dict[int, Seat], inbox: VerifierInbox, outbox: VerifierOutbox
+        self, seats: dict[int, Occupant], inbox: VerifierInbox, outbox: VerifierOutbox
     ) -> None:
         passes: Passes[DraftTree, DraftRound] = Passes()
         async for message in inbox.arrivals:
             match message:
                 case TakeSeat():
-                    seats[message.seat] = Seat.taken(message)
+                    seats[message.seat] = Occupant.taken(message)
                     passes.seat(message.seat)
                 case LeaveSeat():
                     passes.unseat(message.seat)
@@ -181,7 +182,7 @@ class Verifier:
                     passes.unseat(gone)
                     seats.pop(gone).close()
 
-    async def _unseat(self, seat: Seat | None) -> None:
+    async def _unseat(self, seat: Occupant | None) -> None:
         """A request that left: its last accepted path kept, for the prefix cache."""
         if seat is None:
             return
