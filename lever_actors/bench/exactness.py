@@ -145,7 +145,7 @@ async def _run_policy(
         result = await engine.generate(prompt.tokens, max_new_tokens=max_new_tokens)
         tokens[prompt.name] = result.tokens
         largest = max(s.tree_nodes for s in result.steps)
-        shared = max(s.pass_requests for s in result.steps)
+        shared = max(s.parallel for s in result.steps)
         _say(
             f"  {config.tree} {prompt.name}: {len(result.tokens)} tokens in "
             f"{len(result.steps)} steps, largest tree {largest} nodes, passes shared by up "

@@ -157,7 +157,7 @@ class StepStats(msgspec.Struct, frozen=True):
     read_seconds: float = 0.0  # those reads' own time (summed over the threads reading)
     copied: int = 0  # tree nodes copied from the committed text, not drafted (policy/lookup.py)
     pass_rows: int = 0  # every request's tree nodes in the pass (0: this tree's alone)
-    pass_requests: int = 1  # requests whose trees the pass verified
+    parallel: int = 1  # requests whose trees the pass verified
 
 
 class Verdict(Message, frozen=True):
@@ -208,4 +208,4 @@ class TokenEvent(msgspec.Struct, frozen=True):
     piece: str = ""  # the token's own text in context (stop strings aside; "" if special)
     # where the request asks (top_logprobs): its position's likeliest tokens
     top_logprobs: tuple[TopLogprob, ...] = ()
-    batched: int = 1  # requests whose trees the pass that verified this token took
+    parallel: int = 1  # requests whose trees the pass that verified this token took

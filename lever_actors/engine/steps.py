@@ -66,7 +66,7 @@ async def run_steps(
         ):
             emitted += 1
             event = emitter.event(
-                step, token, from_draft, logprob, top, emitted == last, verdict.stats.pass_requests
+                step, token, from_draft, logprob, top, emitted == last, verdict.stats.parallel
             )
             finish = event.finish_reason
             try:
@@ -128,7 +128,7 @@ class Emitter:
         logprob: float,
         top: tuple[tuple[int, float], ...],
         last_of_step: bool,
-        batched: int = 1,
+        parallel: int = 1,
     ) -> TokenEvent:
         """The event of the request's next token; its finish_reason says when it is the
         last (an end token, a stop string, max_new_tokens, or past the deadline at the
@@ -168,5 +168,5 @@ class Emitter:
             finish_reason=finish,
             piece=piece,
             top_logprobs=alternatives,
-            batched=batched,
+            parallel=parallel,
         )

@@ -70,7 +70,7 @@ def test_requests_gathered_under_asyncio_decode_together_each_exact(config):
             )
 
     results = run(main)
-    assert max(s.pass_requests for r in results for s in r.steps) == 3  # really at once
+    assert max(s.parallel for r in results for s in r.steps) == 3  # really at once
     for prompt, result in zip(prompts, results, strict=True):
         assert result.tokens == reference_tokens(
             Path(config.target), prompt, NEW, sampling=sampling

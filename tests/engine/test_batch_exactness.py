@@ -122,10 +122,10 @@ async def test_each_request_equals_its_sequential_decoding_whatever_runs_beside_
     config = msgspec.structs.replace(case.engine_config(), parallel=parallel)
     async with Engine.open(config) as engine:
         seen = await run_schedule(engine, schedule)
-    batched = max((e.batched for events in seen.values() for e in events), default=1)
-    note(f"most requests in one pass: {batched}")
-    event(f"most requests in one pass: {min(batched, parallel)}")
-    assert batched <= parallel
+    most = max((e.parallel for events in seen.values() for e in events), default=1)
+    note(f"most requests in one pass: {most}")
+    event(f"most requests in one pass: {min(most, parallel)}")
+    assert most <= parallel
     assert_each_sequential(config.target, schedule, seen)
 
 
@@ -145,14 +145,14 @@ async def test_in_bf16_and_quantized_each_request_equals_its_sequential_decoding
     config = msgspec.structs.replace(case.engine_config(), parallel=parallel)
     async with Engine.open(config) as engine:
         seen = await run_schedule(engine, schedule)
-    batched = max((e.batched for events in seen.values() for e in events), default=1)
-    event(f"most requests in one pass: {batched}")
+    most = max((e.parallel for events in seen.values() for e in events), default=1)
+    event(f"most requests in one pass: {most}")
     assert_each_sequential(config.target, schedule, seen)
 
 
 async def test_requests_that_arrive_together_share_passes_and_stay_exact():
     """Three requests of different lengths and samplings at once: their trees go through
-    the same passes (StepStats.pass_requests), and each emits its own sequential tokens;
+    the same passes (StepStats.parallel), and each emits its own sequential tokens;
     a fourth waits for a place and then runs exactly too."""
     pair = model_pair(TINY_ARGS, "perturbed", 0)
     config = EngineConfig(
@@ -176,7 +176,7 @@ async def test_requests_that_arrive_together_share_passes_and_stay_exact():
                     nursery.start_soon(generate, index, arrival)
                     await trio.sleep(0)  # in this order
         assert engine.batch.active == engine.batch.queued == 0
-    passes = [max(s.pass_requests for s in results[i].steps) for i in range(4)]
+    passes = [max(s.parallel for s in results[i].steps) for i in range(4)]
     assert max(passes) == 3  # the three shared passes
     for index, arrival in enumerate(schedule):
         expected = reference_tokens(
