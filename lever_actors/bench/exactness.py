@@ -87,12 +87,12 @@ def check_exact(
     max_new_tokens: int,
     dram_budget: DramBudget,
     draft_dtype: DraftDtype = "bfloat16",
-    concurrent: int = 1,
+    parallel: int = 1,
 ) -> list[Divergence]:
-    """Run every policy on every prompt, `concurrent` requests at once (all the prompts
+    """Run every policy on every prompt, `parallel` requests at once (all the prompts
     sent together, the engine's batch that many); -> the divergences from one-token greedy."""
-    if concurrent < 1:
-        raise ConfigError(f"concurrent = {concurrent}: expected >= 1")
+    if parallel < 1:
+        raise ConfigError(f"parallel = {parallel}: expected >= 1")
     unknown = set(policies) - set(POLICIES)
     if unknown:
         raise ConfigError(f"unknown policies {sorted(unknown)}; known: {', '.join(POLICIES)}")
@@ -114,10 +114,10 @@ def check_exact(
             draft=str(draft_path),
             dram_budget=dram_budget,
             draft_dtype=draft_dtype,
-            parallel=concurrent,
+            parallel=parallel,
             **POLICIES[policy],
         )
-        found = trio.run(_run_policy, config, draft, prompts, max_new_tokens, concurrent > 1)
+        found = trio.run(_run_policy, config, draft, prompts, max_new_tokens, parallel > 1)
         for prompt in prompts:
             got, want = found[prompt.name], expected[prompt.name]
             if got != want:

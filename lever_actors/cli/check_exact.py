@@ -47,7 +47,7 @@ def add_check_exact_command(sub: argparse._SubParsersAction) -> None:
         help="target weights in DRAM; exactness does not depend on it (default: all)",
     )
     parser.add_argument(
-        "--concurrent",
+        "--parallel",
         type=int,
         default=1,
         metavar="N",
@@ -79,7 +79,7 @@ def run_check_exact_command(args: argparse.Namespace) -> int:
         policies=policies,
         max_new_tokens=args.max_new_tokens,
         dram_budget=budget,
-        concurrent=args.concurrent,
+        parallel=args.parallel,
     )
     for d in divergences:
         print(
@@ -88,7 +88,7 @@ def run_check_exact_command(args: argparse.Namespace) -> int:
             f"{tokenizer.decode(d.got)!r}"
         )
     runs = len(prompts) * len(policies)
-    together = f", {args.concurrent} at once" if args.concurrent > 1 else ""
+    together = f", {args.parallel} at once" if args.parallel > 1 else ""
     print(
         f"check-exact: {len(prompts)} prompts x {len(policies)} policies = {runs} runs"
         f"{together}, {args.max_new_tokens} tokens each, target {target.name} "

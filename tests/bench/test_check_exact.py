@@ -34,13 +34,13 @@ def audit(pair, **options):
     )
 
 
-@pytest.mark.parametrize("concurrent", [1, 3])
-def test_every_policy_equals_one_token_greedy_in_turn_and_all_at_once(pair, concurrent, capsys):
-    assert audit(pair, concurrent=concurrent) == []
+@pytest.mark.parametrize("parallel", [1, 3])
+def test_every_policy_equals_one_token_greedy_in_turn_and_all_at_once(pair, parallel, capsys):
+    assert audit(pair, parallel=parallel) == []
     shared = [line for line in capsys.readouterr().err.splitlines() if "passes shared" in line]
     assert len(shared) == 3 * len(PROMPTS)
     most = max(int(line.split("up to ")[1].split()[0]) for line in shared)
-    assert most == concurrent  # all at once: some pass took every prompt's tree
+    assert most == parallel  # all at once: some pass took every prompt's tree
 
 
 def test_a_divergence_names_the_prompt_policy_and_first_token(pair, monkeypatch):
@@ -51,12 +51,12 @@ def test_a_divergence_names_the_prompt_policy_and_first_token(pair, monkeypatch)
         return [*tokens[:3], (tokens[3] + 1) % TINY_ARGS.vocab_size, *tokens[4:]]
 
     monkeypatch.setattr(exactness, "sequential_cached", off_by_one_at_three)
-    found = audit(pair, concurrent=2)
+    found = audit(pair, parallel=2)
     assert {(d.prompt, d.policy, d.position) for d in found} == {
         (p.name, policy, 3) for p in PROMPTS for policy in ("chain-4", "gaincost", "lookup")
     }
 
 
-def test_concurrent_below_one_is_refused(pair):
-    with pytest.raises(ConfigError, match="concurrent = 0: expected >= 1"):
-        audit(pair, concurrent=0)
+def test_parallel_below_one_is_refused(pair):
+    with pytest.raises(ConfigError, match="parallel = 0: expected >= 1"):
+        audit(pair, parallel=0)
