@@ -29,7 +29,7 @@ class Place:
     # cancelled, with `failure` set, when an actor of the crew it joined fails
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     failure: BaseException | None = None
-    # the crew it joined (that crew's end: wiring.Crew), until the verifier let it go
+    # the crew it joined (that crew's end: crew.py Crew), until the verifier let it go
     crew: trio.Event | None = None
     last: Beside = Beside()  # its last tree's nodes and the tokens they gave
 

@@ -2,7 +2,7 @@
 (batch.py), wiring the actors (wiring.py).
 
 The prefetcher, the verifier and the pruner serve the requests in the batch while it has
-any (wiring.Crew). Each request runs its drafter, projector and step loop in a nursery of
+any (crew.py). Each request runs its drafter, projector and step loop in a nursery of
 its own, inside the engine's nursery, so that a request that ends early (break,
 cancellation, an error) takes them and its channels with it. What a finished one leaves is
 its text's KV, in the prefix cache (prefix_cache.py).
@@ -29,12 +29,13 @@ from lever_actors.device.memory import return_freed_heap
 from lever_actors.device.units import ComputeUnit
 from lever_actors.draft import DraftModel
 from lever_actors.engine.batch import Batch
+from lever_actors.engine.crew import Crew, original
 from lever_actors.engine.intake import grammar_matcher, tokens_of
 from lever_actors.engine.loading import LoadTimes, load
 from lever_actors.engine.prefix_cache import PrefixCache
 from lever_actors.engine.results import GenerationResult, result_of
 from lever_actors.engine.state import RequestState, kv_tokens
-from lever_actors.engine.wiring import Crew, original, run_request
+from lever_actors.engine.wiring import run_request
 from lever_actors.errors import ConfigError, DeadlineError, EngineClosedError
 from lever_actors.model.transformer import Transformer
 from lever_actors.options import GenerationKeywords, GenerationOptions, options_of

@@ -4,7 +4,7 @@ once every seat has sent its tree."""
 
 from __future__ import annotations
 
-from lever_actors.policy.schedule import Places, Passes
+from lever_actors.policy.schedule import Passes, Places
 
 
 def test_places_go_in_arrival_order_within_parallel():
