@@ -58,19 +58,9 @@ class Isa:
 
     @property
     def headers(self) -> tuple[Path, ...]:
-        return tuple(
-            self.source.with_name(name)
-            for name in (
-                "common.h",
-                "attention.h",
-                "integer_rows.h",
-                "layer.h",
-                "norm.h",
-                "q4k.h",
-                "q4k_tiles.h",
-                "rope.h",
-            )
-        )
+        """Every header beside the sources: each keys the built library, so that a changed or
+        new header rebuilds it."""
+        return tuple(sorted(self.source.parent.glob("*.h")))
 
     @property
     def ops(self):

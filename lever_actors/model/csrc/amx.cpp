@@ -17,13 +17,11 @@
 #include <unistd.h>
 #include <vector>
 
-#include "attention.h"
 #include "common.h"
 #include "integer_rows.h"
-#include "norm.h"
+#include "ops.h"
 #include "q4k.h"
 #include "q4k_tiles.h"
-#include "rope.h"
 
 namespace {
 
@@ -269,12 +267,6 @@ bool enable_tiles() {  // Linux grants a process AMX state only on request
 }  // namespace
 
 TORCH_LIBRARY(lever_amx, m) {
-  m.def("attend", &lever::attend);
-  m.def("rms_norm", &lever::rms_norm);
-  m.def("rope", &lever::rope);
-  m.def("int4_linear", &int4_linear);
-  m.def("int8_linear", &int8_linear);
-  m.def("q6k_linear", &lever::q6k_linear);
-  m.def("q4k_linear", &lever::q4k_linear_amx);
+  lever::define_ops(m, &int4_linear, &int8_linear, &lever::q4k_linear_amx);
   m.def("enable_tiles", &enable_tiles);
 }

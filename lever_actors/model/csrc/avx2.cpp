@@ -18,13 +18,11 @@
 #include <immintrin.h>
 #include <vector>
 
-#include "attention.h"
 #include "common.h"
 #include "integer_rows.h"
 #include "layer.h"
-#include "norm.h"
+#include "ops.h"
 #include "q4k.h"
-#include "rope.h"
 
 namespace {
 
@@ -180,12 +178,6 @@ at::Tensor product(int64_t fmt, const at::Tensor& x, const at::Tensor& data, con
 }  // namespace
 
 TORCH_LIBRARY(lever_avx2, m) {
+  lever::define_ops(m, &int4_linear, &int8_linear, &lever::q4k_linear);
   m.def("decoder_layer", &lever::decoder_layer<product>);
-  m.def("attend", &lever::attend);
-  m.def("rms_norm", &lever::rms_norm);
-  m.def("rope", &lever::rope);
-  m.def("int4_linear", &int4_linear);
-  m.def("int8_linear", &int8_linear);
-  m.def("q6k_linear", &lever::q6k_linear);
-  m.def("q4k_linear", &lever::q4k_linear);
 }
