@@ -39,7 +39,7 @@ Weights = Literal["dense", "auto", "q4", "q4k", "q6", "q8"]
 Throttle = Literal["none", "ufs3.1", "ufs4.0"]
 # how tokens are proposed: trees (a draft model's gain-cost trees), lookup (copies from the
 # text alone: no draft model in memory), ar (one token a pass); auto: the one the cost model
-# predicts fastest for the memory there is (decode_plan.py)
+# predicts fastest for the memory there is (plan/decode.py)
 Plan = Literal["auto", "trees", "lookup", "ar"]
 
 
@@ -190,7 +190,7 @@ def _check_tree_nodes(text: str, nodes: int) -> None:
 
 class DramBudget(msgspec.Struct, frozen=True):
     """Target weights held in DRAM: what the memory this process may use leaves for them
-    (auto, planned at start: memory_plan.py), all of them, a share of the layout's bytes,
+    (auto, planned at start: plan/memory.py), all of them, a share of the layout's bytes,
     or a size."""
 
     kind: Literal["auto", "all", "share", "size"]
@@ -237,7 +237,7 @@ class DramBudget(msgspec.Struct, frozen=True):
 
 class ChannelSizes(msgspec.Struct, frozen=True):
     """Capacity of the bounded channels between actors (the verifier's arrivals hold what
-    the batch's requests may send at once: wiring.py; the layers, the ring's slots)."""
+    the batch's requests may send at once: engine/crew.py; the layers, the ring's slots)."""
 
     requests: Annotated[int, msgspec.Meta(ge=1)] = 1
     probes: Annotated[int, msgspec.Meta(ge=1)] = 1
@@ -261,7 +261,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     target: str  # flash layout directory
     draft: str | None = None  # HF directory, GGUF file or flash layout; held whole in DRAM
     # target weights in DRAM: auto (what the memory the process may use leaves beside the
-    # draft and room for a context: memory_plan.py), all, a share ("25%") or a size
+    # draft and room for a context: plan/memory.py), all, a share ("25%") or a size
     dram_budget: DramBudget = DramBudget("auto")
     ring_slots: Annotated[int, msgspec.Meta(ge=2)] = 2  # one slot read while one computes
     # or "chain:4", "none", ...; left out: DEFAULT_TREE where a draft is named, else none
@@ -300,9 +300,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # wait for the first token (engine/state.py); None: all of them
     draft_window: Annotated[int, msgspec.Meta(gt=0)] | None = DRAFT_WINDOW
     # tokens a request's prompt and new ones may fill; None: the model's context, or less
-    # where the memory left after loading holds less KV (context.py)
+    # where the memory left after loading holds less KV (plan/context.py)
     ctx_size: Annotated[int, msgspec.Meta(gt=0)] | None = None
-    # requests decoding at once, their trees verified in one pass over the layers (batch.py);
+    # requests decoding at once, their trees verified in one pass over the layers (engine/batch.py);
     # more wait for a place, in arrival order. None: as many requests of AUTO_REQUEST_TOKENS
     # as the KV room after loading holds, at most MAX_AUTO_PARALLEL
     parallel: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None

@@ -1,4 +1,4 @@
-"""Grammars (model/grammar.py) and tool calls (tool_calls.py): what a grammar allows and
+"""Grammars (model/grammar.py) and tool calls (text/tool_calls.py): what a grammar allows and
 refuses, the engine's constrained text, and the calls read out of a model's text."""
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ SMALL_BATCH = 4
 AHEAD_WIDTH = SMALL_BATCH
 
 
-# runs one draft forward with other requests' (wiring.py: through the verifier)
+# runs one draft forward with other requests' (engine/wiring.py: through the verifier)
 RunRound = Callable[[Round], Awaitable[None]]
 
 

@@ -3,7 +3,8 @@ that a request that starts with the same tokens (a conversation's next turn, a s
 system prompt) prefills only the rest.
 
 Reuse is exact: a position's keys and values are a function of the tokens up to it alone,
-whichever pass computed them (the kernels are row-invariant: tests/engine/test_prefix_cache.py).
+whichever pass computed them (the kernels are row-invariant:
+tests/engine/test_prefix_cache.py).
 """
 
 from __future__ import annotations

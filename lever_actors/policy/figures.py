@@ -1,4 +1,4 @@
-"""What a plan is chosen by, before either model loads (decode_plan.py): this machine's
+"""What a plan is chosen by, before either model loads (plan/decode.py): this machine's
 target pass over a number of rows, its flash bandwidth and a node's projection, measured
 once per machine and layout with every layer streamed and the head resident (profiler.py,
 a second or two); and a draft forward's curve, saved when an engine first profiles its

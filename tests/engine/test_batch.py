@@ -1,4 +1,4 @@
-"""The batch's places (batch.py): arrival order, at most `parallel`, the KV room held, a
+"""The batch's places (engine/batch.py): arrival order, at most `parallel`, the KV room held, a
 request cancelled in line leaving no trace, and a shared failure reaching every place."""
 
 from __future__ import annotations
