@@ -1,4 +1,4 @@
-"""The concurrency benchmark (`bench --concurrency`): N requests at once of real prompts
+"""The concurrency benchmark (`bench --parallel`): N requests at once of real prompts
 (the prompt sets mixed), under each memory limit, on ours and on llama.cpp's server.
 
 Ours is one engine per limit and N, opened with `EngineConfig.parallel=N` and otherwise as
@@ -142,7 +142,7 @@ async def _run_all(
 
     runs = []
     for limit in options.limits:
-        for parallel in options.concurrency:
+        for parallel in options.parallel:
             rounds = rounds_of(prompts, parallel)
             mode = ChildMode(parallel_lever(options, workload, limit, parallel), cgroups)
             say(f"{OURS} under {limit}, {parallel} at once: {len(rounds)} rounds")
@@ -163,7 +163,7 @@ def parallel_lever(
 ) -> PlannedMode:
     """Lever as `bench --limits` plans it under `limit`, its engine taking `parallel`
     requests at once."""
-    one = msgspec.structs.replace(options, modes=("lever",), limits=(limit,), concurrency=())
+    one = msgspec.structs.replace(options, modes=("lever",), limits=(limit,), parallel=())
     (planned,) = plan_modes(one, workload.target, workload.draft)
     assert isinstance(planned.spec, EngineSpec)  # lever is an engine mode
     config = msgspec.structs.replace(planned.spec.config, parallel=parallel)

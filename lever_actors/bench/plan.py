@@ -96,7 +96,7 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     limits: tuple[str, ...] = ()
     # requests at once (bench/concurrency.py): under each limit, Lever's engine and
     # llama-server take each many at once, over the prompt sets' prompts mixed; () for none
-    concurrency: tuple[int, ...] = ()
+    parallel: tuple[int, ...] = ()
     cache_dir: str = ""  # where the peer's HF exports and offload folders go
     # llama.cpp (bench/llamacpp.py): drafted tokens per step of llamacpp-spec, threads, a
     # directory holding its programs (default: the cache's build), and the GGUFs it runs
@@ -137,25 +137,25 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
                 "--limits runs every mode in a child under each limit: it needs --isolate all "
                 "and no --memory-limit"
             )
-        if self.concurrency:
-            self._check_concurrency()
+        if self.parallel:
+            self._check_parallel()
 
-    def _check_concurrency(self) -> None:
+    def _check_parallel(self) -> None:
         pool = self.prompts * len(self.prompt_sets)
-        if 1 not in self.concurrency:
+        if 1 not in self.parallel:
             raise ConfigError(
-                "--concurrency needs 1 among its counts: each request is compared with its "
+                "--parallel needs 1 among its counts: each request is compared with its "
                 "sequential run, and the aggregates with one request's"
             )
-        if max(self.concurrency) > pool or min(self.concurrency) < 1:
+        if max(self.parallel) > pool or min(self.parallel) < 1:
             raise ConfigError(
-                f"--concurrency {max(self.concurrency)} needs as many different prompts: "
+                f"--parallel {max(self.parallel)} needs as many different prompts: "
                 f"--prompts {self.prompts} over {len(self.prompt_sets)} prompt set(s) gives {pool}"
             )
         if not self.limits:
-            raise ConfigError("--concurrency runs under memory limits: give --limits")
+            raise ConfigError("--parallel runs under memory limits: give --limits")
         if not self.sampling.greedy:
-            raise ConfigError("--concurrency decodes greedily, as llama-server is driven")
+            raise ConfigError("--parallel decodes greedily, as llama-server is driven")
 
     def isolates(self, family: str) -> bool:
         """Whether modes of this family run in a process of their own: a child, or for

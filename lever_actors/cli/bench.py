@@ -1,5 +1,5 @@
 """`lever-actors bench`: decoding modes side by side on real prompts, results to JSON,
-markdown and PNGs (`--sweep` for the scaling sweep, `--concurrency` for requests at once);
+markdown and PNGs (`--sweep` for the scaling sweep, `--parallel` for requests at once);
 its options may also come from a TOML file."""
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from lever_actors.progress import ProgressLine
 DEFAULT_MODES = "memory-ar,flash-ar"
 DEFAULT_PROMPT_SETS = "humaneval"
 DEFAULT_PROMPTS = 5
-# --concurrency: both prompt sets mixed, under the issue's limits (#49)
-CONCURRENCY_PROMPT_SETS = "humaneval,sharegpt"
-CONCURRENCY_LIMITS = "1GiB,3GiB"
+# --parallel: both prompt sets mixed, under the issue's limits (#49)
+PARALLEL_PROMPT_SETS = "humaneval,sharegpt"
+PARALLEL_LIMITS = "1GiB,3GiB"
 
 
 def add_bench_command(sub: argparse._SubParsersAction) -> None:
@@ -101,13 +101,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--prompt-sets",
         default=None,
         help=f"comma-separated: {','.join(PROMPT_SETS)} (default: {DEFAULT_PROMPT_SETS}; with "
-        f"--concurrency: {CONCURRENCY_PROMPT_SETS}, mixed)",
+        f"--parallel: {PARALLEL_PROMPT_SETS}, mixed)",
     )
     parser.add_argument(
         "--prompts",
         type=int,
         default=None,
-        help=f"prompts per set (default: {DEFAULT_PROMPTS}; with --concurrency: enough for its "
+        help=f"prompts per set (default: {DEFAULT_PROMPTS}; with --parallel: enough for its "
         "largest count)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
@@ -159,10 +159,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "mode@limit",
     )
     parser.add_argument(
-        "--concurrency",
+        "--parallel",
         default=None,
         help="requests at once, e.g. 1,2,4,8 (1 among them): under each of --limits (default: "
-        f"{CONCURRENCY_LIMITS}), Lever's engine opened to decode that many together and "
+        f"{PARALLEL_LIMITS}), Lever's engine opened to decode that many together and "
         "llama-server with as many slots, without and with its draft, each sent rounds of that "
         "many different prompts at once; --modes is then unused (default: "
         "benchmarks/results/concurrency.json)",
@@ -249,18 +249,18 @@ def apply_config(parser: argparse.ArgumentParser, path: Path) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
-    concurrency = tuple(int(n) for n in split(args.concurrency)) if args.concurrency else ()
-    if concurrency and args.sweep:
-        raise ConfigError("--concurrency and --sweep are runs of their own: give one")
+    parallel = tuple(int(n) for n in split(args.parallel)) if args.parallel else ()
+    if parallel and args.sweep:
+        raise ConfigError("--parallel and --sweep are runs of their own: give one")
     modes = args.modes or (",".join(SWEEP_FAMILIES) if args.sweep else DEFAULT_MODES)
-    modes = "lever" if concurrency else modes  # ours there is Lever, as --limits runs it
+    modes = "lever" if parallel else modes  # ours there is Lever, as --limits runs it
     prompt_sets = split(
-        args.prompt_sets or (CONCURRENCY_PROMPT_SETS if concurrency else DEFAULT_PROMPT_SETS)
+        args.prompt_sets or (PARALLEL_PROMPT_SETS if parallel else DEFAULT_PROMPT_SETS)
     )
     prompts = args.prompts
     if prompts is None:
-        prompts = -(-max(concurrency) // len(prompt_sets)) if concurrency else DEFAULT_PROMPTS
-    limits = split(args.limits or (CONCURRENCY_LIMITS if concurrency else ""))
+        prompts = -(-max(parallel) // len(prompt_sets)) if parallel else DEFAULT_PROMPTS
+    limits = split(args.limits or (PARALLEL_LIMITS if parallel else ""))
     isolate = "all" if limits and args.isolate == "none" else args.isolate  # limits need children
     return BenchOptions(
         modes=split(modes),
@@ -281,7 +281,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         memory_limit=args.memory_limit,
         memory_overhead=args.memory_overhead,
         limits=limits,
-        concurrency=concurrency,
+        parallel=parallel,
         cache_dir=str(args.cache_dir),
         llamacpp_draft_max=args.llamacpp_draft_max,
         llamacpp_threads=args.llamacpp_threads,
@@ -314,7 +314,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     command = shlex.join(["lever-actors", *sys.argv[1:]])
     plots = not args.no_plots
     results: AnyResults
-    if options.concurrency:
+    if options.parallel:
         out = args.out or Path("benchmarks/results/concurrency.json")
         results = concurrency_bench(options, workload, out=out, command=command, plots=plots)
     elif args.sweep:

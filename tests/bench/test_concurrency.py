@@ -1,4 +1,4 @@
-"""bench --concurrency: the aggregate's definition, agreement with each request's sequential
+"""bench --parallel: the aggregate's definition, agreement with each request's sequential
 run, the summary's ratios, rounds of prompts, llama-server's command line and its HTTP
 driver against a stand-in server (tests/bench/fake_llama_server.py), our side through a
 fake mode and, once, through a child on the tiny pair; results to JSON, markdown and PNG."""
@@ -189,25 +189,25 @@ def test_rounds_mix_the_prompt_sets_and_take_every_prompt_in_full_rounds():
         rounds_of(mixed, 6)
 
 
-def test_concurrency_options_from_the_command_line(bench_parser):
-    options = options_from_args(bench_parser.parse_args(["--concurrency", "1,2,4,8"]))
-    assert options.concurrency == (1, 2, 4, 8)
+def test_parallel_options_from_the_command_line(bench_parser):
+    options = options_from_args(bench_parser.parse_args(["--parallel", "1,2,4,8"]))
+    assert options.parallel == (1, 2, 4, 8)
     assert options.limits == ("1GiB", "3GiB")
     assert options.prompt_sets == ("humaneval", "sharegpt")
     assert options.prompts == 4  # 8 different prompts for 8 at once
     assert options.modes == ("lever",) and options.isolate == "all"
     assert options.max_new_tokens == 128
     given = bench_parser.parse_args(
-        ["--concurrency", "1,2", "--limits", "3GiB", "--prompts", "1", "--max-new-tokens", "8"]
+        ["--parallel", "1,2", "--limits", "3GiB", "--prompts", "1", "--max-new-tokens", "8"]
     )
     assert options_from_args(given).limits == ("3GiB",)
     plain = options_from_args(bench_parser.parse_args([]))
-    assert (plain.concurrency, plain.prompts, plain.prompt_sets) == ((), 5, ("humaneval",))
+    assert (plain.parallel, plain.prompts, plain.prompt_sets) == ((), 5, ("humaneval",))
     for argv, error in (
-        (["--concurrency", "2,4"], "needs 1 among"),
-        (["--concurrency", "1,4", "--prompts", "1"], "needs as many different prompts"),
-        (["--concurrency", "1,2", "--sweep"], "runs of their own"),
-        (["--concurrency", "1,2", "--temperature", "0.7"], "greedily"),
+        (["--parallel", "2,4"], "needs 1 among"),
+        (["--parallel", "1,4", "--prompts", "1"], "needs as many different prompts"),
+        (["--parallel", "1,2", "--sweep"], "runs of their own"),
+        (["--parallel", "1,2", "--temperature", "0.7"], "greedily"),
     ):
         with pytest.raises(ConfigError, match=error):
             options_from_args(bench_parser.parse_args(argv))
@@ -216,7 +216,7 @@ def test_concurrency_options_from_the_command_line(bench_parser):
 def test_ours_is_lever_as_limits_plans_it_with_n_requests_at_once(tiny_pair):
     target, draft = tiny_pair
     options = BenchOptions(
-        modes=("lever",), limits=("1GiB",), isolate="all", concurrency=(1, 2), prompts=2
+        modes=("lever",), limits=("1GiB",), isolate="all", parallel=(1, 2), prompts=2
     )
     workload = Workload(target, draft, [], frozenset())
     planned = parallel_lever(options, workload, "1GiB", 4)
@@ -387,7 +387,7 @@ async def test_a_child_decodes_together_what_it_decodes_alone(one_set, tmp_path)
         modes=("lever",),
         limits=("3GiB",),
         isolate="all",
-        concurrency=(1, 2),
+        parallel=(1, 2),
         prompts=2,
         draft_dtype="float32",
         cache_dir=str(tmp_path),
@@ -423,7 +423,7 @@ def test_results_to_json_markdown_and_plot(tmp_path, monkeypatch):
     ]
     results = ConcurrencyResults(
         machine=Machine.here(),
-        command="lever-actors bench --concurrency 1,4",
+        command="lever-actors bench --parallel 1,4",
         config={},
         runs=runs,
         summary=concurrency_summary(runs),
