@@ -1,21 +1,16 @@
 """Our kernels (AMX or AVX2, whichever this CPU has): they compute what the stored format
 means, each row on its own, and quantized matrices they do not fit stay on torch's kernels.
-On a CPU with neither the kernel tests cannot run; the fallback tests run everywhere, and
-so do those of the built library's cache (with a stand-in for the compiler)."""
+On a CPU with neither the kernel tests cannot run; the fallback tests run everywhere (the
+built library's cache: test_native_build.py)."""
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import threading
-import time
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
-from lever_actors.model import native, row_blocks
+from lever_actors.model import native, native_build, row_blocks
 from lever_actors.model.quantized import (
     GROUP,
     quantize_int4,
@@ -26,9 +21,6 @@ from lever_actors.model.quantized import (
     unpack_int4,
 )
 from lever_actors.model.weights import ModelWeights
-from lever_actors.paths import exclusive
-
-LIBRARY = bytes(range(256)) * 64  # what the stand-in compiler builds
 
 needs_native = pytest.mark.skipif(native.loaded() is None, reason="this CPU cannot run our kernels")
 
@@ -177,7 +169,7 @@ def test_drafting_weights_free_only_the_quantized_matrices():
 
 
 def test_matrices_ours_do_not_fit_stay_on_torch(monkeypatch):
-    monkeypatch.setattr(native, "in_use", lambda: native.AVX2)  # even where ours are in use
+    monkeypatch.setattr(native, "in_use", lambda: native_build.AVX2)  # even where ours are in use
     assert not native.fits("int4", (48, 96))  # outputs not in blocks of 64
     assert not native.fits("int8", (64, 48))  # inputs not in steps of 32
     assert not native.fits("dense", (64, 64))
@@ -188,7 +180,7 @@ def test_matrices_ours_do_not_fit_stay_on_torch(monkeypatch):
 
 
 def test_row_blocks_probe_torchs_kernel_where_only_the_probe_fits_ours(monkeypatch):
-    monkeypatch.setattr(native, "in_use", lambda: native.AVX2)  # even where ours are in use
+    monkeypatch.setattr(native, "in_use", lambda: native_build.AVX2)  # even where ours are in use
 
     def ours(*args):
         raise AssertionError("the probe ran on our kernels")
@@ -223,76 +215,3 @@ def test_the_kernels_a_user_asks_for(monkeypatch, value, kind):
 def test_ours_unless_torchs_kernels_are_asked_for(monkeypatch):
     monkeypatch.delenv("LEVER_ACTORS_KERNELS", raising=False)
     assert native.requested() is native.Kernels.NATIVE
-
-
-class Cache:
-    """A kernel cache in a temporary directory whose compiler writes LIBRARY (no g++ runs),
-    and whose loader records the bytes of what it loads."""
-
-    def __init__(self, monkeypatch, directory: Path) -> None:
-        self.library = directory / "kernels" / "avx2-0123456789abcdef.so"
-        self.builds: list[Path] = []
-        self.loaded: list[bytes] = []
-        monkeypatch.setattr(native, "_library_path", lambda isa: self.library)
-        monkeypatch.setattr(native, "_compile", self._compile)
-        monkeypatch.setattr(native, "_supported", lambda: (native.AVX2, ""))
-        monkeypatch.setattr(torch.ops, "load_library", self._load)
-
-    def _compile(self, isa, out: Path) -> None:
-        self.builds.append(out)
-        out.write_bytes(LIBRARY)
-
-    def _load(self, path: str) -> None:
-        self.loaded.append(Path(path).read_bytes())
-
-
-@pytest.fixture
-def cache(monkeypatch, tmp_path) -> Cache:
-    return Cache(monkeypatch, tmp_path)
-
-
-def test_a_built_library_is_stamped_with_its_size_and_hash_and_then_reused(cache):
-    assert native._load() is native.AVX2
-    assert native._load() is native.AVX2
-    assert len(cache.builds) == 1 and cache.loaded == [LIBRARY, LIBRARY]
-    stamp = cache.library.with_name(cache.library.name + ".sha256").read_text()
-    assert stamp == f"{len(LIBRARY)} {hashlib.sha256(LIBRARY).hexdigest()}\n"
-    listing = sorted(p.name for p in cache.library.parent.iterdir())
-    assert listing == [cache.library.name, f"{cache.library.name}.sha256"]  # no partial left
-
-
-@pytest.mark.parametrize(
-    "damage",
-    [
-        lambda library, stamp: library.write_bytes(LIBRARY[:1000]),  # truncated: SIGBUS
-        lambda library, stamp: library.write_bytes(bytes(len(LIBRARY))),  # garbage
-        lambda library, stamp: stamp.unlink(),  # built before stamps, or cut off before one
-        lambda library, stamp: stamp.write_bytes(b"\xff\xfe"),
-    ],
-    ids=["truncated", "garbage", "unstamped", "bad-stamp"],
-)
-def test_a_damaged_library_is_rebuilt_before_anything_loads_it(cache, caplog, damage):
-    native._load()
-    damage(cache.library, cache.library.with_name(cache.library.name + ".sha256"))
-    assert native._load() is native.AVX2
-    assert len(cache.builds) == 2
-    assert cache.loaded == [LIBRARY, LIBRARY]  # the damaged file was never mapped
-    [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert warning.getMessage().startswith("rebuilding the cached kernels: not the file their")
-
-
-def test_a_process_waits_for_anothers_build_and_takes_its_library(cache, caplog):
-    caplog.set_level(logging.INFO, logger="lever_actors")
-    took: list[Path] = []
-    with exclusive(cache.library.parent):  # another process building
-        waiter = threading.Thread(target=lambda: took.append(native._built(native.AVX2)))
-        waiter.start()
-        for _ in range(500):  # until it waits on the lock, at most 5 s
-            if "waiting for another process's build" in caplog.text:
-                break
-            time.sleep(0.01)
-        native._rebuild(native.AVX2, cache.library)
-    waiter.join(timeout=10)
-    assert took == [cache.library]
-    assert len(cache.builds) == 1
-    assert "waiting for another process's build" in caplog.text
