@@ -14,14 +14,13 @@ import time
 
 import torch
 
+from lever_actors.checkpoints.quantize import quantize_q4k, quantize_q6k
 from lever_actors.model import native
 from lever_actors.model.quantized import (
     GROUP,
     QuantizedWeight,
     quantize_int4,
     quantize_int8,
-    quantize_q4k,
-    quantize_q6k,
     torch_packing,
 )
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 import torch
+import torch.nn.functional as F
 
 from lever_actors.checkpoints.checkpoint import Checkpoint
 from lever_actors.config import Weights
@@ -29,16 +30,17 @@ from lever_actors.model.args import ModelArgs
 from lever_actors.model.quantized import (
     COMPUTE_DTYPE,
     GROUP,
+    K_INPUTS,
     Format,
     QuantizedRows,
     QuantizedWeight,
     check_quantizable,
     from_groups,
+    pack_q4k,
     q4k_blocks,
+    q4k_blocks_of,
     quantize_int4,
     quantize_int8,
-    quantize_q4k,
-    quantize_q6k,
 )
 from lever_actors.model.weights import ModelWeights, Weight, dense, is_norm
 
@@ -99,6 +101,52 @@ def quantize_tensor(values: torch.Tensor, fmt: Format, dtype: torch.dtype) -> We
     if fmt == "q4k":
         return quantize_q4k(values)
     return quantize_int4(values, fmt)  # type: ignore[arg-type]
+
+
+def quantize_q6k(w: torch.Tensor) -> QuantizedWeight:
+    """Round to nearest into Q6_K blocks: each 16 inputs' scale is max |w| / 31, held as an
+    int8 multiple of the block's float16 d (its largest scale / 127); q - 32 in -32..31."""
+    out, inputs = w.shape
+    blocks = inputs // K_INPUTS
+    groups = w.float().view(out, blocks, 16, 16)
+    wanted = groups.abs().amax(-1) / 31  # [out, blocks, 16]
+    d = (wanted.amax(-1) / 127).to(torch.float16)  # [out, blocks]
+    sc = torch.where(d[..., None] > 0, wanted / d.float()[..., None], 0.0).round().clamp(-128, 127)
+    step = (d.float()[..., None] * sc)[..., None]  # the scale the kernels multiply by
+    safe = torch.where(step > 0, step, 1.0)
+    q = torch.where(step > 0, groups / safe, 0.0).round_().clamp_(-32, 31).to(torch.uint8) + 32
+    q = q.view(out, blocks, 2, 2, 2, 32)  # [half, nibble, run, byte]: q6k_values' order
+    low = q & 15
+    ql = (low[:, :, :, 0] | low[:, :, :, 1] << 4).reshape(out, blocks, 128)
+    high = (q >> 4).to(torch.int32)
+    shifts = torch.tensor([0, 2, 4, 6]).view(1, 1, 1, 2, 2, 1)  # [nibble, run]: 2 * (2n + r)
+    qh = (high << shifts).sum((3, 4)).to(torch.uint8).reshape(out, blocks, 64)
+    stored = torch.cat((ql, qh, sc.to(torch.int8).view(torch.uint8)), dim=-1)
+    return QuantizedWeight("q6k", (out, inputs), stored.reshape(out, -1).contiguous(), d)
+
+
+def quantize_q4k(w: torch.Tensor) -> QuantizedWeight:
+    """Round to nearest into Q4_K's values: each 32 inputs' range, from min(w, 0) to max(w),
+    in 16 steps; its step and -min(w, 0) held as 6-bit multiples of each 256 inputs' float16
+    d and dmin (their largest / 63). A last block short of K_INPUTS is padded with zeros."""
+    out, inputs = w.shape
+    blocks = q4k_blocks_of(inputs)
+    padded = F.pad(w.float(), (0, blocks * K_INPUTS - inputs))
+    groups = padded.view(out, blocks, 8, 32)
+    floor = -groups.amin(-1).clamp_max(0)  # [out, blocks, 8], at least 0
+    wanted = (groups.amax(-1) + floor) / 15
+    d, dmin = ((t.amax(-1) / 63).to(torch.float16) for t in (wanted, floor))  # [out, blocks]
+
+    def in_units(t: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+        unit = unit.float()[..., None]
+        return torch.where(unit > 0, t / torch.where(unit > 0, unit, 1.0), 0.0).round().clamp(0, 63)
+
+    sc, m = in_units(wanted, d), in_units(floor, dmin)
+    step = (d.float()[..., None] * sc)[..., None]  # what the kernels multiply by
+    shifted = groups + (dmin.float()[..., None] * m)[..., None]
+    q = torch.where(step > 0, shifted / torch.where(step > 0, step, 1.0), 0.0)
+    q = q.round_().clamp_(0, 15).view(out, blocks * K_INPUTS)
+    return pack_q4k(q, sc.to(torch.uint8), m.to(torch.uint8), d, dmin, inputs)
 
 
 # formats that quantize each row on its own, so a matrix may arrive a chunk of rows at a time

@@ -30,6 +30,8 @@ these same bytes, cost little per extra row and compute each row on its own by c
 Elsewhere torch's run, checked like the dense kernels by row_blocks (int4 repacked once per weight
 where torch packs otherwise). Either way a tree verified in one call equals one-token decoding
 bit for bit. A process uses one kernel per matrix throughout.
+Rounding float weights into q6k and q4k is conversion's alone (checkpoints/quantize.py); int4
+and int8 are rounded here too, for the probe row_blocks measures torch's kernels with.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from lever_actors.model import native, row_blocks
 
@@ -481,52 +482,6 @@ def quantize_int4(
     q = q.div_(scale[..., None]).round_().clamp_(0, 15).view(out, inputs)  # in place: one copy
     q = q.to(torch.uint8)  # the float copy goes before the packing makes its own
     return from_groups(q, scale, low + 8 * scale, fmt)
-
-
-def quantize_q6k(w: torch.Tensor) -> QuantizedWeight:
-    """Round to nearest into Q6_K blocks: each 16 inputs' scale is max |w| / 31, held as an
-    int8 multiple of the block's float16 d (its largest scale / 127); q - 32 in -32..31."""
-    out, inputs = w.shape
-    blocks = inputs // K_INPUTS
-    groups = w.float().view(out, blocks, 16, 16)
-    wanted = groups.abs().amax(-1) / 31  # [out, blocks, 16]
-    d = (wanted.amax(-1) / 127).to(torch.float16)  # [out, blocks]
-    sc = torch.where(d[..., None] > 0, wanted / d.float()[..., None], 0.0).round().clamp(-128, 127)
-    step = (d.float()[..., None] * sc)[..., None]  # the scale the kernels multiply by
-    safe = torch.where(step > 0, step, 1.0)
-    q = torch.where(step > 0, groups / safe, 0.0).round_().clamp_(-32, 31).to(torch.uint8) + 32
-    q = q.view(out, blocks, 2, 2, 2, 32)  # [half, nibble, run, byte]: q6k_values' order
-    low = q & 15
-    ql = (low[:, :, :, 0] | low[:, :, :, 1] << 4).reshape(out, blocks, 128)
-    high = (q >> 4).to(torch.int32)
-    shifts = torch.tensor([0, 2, 4, 6]).view(1, 1, 1, 2, 2, 1)  # [nibble, run]: 2 * (2n + r)
-    qh = (high << shifts).sum((3, 4)).to(torch.uint8).reshape(out, blocks, 64)
-    stored = torch.cat((ql, qh, sc.to(torch.int8).view(torch.uint8)), dim=-1)
-    return QuantizedWeight("q6k", (out, inputs), stored.reshape(out, -1).contiguous(), d)
-
-
-def quantize_q4k(w: torch.Tensor) -> QuantizedWeight:
-    """Round to nearest into Q4_K's values: each 32 inputs' range, from min(w, 0) to max(w),
-    in 16 steps; its step and -min(w, 0) held as 6-bit multiples of each 256 inputs' float16
-    d and dmin (their largest / 63). A last block short of K_INPUTS is padded with zeros."""
-    out, inputs = w.shape
-    blocks = q4k_blocks_of(inputs)
-    padded = F.pad(w.float(), (0, blocks * K_INPUTS - inputs))
-    groups = padded.view(out, blocks, 8, 32)
-    floor = -groups.amin(-1).clamp_max(0)  # [out, blocks, 8], at least 0
-    wanted = (groups.amax(-1) + floor) / 15
-    d, dmin = ((t.amax(-1) / 63).to(torch.float16) for t in (wanted, floor))  # [out, blocks]
-
-    def in_units(t: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
-        unit = unit.float()[..., None]
-        return torch.where(unit > 0, t / torch.where(unit > 0, unit, 1.0), 0.0).round().clamp(0, 63)
-
-    sc, m = in_units(wanted, d), in_units(floor, dmin)
-    step = (d.float()[..., None] * sc)[..., None]  # what the kernels multiply by
-    shifted = groups + (dmin.float()[..., None] * m)[..., None]
-    q = torch.where(step > 0, shifted / torch.where(step > 0, step, 1.0), 0.0)
-    q = q.round_().clamp_(0, 15).view(out, blocks * K_INPUTS)
-    return pack_q4k(q, sc.to(torch.uint8), m.to(torch.uint8), d, dmin, inputs)
 
 
 def quantize_int8(w: torch.Tensor) -> QuantizedWeight:

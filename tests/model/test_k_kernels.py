@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lever_actors.checkpoints.quantize import quantize_q4k
 from lever_actors.model import native, row_blocks
-from lever_actors.model.quantized import K_INPUTS, QuantizedWeight, bf16_values, quantize_q4k
+from lever_actors.model.quantized import K_INPUTS, QuantizedWeight, bf16_values
 from tests.model import test_q4k, test_q6k
 from tests.model.test_native import needs_native, rounded_as_int8
 

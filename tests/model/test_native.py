@@ -10,13 +10,12 @@ from dataclasses import replace
 import pytest
 import torch
 
+from lever_actors.checkpoints.quantize import quantize_q4k, quantize_q6k
 from lever_actors.model import native, native_build, row_blocks
 from lever_actors.model.quantized import (
     GROUP,
     quantize_int4,
     quantize_int8,
-    quantize_q4k,
-    quantize_q6k,
     torch_packing,
     unpack_int4,
 )

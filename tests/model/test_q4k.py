@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from lever_actors.checkpoints.quantize import quantize_q4k
 from lever_actors.model.quantized import (
     QuantizedWeight,
     check_quantizable,
     from_q4k_blocks,
     q4k_blocks,
-    quantize_q4k,
     storage_bytes,
 )
 from tests.model import k_blocks

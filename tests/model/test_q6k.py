@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from lever_actors.checkpoints.quantize import quantize_q6k
 from lever_actors.model.quantized import (
     Q6K_BYTES,
     QuantizedWeight,
     from_q6k_blocks,
-    quantize_q6k,
     storage_bytes,
 )
 from lever_actors.model.weights import row_range

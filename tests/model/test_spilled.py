@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lever_actors.model.quantized import quantize_int4, quantize_int8, quantize_q6k
+from lever_actors.checkpoints.quantize import quantize_q6k
+from lever_actors.model.quantized import quantize_int4, quantize_int8
 from lever_actors.model.spilled import SpilledTable, spill_rows
 
 
