@@ -246,22 +246,20 @@ def plan_modes(options: BenchOptions, target: Path, draft: Path | None) -> list[
     overhead = parse_bytes(options.memory_overhead)
     one_limit = None if options.memory_limit is None else parse_bytes(options.memory_limit)
 
+    def held(family: str, budget_bytes: int, extra_bytes: int | None = None) -> dict[str, Any]:
+        """A mode's memory facts; an isolated one gets a memory limit: the one asked for,
+        else its budget + the draft's weights (or `extra_bytes`) + the overhead."""
+        isolated, limit = options.isolates(family), None
+        if isolated:
+            extra = draft_bytes() if extra_bytes is None else extra_bytes
+            limit = budget_bytes + extra + overhead if one_limit is None else one_limit
+        return {"budget_bytes": budget_bytes, "memory_limit_bytes": limit, "isolated": isolated}
+
     def info(
         name: str, family: str, budget_bytes: int, extra_bytes: int | None = None, **fields
     ) -> ModeInfo:
-        """A mode's facts; an isolated one gets a memory limit: the one asked for, else its
-        budget + the draft's weights (or `extra_bytes`) + the overhead."""
-        limit = None
-        if options.isolates(family):
-            extra = draft_bytes() if extra_bytes is None else extra_bytes
-            limit = budget_bytes + extra + overhead if one_limit is None else one_limit
         return ModeInfo(
-            name=name,
-            family=family,
-            budget_bytes=budget_bytes,
-            memory_limit_bytes=limit,
-            isolated=options.isolates(family),
-            **fields,
+            name=name, family=family, **held(family, budget_bytes, extra_bytes), **fields
         )
 
     planned = []
@@ -301,18 +299,11 @@ def plan_modes(options: BenchOptions, target: Path, draft: Path | None) -> list[
                 planned.append(PlannedMode(mode, spec))
         else:
             assert manifest is not None
-            for name, tree, fields in engine_variants(options, family):
+            for variant in engine_variants(options, family):
                 for budget in options.budgets:
-                    config = _engine_config(options, target, draft, tree, budget, fields)
-                    mode = info(
-                        f"{name}@{budget}",
-                        family,
-                        budget_in_bytes(manifest, budget),
-                        tree=tree,
-                        budget=str(budget),
-                        throttle=options.throttle,
-                    )
-                    planned.append(PlannedMode(mode, EngineSpec(config)))
+                    facts = held(family, budget_in_bytes(manifest, budget))
+                    mode = _engine_mode(options, target, draft, family, variant, budget, facts)
+                    planned.append(mode)
     return planned
 
 
@@ -356,16 +347,8 @@ def _plan_under_limits(
             assert manifest is not None
             for name, tree, fields in engine_variants(options, family):
                 chosen = {"plan": "auto"} if family == "lever" else {}  # ablations keep theirs
-                config = _engine_config(options, target, draft, tree, auto, fields | chosen)
-                mode = ModeInfo(
-                    name=f"{name}@{label}",
-                    family=family,
-                    tree=tree,
-                    budget=str(auto),
-                    throttle=options.throttle,
-                    **under,
-                )
-                planned.append(PlannedMode(mode, EngineSpec(config)))
+                variant = (name, tree, fields | chosen)
+                planned.append(_engine_mode(options, target, draft, family, variant, auto, under))
     return planned
 
 
@@ -382,6 +365,31 @@ def _memory_resident(
         return MemoryARSpec(str(source), "bfloat16")  # a GGUF loads dense unless asked
     model = hf_export_for(target, manifest.dtype, cache) if manifest else target
     return PeerSpec(str(model), dtype)
+
+
+def _engine_mode(
+    options: BenchOptions,
+    target: Path,
+    draft: Path | None,
+    family: str,
+    variant: tuple[str, str | None, dict],
+    budget: DramBudget,
+    facts: dict[str, Any],
+) -> PlannedMode:
+    """An engine variant (engine_variants) at `budget`, named `variant@limit` where `facts`
+    (the rest of its ModeInfo) give a limit, else `variant@budget`."""
+    name, tree, fields = variant
+    config = _engine_config(options, target, draft, tree, budget, fields)
+    at = facts.get("limit") or budget
+    mode = ModeInfo(
+        name=f"{name}@{at}",
+        family=family,
+        tree=tree,
+        budget=str(budget),
+        throttle=options.throttle,
+        **facts,
+    )
+    return PlannedMode(mode, EngineSpec(config))
 
 
 def _engine_config(
