@@ -215,6 +215,7 @@ def test_metadata_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "qwen3.gguf"
     write_gguf(path, "qwen3", tied=True, rope_scaling=4.0)
     ckpt = load_gguf(path, torch.float32)
+    # every field spelt out, not TINY_ARGS: what the file's metadata says is the point
     assert ckpt.args == ModelArgs(
         arch="qwen3",
         vocab_size=VOCAB,

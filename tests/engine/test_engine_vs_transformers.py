@@ -4,6 +4,7 @@ lever_actors.testing writes itself."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 import transformers
@@ -11,8 +12,13 @@ import transformers
 from lever_actors.checkpoints.convert import convert
 from lever_actors.config import EngineConfig
 from lever_actors.engine import Engine
-from lever_actors.model.args import ModelArgs, RopeScaling
-from lever_actors.testing import budget_bytes, write_perturbed_copy, write_tiny_checkpoint
+from lever_actors.model.args import RopeScaling
+from lever_actors.testing import (
+    TINY_ARGS,
+    budget_bytes,
+    write_perturbed_copy,
+    write_tiny_checkpoint,
+)
 from tests.tiny_hf import ARCHS, full_precision_norms, save_tiny, tiny_model
 
 PROMPT = [3, 14, 15, 92, 65, 35, 3, 14]
@@ -79,6 +85,9 @@ async def test_engine_equals_transformers_generate(saved, setting, draft_kind):
     # (gain-cost may rightly decline to draft: here the draft costs as much as the target)
 
 
+# TINY_ARGS widened: a vocabulary past PROMPT's ids, and 4 heads of 8 dims over 2 kv heads,
+# wider than d_model, so that the config must say head_dim
+WRITTEN_SIZES = dict(vocab_size=97, d_model=24, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=40)
 WRITTEN = [
     pytest.param(arch, tie, rope, id=f"{arch}{'-tied' if tie else ''}{'-linear' if rope else ''}")
     for arch, tie, rope in [
@@ -95,20 +104,8 @@ WRITTEN = [
 @pytest.mark.parametrize(("arch", "tie", "rope"), WRITTEN)
 async def test_written_tiny_checkpoints_load_in_transformers_and_agree(arch, tie, rope, tmp_path):
     """Our checkpoint writer speaks transformers' format: names, config and RoPE settings."""
-    args = ModelArgs(
-        arch=arch,
-        vocab_size=97,
-        d_model=24,
-        n_layers=3,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=8,
-        ffn_dim=40,
-        norm_eps=1e-6,
-        rope_theta=5e5,
-        max_seq_len=256,
-        tie_embeddings=tie,
-        rope_scaling=rope,
+    args = msgspec.structs.replace(
+        TINY_ARGS, arch=arch, tie_embeddings=tie, rope_scaling=rope, rope_theta=5e5, **WRITTEN_SIZES
     )
     checkpoint = write_tiny_checkpoint(tmp_path / "hf", args, seed=3)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64)

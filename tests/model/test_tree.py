@@ -11,12 +11,11 @@ import torch
 
 from lever_actors.checkpoints.hf import load_hf
 from lever_actors.errors import ConfigError
-from lever_actors.model.args import ModelArgs
 from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.placement import tree_placement
 from lever_actors.model.transformer import Transformer
 from lever_actors.model.tree import TokenTree
-from lever_actors.testing import write_tiny_checkpoint
+from lever_actors.testing import TINY_ARGS, bf16_args, write_tiny_checkpoint
 from tests.tiny_hf import ARCHS, save_tiny, tiny_model
 
 #          0
@@ -139,20 +138,7 @@ def test_tokens_and_parents_must_have_the_same_length():
 
 # ---------------------------------------------------------------------------- KVCache
 
-ARGS = ModelArgs(
-    arch="llama",
-    vocab_size=11,
-    d_model=8,
-    n_layers=3,
-    n_heads=2,
-    n_kv_heads=2,
-    head_dim=4,
-    ffn_dim=16,
-    norm_eps=1e-6,
-    rope_theta=1e4,
-    max_seq_len=64,
-    tie_embeddings=False,
-)
+ARGS = msgspec.structs.replace(TINY_ARGS, n_layers=3, n_kv_heads=2)  # tests name layer 2, head 1
 
 
 def entries(first: float, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -389,19 +375,7 @@ def test_a_subset_of_rows_equals_the_whole_tree_for_those_rows(model):
 def bf16_model(tmp_path_factory) -> Transformer:
     """Heads of 128 dims as in the real pair, and matrices of 512 and more inputs: below
     that neither the attention nor the matrix kernels' row-count switches show."""
-    args = msgspec.structs.replace(
-        ARGS,
-        arch="qwen2",
-        vocab_size=1024,
-        d_model=512,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=1,
-        head_dim=128,
-        ffn_dim=1024,
-        rope_theta=1e6,
-        max_seq_len=512,
-    )
+    args = msgspec.structs.replace(bf16_args("qwen2"), n_layers=2)
     directory = write_tiny_checkpoint(tmp_path_factory.mktemp("hf") / "b", args, seed=1)
     checkpoint = load_hf(directory, torch.bfloat16)
     return Transformer(checkpoint.args, checkpoint.weights)
