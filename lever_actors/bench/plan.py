@@ -302,8 +302,9 @@ def plan_modes(options: BenchOptions, target: Path, draft: Path | None) -> list[
             for variant in engine_variants(options, family):
                 for budget in options.budgets:
                     facts = held(family, budget_in_bytes(manifest, budget))
-                    mode = _engine_mode(options, target, draft, family, variant, budget, facts)
-                    planned.append(mode)
+                    planned.append(
+                        _engine_mode(options, target, draft, family, variant, budget, facts)
+                    )
     return planned
 
 
