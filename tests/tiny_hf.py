@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 
@@ -12,6 +13,35 @@ from lever_actors.testing.checkpoints import NORM_STD, WEIGHT_STD
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3")
 WINDOW = 8  # sliding windows shorter than the tests' sequences, so that they matter
+# Llama 3's RoPE scaling, its original context shortened to the tests' sequences
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+# each architecture and its variants, id -> (arch, tiny_config's keywords)
+HF_CASES: dict[str, tuple[str, dict]] = {
+    "llama": ("llama", {}),
+    "llama-tied": ("llama", {"tie": True}),
+    "llama-rope-llama3": ("llama", {"rope_scaling": LLAMA3_ROPE}),
+    "llama-rope-linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "qwen2": ("qwen2", {}),
+    "qwen2-tied": ("qwen2", {"tie": True}),
+    "qwen3": ("qwen3", {}),
+    "mistral-window": ("mistral", {}),
+    "mistral": ("mistral", {"window": None}),
+    "gemma2": ("gemma2", {"tie": True}),
+    "gemma2-untied-window3": ("gemma2", {"window": 3}),
+    "phi3-window": ("phi3", {}),
+    "phi3": ("phi3", {"window": None}),
+}
+
+
+def hf_cases(*ids: str) -> list:
+    """HF_CASES as pytest parameters, each (arch, keywords) under its id: all, or those named."""
+    return [pytest.param(HF_CASES[id_], id=id_) for id_ in ids or HF_CASES]
 
 
 def tiny_config(

@@ -20,29 +20,9 @@ from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.cli import main
 from lever_actors.errors import CheckpointError
 from lever_actors.model.transformer import Transformer
-from tests.tiny_hf import full_precision_norms, save_tiny, tiny_model
+from tests.tiny_hf import full_precision_norms, hf_cases, save_tiny, tiny_model
 
-CASES = [
-    pytest.param(("llama", {}), id="llama"),
-    pytest.param(
-        (
-            "llama",
-            {
-                "rope_scaling": {
-                    "rope_type": "llama3",
-                    "factor": 8.0,
-                    "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 32,
-                }
-            },
-        ),
-        id="llama-rope-llama3",
-    ),
-    pytest.param(("qwen2", {}), id="qwen2"),
-    pytest.param(("qwen2", {"tie": True}), id="qwen2-tied"),
-    pytest.param(("qwen3", {}), id="qwen3"),
-]
+CASES = hf_cases("llama", "llama-rope-llama3", "qwen2", "qwen2-tied", "qwen3")
 TOKENS = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(3))
 
 

@@ -9,15 +9,8 @@ from lever_actors.checkpoints.gguf_file import load_gguf
 from lever_actors.model.sequential import sequential_cached
 from lever_actors.model.transformer import Transformer
 from tests.hf_to_gguf import write_gguf_of
-from tests.tiny_hf import full_precision_norms, their_greedy, tiny_model
+from tests.tiny_hf import LLAMA3_ROPE, full_precision_norms, their_greedy, tiny_model
 
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 32,
-}
 CASES = [
     pytest.param("llama", {}, id="llama"),
     pytest.param("llama", {"tie": True}, id="llama-tied-smollm-style"),

@@ -8,39 +8,16 @@ import torch
 from lever_actors.checkpoints.hf import load_hf
 from lever_actors.model.sequential import sequential_cached, sequential_reference
 from lever_actors.model.transformer import Transformer
-from tests.tiny_hf import ARCHS, full_precision_norms, save_tiny, their_greedy, tiny_model
+from tests.tiny_hf import (
+    ARCHS,
+    full_precision_norms,
+    hf_cases,
+    save_tiny,
+    their_greedy,
+    tiny_model,
+)
 
-CASES = [
-    pytest.param(("llama", {}), id="llama"),
-    pytest.param(("llama", {"tie": True}), id="llama-tied"),
-    pytest.param(
-        (
-            "llama",
-            {
-                "rope_scaling": {
-                    "rope_type": "llama3",
-                    "factor": 8.0,
-                    "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 32,
-                }
-            },
-        ),
-        id="llama-rope-llama3",
-    ),
-    pytest.param(
-        ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}), id="llama-rope-linear"
-    ),
-    pytest.param(("qwen2", {}), id="qwen2"),
-    pytest.param(("qwen2", {"tie": True}), id="qwen2-tied"),
-    pytest.param(("qwen3", {}), id="qwen3"),
-    pytest.param(("mistral", {}), id="mistral-window"),
-    pytest.param(("mistral", {"window": None}), id="mistral"),
-    pytest.param(("gemma2", {"tie": True}), id="gemma2"),
-    pytest.param(("gemma2", {"window": 3}), id="gemma2-untied-window3"),
-    pytest.param(("phi3", {}), id="phi3-window"),
-    pytest.param(("phi3", {"window": None}), id="phi3"),
-]
+CASES = hf_cases()
 
 
 @pytest.fixture(params=CASES)
