@@ -13,12 +13,8 @@ from lever_actors.checkpoints.convert import convert
 from lever_actors.config import EngineConfig
 from lever_actors.engine import Engine
 from lever_actors.model.args import RopeScaling
-from lever_actors.testing import (
-    TINY_ARGS,
-    budget_bytes,
-    write_perturbed_copy,
-    write_tiny_checkpoint,
-)
+from lever_actors.testing import budget_bytes, write_perturbed_copy, write_tiny_checkpoint
+from lever_actors.testing.checkpoints import TINY_ARGS
 from tests.tiny_hf import ARCHS, full_precision_norms, save_tiny, tiny_model
 
 PROMPT = [3, 14, 15, 92, 65, 35, 3, 14]
