@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import os
 import shlex
-import sys
 import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
@@ -37,7 +36,7 @@ from lever_actors.bench.concurrency_summary import (
     with_agreement,
     with_figures,
 )
-from lever_actors.bench.harness import PromptSet
+from lever_actors.bench.harness import PromptSet, Workload
 from lever_actors.bench.isolation import CgroupSupport, MemoryCgroup, evict_from_page_cache
 from lever_actors.bench.llamacpp import LlamaCppSpec, context_size, gguf_eos_id, process_peak_rss
 from lever_actors.bench.llamacpp_build import SERVER
@@ -51,15 +50,7 @@ from lever_actors.bench.llamaserver import (
 from lever_actors.bench.modes import EngineSpec, describe
 from lever_actors.bench.plan import BenchOptions, PlannedMode, plan_llamacpp, plan_modes
 from lever_actors.bench.results import ConcurrencyResults, ConcurrencyRun, Machine, Round
-from lever_actors.bench.run import (
-    Workload,
-    isolation_support,
-    measure_disk,
-    with_disk,
-    write_outputs,
-)
 from lever_actors.bench.together import DecodesTogether, Together
-from lever_actors.model import native
 from lever_actors.sizes import compact_bytes, parse_bytes
 
 # llama-server's two runs: family of the spec it is planned as (llamacpp-spec: with the draft)
@@ -95,35 +86,20 @@ def rounds_of(prompts: Sequence[Prompt], parallel: int) -> list[list[Prompt]]:
     ]
 
 
-def concurrency_bench(
-    options: BenchOptions,
-    workload: Workload,
-    *,
-    out: Path | None = None,
-    command: str = "",
-    plots: bool = True,
-    log=None,
+def parallel_runs(
+    options: BenchOptions, workload: Workload, cgroups: CgroupSupport | None, command: str, log
 ) -> ConcurrencyResults:
-    """Ours and both llama-server runs at each limit and N of `options`, with the raw disk
-    measured before and after; the files go to `out` and beside it."""
-    log = log or sys.stderr  # looked up now: tests and callers may replace it
-    cgroups = isolation_support(options, log)
-    # our kernels are built here, once: a child would build them under its limit (run.py)
-    native.in_use()
-    before = measure_disk(workload.target)
+    """Ours and both llama-server runs at each limit and N of `options.parallel`, with their
+    figures (`bench` in bench/run.py measures the disk around them and writes the files)."""
     runs = trio.run(functools.partial(_run_all, options, workload, cgroups, log))
     runs = with_agreement([with_figures(run) for run in runs])
-    results = ConcurrencyResults(
+    return ConcurrencyResults(
         machine=Machine.here(),
         command=command,
         config=options.as_config(),
         runs=runs,
         summary=concurrency_summary(runs),
     )
-    results = with_disk(results, [before, measure_disk(workload.target)])
-    if out is not None:
-        write_outputs(results, out, plots=plots, log=log)
-    return results
 
 
 async def _run_all(

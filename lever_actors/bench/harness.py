@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from pathlib import Path
 
 from lever_actors.bench.modes import Decoded, Mode, describe
 from lever_actors.bench.results import BenchResults, Machine, PromptRun
@@ -30,6 +31,16 @@ from lever_actors.model.sampling import GREEDY, Sampling
 class PromptSet:
     name: str
     prompts: list[list[int]]  # token ids, chat template already applied
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every mode decodes: the target, the draft, and prompts as token ids."""
+
+    target: Path
+    draft: Path | None
+    prompt_sets: Sequence[PromptSet]
+    stop_ids: frozenset[int]
 
 
 async def run_bench(

@@ -1,14 +1,14 @@
 """A benchmark run from options to files: plan the modes, run them (in this process or one
 child process each), measure the raw disk in the same run, write JSON, markdown and PNGs.
-The scaling sweep is such runs over DRAM budgets x flash profiles. The CLI makes the
-workload from prompt sets and a tokenizer; tests pass token ids directly."""
+With `--parallel` the run is the requests-at-once one (bench/concurrency.py). The scaling
+sweep is such runs over DRAM budgets x flash profiles. The CLI makes the workload from
+prompt sets and a tokenizer; tests pass token ids directly."""
 
 from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -16,7 +16,8 @@ import msgspec
 import trio
 
 from lever_actors.bench.child import ChildMode
-from lever_actors.bench.harness import PromptSet, run_bench
+from lever_actors.bench.concurrency import parallel_runs
+from lever_actors.bench.harness import Workload, run_bench
 from lever_actors.bench.isolation import CgroupSupport, probe_cgroup
 from lever_actors.bench.llamacpp import LlamaCppMode, LlamaCppSpec
 from lever_actors.bench.modes import Mode
@@ -45,22 +46,12 @@ from lever_actors.draft import DraftModel
 from lever_actors.model import native
 from lever_actors.target import budget_in_bytes
 
-R = TypeVar("R", BenchResults, SweepResults, ConcurrencyResults)  # any results, as it came
+R = TypeVar("R", bound=AnyResults)  # any results, as it came
 
 DISK_PROFILE_BYTES = 2**30  # read at most this much of the layout to measure the raw disk
 SWEEP_FAMILIES = ("flash-ar", "sd-chain", "sd-static", "lever")
 SWEEP_BUDGETS = tuple(DramBudget.parse(f"{p}%") for p in range(10, 101, 10))
 SWEEP_THROTTLES = ("ufs3.1", "ufs4.0", "none")
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What every mode decodes: the target, the draft, and prompts as token ids."""
-
-    target: Path
-    draft: Path | None
-    prompt_sets: Sequence[PromptSet]
-    stop_ids: frozenset[int]
 
 
 def bench(
@@ -71,16 +62,23 @@ def bench(
     command: str = "",
     plots: bool = True,
     log=None,
-) -> BenchResults:
-    """Every mode of `options` on the workload, with the raw disk measured before and after;
-    the files go to `out` and beside it."""
+) -> BenchResults | ConcurrencyResults:
+    """Every mode of `options` on the workload, or with `options.parallel` its requests at
+    once (bench/concurrency.py), with the raw disk measured before and after; the files go
+    to `out` and beside it."""
     log = log or sys.stderr  # looked up now: tests and callers may replace it
     cgroups = isolation_support(options, log)
-    modes = make_modes(plan_modes(options, workload.target, workload.draft), cgroups, {})
+    run: Callable[[], BenchResults | ConcurrencyResults]
+    if options.parallel:
+        # our kernels are built here, once: a child would build them under its limit
+        native.in_use()
+        run = functools.partial(parallel_runs, options, workload, cgroups, command, log)
+    else:
+        modes = make_modes(plan_modes(options, workload.target, workload.draft), cgroups, {})
+        run = functools.partial(run_modes, modes, workload, options, command, log)
     before = measure_disk(workload.target)
-    results = run_modes(modes, workload, options, command, log)
-    results = with_disk(results, [before, measure_disk(workload.target)])
-    if options.limits:
+    results = with_disk(run(), [before, measure_disk(workload.target)])
+    if isinstance(results, BenchResults) and options.limits:
         results = with_sizes(results, workload.target)
     if out is not None:
         write_outputs(results, out, plots=plots, log=log)

@@ -10,8 +10,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from lever_actors.bench.concurrency import concurrency_bench
-from lever_actors.bench.harness import PromptSet
+from lever_actors.bench.harness import PromptSet, Workload
 from lever_actors.bench.llamacpp import DEFAULT_DRAFT_MAX, DEFAULT_THREADS
 from lever_actors.bench.plan import MODES, NEEDS_DRAFT, BenchOptions
 from lever_actors.bench.report import render_markdown
@@ -20,7 +19,6 @@ from lever_actors.bench.run import (
     SWEEP_BUDGETS,
     SWEEP_FAMILIES,
     SWEEP_THROTTLES,
-    Workload,
     bench,
     sweep,
 )
@@ -314,10 +312,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     command = shlex.join(["lever-actors", *sys.argv[1:]])
     plots = not args.no_plots
     results: AnyResults
-    if options.parallel:
-        out = args.out or Path("benchmarks/results/concurrency.json")
-        results = concurrency_bench(options, workload, out=out, command=command, plots=plots)
-    elif args.sweep:
+    if args.sweep:  # not with --parallel (options_from_args)
         out = args.out or Path("benchmarks/results/sweep.json")
         budgets = tuple(DramBudget.parse(b) for b in split(args.sweep_budgets))
         throttles = split(args.sweep_throttles)
@@ -331,7 +326,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
             plots=plots,
         )
     else:
-        out = args.out or Path("benchmarks/results/latest.json")
+        default = "concurrency.json" if options.parallel else "latest.json"
+        out = args.out or Path("benchmarks/results") / default
         results = bench(options, workload, out=out, command=command, plots=plots)
     print(render_markdown(results))
     print(f"results: {out}", file=sys.stderr)

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lever_actors.bench.harness import PromptSet
-from lever_actors.bench.run import Workload
+from lever_actors.bench.harness import PromptSet, Workload
 from lever_actors.checkpoints.convert import convert
 from lever_actors.cli.bench import add_bench_arguments
 from tests.tiny_hf import save_tiny, tiny_model

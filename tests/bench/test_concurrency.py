@@ -18,6 +18,7 @@ import trio
 from PIL import Image
 
 from lever_actors.bench import plots
+from lever_actors.bench import run as bench_run
 from lever_actors.bench.child import ChildMode
 from lever_actors.bench.concurrency import (
     Prompt,
@@ -35,7 +36,7 @@ from lever_actors.bench.concurrency_summary import (
     with_agreement,
     with_figures,
 )
-from lever_actors.bench.harness import PromptSet
+from lever_actors.bench.harness import PromptSet, Workload
 from lever_actors.bench.isolation import probe_cgroup
 from lever_actors.bench.llamacpp import LlamaCppSpec
 from lever_actors.bench.llamaserver import complete_together, healthy, server_command
@@ -51,7 +52,7 @@ from lever_actors.bench.results import (
     Round,
     read_results,
 )
-from lever_actors.bench.run import Workload, write_outputs
+from lever_actors.bench.run import write_outputs
 from lever_actors.bench.together import Together, decode_together
 from lever_actors.cli.bench import options_from_args
 from lever_actors.errors import ConfigError
@@ -445,6 +446,38 @@ def test_results_to_json_markdown_and_plot(tmp_path, monkeypatch):
     assert output_paths(out)["concurrency"] in written
     assert drawn["1GiB"]["lever"] == [(1, 4.0), (4, 8.0)]
     assert drawn["1GiB"]["llama-server-draft"] == []
+
+
+def test_bench_with_parallel_runs_the_requests_at_once_and_writes_their_files(
+    tmp_path, monkeypatch
+):
+    """One entry point: `bench` with --parallel runs bench/concurrency.py's runs in place
+    of the modes, and writes their files as it does a modes run's."""
+    options = BenchOptions(
+        modes=("lever",), limits=("1GiB",), isolate="all", parallel=(1, 2), prompts=2
+    )
+    runs = [ConcurrencyRun("lever", "1GiB", 1, rounds=[Round([_request(0.0, 1.0)], 1.0)])]
+    made = ConcurrencyResults(
+        machine=Machine.here(),
+        command="lever-actors bench --parallel 1,2",
+        config=options.as_config(),
+        runs=runs,
+        summary=concurrency_summary(runs),
+    )
+    asked = []
+
+    def parallel_runs(options, workload, cgroups, command, log):
+        asked.append((options, command))
+        return made
+
+    monkeypatch.setattr(bench_run, "parallel_runs", parallel_runs)
+    out = tmp_path / "concurrency.json"
+    workload = Workload(tmp_path, None, [], frozenset())
+    results = bench_run.bench(options, workload, out=out, command=made.command, plots=False)
+    assert asked == [(options, made.command)]
+    assert results == made  # no disk under a target that is not a layout
+    assert read_results(out) == made
+    assert output_paths(out)["markdown"].read_text() == render_markdown(made)
 
 
 def test_the_plot_is_drawn(tmp_path):

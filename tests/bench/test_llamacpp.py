@@ -14,7 +14,7 @@ import tokenizers
 from tokenizers import decoders, models
 
 from lever_actors.bench import llamacpp_build as lb
-from lever_actors.bench.harness import PromptSet, run_bench
+from lever_actors.bench.harness import PromptSet, Workload, run_bench
 from lever_actors.bench.isolation import probe_cgroup
 from lever_actors.bench.llamacpp import (
     LlamaCppMode,
@@ -33,7 +33,7 @@ from lever_actors.bench.modes import ModeFailed
 from lever_actors.bench.plan import BenchOptions, plan_modes
 from lever_actors.bench.report import render_markdown
 from lever_actors.bench.results import ModeInfo
-from lever_actors.bench.run import Workload, bench
+from lever_actors.bench.run import bench
 from lever_actors.model.sampling import Sampling
 from lever_actors.threads import PIPELINE_ONLY
 
