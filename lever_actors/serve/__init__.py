@@ -1,7 +1,8 @@
 """`lever-actors serve`: an OpenAI-compatible HTTP server over one Engine.
 
 The routes are a Starlette application (app.py) over the request and response bodies of
-schemas.py; hypercorn's trio worker serves it in the engine's own trio run, so a request
+schemas.py, its errors errors.py's; admission.py decides who comes in, waits or gets 429,
+and drains. hypercorn's trio worker serves it in the engine's own trio run, so a request
 handler awaits the engine directly.
 """
 
@@ -23,7 +24,8 @@ from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError
 from lever_actors.logs import get_logger
 from lever_actors.progress import Progress
-from lever_actors.serve.app import Admission, build_app
+from lever_actors.serve.admission import Admission
+from lever_actors.serve.app import build_app
 from lever_actors.serve.options import ServeOptions
 
 log = get_logger(__name__)

@@ -1,11 +1,8 @@
 """The OpenAI-compatible routes over one open Engine, as a Starlette (ASGI) application.
 
-The engine decodes up to `parallel` requests at once (EngineConfig.parallel); `Admission`
-lets `queue` more wait and answers the rest 429 with Retry-After. A streamed response is
+Who may come in, wait or is cut by a drain is admission.py's. A streamed response is
 server-sent events; a client that disconnects mid-stream cancels its request (Starlette
-cancels the body's iteration, which closes the engine's stream). `Admission.drain` shuts
-the doors: new requests get 503, and those inside are cut after a grace period, a stream
-with a last chunk.
+cancels the body's iteration, which closes the engine's stream).
 
 Bodies must be sent as application/json (415 otherwise): a web page can post text/plain
 or a form to a local server without asking, but not JSON. Where `allowed_hosts` is given,
@@ -25,31 +22,26 @@ from collections.abc import (
     Iterator,
     Sequence,
 )
-from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
 import msgspec
-import trio
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lever_actors.channels.messages import FinishReason, TokenEvent, TopLogprob
 from lever_actors.engine import Engine
-from lever_actors.errors import (
-    ConfigError,
-    ConsumerStalledError,
-    ContextLengthError,
-    DeadlineError,
-)
+from lever_actors.errors import ConfigError, ConsumerStalledError, DeadlineError
 from lever_actors.logs import get_logger
+from lever_actors.serve.admission import Admission, Cut, Ticket
 from lever_actors.serve.departures import ClientLeft, unless_gone
+from lever_actors.serve.errors import JSON, ApiError
 from lever_actors.serve.options import ServeOptions
 from lever_actors.serve.schemas import (
     ChatRequest,
@@ -67,147 +59,12 @@ log = get_logger(__name__)
 # a token, its text, its log-probability, its alternatives -> what the response says of it
 Describer = Callable[[int, str, float, Sequence[TopLogprob]], list[TokenLogprob]]
 
-RETRY_AFTER_SECONDS = 5
 CUT_REASON: FinishReason = "length"  # a stream the shutdown cut: its text ends short
-DRAIN_POLL_SECONDS = 0.05  # how often a drain looks whether the last request has left
-
-
-class _JSON(JSONResponse):
-    """JSON by msgspec, which also encodes structs (Usage)."""
-
-    def render(self, content: Any) -> bytes:
-        return msgspec.json.encode(content)
-
-
-class ApiError(Exception):
-    """Answered as an OpenAI-style error body with this status."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str,
-        code: str | None = None,
-        details: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.code = status, message, kind, code
-        self.details = details or {}  # more fields of the error object
-
-    @classmethod
-    def bad_request(cls, error: ConfigError) -> ApiError:
-        """A 400 for a request the engine refused; one too long for the context says so
-        as llama-server does, with its prompt's and the context's sizes."""
-        if isinstance(error, ContextLengthError):
-            details = {"n_prompt_tokens": error.prompt_tokens, "n_ctx": error.context_tokens}
-            return cls(400, str(error), "invalid_request_error", "context_length_exceeded", details)
-        return cls(400, str(error), "invalid_request_error")
-
-    def response(self) -> Response:
-        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if self.status == 429 else None
-        body = error_body(self.message, self.kind, self.code)
-        body["error"] |= self.details
-        return _JSON(body, status_code=self.status, headers=headers)
-
-
-class Admission:
-    """Requests inside the server: of those the engine has or waits for (`working`), up to
-    `parallel` running and at most `queue` waiting; none once it drains, which waits for
-    every response to end (`inside`: a stream may still be sending what the engine finished).
-    Runs on the event loop's single thread, so plain counts suffice."""
-
-    def __init__(self, queue: int, parallel: int = 1) -> None:
-        self.limit = queue + parallel
-        self.inside = 0
-        self.working = 0
-        self.draining = False
-        self._cut = False
-        self._scopes: set[trio.CancelScope] = set()
-
-    def enter(self) -> _Ticket:
-        if self.draining:
-            raise ApiError(503, "the server is shutting down", "server_error", "shutting_down")
-        if self.working >= self.limit:
-            raise ApiError(
-                429, "the server is busy: try again shortly", "rate_limit_exceeded", "busy"
-            )
-        self.inside += 1
-        self.working += 1
-        return _Ticket(self)
-
-    @contextmanager
-    def cuttable(self) -> Iterator[trio.CancelScope]:
-        """A scope that the end of a drain cancels (at once, if it has ended)."""
-        scope = trio.CancelScope()
-        if self._cut:
-            scope.cancel()
-        self._scopes.add(scope)
-        try:
-            with scope:
-                yield scope
-        finally:
-            self._scopes.discard(scope)
-
-    async def until_cut(
-        self, events: AsyncGenerator[TokenEvent, None]
-    ) -> AsyncGenerator[TokenEvent, None]:
-        """`events` until they end, or until a drain cuts them (then `Cut`)."""
-        try:
-            while True:
-                with self.cuttable() as scope:  # around each wait: never around a yield
-                    event = await anext(events, None)
-                if scope.cancelled_caught:
-                    raise Cut
-                if event is None:
-                    return
-                yield event
-        finally:
-            await events.aclose()
-
-    async def drain(self, grace: float) -> None:
-        """Refuse new requests (503), let those inside finish for `grace` seconds, then cut
-        the rest, and return once all have left."""
-        self.draining = True
-        log.info("draining", requests=self.inside, grace_seconds=grace)
-        with trio.move_on_after(grace):
-            await self._emptied()
-        self._cut = True
-        for scope in list(self._scopes):
-            scope.cancel()
-        await self._emptied()
-
-    async def _emptied(self) -> None:
-        # polled: a ticket may be released by a finalizer, outside any trio task
-        while self.inside:
-            await trio.sleep(DRAIN_POLL_SECONDS)
-
-
-class Cut(Exception):
-    """A drain ended this request before the engine did."""
-
-
-class _Ticket:
-    def __init__(self, admission: Admission) -> None:
-        self._admission: Admission | None = admission
-        self._working = True
-
-    def engine_done(self) -> None:
-        """The engine has done with the request: its place in the queue is free."""
-        if self._admission is not None and self._working:
-            self._admission.working -= 1
-            self._working = False
-
-    def release(self) -> None:
-        """The response has ended (the engine's part too, if it had not)."""
-        if self._admission is not None:  # once, however many paths end the request
-            self.engine_done()
-            self._admission.inside -= 1
-            self._admission = None
 
 
 def build_app(engine: Engine, options: ServeOptions) -> Starlette:
     """The application serving `engine` as `options` say; its `state.admission` drains it."""
-    admission = Admission(options.queue, engine.batch.parallel)
+    admission = Admission(options.queue, engine.batch)
     routes = _Routes(engine, options, admission)
     allowed = options.allowed_hosts
     hosts = [] if allowed is None else [Middleware(_AllowedHosts, names=allowed)]
@@ -243,7 +100,7 @@ class _AllowedHosts:
         if given is not None and host_name(given) not in self.names:
             message = f"Host {given!r} is not one this server answers to"
             body = error_body(message, "invalid_request_error", "host_not_allowed")
-            await _JSON(body, status_code=421)(scope, receive, send)
+            await JSON(body, status_code=421)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -265,17 +122,8 @@ class _Routes:
         self.marker_tokens = tokenizer is not None and tokenizer.has_token(OPEN)
 
     async def health(self, request: Request) -> Response:
-        batch = self.engine.batch
-        return _JSON(
-            {
-                "status": "ok",
-                "requests": self.admission.inside,
-                "active": batch.active,  # decoding
-                "queued": batch.queued,  # waiting for a place in the batch
-                "parallel": batch.parallel,
-                "n_ctx": self.engine.context.tokens,
-            }
-        )
+        figures = self.admission.figures()
+        return JSON({"status": "ok", **figures, "n_ctx": self.engine.context.tokens})
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
@@ -285,7 +133,7 @@ class _Routes:
             "created": 0,
             "owned_by": "local",
         }
-        return _JSON({"object": "list", "data": [model]})
+        return JSON({"object": "list", "data": [model]})
 
     async def completions(self, request: Request) -> Response:
         parsed = await self._parse(request, CompletionRequest)
@@ -401,7 +249,7 @@ class _Routes:
                 )
                 logprobs = [t for args in each for t in described(*args)]
             text, calls = read_calls(result.text) if tools else (result.text, [])
-            return _JSON(reply.whole(text, result.finish_reason, use, logprobs, calls))
+            return JSON(reply.whole(text, result.finish_reason, use, logprobs, calls))
         # the place in the queue is free once the engine's work is: a stalled reader whose
         # request the engine ended holds none, though its response (which a drain awaits)
         # waits on it still
@@ -433,7 +281,7 @@ async def _sse(
     first: TokenEvent,
     events: AsyncGenerator[TokenEvent, None],
     include_usage: bool,
-    ticket: _Ticket,
+    ticket: Ticket,
     described: Describer | None = None,
     calls: CallText | None = None,
 ) -> AsyncIterator[bytes]:
@@ -503,7 +351,7 @@ def _event(body: dict[str, Any]) -> bytes:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)  # the handler of HTTPException (build_app)
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return _JSON(error_body(exc.detail, kind), status_code=exc.status_code)
+    return JSON(error_body(exc.detail, kind), status_code=exc.status_code)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -525,4 +373,4 @@ async def _client_left(request: Request, exc: Exception) -> Response:
 
 async def _server_error(request: Request, exc: Exception) -> Response:
     """A bug: still OpenAI's error body (the server logs the traceback)."""
-    return _JSON(error_body("the server failed; see its log", "server_error"), status_code=500)
+    return JSON(error_body("the server failed; see its log", "server_error"), status_code=500)
