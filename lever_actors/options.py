@@ -90,16 +90,13 @@ def options_of(
     unknown = set(keywords) - set(GenerationKeywords.__annotations__)
     if unknown:  # a TypedDict checks its keys only for a type checker
         raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(unknown))}")
-    seed = keywords.get("seed")
-    sampling = Sampling(
+    sampling = seeded_sampling(
         temperature=keywords.get("temperature", GREEDY.temperature),
         top_k=keywords.get("top_k", GREEDY.top_k),
         top_p=keywords.get("top_p", GREEDY.top_p),
         min_p=keywords.get("min_p", GREEDY.min_p),
-        seed=seed_or_drawn(seed),
+        seed=keywords.get("seed"),
     )
-    if seed is None and not sampling.greedy:
-        log.info("sampling seed drawn", seed=sampling.seed)
     return GenerationOptions(
         max_new_tokens=keywords.get("max_new_tokens", DEFAULTS.max_new_tokens),
         stop=keywords.get("stop", DEFAULTS.stop),
@@ -114,3 +111,21 @@ def options_of(
 def generation_options(**keywords: Unpack[GenerationKeywords]) -> GenerationOptions:
     """The options the keywords spell out (see `GenerationKeywords`)."""
     return options_of(None, keywords)
+
+
+def seeded_sampling(
+    *,
+    temperature: float = GREEDY.temperature,
+    top_k: int = GREEDY.top_k,
+    top_p: float = GREEDY.top_p,
+    min_p: float = GREEDY.min_p,
+    seed: int | None = None,
+) -> Sampling:
+    """The Sampling asked for, with `seed`, or without one a seed drawn (and logged where it
+    decides something: when sampling)."""
+    sampling = Sampling(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed_or_drawn(seed)
+    )
+    if seed is None and not sampling.greedy:
+        log.info("sampling seed drawn", seed=sampling.seed)
+    return sampling

@@ -16,7 +16,7 @@ import msgspec
 from lever_actors.channels.messages import FinishReason
 from lever_actors.errors import ConfigError
 from lever_actors.model.grammar import Grammar
-from lever_actors.options import GenerationOptions, generation_options
+from lever_actors.options import GenerationOptions, seeded_sampling
 from lever_actors.text.tool_calls import ToolCall, call_grammar
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -63,18 +63,19 @@ class Sampled(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def options(
         self, default_max_tokens: int, deadline_seconds: float | None, marker_tokens: bool = False
     ) -> GenerationOptions:
-        """What the request asks of Engine.stream / generate, with the server's deadline;
-        ConfigError if it is wrong. `marker_tokens`: see `call_grammar`."""
+        """What the request asks of Engine.stream / generate, with the server's deadline,
+        passed to it whole; ConfigError if it is wrong. `marker_tokens`: see `call_grammar`."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
-        return generation_options(
+        top_logprobs = self.top_logprobs_asked() or 0
+        grammar = self.grammar(marker_tokens)
+        sampling = seeded_sampling(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+        return GenerationOptions(
             max_new_tokens=self._max_tokens(default_max_tokens),
-            temperature=self.temperature,
-            top_p=self.top_p,
-            seed=self.seed,
             stop=stop,
+            sampling=sampling,
             deadline_seconds=deadline_seconds,
-            top_logprobs=self.top_logprobs_asked() or 0,
-            grammar=self.grammar(marker_tokens),
+            top_logprobs=top_logprobs,
+            grammar=grammar,
         )
 
     def grammar(self, marker_tokens: bool = False) -> Grammar | None:
