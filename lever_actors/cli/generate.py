@@ -38,6 +38,7 @@ from lever_actors.model.transformer import Transformer
 from lever_actors.options import GenerationOptions
 from lever_actors.progress import ProgressLine
 from lever_actors.sizes import format_bytes
+from lever_actors.text.finish import finish_reason
 
 DTYPES = ("float32", "bfloat16", "float64")  # --model computes in one of these DTYPE_NAMES
 DEFAULT_CHAT = "Write a Python function that returns the n-th Fibonacci number."
@@ -228,11 +229,15 @@ def _generate_in_memory(
         tokens.append(token)
         printer.push(token)
     printer.close()
-    stopped = bool(tokens) and tokens[-1] in tokenizer.eos_ids
+    ended = finish_reason(
+        end_token=bool(tokens) and tokens[-1] in tokenizer.eos_ids,
+        generated=len(tokens),
+        max_new_tokens=options.max_new_tokens,
+    )
     return Summary(
         prompt_tokens=len(ids),
         generated_tokens=len(tokens),
-        finish_reason="stop" if stopped else "length",
+        finish_reason=ended,
         first_token_seconds=first - started,
         prefill_tokens_per_second=decode_rate(len(ids), first - started),
         decode_tokens_per_second=decode_rate(len(tokens) - 1, time.perf_counter() - first),

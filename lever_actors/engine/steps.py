@@ -30,6 +30,7 @@ from lever_actors.engine.state import RequestState
 from lever_actors.errors import ConsumerStalledError
 from lever_actors.policy.setup import Policies
 from lever_actors.target import FlashTarget
+from lever_actors.text.finish import finish_reason
 from lever_actors.text.stop import StopText
 
 
@@ -142,13 +143,14 @@ class Emitter:
             for t, lp in top
         )
         self.previous = token
-        finish: FinishReason | None = None
-        if token in self.stop_ids or stopped:
-            finish = "stop"
-        elif len(request.tokens) >= request.options.max_new_tokens:
-            finish = "length"
-        elif last_of_step and request.past_deadline:
-            finish = "length"  # the step's tokens are all out; no step after it
+        finish = finish_reason(
+            end_token=token in self.stop_ids,
+            stop_string=stopped,
+            generated=len(request.tokens),
+            max_new_tokens=request.options.max_new_tokens,
+            # past the deadline, the step's tokens are all out; no step after it
+            cut_short=last_of_step and request.past_deadline,
+        )
         if finish is not None and not stopped:  # what is still held back ends here
             more, cut = stops.push(decoder.flush() if decoder else "")
             delta += more if cut else more + stops.flush()

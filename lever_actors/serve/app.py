@@ -35,7 +35,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from lever_actors.channels.messages import FinishReason, TokenEvent, TopLogprob
+from lever_actors.channels.messages import TokenEvent, TopLogprob
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError, ConsumerStalledError, DeadlineError
 from lever_actors.logs import get_logger
@@ -52,6 +52,7 @@ from lever_actors.serve.schemas import (
     error_body,
     usage,
 )
+from lever_actors.text.finish import finish_reason, reply_finish
 from lever_actors.text.tool_calls import OPEN, CallText, read_calls
 
 log = get_logger(__name__)
@@ -59,7 +60,7 @@ log = get_logger(__name__)
 # a token, its text, its log-probability, its alternatives -> what the response says of it
 Describer = Callable[[int, str, float, Sequence[TopLogprob]], list[TokenLogprob]]
 
-CUT_REASON: FinishReason = "length"  # a stream the shutdown cut: its text ends short
+CUT_REASON = finish_reason(cut_short=True)  # of a stream the shutdown cut
 
 
 def build_app(engine: Engine, options: ServeOptions) -> Starlette:
@@ -305,11 +306,10 @@ async def _sse(
             yield _event(reply.chunk(text, logprobs=logprobs))
             return
         rest, called = calls.end()
-        yield _event(
-            reply.chunk(text + rest, None if called else event.finish_reason, logprobs=logprobs)
-        )
+        ended = reply_finish(event.finish_reason, bool(called))  # on the calls' chunk, if any
+        yield _event(reply.chunk(text + rest, None if called else ended, logprobs=logprobs))
         if called:
-            yield _event(reply.chunk(None, "tool_calls", calls=called))
+            yield _event(reply.chunk(None, ended, calls=called))
 
     try:
         if reply.chat:

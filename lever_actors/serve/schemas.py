@@ -17,6 +17,7 @@ from lever_actors.channels.messages import FinishReason
 from lever_actors.errors import ConfigError
 from lever_actors.model.grammar import Grammar
 from lever_actors.options import GenerationOptions, seeded_sampling
+from lever_actors.text.finish import ReplyFinish, reply_finish
 from lever_actors.text.tool_calls import ToolCall, call_grammar
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -292,13 +293,13 @@ class Reply:
             choice = {"index": 0, "text": text}
         choice["logprobs"] = None if logprobs is None else self.logprobs(logprobs, 0)
         body = self._head("chat.completion" if self.chat else "text_completion")
-        ended = "tool_calls" if calls else finish
+        ended = reply_finish(finish, bool(calls))
         return body | {"choices": [choice | {"finish_reason": ended}], "usage": use}
 
     def chunk(
         self,
         text: str | None,
-        finish: FinishReason | Literal["tool_calls"] | None = None,
+        finish: ReplyFinish | None = None,
         first: bool = False,
         logprobs: dict[str, Any] | None = None,
         calls: list[ToolCall] | None = None,
