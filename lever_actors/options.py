@@ -21,17 +21,25 @@ MAX_TOP_LOGPROBS = 20  # as OpenAI's
 
 
 class GenerationOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """Generation ends after `max_new_tokens` ("length"), after one of the tokenizer's end
-    tokens ("stop"; its text is not emitted), or after the token that completes one of the
-    `stop` strings ("stop"; the text ends where the string begins, as OpenAI's does, or
-    with `keep_stop` after that token, the string in it).
+    """Generation ends (text/finish.py) after `max_new_tokens` ("length"), after one of the
+    tokenizer's end tokens (`eos_ids`: end of text, end of turn; "stop", its text not
+    emitted), or after the token that completes one of the `stop` strings ("stop"; the text
+    ends where the string begins, as OpenAI's does, or with `keep_stop` after that token,
+    the string in it; text that may begin one is held back until it cannot).
 
     `deadline_seconds`, counted from the request's making (its wait for the engine
     included): the step that ends after it is the last ("length", its text cut short); a
     request still waiting or in its prefill then is cancelled (DeadlineError).
 
-    `grammar` constrains the text (model/grammar.py): each token is chosen among those it
-    allows, and once it is complete only an end token is."""
+    `sampling` (model/sampling.py): temperature 0 is greedy decoding; above 0 tokens are
+    sampled from the target's softmax at that temperature, after top-k, top-p and min-p
+    filtering, and the output equals sequential sampling with the same seed, whatever the
+    tree. Given as keywords without a seed, one is drawn, logged, and reported
+    (`GenerationResult.seed`).
+
+    `grammar` constrains the text (model/grammar.py: a JSON schema, any JSON, a regex or a
+    Lark grammar): each token is chosen among those it allows, exactly as sequential
+    decoding under it would, and once it is complete only an end token is."""
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     stop: Sequence[str] = ()  # kept as a tuple

@@ -215,31 +215,15 @@ class Engine:
         model's chat template renders, ending with the assistant's prompt; `tools`, function
         definitions (name, description, parameters), go to the template too.
 
-        `options` (request.py) says how many tokens, where to stop and how to choose them;
-        or give its fields as keywords: `max_new_tokens`, `stop`, `keep_stop`,
-        `temperature`, `top_k`, `top_p`, `min_p`, `seed`, `deadline_seconds`,
-        `top_logprobs`, `grammar` (model/grammar.py: a JSON schema, any JSON, a regex or a
-        Lark grammar, which every token then follows, exactly as sequential decoding
-        under it would). Generation ends after `max_new_tokens` ("length"), or ("stop")
-        after one of the tokenizer's end tokens (`tokenizer.eos_ids`: end of text and end
-        of turn), whose text is not emitted, or after the token that completes one of the
-        `stop` strings: the text ends where it begins (text that may begin one is held back
-        until it cannot), unless `keep_stop`.
-
-        temperature 0 is greedy decoding. Above 0 tokens are sampled from the target's
-        softmax at that temperature, after top-k, top-p (nucleus) and min-p filtering; the
-        output equals sequential sampling with the same `seed`, whatever the tree. Without
-        a seed one is drawn: `GenerationResult.seed` and the log report it.
+        `options` says how many tokens, where to stop, how to choose them and by when: see
+        `GenerationOptions` (options.py) for its fields and rules. Or give those fields flat
+        as keywords (`GenerationKeywords`: `max_new_tokens`, `temperature`, `seed`, ...).
 
         `progress(done, total, "prefill")` hears how many of a long prompt's tokens (256 or
         more, not cached) the prefill's pass has taken through the target's layers.
         `on_done()` is called once the engine has done with the request (it ended, failed,
         was cancelled or its consumer stalled), which may be before the loop has taken the
         last events.
-
-        `deadline_seconds` ends a request in time: the step that ends after it is the last
-        ("length"); a request still waiting for the engine or in its prefill then raises
-        DeadlineError.
 
         The text is rendered and tokenized on a worker thread, so that a long one holds up
         no other task of the event loop; one that cannot fit the context is refused from its
