@@ -111,7 +111,7 @@ class Projector:
             verify_seconds=final.verify_seconds,
             project_seconds=time.perf_counter() - started,
             pass_rows=final.pass_rows,
-            parallel=final.pass_requests,
+            parallel=final.parallel,
         )
         emitted = torch.stack([logits[n] for n in path])
         return Verdict(

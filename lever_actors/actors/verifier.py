@@ -305,7 +305,7 @@ class Verifier:
             audit=t.audit,
             would_drop=t.would_drop,
             pass_rows=rows,
-            pass_requests=requests,
+            parallel=requests,
             logits=logits,
         )
 

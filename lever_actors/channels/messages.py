@@ -126,7 +126,7 @@ class FinalHidden(Message, frozen=True):
     audit: bool  # an audit step: the pruner's drops were run in full anyway
     would_drop: tuple[int, ...]  # on an audit step: the nodes the pruner dropped
     pass_rows: int = 0  # every request's tree nodes in the pass
-    pass_requests: int = 1  # requests whose trees the pass verified
+    parallel: int = 1  # requests whose trees the pass verified
     # node -> its logits [vocab], for the predicted chain from the last committed node
     # (the drafter's first-ranked live children), where the pass projected it
     logits: dict[int, Any] = {}

@@ -424,7 +424,7 @@ async def test_trees_of_several_requests_share_each_layer_and_each_gets_its_own(
         torch.testing.assert_close(
             final.hidden, direct(reference, [], tree), rtol=1e-10, atol=1e-10
         )
-        assert (final.pass_rows, final.pass_requests) == (len(first.tokens) + 5, 2)
+        assert (final.pass_rows, final.parallel) == (len(first.tokens) + 5, 2)
     assert wired.released == [SlotRelease(step=0, slot=10 + layer) for layer in range(N_LAYERS)]
     assert wired.verifier.unit.jobs == N_LAYERS  # the two trees in each layer's one job
 
@@ -444,7 +444,7 @@ async def test_a_pass_waits_for_every_seated_request_but_not_one_that_left(targe
             await wired.trees.send(leave)
             final = await wired.finals.receive()
             await leave.done.wait()
-    assert final.pass_requests == 1
+    assert final.parallel == 1
     torch.testing.assert_close(final.hidden, direct(reference, [], tree), rtol=1e-10, atol=1e-10)
 
 
