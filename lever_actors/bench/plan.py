@@ -317,7 +317,7 @@ def _plan_under_limits(
 ) -> list[PlannedMode]:
     """--limits: the memory-resident modes once, without a limit; every other mode once per
     limit, in a child under it, named `mode@limit`. Ours plan the target's DRAM budget
-    themselves, at start, under the limit they find (dram_budget auto: memory_plan.py), and
+    themselves, at start, under the limit they find (dram_budget auto: plan/memory.py), and
     Lever its decode plan too (plan auto); the budget each planned comes back from its child
     (ModeInfo.budget_bytes)."""
     cache = Path(options.cache_dir) if options.cache_dir else target.parent

@@ -29,7 +29,7 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     allowed_hosts: tuple[str, ...] | None = None
     grace: float = DRAIN_SECONDS  # seconds running requests get after SIGTERM
     max_body: int = DEFAULT_MAX_BODY  # bytes; a larger body gets 413 before it is read whole
-    # each request's deadline_seconds (request.py); None: none
+    # each request's deadline_seconds (options.py); None: none
     deadline_seconds: float | None = None
 
     def __post_init__(self) -> None:
