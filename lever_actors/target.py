@@ -7,10 +7,9 @@ from pathlib import Path
 import torch
 
 from lever_actors.checkpoints.flash_layout import layout_tokenizer
-from lever_actors.config import DramBudget
-from lever_actors.device.budget import ResidencyPlan, head_key, plan_residency
+from lever_actors.device.budget import ResidencyPlan, head_key
 from lever_actors.device.flash import AlignedBuffer, FlashStore
-from lever_actors.device.layout import Manifest, layer_key
+from lever_actors.device.layout import layer_key
 from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.layers import (
     capped_logits,
@@ -21,18 +20,6 @@ from lever_actors.model.layers import (
 )
 from lever_actors.model.rope import Rope
 from lever_actors.model.weights import Weight, dense
-
-
-def residency(manifest: Manifest, dram_budget: DramBudget, ring_slots: int = 2) -> ResidencyPlan:
-    """What a target of this manifest holds and streams under these settings."""
-    return plan_residency(manifest, budget_in_bytes(manifest, dram_budget), ring_slots)
-
-
-def budget_in_bytes(manifest: Manifest, dram_budget: DramBudget) -> int:
-    """The budget in bytes for this target: the plan's `budget`, without checking that a
-    plan fits in it (the bench records it for modes it may never run)."""
-    return dram_budget.bytes_of(manifest.file_bytes)
-
 
 Resident = dict[str, dict[str, Weight]]  # the plan's resident extents, as read: key -> tensors
 

@@ -39,7 +39,6 @@ from lever_actors.errors import ConfigError
 from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.paths import default_cache_dir
 from lever_actors.sizes import compact_bytes, parse_bytes
-from lever_actors.target import budget_in_bytes
 
 ENGINE_FAMILIES = (
     "flash-ar",
@@ -284,7 +283,7 @@ def plan_modes(options: BenchOptions, target: Path, draft: Path | None) -> list[
             for budget in options.budgets:
                 name = f"{family}@{budget}"
                 offload = cache / "peer-offload" / f"{export.name}-{name.replace('%', 'pct')}"
-                budget_bytes = budget_in_bytes(manifest, budget)
+                budget_bytes = budget.bytes_of(manifest.file_bytes)
                 spec = PeerSpec(
                     str(export),
                     manifest.dtype,
@@ -301,7 +300,7 @@ def plan_modes(options: BenchOptions, target: Path, draft: Path | None) -> list[
             assert manifest is not None
             for variant in engine_variants(options, family):
                 for budget in options.budgets:
-                    facts = held(family, budget_in_bytes(manifest, budget))
+                    facts = held(family, budget.bytes_of(manifest.file_bytes))
                     planned.append(
                         _engine_mode(options, target, draft, family, variant, budget, facts)
                     )

@@ -44,7 +44,6 @@ from lever_actors.device.disk_profile import DiskProfile, profile_disk
 from lever_actors.device.layout import MANIFEST_NAME, WEIGHTS_NAME, read_manifest
 from lever_actors.draft import DraftModel
 from lever_actors.model import native
-from lever_actors.target import budget_in_bytes
 
 R = TypeVar("R", bound=AnyResults)  # any results, as it came
 
@@ -131,7 +130,7 @@ def sweep(
                 SweepPoint(
                     throttle=throttle,
                     budget=str(budget),
-                    budget_bytes=budget_in_bytes(manifest, budget),
+                    budget_bytes=budget.bytes_of(manifest.file_bytes),
                     target_bytes=manifest.file_bytes,
                     results=run_modes(modes, workload, point_options, command, log),
                 )

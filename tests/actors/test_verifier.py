@@ -29,7 +29,7 @@ from lever_actors.channels.messages import (
 )
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.convert import convert
-from lever_actors.config import DramBudget
+from lever_actors.device.budget import plan_residency
 from lever_actors.device.layout import read_manifest
 from lever_actors.device.units import ComputeUnit
 from lever_actors.model.placement import tree_placement
@@ -37,7 +37,7 @@ from lever_actors.model.transformer import Transformer
 from lever_actors.model.tree import TokenTree
 from lever_actors.model.weights import ModelWeights
 from lever_actors.policy.pruning import always
-from lever_actors.target import FlashTarget, residency
+from lever_actors.target import FlashTarget
 from tests.tiny_hf import save_tiny, tiny_model
 
 PROMPT = [3, 14, 15, 92, 65]
@@ -61,7 +61,8 @@ def layout(request, tmp_path_factory):
 
 @pytest.fixture
 def target(layout):
-    target = FlashTarget(layout, residency(read_manifest(layout), DramBudget("all")))
+    manifest = read_manifest(layout)
+    target = FlashTarget(layout, plan_residency(manifest, manifest.file_bytes))
     yield target
     target.close()
 
