@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from functools import partial
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -23,14 +22,14 @@ from lever_actors.channels.messages import TokenEvent
 from lever_actors.channels.trace import Tracer
 from lever_actors.checkpoints.flash_layout import layout_tokenizer
 from lever_actors.checkpoints.tokenizer import Message, Tokenizer
-from lever_actors.config import EngineConfig, check_request_size
+from lever_actors.config import EngineConfig
 from lever_actors.device.layout import Manifest, read_manifest
 from lever_actors.device.memory import return_freed_heap
 from lever_actors.device.units import ComputeUnit
 from lever_actors.draft import DraftModel
 from lever_actors.engine.batch import Batch
 from lever_actors.engine.crew import Crew, original
-from lever_actors.engine.intake import grammar_matcher, tokens_of
+from lever_actors.engine.intake import Asked, take_in
 from lever_actors.engine.loading import LoadTimes, load
 from lever_actors.engine.prefix_cache import PrefixCache
 from lever_actors.engine.results import GenerationResult, result_of
@@ -242,34 +241,10 @@ class Engine:
         options: GenerationOptions,
         progress: Progress | None = None,
     ) -> RequestState:
-        """Check everything about a request before any work starts."""
         if self._closed:
             raise EngineClosedError("this engine was closed; open another")
-        if (prompt is None) == (messages is None):
-            raise ConfigError("give either prompt or messages")
-        if tools and messages is None:
-            raise ConfigError("tools go with messages, which the chat template renders")
-        if messages is not None or isinstance(prompt, str):
-            tokenizer = self._need_tokenizer()  # text: not a torch op, so a worker thread
-            encode = partial(tokens_of, tokenizer, prompt, messages, tools, options, self.context)
-            ids = await trio.to_thread.run_sync(encode)
-        else:
-            assert prompt is not None  # one of the two, checked above
-            ids = [int(t) for t in prompt]
-        check_request_size(len(ids), options.max_new_tokens, self.context.tokens, self.context.why)
-        vocab = self.target.args.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise ConfigError(f"prompt token ids must be in [0, {vocab})")
-        matcher = None
-        if options.grammar is not None:  # compiled on a worker thread, as text is encoded
-            start = partial(grammar_matcher, options.grammar, self._need_tokenizer(), vocab)
-            matcher = await trio.to_thread.run_sync(start)
-        return RequestState(ids, options, progress, matcher)
-
-    def _need_tokenizer(self) -> Tokenizer:
-        if self.tokenizer is None:
-            raise ConfigError("this target has no tokenizer: pass the prompt as token ids")
-        return self.tokenizer
+        asked = Asked(prompt, messages, tools, options, progress)
+        return await take_in(asked, self.tokenizer, self.target.args.vocab_size, self.context)
 
     async def _events(self, request: RequestState) -> AsyncIterator[TokenEvent]:
         send, receive = trio.open_memory_channel[TokenEvent](self.config.channels.events)
