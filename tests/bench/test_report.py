@@ -73,9 +73,13 @@ def test_report_rewrites_only_the_marked_section(results_file, tmp_path, capsys)
     assert head == original_head and tail == original_rest.split(END_MARKER)[1]
     assert "old numbers" not in section
     assert "lever-actors bench --modes flash-ar,lever --budgets 25%" in section
-    assert "| lever@25% | a |" in section and "| flash-ar@25% | b |" in section
-    assert "failed: NotImplementedError: Cannot copy out of meta tensor" in section
     assert "| flash-AR | 2.50x |" in section
+    # short: every mode and prompt set in the full report beside the JSON, linked
+    assert "| lever@25% | a |" not in section
+    assert "[benchmarks/results/headline.md](benchmarks/results/headline.md)" in section
+    full = (results_file.parent / "headline.md").read_text()
+    assert "| lever@25% | a |" in full and "| flash-ar@25% | b |" in full
+    assert "failed: NotImplementedError: Cannot copy out of meta tensor" in full
     results = read_results(results_file)
     assert results.machine.date in section and results.machine.cpu in section
     assert (
