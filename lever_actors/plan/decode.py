@@ -53,7 +53,7 @@ STEP_OVERHEAD_SECONDS = 0.010
 
 
 class DecodePlan(msgspec.Struct, frozen=True):
-    """The plan an engine decodes by (`Engine.decode_plan`), and why."""
+    """The plan an engine decodes by (`Engine.plan.decode`), and why."""
 
     name: PlanName
     auto: bool  # chosen by the cost model, not given
