@@ -230,10 +230,8 @@ def test_limits_axis_runs_ours_with_the_budget_and_plan_they_choose(one_set, tmp
     for limit in ("1GiB", "2GiB"):
         figures = summary.limits[limit]
         ratio = figures.lever / figures.flash_ar
-        assert (
-            f"| {limit} | {figures.lever:.2f} | {figures.flash_ar:.2f} | — | — | — | {ratio:.2f}x"
-            in table
-        )
+        # no SD nor llama.cpp run: no columns for them
+        assert f"| {limit} | {figures.lever:.2f} | {figures.flash_ar:.2f} | {ratio:.2f}x" in table
     assert (
         "memory-ar: in a process of its own, no limit" in memory_note(results) or not SUPPORT.usable
     )
