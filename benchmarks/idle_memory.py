@@ -119,10 +119,10 @@ def main() -> int:
         async with Engine.open(config) as engine:
             stages.append(stage("engine", sample(), time.perf_counter() - t0))
             return {
-                "memory": msgspec.to_builtins(engine.memory),
-                "memory_line": str(engine.memory),
-                "plan_line": str(engine.decode_plan),
-                "decode_plan": msgspec.to_builtins(engine.decode_plan),
+                "memory": msgspec.to_builtins(engine.plan.memory),
+                "memory_line": str(engine.plan.memory),
+                "plan_line": str(engine.plan.decode),
+                "decode_plan": msgspec.to_builtins(engine.plan.decode),
             }
 
     opened = trio.run(idle_engine)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import sys
 import warnings
@@ -94,7 +95,7 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_PUBLIC])
 
 
-# 0.2's module paths, kept for one release (0.3): old path -> where it lives now
+# the module paths before 0.3, kept for one release: old path -> where it lives now
 MOVED = {
     "lever_actors.aio": "lever_actors.engine.aio",
     "lever_actors.batch": "lever_actors.engine.batch",
@@ -114,7 +115,12 @@ MOVED = {
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports a 0.2 module path as the module that now holds it, with a warning."""
+    """Imports a module path from before 0.3 as the module that now holds it, with a
+    warning. The import system stamps its spec on the module it gets; the module's own is
+    put back, so that it stays itself (reload, pickling by name)."""
+
+    def __init__(self) -> None:
+        self._own_specs: dict[str, importlib.machinery.ModuleSpec | None] = {}  # by old path
 
     def find_spec(self, fullname, path=None, target=None):  # type: ignore[no-untyped-def]
         if fullname not in MOVED:
@@ -127,10 +133,13 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             DeprecationWarning,
             stacklevel=2,
         )
-        return importlib.import_module(MOVED[spec.name])
+        module = importlib.import_module(MOVED[spec.name])
+        self._own_specs[spec.name] = module.__spec__
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
-        pass  # the module it names is already executed
+        # already executed: only its own spec is put back
+        module.__spec__ = self._own_specs.pop(module.__spec__.name)  # type: ignore[union-attr]
 
 
 if not any(isinstance(finder, _MovedFinder) for finder in sys.meta_path):

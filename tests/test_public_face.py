@@ -1,6 +1,6 @@
 """`from lever_actors import Engine, ...` is the public face: its names load on first use, so
-importing the package (or configuring an engine) loads no torch; 0.2's module paths still
-import, with a warning, as the modules that hold them now."""
+importing the package (or configuring an engine) loads no torch; the module paths from
+before 0.3 still import, with a warning, as the modules that hold them now."""
 
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ def test_the_old_module_paths_import_as_the_new_with_a_warning(old, new):
     with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
         module = importlib.import_module(old)
     assert module is importlib.import_module(new)
+    assert module.__spec__.name == new  # it stays itself (reload, pickling by name)
 
 
 def test_an_old_path_serves_from_imports():

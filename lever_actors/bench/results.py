@@ -66,7 +66,7 @@ class ModeInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     limit_enforced: bool = False  # True only when a kernel memory limit was in force
     note: str | None = None  # what the mode found when it opened (the peer's placement)
     command: str | None = None  # the command line an external program ran (llama.cpp's)
-    # engine modes, once open: the decode plan they ran (decode_plan.py: trees, lookup or
+    # engine modes, once open: the decode plan they ran (plan/decode.py: trees, lookup or
     # ar), whether the cost model chose it (plan auto), and the tok/s it predicted for each
     # plan it weighed; budget_bytes above is then the budget the engine planned
     plan: str | None = None

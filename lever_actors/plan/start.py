@@ -1,8 +1,10 @@
-"""The start-up plan, made once as the engine loads, each part when what it depends on is
-known: before the draft loads, how tokens are proposed (decode.py) and a limit that cannot
-hold it refused; after the draft, the memory plan and the target's residency; after the
-target and the policies, the context and how many requests decode at once. The engine
-keeps the whole (`Engine.plan`); nothing else plans."""
+"""The start-up plan, made here alone as the engine loads, each part when what it depends on
+is known, and the process read once at each of those moments: before the draft loads, how
+tokens are proposed (decode.py, which prices each candidate under its own memory plan), a
+limit that cannot hold it refused and, for a fixed budget the limit holds beside the
+draft's file, the target's residency; after the draft, the memory plan (and the residency
+where it was not made before); after the target and the policies, the context and how many
+requests decode at once. The engine keeps the whole (`Engine.plan`)."""
 
 from __future__ import annotations
 
