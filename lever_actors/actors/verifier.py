@@ -91,8 +91,8 @@ class Occupant:
 class _Tree:
     """One request's tree in a pass, and where the pass has taken it."""
 
-    seat_id: int
-    seat: Occupant
+    seat: int
+    occupant: Occupant
     message: DraftTree
     tree: TokenTree
     probes: bool = False  # whether the pass probes it at the exit layer
@@ -142,56 +142,60 @@ class Verifier:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        seats: dict[int, Occupant] = {}
+        passes: Passes[Occupant, DraftTree, DraftRound] = Passes()
         try:
             with inbox.arrivals, inbox.layers, inbox.prune_verdicts:
                 with outbox.releases, outbox.probes:
                     task_status.started()
-                    await self._serve(seats, inbox, outbox)
-        finally:  # those whose leaving we never read (a request whose crew failed hears
-            for seat in seats.values():  # of it from the batch before its ends close)
-                seat.close()
+                    await self._serve(passes, inbox, outbox)
+        finally:
+            # those whose leaving we never read (a request whose crew failed hears of it
+            # from the batch before its ends close)
+            for occupant in passes.seated.values():
+                occupant.close()
 
     async def _serve(
-        self, seats: dict[int, Occupant], inbox: VerifierInbox, outbox: VerifierOutbox
+        self,
+        passes: Passes[Occupant, DraftTree, DraftRound],
+        inbox: VerifierInbox,
+        outbox: VerifierOutbox,
     ) -> None:
-        passes: Passes[DraftTree, DraftRound] = Passes()
         async for message in inbox.arrivals:
             match message:
                 case TakeSeat():
-                    seats[message.seat] = Occupant.taken(message)
-                    passes.seat(message.seat)
+                    passes.seat(message.seat, Occupant.taken(message))
                 case LeaveSeat():
-                    passes.unseat(message.seat)
-                    await self._unseat(seats.pop(message.seat, None))
+                    await self._let_go(passes.unseat(message.seat))
                     message.done.set()
                 case DraftRound():
                     if not passes.add_round(message.seat, message):  # its request has gone:
                         message.round.error = RuntimeError("the request left the batch")
                         message.done.set()  # nothing waits for it
                 case DraftTree():
-                    if (seat := seats.get(message.seat)) is not None:  # else its request is gone
-                        await seat.take_commit()
+                    occupant = passes.seated.get(message.seat)
+                    if occupant is not None:  # else its request is gone
+                        await occupant.take_commit()
                         passes.add_tree(message.seat, message)
             if rounds := passes.rounds_ready():
                 await self._draft(rounds)
             if trees := passes.pass_ready():
                 await self.jitter()
-                batch = [_Tree(s, seats[s], tree, _token_tree(tree)) for s, tree in trees]
+                batch = [_Tree(s, o, tree, _token_tree(tree)) for s, o, tree in trees]
                 for gone in await self._verify(batch, inbox, outbox):
-                    passes.unseat(gone)
-                    seats.pop(gone).close()
+                    occupant = passes.unseat(gone)
+                    assert occupant is not None  # it was in the pass
+                    occupant.close()
 
-    async def _unseat(self, seat: Occupant | None) -> None:
+    async def _let_go(self, occupant: Occupant | None) -> None:
         """A request that left: its last accepted path kept, for the prefix cache."""
-        if seat is None:
+        if occupant is None:
             return
         try:
-            await seat.take_commit()
-            if seat.kept is not None:
-                await self.unit.run(seat.cache.keep, seat.kept)
+            await occupant.take_commit()
+            if occupant.kept is not None:
+                await self.unit.run(occupant.cache.keep, occupant.kept)
         finally:
-            seat.close()
+            occupant.close()
 
     async def _draft(self, asked: list[DraftRound]) -> None:
         """The draft forwards of every request still drafting, in one job. Where it fails,
@@ -242,7 +246,7 @@ class Verifier:
                     _first_layers, self.target, batch, tensors
                 )
                 for t, (x, place, context) in zip(batch, firsts, strict=True):
-                    t.x, t.place, t.context, t.seat.kept = x, place, context, None
+                    t.x, t.place, t.context, t.occupant.kept = x, place, context, None
             else:
                 xs, seconds = await self.unit.run_timed(
                     _apply_layers, batch, tensors, self.target.args, layer
@@ -257,8 +261,8 @@ class Verifier:
             layer += len(arrived)
             for t in batch:
                 committed = t.message.n_committed
-                if t.seat.progress is not None and committed >= PREFILL_SHOWN:
-                    t.seat.progress(committed * layer // n_layers, committed, "prefill")
+                if t.occupant.progress is not None and committed >= PREFILL_SHOWN:
+                    t.occupant.progress(committed * layer // n_layers, committed, "prefill")
             if layer - 1 == probe_at:
                 for t in batch:
                     if t.probes:
@@ -272,11 +276,11 @@ class Verifier:
         for t, logits in zip(batch, projected, strict=True):
             final = await self._final(t, io_wait, compute, rows, len(batch), logits)
             try:
-                await t.seat.finals.send(final)
+                await t.occupant.finals.send(final)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
-                gone.append(t.seat_id)  # its projector has ended: the request was cancelled
+                gone.append(t.seat)  # its projector has ended: the request was cancelled
             else:
-                t.seat.awaiting_commit = True
+                t.occupant.awaiting_commit = True
         return gone
 
     async def _final(
@@ -378,9 +382,9 @@ def _first_layers(
     context length."""
     xs, blocks, contexts = [], [], []
     for t in batch:
-        cache = t.seat.cache
-        if t.seat.kept is not None:
-            cache.keep(t.seat.kept)
+        cache = t.occupant.cache
+        if t.occupant.kept is not None:
+            cache.keep(t.occupant.kept)
         contexts.append(cache.length)
         xs.append(target.embed(list(t.tree.tokens)))
         blocks.append((cache, tree_placement(target.rope, cache.length, t.tree, target.dtype)))
@@ -413,7 +417,7 @@ def _apply_layers(batch: list[_Tree], layers: list, args, first: int) -> list[to
         index = torch.tensor(t.live)
         rows.append(t.x if everyone else t.x[index])
         # the whole tree keeps its placement: cache writes stay slices
-        blocks.append((t.seat.cache, t.place if everyone else t.place.rows(index)))
+        blocks.append((t.occupant.cache, t.place if everyone else t.place.rows(index)))
     out = batch_layers_forward(rows, layers, args, blocks, first)
     xs = []
     for t, advanced in zip(batch, out, strict=True):

@@ -19,6 +19,7 @@ from lever_actors.bench.results import (
 from lever_actors.bench.summary import (
     LLAMACPP_FAMILIES,
     OFFLOADED_PEERS,
+    SD_FAMILIES,
     SWEEP_LINES,
     sweep_rates,
 )
@@ -87,17 +88,20 @@ def limits_lines(results: BenchResults) -> str:
     def ratio(lever: float | None, other: float | None) -> str:
         return f"{lever / other:.2f}x" if lever is not None and other else "—"
 
-    header = [
-        "limit",
-        "Lever",
-        "flash-AR",
-        "best SD",
-        "llama.cpp",
-        "Lever / llama.cpp",
-        "Lever / flash-AR",
-        "Lever / best SD",
-        "Lever peak GiB: process RSS, cgroup",
-        "Lever's plan",
+    # each column, with the kinds of mode it needs run: a kind the run left out has no
+    # columns (one that ran and failed keeps them)
+    flash_ar, llamacpp = ("flash-ar",), LLAMACPP_FAMILIES
+    columns: list[tuple[str, tuple[str, ...]]] = [
+        ("limit", ()),
+        ("Lever", ()),
+        ("flash-AR", flash_ar),
+        ("best SD", SD_FAMILIES),
+        ("llama.cpp", llamacpp),
+        ("Lever / llama.cpp", llamacpp),
+        ("Lever / flash-AR", flash_ar),
+        ("Lever / best SD", SD_FAMILIES),
+        ("Lever peak GiB: process RSS, cgroup", ()),
+        ("Lever's plan", ()),
     ]
     rows = []
     for limit, f in s.limits.items():
@@ -119,21 +123,28 @@ def limits_lines(results: BenchResults) -> str:
                 f.plan or "—",
             ]
         )
-    # a kind of mode the run left out has no column
-    shown = [i for i in range(len(header)) if i < 2 or any(row[i] != "—" for row in rows)]
+    ran = {m.family for m in results.modes}
+    plans = any(f.plan for f in s.limits.values())  # older results recorded none
+    shown = [
+        i
+        for i, (title, needs) in enumerate(columns)
+        if (not needs or ran & set(needs)) and (title != "Lever's plan" or plans)
+    ]
     lines = [
         "Decode tok/s under each memory limit (all prompt sets pooled; best SD and llama.cpp: "
         "the faster of their modes; a process's RSS counts the files it maps, its cgroup's peak "
         "what the limit counted):",
         "",
-        "| " + " | ".join(header[i] for i in shown) + " |",
+        "| " + " | ".join(columns[i][0] for i in shown) + " |",
         "|" + "---|" * len(shown),
         *("| " + " | ".join(row[i] for i in shown) + " |" for row in rows),
     ]
-    facts = [
-        f"memory-resident AR, no limit: {rate(s.memory_ar_quantized)} tok/s on the quantized "
-        f"layout, {rate(s.memory_ar_bf16)} dequantized to bf16",
-    ]
+    memory_ar = (
+        f"memory-resident AR, no limit: {rate(s.memory_ar_quantized)} tok/s on the quantized layout"
+    )
+    if s.memory_ar_bf16 is not None:
+        memory_ar += f", {rate(s.memory_ar_bf16)} dequantized to bf16"
+    facts = [memory_ar]
     if s.lever_over_memory_ar_3gib is not None:
         facts.append(f"Lever under 3 GiB runs {s.lever_over_memory_ar_3gib:.2f}x that")
     if s.idle_rss_mib:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, NamedTuple, Unpack
+from typing import Any, Unpack
 
 import trio
 
@@ -27,21 +27,13 @@ from lever_actors.checkpoints.tokenizer import Message
 from lever_actors.config import EngineConfig
 from lever_actors.draft import DraftModel
 from lever_actors.engine.engine import Engine
+from lever_actors.engine.intake import Asked
 from lever_actors.engine.results import GenerationResult
 from lever_actors.errors import EngineClosedError
 from lever_actors.options import GenerationKeywords, GenerationOptions, options_of
 from lever_actors.progress import Progress
 
 _END = object()  # the trio side's answer when a stream has no more events
-
-
-class _Asked(NamedTuple):
-    """One request as the asyncio side took it, checked, for the trio side to serve."""
-
-    prompt: str | Sequence[int] | None
-    messages: Sequence[Message] | None
-    tools: Sequence[Mapping[str, Any]] | None
-    options: GenerationOptions
 
 
 class _Guest:
@@ -153,7 +145,7 @@ class AsyncEngine:
     ) -> AsyncGenerator[TokenEvent, None]:
         """`Engine.stream` with the same arguments. Leaving the loop or cancelling the task
         cancels the request."""
-        request = _Asked(prompt, messages, tools, options_of(options, keywords))
+        request = Asked(prompt, messages, tools, options_of(options, keywords), None)
         asks, scope = self._start(self._serve_stream, request)
         try:
             while True:
@@ -174,7 +166,7 @@ class AsyncEngine:
         **keywords: Unpack[GenerationKeywords],
     ) -> GenerationResult:
         """`Engine.generate` with the same arguments."""
-        request = _Asked(prompt, messages, tools, options_of(options, keywords))
+        request = Asked(prompt, messages, tools, options_of(options, keywords), None)
         asks, scope = self._start(self._serve_generate, request)
         try:
             return await self._ask(asks)
@@ -200,7 +192,7 @@ class AsyncEngine:
     def _start(
         self,
         serve: Callable[..., Awaitable[None]],
-        request: _Asked,
+        request: Asked,
     ) -> tuple[trio.MemorySendChannel[asyncio.Future], trio.CancelScope]:
         """A trio task running `serve(asks, request)` in a scope of its own; each future sent
         to `asks` is answered by it."""
@@ -216,7 +208,7 @@ class AsyncEngine:
         self._guest.call(self._nursery.start_soon, task)
         return asks, scope
 
-    async def _serve_stream(self, asks, request: _Asked) -> None:
+    async def _serve_stream(self, asks, request: Asked) -> None:
         events = self.engine.stream(
             request.prompt, messages=request.messages, tools=request.tools, options=request.options
         )
@@ -234,7 +226,7 @@ class AsyncEngine:
         finally:
             await events.aclose()  # ends the request if the consumer left early
 
-    async def _serve_generate(self, asks, request: _Asked) -> None:
+    async def _serve_generate(self, asks, request: Asked) -> None:
         answer = await asks.receive()
         try:
             result = await self.engine.generate(

@@ -46,12 +46,16 @@ class Batch:
     the event loop's thread alone, so plain counts suffice."""
 
     def __init__(self, parallel: int, room_tokens: int) -> None:
-        self.parallel = parallel
         self.places: dict[int, Place] = {}
         self._scheduler = Places(parallel, room_tokens)
         self._line: dict[int, _Waiter] = {}  # by ticket
         self._tickets = itertools.count()
         self._changed = trio.Event()  # set, and replaced, when a request takes or leaves a place
+
+    @property
+    def parallel(self) -> int:
+        """How many requests may hold places at once."""
+        return self._scheduler.parallel
 
     @property
     def active(self) -> int:

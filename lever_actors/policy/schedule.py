@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+Seated = TypeVar("Seated")
 Tree = TypeVar("Tree")
 Round = TypeVar("Round")
 
@@ -61,22 +62,22 @@ class Places:
 
 
 @dataclass
-class Passes(Generic[Tree, Round]):
-    """The verifier's seats and what each has sent for the next pass: its tree, or a round
-    of draft forwards while it still drafts one."""
+class Passes(Generic[Seated, Tree, Round]):
+    """Who sits in each seat of the verifier's batch, and what each has sent for the next
+    pass: its tree, or a round of draft forwards while it still drafts one."""
 
-    seated: set[int] = field(default_factory=set)
+    seated: dict[int, Seated] = field(default_factory=dict)  # by seat
     trees: dict[int, Tree] = field(default_factory=dict)  # the next pass's, by seat
     rounds: dict[int, Round] = field(default_factory=dict)  # waiting for the others', by seat
 
-    def seat(self, seat: int) -> None:
-        self.seated.add(seat)
+    def seat(self, seat: int, seated: Seated) -> None:
+        self.seated[seat] = seated
 
-    def unseat(self, seat: int) -> None:
-        """Its request left: what it sent goes with it."""
-        self.seated.discard(seat)
+    def unseat(self, seat: int) -> Seated | None:
+        """Its request left: what it sent goes with it. Who sat there, if anyone still did."""
         self.trees.pop(seat, None)
         self.rounds.pop(seat, None)
+        return self.seated.pop(seat, None)
 
     def add_round(self, seat: int, round_: Round) -> bool:
         """False where its request has gone (nothing waits for the round)."""
@@ -85,27 +86,24 @@ class Passes(Generic[Tree, Round]):
         self.rounds[seat] = round_
         return True
 
-    def add_tree(self, seat: int, tree: Tree) -> bool:
-        """False where its request has gone."""
-        if seat not in self.seated:
-            return False
+    def add_tree(self, seat: int, tree: Tree) -> None:
+        assert seat in self.seated  # the caller took its commit from who sits there
         self.trees[seat] = tree
-        return True
 
     def rounds_ready(self) -> list[Round]:
         """The rounds to run as one job, once no other is coming: every seat without a
         tree has sent its round. Empty until then; taken when answered."""
-        drafting = self.seated - self.trees.keys()
+        drafting = self.seated.keys() - self.trees.keys()
         if not self.rounds or not drafting <= self.rounds.keys():
             return []
         ready, self.rounds = list(self.rounds.values()), {}
         return ready
 
-    def pass_ready(self) -> list[tuple[int, Tree]]:
-        """The next pass's trees by seat, once every seat has sent one. Empty until then;
-        taken when answered."""
-        if not self.trees or self.trees.keys() != self.seated:
+    def pass_ready(self) -> list[tuple[int, Seated, Tree]]:
+        """The next pass's trees, with who sent them, in seat order, once every seat has sent
+        one. Empty until then; taken when answered."""
+        if not self.trees or self.trees.keys() != self.seated.keys():
             return []
-        ready = sorted(self.trees.items(), key=lambda item: item[0])
+        ready = [(seat, self.seated[seat], self.trees[seat]) for seat in sorted(self.trees)]
         self.trees = {}
         return ready

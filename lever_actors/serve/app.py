@@ -52,15 +52,13 @@ from lever_actors.serve.schemas import (
     error_body,
     usage,
 )
-from lever_actors.text.finish import finish_reason, reply_finish
+from lever_actors.text.finish import CUT_SHORT, reply_finish
 from lever_actors.text.tool_calls import OPEN, CallText, read_calls
 
 log = get_logger(__name__)
 
 # a token, its text, its log-probability, its alternatives -> what the response says of it
 Describer = Callable[[int, str, float, Sequence[TopLogprob]], list[TokenLogprob]]
-
-CUT_REASON = finish_reason(cut_short=True)  # of a stream the shutdown cut
 
 
 def build_app(engine: Engine, options: ServeOptions) -> Starlette:
@@ -286,7 +284,7 @@ async def _sse(
     described: Describer | None = None,
     calls: CallText | None = None,
 ) -> AsyncIterator[bytes]:
-    """Server-sent events: one chunk per token, the finish reason on the last (CUT_REASON on
+    """Server-sent events: one chunk per token, the finish reason on the last (CUT_SHORT on
     a chunk of its own where a drain cut the stream), [DONE]; each token's log-probability
     where `described`; tool calls, where `calls` holds them back, in a last chunk."""
     offset = 0  # characters of the tokens' texts so far, for the legacy text_offset
@@ -323,7 +321,7 @@ async def _sse(
                 for part in chunks(event):
                     yield part
         except Cut:
-            yield _event(reply.chunk(None, CUT_REASON))
+            yield _event(reply.chunk(None, CUT_SHORT))
         except ConsumerStalledError as stalled:  # a reader that came back too late
             log.info("a stalled reader's request was ended", reason=str(stalled))
             return

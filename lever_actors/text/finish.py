@@ -13,6 +13,8 @@ from typing import Literal
 from lever_actors.channels.messages import FinishReason
 
 ReplyFinish = FinishReason | Literal["tool_calls"]
+# a text cut short (past its deadline, by the server's shutdown) ends as one at its length
+CUT_SHORT: FinishReason = "length"
 
 
 def finish_reason(
@@ -26,7 +28,9 @@ def finish_reason(
     """Whether the text ends at its latest token, and why (None: it goes on)."""
     if end_token or stop_string:
         return "stop"
-    if cut_short or (max_new_tokens is not None and generated >= max_new_tokens):
+    if cut_short:
+        return CUT_SHORT
+    if max_new_tokens is not None and generated >= max_new_tokens:
         return "length"
     return None
 

@@ -92,5 +92,6 @@ def test_the_readmes_library_example_runs(capsys):
             keyword.value = ast.Constant(paths.pop(keyword.arg))
     assert not paths, f"the example's EngineConfig names no {sorted(paths)}"
     exec(compile(ast.fix_missing_locations(tree), "README.md", "exec"), {"__name__": "readme"})
-    out = capsys.readouterr().out
-    assert out.strip()
+    # the streamed tokens' text, then the chat's finish reason and its decode rate
+    streamed, finish, rate = capsys.readouterr().out.rsplit(maxsplit=2)
+    assert streamed.strip() and finish in ("stop", "length") and float(rate) > 0

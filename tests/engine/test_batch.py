@@ -7,10 +7,7 @@ import trio
 from trio.testing import wait_all_tasks_blocked
 
 from lever_actors.channels.messages import Beside
-from lever_actors.config import EngineConfig
 from lever_actors.engine.batch import Batch
-from lever_actors.plan.context import Context
-from lever_actors.plan.parallel import MAX_AUTO_PARALLEL, parallel_of
 
 TIMEOUT = 10
 
@@ -130,14 +127,3 @@ async def test_beside_sums_the_other_places_last_trees_and_fail_reaches_its_crew
             batch.fail(RuntimeError("a peer that saw its channel close"), crew)
             assert [p.failure for p in (a, b, c)] == [error, error, None]  # the first one's
             assert [p.scope.cancel_called for p in (a, b, c)] == [True, True, False]
-
-
-def test_parallel_is_the_config_s_or_what_the_kv_room_holds():
-    def context(free_bytes: int) -> Context:
-        return Context(512, 32768, 1024, 2**30, free_bytes, asked=False)
-
-    assert parallel_of(EngineConfig(target="t", parallel=3), context(0)) == 3
-    auto = EngineConfig(target="t")
-    assert parallel_of(auto, context(0)) == 1
-    assert parallel_of(auto, context(2 * 3 * 1024 * 1024)) == 3  # half of it: 3,072 tokens
-    assert parallel_of(auto, context(2**34)) == MAX_AUTO_PARALLEL

@@ -12,7 +12,7 @@ from lever_actors.device.memory import anonymous_rss_bytes, memory_limit_bytes
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError, ContextLengthError
 from lever_actors.model.kv_cache import position_bytes
-from lever_actors.plan import memory as memory_plan
+from lever_actors.plan import memory as memory_module
 from lever_actors.plan.context import CACHE_SHARE, KV_SHARE, plan_context
 from lever_actors.testing import TINY_ARGS, model_pair
 
@@ -80,9 +80,9 @@ async def test_a_request_beyond_ctx_size_is_refused_with_its_sizes(config):
 
 async def test_a_context_the_memory_bounds_says_so(config, monkeypatch):
     room = 100_000  # bytes left after loading: the tiny weights fit, a whole context not
-    monkeypatch.setattr(memory_plan, "anonymous_rss_bytes", lambda: 0)
-    monkeypatch.setattr(memory_plan, "file_rss_bytes", lambda: 0)
-    monkeypatch.setattr(memory_plan, "memory_limit_bytes", lambda: room)
+    monkeypatch.setattr(memory_module, "anonymous_rss_bytes", lambda: 0)
+    monkeypatch.setattr(memory_module, "file_rss_bytes", lambda: 0)
+    monkeypatch.setattr(memory_module, "memory_limit_bytes", lambda: room)
     fixed = EngineConfig(**{**_fields(config), "dram_budget": "all"})  # auto keeps room
     async with Engine.open(fixed) as engine:
         target, draft = engine.target, engine.draft

@@ -40,11 +40,16 @@ def test_one_leaving_the_line_lets_in_those_behind_it():
     assert places.placed == {0: 600, 1: 300}
 
 
+def seated(*seats: int) -> Passes[str, str, str]:
+    passes: Passes[str, str, str] = Passes()
+    for seat in seats:
+        passes.seat(seat, f"request {seat}")
+    return passes
+
+
 def test_draft_rounds_wait_for_every_seat_still_drafting():
-    passes: Passes[str, str] = Passes()
-    for seat in (0, 1, 2):
-        passes.seat(seat)
-    assert passes.add_tree(2, "tree 2")  # seat 2 has its tree: it drafts no more
+    passes = seated(0, 1, 2)
+    passes.add_tree(2, "tree 2")  # seat 2 has its tree: it drafts no more
     assert passes.add_round(0, "round 0")
     assert passes.rounds_ready() == []  # seat 1 still drafts
     assert passes.add_round(1, "round 1")
@@ -53,24 +58,30 @@ def test_draft_rounds_wait_for_every_seat_still_drafting():
 
 
 def test_a_pass_waits_for_every_seats_tree_and_goes_in_seat_order():
-    passes: Passes[str, str] = Passes()
-    passes.seat(1)
-    passes.seat(0)
-    assert passes.add_tree(1, "b")
+    passes = seated(1, 0)
+    passes.add_tree(1, "b")
     assert passes.pass_ready() == []
-    assert passes.add_tree(0, "a")
-    assert passes.pass_ready() == [(0, "a"), (1, "b")]
+    passes.add_tree(0, "a")
+    assert passes.pass_ready() == [(0, "request 0", "a"), (1, "request 1", "b")]
     assert passes.pass_ready() == []  # taken
 
 
 def test_a_seat_that_leaves_takes_what_it_sent_and_no_longer_holds_up_the_rest():
-    passes: Passes[str, str] = Passes()
-    for seat in (0, 1):
-        passes.seat(seat)
+    passes = seated(0, 1)
     passes.add_tree(0, "a")
     passes.add_round(1, "r")
-    passes.unseat(1)
+    assert passes.unseat(1) == "request 1"
     assert passes.rounds_ready() == []  # its round went with it
-    assert passes.pass_ready() == [(0, "a")]
-    assert not passes.add_tree(1, "late")  # its request has gone
-    assert not passes.add_round(1, "late")
+    assert passes.pass_ready() == [(0, "request 0", "a")]
+    assert not passes.add_round(1, "late")  # its request has gone
+    assert passes.unseat(1) is None  # nobody sits there now
+
+
+def test_a_request_gone_during_a_pass_is_not_waited_for_by_the_next():
+    passes = seated(0, 1)
+    passes.add_tree(0, "a")
+    passes.add_tree(1, "b")
+    assert len(passes.pass_ready()) == 2
+    passes.unseat(1)  # its projector had ended: the verifier found it gone
+    passes.add_tree(0, "a2")
+    assert passes.pass_ready() == [(0, "request 0", "a2")]

@@ -18,7 +18,7 @@ from lever_actors.errors import ConfigError
 from lever_actors.model.kv_cache import position_bytes
 from lever_actors.paths import path_bytes
 from lever_actors.plan import decode as decode_plan
-from lever_actors.plan import memory as memory_plan
+from lever_actors.plan import memory as memory_module
 from lever_actors.plan.context import KV_SHARE
 from lever_actors.plan.decode import DecodePlan, choose_plan, given_plan, planned_config
 from lever_actors.plan.memory import FEWEST_AUTO_CONTEXT
@@ -38,9 +38,9 @@ def config_of(pair, **fields) -> EngineConfig:
 
 def under(monkeypatch, limit: int) -> None:
     """The process holds PROCESS and its libraries LIBRARIES, under `limit`."""
-    monkeypatch.setattr(memory_plan, "anonymous_rss_bytes", lambda: PROCESS)
-    monkeypatch.setattr(memory_plan, "file_rss_bytes", lambda: LIBRARIES)
-    monkeypatch.setattr(memory_plan, "memory_limit_bytes", lambda: limit)
+    monkeypatch.setattr(memory_module, "anonymous_rss_bytes", lambda: PROCESS)
+    monkeypatch.setattr(memory_module, "file_rss_bytes", lambda: LIBRARIES)
+    monkeypatch.setattr(memory_module, "memory_limit_bytes", lambda: limit)
 
 
 def least_limit(pair, draft: int) -> int:
@@ -128,7 +128,7 @@ def test_generate_prints_the_plan_and_refuses_a_limit_too_small_in_one_line(
     where = ["--target", str(pair.target), "--draft", str(pair.draft), "--prompt", "t3 t1"]
     assert main(["generate", *where, "--max-new-tokens", "4"]) == 0
     assert "plan: " in capsys.readouterr().err  # auto: no --tree given
-    monkeypatch.setattr(memory_plan, "memory_limit_bytes", lambda: 64 << 20)
+    monkeypatch.setattr(memory_module, "memory_limit_bytes", lambda: 64 << 20)
     assert main(["generate", *where, "--max-new-tokens", "4"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("lever-actors: error: a memory limit of 64.0 MiB leaves nothing")

@@ -12,7 +12,7 @@ from lever_actors.config import DramBudget, EngineConfig
 from lever_actors.engine import Engine, loading
 from lever_actors.errors import ConfigError
 from lever_actors.paths import path_bytes
-from lever_actors.plan import memory as memory_plan
+from lever_actors.plan import memory as memory_module
 from lever_actors.plan.memory import plan_memory
 from lever_actors.plan.start import residency_beside_draft
 from lever_actors.target import FlashTarget
@@ -94,7 +94,7 @@ async def test_the_engine_plans_auto_under_a_limit_and_refuses_before_the_target
         held = engine.plan.memory.process + engine.plan.memory.draft + engine.plan.memory.libraries
     opened = []
     monkeypatch.setattr(FlashTarget, "__init__", lambda *a, **k: opened.append(a))
-    monkeypatch.setattr(memory_plan, "memory_limit_bytes", lambda: held // 2)
+    monkeypatch.setattr(memory_module, "memory_limit_bytes", lambda: held // 2)
     with pytest.raises(ConfigError, match="the target needs at least"):
         async with Engine.open(config):
             pass
@@ -124,8 +124,10 @@ async def test_a_fixed_budget_with_room_to_spare_reads_the_target_beside_the_dra
         async with Engine.open(config) as engine:
             texts[budget] = (await engine.generate([1, 2, 3], max_new_tokens=8)).tokens
         assert len(reads) == (budget == "all")  # auto plans from what the draft holds
-    monkeypatch.setattr(memory_plan, "memory_limit_bytes", lambda: engine.plan.memory.limit // 1000)
+    monkeypatch.setattr(
+        memory_module, "memory_limit_bytes", lambda: engine.plan.memory.limit // 1000
+    )
     draft_file = path_bytes(Path(config.draft))
-    reading = memory_plan.read_process()
+    reading = memory_module.read_process()
     assert residency_beside_draft(config, engine.target.manifest, reading, draft_file) is None
     assert texts["auto"] == texts["all"]
