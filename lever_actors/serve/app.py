@@ -22,6 +22,7 @@ from collections.abc import (
     Iterator,
     Sequence,
 )
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -104,6 +105,21 @@ class _AllowedHosts:
         await self.app(scope, receive, send)
 
 
+@contextmanager
+def client_errors() -> Iterator[None]:
+    """What a client sent that the library refuses (ConfigError), or that nests deeper than
+    Python walks (a schema or a tool's parameters a thousand levels deep), is a 400 in
+    OpenAI's body, not a server error."""
+    try:
+        yield
+    except ConfigError as e:
+        raise ApiError.bad_request(e) from None
+    except RecursionError:
+        raise ApiError(
+            400, "the request nests JSON deeper than the server reads", "invalid_request_error"
+        ) from None
+
+
 def host_name(header: str) -> str:
     """A Host header's name without its port: 'localhost:8000' -> 'localhost',
     '[::1]:8000' -> '::1'."""
@@ -143,7 +159,8 @@ class _Routes:
     async def chat_completions(self, request: Request) -> Response:
         parsed = await self._parse(request, ChatRequest)
         reply = Reply(True, self.options.model_name)
-        conversation, tools = parsed.conversation(), parsed.functions()
+        with client_errors():  # a past tool call's arguments that are not JSON, say
+            conversation, tools = parsed.conversation(), parsed.functions()
         return await self._answer(request, parsed, reply, None, conversation, tools)
 
     def _describer(self) -> Describer:
@@ -180,7 +197,8 @@ class _Routes:
             )
         body = await self._body(request)
         try:
-            return msgspec.json.decode(body, type=schema)
+            with client_errors():
+                return msgspec.json.decode(body, type=schema)
         except msgspec.ValidationError as e:
             raise ApiError(400, str(e), "invalid_request_error") from None
         except msgspec.DecodeError as e:
@@ -217,13 +235,11 @@ class _Routes:
         tools: list[dict[str, Any]] | None = None,
     ) -> Response:
         """The engine's answer, whole or streamed; with `tools`, tool calls read out of it."""
-        try:
+        with client_errors():
             options = parsed.options(
                 self.options.default_max_tokens, self.options.deadline_seconds, self.marker_tokens
             )
             described = self._describer() if parsed.top_logprobs_asked() is not None else None
-        except ConfigError as e:
-            raise ApiError(400, str(e), "invalid_request_error") from None
         ticket = self.admission.enter()
         if not parsed.stream:
             whole = partial(
