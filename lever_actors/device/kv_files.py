@@ -1,12 +1,17 @@
 """Prefixes' KV spilled to a directory (`--prompt-cache-dir`), so that a restart or a
 conversation the DRAM cache let go of resumes without its prefill.
 
-One file a prefix: an 8-byte header length, a msgpack header (the tokens, where the
-draft's KV starts, each tensor's dtype, shape and XXH3-64 checksum), then the tensors'
-bytes. Every read is checked against its checksums before use; a file that fails is
-removed and counts as absent. Files are written under a partial name and renamed when
-whole. The directory is one of many under `root`, named by a key of the weights and the
-machine (KV computed by other weights or other kernels would not match, bit for bit).
+One file a prefix: an 8-byte header length, the header's XXH3-64 checksum (8 bytes), a
+msgpack header (the tokens, where the draft's KV starts, each tensor's dtype, shape and
+checksum), then the tensors' bytes. Only a regular file is opened (never through a link, a
+FIFO or a device), and it is used only where its size is the header's to the byte, its
+header and tensors match their checksums and its shapes and dtypes are the models'; a file
+that fails is removed (skipped where it cannot be) with one warning and counts as absent.
+Files are written under a partial name and renamed when whole; a dead writer's partial
+files are removed, a live one's counted. A directory the process may not write is read,
+never written. The directory is one of many under `root`, named by a key of the weights
+and the machine (KV computed by other weights or other kernels would not match, bit for
+bit).
 """
 
 from __future__ import annotations
@@ -14,28 +19,55 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from collections.abc import Iterable, Sequence
+import stat
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, NamedTuple, TypeVar
 
 import msgspec
 import torch
 
 from lever_actors.device.checksums import checksum
 from lever_actors.logs import get_logger
+from lever_actors.model.args import ModelArgs
 from lever_actors.model.kv_cache import KVPrefix
 
 log = get_logger(__name__)
 
 HEADER_LENGTH_BYTES = 8
+HEADER_CHECKSUM_BYTES = 8
+PREAMBLE_BYTES = HEADER_LENGTH_BYTES + HEADER_CHECKSUM_BYTES
+MAX_HEADER_BYTES = 16 << 20  # a header of a million tokens takes about 5 MB
 SUFFIX = ".kv"
 _TENSORS = ("keys", "values", "positions")
+T = TypeVar("T")
 
 
 class TensorRecord(msgspec.Struct, frozen=True):
     dtype: str  # torch's name without "torch.", e.g. "bfloat16"
-    shape: tuple[int, ...]
+    shape: tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
     checksum: int
+
+
+class KVShape(NamedTuple):
+    """What one model's KV of n tokens looks like: keys and values [layers, kv_heads, n,
+    head_dim] of `dtype`, positions [n] of int64."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str  # as TensorRecord names it
+
+    @classmethod
+    def of(cls, args: ModelArgs, dtype: torch.dtype) -> KVShape:
+        name = str(dtype).removeprefix("torch.")
+        return cls(args.n_layers, args.n_kv_heads, args.head_dim, name)
+
+    def fits(self, records: tuple[TensorRecord, ...], tokens: int) -> bool:
+        kv = (self.layers, self.kv_heads, tokens, self.head_dim)
+        expected = [(self.dtype, kv), (self.dtype, kv), ("int64", (tokens,))]
+        return [(r.dtype, r.shape) for r in records] == expected
 
 
 class Header(msgspec.Struct, frozen=True):
@@ -62,21 +94,37 @@ class CachedPrefix:
 
 class KVFiles:
     """The spilled prefixes of one key under `root`, at most `capacity_bytes` in all; the
-    files written longest ago go first. Blocking: a compute unit's thread calls it."""
+    files written longest ago go first. `shapes`: the target's KV and the draft's (None
+    without a draft), which a file's tensors must have. Blocking: a compute unit's thread
+    calls it."""
 
-    def __init__(self, root: Path, key: str, capacity_bytes: int) -> None:
+    def __init__(
+        self, root: Path, key: str, capacity_bytes: int, shapes: tuple[KVShape, KVShape | None]
+    ) -> None:
         self.directory = root / key
-        self.directory.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
+        self.shapes = shapes
         self.index: dict[tuple[int, ...], Path] = {}  # tokens -> file, from the headers
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            log.warning("prompt_cache.unusable", directory=str(self.directory), error=str(error))
+            self.writable = False
+            return
+        self.writable = os.access(self.directory, os.W_OK)
+        if not self.writable:  # said once: what it holds is read, nothing is written
+            log.warning("prompt_cache.read_only", directory=str(self.directory))
+        self._remove_dead_partials()
         for path in sorted(self.directory.glob(f"*{SUFFIX}")):
-            header = self._header(path)
+            header = self._checked(path, _header_of)
             if header is not None:
                 self.index[header.tokens] = path
 
     def save(self, prefix: CachedPrefix) -> None:
         """Write `prefix` (unless a file holds it or a longer text that starts with it), then
         drop files of the prefixes it extends and the oldest until all fit."""
+        if not self.writable:
+            return
         if any(tokens[: len(prefix.tokens)] == prefix.tokens for tokens in self.index):
             return
         target, draft = prefix.target, prefix.draft
@@ -89,6 +137,7 @@ class KVFiles:
         try:
             with open(partial, "wb") as out:
                 out.write(len(encoded).to_bytes(HEADER_LENGTH_BYTES, "little"))
+                out.write(checksum(encoded).to_bytes(HEADER_CHECKSUM_BYTES, "little"))
                 out.write(encoded)
                 for part in parts:
                     out.write(part)
@@ -110,28 +159,46 @@ class KVFiles:
         """The prefix of `tokens` read back and checked; None (and its file removed) where the
         file is gone or fails its checks."""
         path = self.index[tokens]
-        try:
-            data = path.read_bytes()
-            length = int.from_bytes(data[:HEADER_LENGTH_BYTES], "little")
-            end = HEADER_LENGTH_BYTES + length
-            header = msgspec.msgpack.decode(data[HEADER_LENGTH_BYTES:end], type=Header)
-            view = memoryview(data)[end:]
-            target, view = _read(header.target, view)
-            draft = None
-            if header.draft is not None:
-                draft, view = _read(header.draft, view)
-            if len(view) or header.tokens != tokens:
-                raise ValueError("its length does not match its header")
-        except (OSError, ValueError, msgspec.DecodeError, msgspec.ValidationError) as error:
-            log.warning("prompt_cache.unreadable", path=str(path), error=str(error))
+        prefix = self._checked(path, self._prefix_of)
+        if prefix is None or prefix.tokens != tokens:
+            if prefix is not None:
+                log.warning("prompt_cache.unreadable", path=str(path), error="other tokens")
             self._remove(tokens)
             return None
-        os.utime(path)  # used: the last to go
+        try:
+            os.utime(path)  # used: the last to go
+        except OSError:
+            pass  # a directory read, not written: its order stays
+        return prefix
+
+    def _prefix_of(self, file: _File) -> CachedPrefix:
+        header = _header_of(file)
+        target_shape, draft_shape = self.shapes
+        if not target_shape.fits(header.target, len(header.tokens)):
+            raise ValueError("its target KV is not the model's shape or dtype")
+        if (header.draft is None) != (draft_shape is None):
+            raise ValueError("it holds a draft's KV where the engine has no draft, or none")
+        drafted = len(header.tokens) - header.draft_start
+        if header.draft is not None and not (
+            draft_shape is not None and draft_shape.fits(header.draft, drafted)
+        ):
+            raise ValueError("its draft KV is not the model's shape or dtype")
+        records = header.target + (header.draft or ())
+        expected = file.data_start + sum(_nbytes(r) for r in records)
+        if file.size != expected:  # checked before the tensors are read
+            raise ValueError(f"it holds {file.size} bytes where its header says {expected}")
+        view = memoryview(file.read(file.size - file.data_start))
+        target, view = _read(header.target, view)
+        draft = None
+        if header.draft is not None:
+            draft, view = _read(header.draft, view)
         return CachedPrefix(header.tokens, target, draft, header.draft_start)
 
     @property
     def nbytes(self) -> int:
-        return sum(_size(path) for path in self.index.values())
+        """The spilled files' bytes, and those of partial files a live writer is writing."""
+        partials = self.directory.glob(f".*{SUFFIX}.*")
+        return sum(_size(path) for path in [*self.index.values(), *partials])
 
     def _fit(self) -> None:
         by_age = sorted(self.index, key=lambda t: _mtime(self.index[t]))
@@ -142,17 +209,75 @@ class KVFiles:
             self._remove(oldest)
 
     def _remove(self, tokens: tuple[int, ...]) -> None:
-        self.index.pop(tokens).unlink(missing_ok=True)
+        _unlink(self.index.pop(tokens))
 
-    def _header(self, path: Path) -> Header | None:
+    def _checked(self, path: Path, read: Callable[[_File], T]) -> T | None:
+        """`read` of the regular file at `path`; None, with one warning and the file removed
+        (where it can be), where it is not one or fails a check."""
         try:
-            with open(path, "rb") as file:
-                length = int.from_bytes(file.read(HEADER_LENGTH_BYTES), "little")
-                return msgspec.msgpack.decode(file.read(length), type=Header)
-        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as error:
+            with _File.open(path) as file:
+                return read(file)
+        except (OSError, ValueError, msgspec.DecodeError, msgspec.ValidationError) as error:
             log.warning("prompt_cache.unreadable", path=str(path), error=str(error))
-            path.unlink(missing_ok=True)
+            _unlink(path)
             return None
+
+    def _remove_dead_partials(self) -> None:
+        """A killed writer's partial files (`.NAME.kv.PID`) go; a live one's stay."""
+        for path in self.directory.glob(f".*{SUFFIX}.*"):
+            pid = path.name.rpartition(".")[2]
+            if not pid.isdigit() or not _alive(int(pid)):
+                _unlink(path)
+
+
+class _File:
+    """A prefix file opened for checking: a regular file, never through a link, a FIFO or
+    a device, its size known before anything is read."""
+
+    def __init__(self, descriptor: int, size: int) -> None:
+        self._file = os.fdopen(descriptor, "rb")
+        self.size = size
+        self.data_start = PREAMBLE_BYTES  # where the tensors start, once the header is read
+
+    @classmethod
+    def open(cls, path: Path) -> _File:
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        descriptor = os.open(path, flags)  # a link: ELOOP; a FIFO: no writer to wait for
+        try:
+            status = os.fstat(descriptor)
+            if not stat.S_ISREG(status.st_mode):
+                raise ValueError("it is not a regular file")
+        except BaseException:
+            os.close(descriptor)
+            raise
+        return cls(descriptor, status.st_size)
+
+    def read(self, n: int) -> bytes:
+        data = self._file.read(n)
+        if len(data) != n:
+            raise ValueError("it ends early")
+        return data
+
+    def __enter__(self) -> _File:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
+
+
+def _header_of(file: _File) -> Header:
+    """The header, its length bounded by the file's size and checked against its checksum."""
+    if file.size < PREAMBLE_BYTES:
+        raise ValueError("it ends before its header")
+    preamble = file.read(PREAMBLE_BYTES)
+    length = int.from_bytes(preamble[:HEADER_LENGTH_BYTES], "little")
+    if length > min(MAX_HEADER_BYTES, file.size - PREAMBLE_BYTES):
+        raise ValueError(f"its header length {length} passes its size")
+    encoded = file.read(length)
+    if checksum(encoded) != int.from_bytes(preamble[HEADER_LENGTH_BYTES:], "little"):
+        raise ValueError("its header's checksum does not match")
+    file.data_start = PREAMBLE_BYTES + length
+    return msgspec.msgpack.decode(encoded, type=Header)
 
 
 def longest_shared(
@@ -197,16 +322,19 @@ def _records(prefix: KVPrefix) -> tuple[TensorRecord, ...]:
     )
 
 
+def _nbytes(record: TensorRecord) -> int:
+    dtype = getattr(torch, record.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {record.dtype!r}")
+    return dtype.itemsize * math.prod(record.shape)
+
+
 def _read(records: tuple[TensorRecord, ...], view: memoryview) -> tuple[KVPrefix, memoryview]:
-    """The KVPrefix at the start of `view`, checked, and the bytes after it."""
+    """The KVPrefix at the start of `view`, its sizes already checked, and the bytes after."""
     tensors = []
     for record in records:
-        dtype = getattr(torch, record.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown dtype {record.dtype!r}")
-        nbytes = dtype.itemsize * math.prod(record.shape)
-        if len(view) < nbytes:
-            raise ValueError("it ends early")
+        dtype = getattr(torch, record.dtype)
+        nbytes = _nbytes(record)
         piece, view = view[:nbytes], view[nbytes:]
         if checksum(piece) != record.checksum:
             raise ValueError("a checksum does not match")
@@ -216,6 +344,23 @@ def _read(records: tuple[TensorRecord, ...], view: memoryview) -> tuple[KVPrefix
             flat = torch.empty(0, dtype=dtype)
         tensors.append(flat.reshape(record.shape))
     return KVPrefix(*tensors), view
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass  # a directory read, not written: the file is skipped, not used
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _size(path: Path) -> int:

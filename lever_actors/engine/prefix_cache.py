@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lever_actors.config import SPILLED_PROMPT_CACHE, EngineConfig
-from lever_actors.device.kv_files import CachedPrefix, KVFiles, longest_shared
+from lever_actors.device.kv_files import CachedPrefix, KVFiles, KVShape, longest_shared
 from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.transformer import Transformer
 from lever_actors.paths import cache_key
@@ -143,7 +143,11 @@ def open_prefix_cache(
     spilled = None
     if config.prompt_cache_dir is not None:
         key = cache_key(weights_identity(config, target) | {"dtypes": _dtypes(target, draft)})
-        spilled = KVFiles(Path(config.prompt_cache_dir), key, SPILLED_PROMPT_CACHE)
+        shapes = (
+            KVShape.of(target.args, target.dtype),
+            KVShape.of(draft.args, draft.dtype) if draft is not None else None,
+        )
+        spilled = KVFiles(Path(config.prompt_cache_dir), key, SPILLED_PROMPT_CACHE, shapes)
     return PrefixCache(min(config.prompt_cache, context.cache_bytes), spilled)
 
 
