@@ -46,7 +46,7 @@ class Grammar(msgspec.Struct, frozen=True):
             raise ConfigError(f"grammar {self.kind!r}: {cause}") from None
         error = llguidance.LLMatcher.validate_grammar(compiled)
         if error:
-            raise ConfigError(f"grammar {self.kind!r}: {error}")
+            raise ConfigError(f"grammar {self.kind!r}: {_one_line(error)}")
 
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | str) -> Grammar:
@@ -73,6 +73,13 @@ def _from_schema(schema: str | dict[str, Any]) -> str:
 
 
 _SOURCE_RULE = "a schema, regex or Lark grammar needs its source; any JSON ('json') none"
+
+
+def _one_line(error: str) -> str:
+    """llguidance's message on one line: its lines joined, the caret lines under the source
+    left out (an error is one line, in a log and in an HTTP body alike)."""
+    lines = (line.strip() for line in error.splitlines())
+    return " ".join(line for line in lines if line.strip("^ "))
 
 
 class Matcher:

@@ -70,11 +70,18 @@ def plan_context(
     """`asked` tokens (ctx_size), at most the model's; else the model's, or as many as
     KV_SHARE of the memory left after loading (`limit` less `held`) holds."""
     free = max(limit - held, 0)
-    if asked is not None and asked > model_tokens:
-        raise ConfigError(f"ctx_size {asked} exceeds the model's context of {model_tokens} tokens")
+    check_ctx_size(asked, model_tokens)
     fits = int(free * KV_SHARE) // kv_bytes_per_token
     tokens = asked if asked is not None else min(model_tokens, fits)
     return Context(tokens, model_tokens, kv_bytes_per_token, limit, free, asked is not None)
+
+
+def check_ctx_size(asked: int | None, model_tokens: int) -> None:
+    """A ctx_size beyond the model's context is refused, naming it."""
+    if asked is not None and asked > model_tokens:
+        raise ConfigError(
+            f"ctx_size {asked:,} exceeds the model's context of {model_tokens:,} tokens"
+        )
 
 
 def kv_bytes_per_token(target: FlashTarget, draft: Transformer | None) -> int:

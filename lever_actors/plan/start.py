@@ -19,7 +19,7 @@ from lever_actors.errors import ConfigError
 from lever_actors.model.kv_cache import position_bytes
 from lever_actors.model.transformer import Transformer
 from lever_actors.paths import path_bytes
-from lever_actors.plan.context import Context, kv_bytes_per_token, plan_context
+from lever_actors.plan.context import Context, check_ctx_size, kv_bytes_per_token, plan_context
 from lever_actors.plan.decode import DecodePlan, choose_plan
 from lever_actors.plan.memory import AUTO_CONTEXT, MemoryPlan, Reading, memory_plan, read_process
 from lever_actors.plan.parallel import parallel_of
@@ -59,8 +59,9 @@ def check_room(config: EngineConfig, manifest: Manifest, reading: Reading, draft
 
 
 def refuse_early(config: EngineConfig, manifest: Manifest) -> None:
-    """Before anything is parsed: a limit that cannot hold the process beside the target's
-    least budget is refused."""
+    """Before anything is parsed: a ctx_size beyond the model's, or a limit that cannot hold
+    the process beside the target's least budget, is refused."""
+    check_ctx_size(config.ctx_size, manifest.args.max_seq_len)
     check_room(config, manifest, read_process(), draft=0)
 
 

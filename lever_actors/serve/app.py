@@ -93,7 +93,7 @@ class _AllowedHosts:
 
     def __init__(self, app: ASGIApp, names: Collection[str]) -> None:
         self.app = app
-        self.names = {name.lower() for name in names}
+        self.names = set(names)  # bare and lower case (ServeOptions)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         given = Headers(scope=scope).get("host", "") if scope["type"] == "http" else None

@@ -44,10 +44,11 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"max_body = {self.max_body}: expected >= 1 byte")
         if self.deadline_seconds is not None and not self.deadline_seconds > 0:
             raise ConfigError(f"deadline_seconds = {self.deadline_seconds!r}: expected > 0")
-        if self.allowed_hosts is not None:
-            msgspec.structs.force_setattr(self, "allowed_hosts", tuple(self.allowed_hosts))
-        elif is_loopback(self.host):
-            msgspec.structs.force_setattr(self, "allowed_hosts", (*LOOPBACK_NAMES, self.host))
+        names = self.allowed_hosts
+        if names is None and is_loopback(self.host):
+            names = (*LOOPBACK_NAMES, self.host)
+        if names is not None:  # as a Host header's name reads: "[::1]" is ::1
+            msgspec.structs.force_setattr(self, "allowed_hosts", tuple(map(_bare, names)))
 
     @property
     def keyless_exposure(self) -> bool:
@@ -61,3 +62,9 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return host.lower() == "localhost"
+
+
+def _bare(name: str) -> str:
+    """A host name as a Host header's name is compared: lower case, an IPv6 address without
+    its brackets."""
+    return name.strip().lower().removeprefix("[").removesuffix("]")

@@ -28,7 +28,7 @@ def test_the_context_is_the_models_what_was_asked_or_what_the_memory_holds():
     assert "set ctx_size for more" in tight.why
     asked = plan_context(4096, 32768, 40 * 1024, limit=1 << 30, held=(1 << 30) - 100 * MiB)
     assert asked.tokens == 4096 and asked.why == "ctx_size"
-    with pytest.raises(ConfigError, match="ctx_size 40000 exceeds the model's context of 32768"):
+    with pytest.raises(ConfigError, match="ctx_size 40,000 exceeds the model's context of 32,768"):
         plan_context(40000, 32768, 1, limit=1 << 40, held=0)
 
 
@@ -118,3 +118,15 @@ async def test_a_text_too_long_for_the_context_is_refused_from_its_length(monkey
         fits = "t1 " * 30  # longer in bytes than the room, shorter in tokens
         assert len((await engine.generate(fits, max_new_tokens=4)).tokens) == 4
         assert encoded == [1]
+
+
+async def test_a_ctx_size_beyond_the_models_names_it_before_the_memory_is_planned(
+    config, monkeypatch
+):
+    # a limit that holds nothing would be refused too: the model's context is said first
+    monkeypatch.setattr(memory_module, "memory_limit_bytes", lambda: 64 << 20)
+    huge = EngineConfig(**{**_fields(config), "ctx_size": 1_000_000, "plan": "auto"})
+    model = r"^ctx_size 1,000,000 exceeds the model's context of 256 tokens$"
+    with pytest.raises(ConfigError, match=model):
+        async with Engine.open(huge):
+            pass

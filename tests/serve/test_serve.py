@@ -307,6 +307,9 @@ async def test_a_prompt_beyond_the_context_gets_context_length_exceeded(config):
         ("[::1]:8000", None, 200),
         ("", None, 421),
         ("lever.lan:8000", ["lever.lan"], 200),
+        ("LEVER.lan:8000", ["Lever.LAN"], 200),
+        ("[::1]:8000", ["[::1]"], 200),  # an address as a URL writes it
+        ("[::1]:8000", ["::1"], 200),
         ("localhost:8000", ["lever.lan"], 421),
     ],
 )
