@@ -20,6 +20,7 @@ import hashlib
 import math
 import os
 import stat
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,9 @@ HEADER_CHECKSUM_BYTES = 8
 PREAMBLE_BYTES = HEADER_LENGTH_BYTES + HEADER_CHECKSUM_BYTES
 MAX_HEADER_BYTES = 16 << 20  # a header of a million tokens takes about 5 MB
 SUFFIX = ".kv"
+# another key's directory none of whose files was written or used for this long goes: its
+# weights, dtypes, machine or kernels have changed since (each change is a new key)
+STALE_KEY_SECONDS = 30 * 24 * 3600
 _TENSORS = ("keys", "values", "positions")
 T = TypeVar("T")
 
@@ -115,6 +119,7 @@ class KVFiles:
         if not self.writable:  # said once: what it holds is read, nothing is written
             log.warning("prompt_cache.read_only", directory=str(self.directory))
         self._remove_dead_partials()
+        self._remove_stale_keys(root)
         for path in sorted(self.directory.glob(f"*{SUFFIX}")):
             header = self._checked(path, _header_of)
             if header is not None:
@@ -221,6 +226,23 @@ class KVFiles:
             log.warning("prompt_cache.unreadable", path=str(path), error=str(error))
             _unlink(path)
             return None
+
+    def _remove_stale_keys(self, root: Path) -> None:
+        """Other keys' directories whose files were all written or used STALE_KEY_SECONDS
+        ago or more: their prefix files go, and the directory where nothing else is in it."""
+        now = time.time()
+        for other in root.iterdir():
+            if other == self.directory or other.is_symlink() or not other.is_dir():
+                continue
+            files = list(other.glob(f"*{SUFFIX}"))
+            if files and all(now - _mtime(f) / 1e9 >= STALE_KEY_SECONDS for f in files):
+                log.info("prompt_cache.stale_key_removed", directory=str(other))
+                for path in files:
+                    _unlink(path)
+                try:
+                    other.rmdir()
+                except OSError:
+                    pass  # something else lives there: it stays
 
     def _remove_dead_partials(self) -> None:
         """A killed writer's partial files (`.NAME.kv.PID`) go; a live one's stay."""

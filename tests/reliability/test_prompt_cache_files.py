@@ -175,3 +175,18 @@ def header_keys(path) -> torch.Tensor:
     return torch.frombuffer(bytearray(tensors[: count * 8]), dtype=torch.float64).reshape(
         keys.shape
     )
+
+
+def test_another_keys_directory_unused_for_a_month_goes(tmp_path, caplog):
+    month_ago = os.stat(tmp_path).st_mtime - kv_files.STALE_KEY_SECONDS - 60
+    stale, fresh_key, shared = (tmp_path / name for name in ("old", "new", "shared"))
+    for directory in (stale, fresh_key, shared):
+        directory.mkdir()
+        (directory / f"a{SUFFIX}").write_bytes(b"x")
+    os.utime(stale / f"a{SUFFIX}", (month_ago, month_ago))
+    os.utime(shared / f"a{SUFFIX}", (month_ago, month_ago))
+    (shared / "notes.txt").write_text("not ours")
+    fresh(tmp_path, caplog)
+    assert not stale.exists()  # its files and the directory
+    assert (fresh_key / f"a{SUFFIX}").exists()  # used within the month
+    assert not (shared / f"a{SUFFIX}").exists() and (shared / "notes.txt").exists()
