@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import llguidance
 import msgspec
@@ -22,16 +22,13 @@ import numpy as np
 import torch
 
 from lever_actors.errors import ConfigError
-
-GrammarKind = Literal["json", "json_schema", "regex", "lark"]
-# JSON's whitespace between tokens: a space, or a line break and an indent; unbounded, a
-# model may fill its tokens with it (a schema's "x-guidance" may say otherwise)
-JSON_WHITESPACE = r"( |\n[ \t]{0,20})?"
+from lever_actors.model.grammar_source import GrammarKind, compiled, refusal
 
 
 class Grammar(msgspec.Struct, frozen=True):
     """A constraint on a request's text, checked on construction (ConfigError names what
-    llguidance refused). `source` is the schema as JSON text, the regex or the Lark
+    llguidance refused, or the time limit it passed: grammar_source.py). Blocking: a server
+    makes it off its event loop. `source` is the schema as JSON text, the regex or the Lark
     grammar; "json" (any JSON object, OpenAI's `json_object`) needs none."""
 
     kind: GrammarKind
@@ -40,13 +37,9 @@ class Grammar(msgspec.Struct, frozen=True):
     def __post_init__(self) -> None:
         if (self.kind == "json") != (self.source == ""):
             raise ConfigError(f"grammar {self.kind!r}: " + _SOURCE_RULE)
-        try:
-            compiled = self.compiled()
-        except ValueError as cause:  # a schema that is not a JSON object
-            raise ConfigError(f"grammar {self.kind!r}: {cause}") from None
-        error = llguidance.LLMatcher.validate_grammar(compiled)
+        error = refusal(self.kind, self.source)  # in a child process, under a time limit
         if error:
-            raise ConfigError(f"grammar {self.kind!r}: {_one_line(error)}")
+            raise ConfigError(f"grammar {self.kind!r}: {error}")
 
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | str) -> Grammar:
@@ -55,31 +48,10 @@ class Grammar(msgspec.Struct, frozen=True):
 
     def compiled(self) -> str:
         """The grammar in llguidance's own form."""
-        match self.kind:
-            case "json":
-                return _from_schema({"type": "object"})
-            case "json_schema":
-                return _from_schema(self.source)
-            case "regex":
-                return llguidance.LLMatcher.grammar_from_regex(self.source)
-            case "lark":
-                return llguidance.LLMatcher.grammar_from_lark(self.source)
-
-
-def _from_schema(schema: str | dict[str, Any]) -> str:
-    return llguidance.LLMatcher.grammar_from_json_schema(
-        schema, defaults={"whitespace_pattern": JSON_WHITESPACE}
-    )
+        return compiled(self.kind, self.source)
 
 
 _SOURCE_RULE = "a schema, regex or Lark grammar needs its source; any JSON ('json') none"
-
-
-def _one_line(error: str) -> str:
-    """llguidance's message on one line: its lines joined, the caret lines under the source
-    left out (an error is one line, in a log and in an HTTP body alike)."""
-    lines = (line.strip() for line in error.splitlines())
-    return " ".join(line for line in lines if line.strip("^ "))
 
 
 class Matcher:

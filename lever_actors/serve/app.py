@@ -27,6 +27,7 @@ from functools import partial
 from typing import Any
 
 import msgspec
+import trio
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -235,12 +236,19 @@ class _Routes:
         tools: list[dict[str, Any]] | None = None,
     ) -> Response:
         """The engine's answer, whole or streamed; with `tools`, tool calls read out of it."""
-        with client_errors():
-            options = parsed.options(
-                self.options.default_max_tokens, self.options.deadline_seconds, self.marker_tokens
-            )
-            described = self._describer() if parsed.top_logprobs_asked() is not None else None
-        ticket = self.admission.enter()
+        ticket = self.admission.enter()  # a grammar's compile counts as its request's work
+        try:
+            with client_errors():
+                options = await trio.to_thread.run_sync(  # a grammar compiles: off the loop
+                    parsed.options,
+                    self.options.default_max_tokens,
+                    self.options.deadline_seconds,
+                    self.marker_tokens,
+                )
+                described = self._describer() if parsed.top_logprobs_asked() is not None else None
+        except BaseException:
+            ticket.release()
+            raise
         if not parsed.stream:
             whole = partial(
                 self.engine.generate, prompt, messages=messages, tools=tools, options=options

@@ -14,7 +14,8 @@ from typing import Any
 import msgspec
 
 from lever_actors.errors import ConfigError
-from lever_actors.model.grammar import JSON_WHITESPACE, Grammar
+from lever_actors.model.grammar import Grammar
+from lever_actors.model.grammar_source import JSON_WHITESPACE
 from lever_actors.text.stop import StopText
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"

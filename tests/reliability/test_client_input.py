@@ -13,6 +13,7 @@ import pytest
 import trio
 
 from lever_actors.config import EngineConfig
+from lever_actors.model import grammar_source
 from lever_actors.serve import serve
 from lever_actors.serve.options import ServeOptions
 from lever_actors.testing import TINY_ARGS, model_pair
@@ -75,3 +76,33 @@ async def test_bad_client_input_is_a_400_and_the_server_goes_on(config, body, fr
     error = refused.json()["error"]
     assert fragment in error["message"] and error["type"] == "invalid_request_error"
     assert fine.status_code == 200
+
+
+async def test_a_schema_that_compiles_for_ever_is_a_400_naming_the_limit(config, monkeypatch):
+    """#64 E3: 1,000 patternProperties compile for minutes in llguidance; the server checks
+    a grammar in a child process killed at the limit, off its event loop, so /health
+    answers all the while."""
+    monkeypatch.setattr(grammar_source, "CHECK_SECONDS", 1.0)
+    patterns = {f"^p{i}[a-z]{{2,8}}$": {"type": "string"} for i in range(1000)}
+    schema = json.dumps({"type": "object", "patternProperties": patterns})
+    waits: list[float] = []
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            base = (await nursery.start(partial(serve, config, ServeOptions(port=0))))[0]
+            async with httpx.AsyncClient(base_url=base, headers=JSON_BODY) as http:
+
+                async def health() -> None:
+                    while True:
+                        asked = trio.current_time()
+                        assert (await http.get("/health")).status_code == 200
+                        waits.append(trio.current_time() - asked)
+                        await trio.sleep(0.05)
+
+                nursery.start_soon(health)
+                started = trio.current_time()
+                refused = await http.post("/v1/chat/completions", content=with_schema(schema))
+                took = trio.current_time() - started
+            nursery.cancel_scope.cancel()
+    assert refused.status_code == 400
+    assert "did not compile within 1 s (the limit)" in refused.json()["error"]["message"]
+    assert took < 10 and len(waits) >= 5 and max(waits) < 2  # not blocked for minutes
