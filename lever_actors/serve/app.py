@@ -1,8 +1,8 @@
 """The OpenAI-compatible routes over one open Engine, as a Starlette (ASGI) application.
 
 Who may come in, wait or is cut by a drain is admission.py's. A streamed response is
-server-sent events; a client that disconnects mid-stream cancels its request (Starlette
-cancels the body's iteration, which closes the engine's stream).
+server-sent events (event_stream.py); a client that disconnects mid-stream cancels its
+request (the response stops iterating the body, which closes the engine's stream).
 
 Bodies must be sent as application/json (415 otherwise): a web page can post text/plain
 or a form to a local server without asking, but not JSON. Where `allowed_hosts` is given,
@@ -16,7 +16,6 @@ import secrets
 import weakref
 from collections.abc import (
     AsyncGenerator,
-    AsyncIterator,
     Callable,
     Collection,
     Iterator,
@@ -33,7 +32,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -44,6 +43,7 @@ from lever_actors.logs import get_logger
 from lever_actors.serve.admission import Admission, Cut, Ticket
 from lever_actors.serve.departures import ClientLeft, unless_gone
 from lever_actors.serve.errors import JSON, ApiError
+from lever_actors.serve.event_stream import EventStream
 from lever_actors.serve.options import ServeOptions
 from lever_actors.serve.schemas import (
     ChatRequest,
@@ -296,7 +296,7 @@ class _Routes:
         held = CallText() if tools else None
         body = _sse(reply, first, events, include_usage, ticket, described, held)
         weakref.finalize(body, ticket.release)  # also if the response never starts
-        return StreamingResponse(body, media_type="text/event-stream")
+        return EventStream(body)
 
 
 async def _sse(
@@ -307,7 +307,7 @@ async def _sse(
     ticket: Ticket,
     described: Describer | None = None,
     calls: CallText | None = None,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """Server-sent events: one chunk per token, the finish reason on the last (CUT_SHORT on
     a chunk of its own where a drain cut the stream), [DONE]; each token's log-probability
     where `described`; tool calls, where `calls` holds them back, in a last chunk."""

@@ -1,0 +1,86 @@
+"""A streamed response ends its connection where HTTP says so (#64, E7): an HTTP/1.0 client,
+whose stream ends only when the server closes, and an HTTP/1.1 client that asked for
+`Connection: close` see the socket closed after `[DONE]`; a keep-alive client's next
+request goes on the same connection. Raw sockets on 127.0.0.1, bounded by timeouts."""
+
+from __future__ import annotations
+
+import json
+import socket
+from functools import partial
+
+import pytest
+import trio
+
+from lever_actors.config import EngineConfig
+from lever_actors.serve import serve
+from lever_actors.serve.options import ServeOptions
+from lever_actors.testing import TINY_ARGS, model_pair
+
+WAIT = 10.0  # seconds a socket waits for the server before the test gives up
+
+
+@pytest.fixture(scope="module")
+def config() -> EngineConfig:
+    pair = model_pair(TINY_ARGS, "perturbed", 0, tokenizer="words")
+    return EngineConfig(target=str(pair.target), draft=str(pair.draft), tree="chain:2")
+
+
+def request(version: str, stream: bool, close: bool = False) -> bytes:
+    body = json.dumps({"prompt": "t1 t2", "max_tokens": 3, "stream": stream}).encode()
+    head = [
+        f"POST /v1/completions HTTP/{version}",
+        "Host: 127.0.0.1",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        *(["Connection: close"] if close else []),
+    ]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def until_closed(port: int, sent: bytes) -> bytes:
+    """Blocking: what the server sends until it closes the connection (TimeoutError if it
+    does not within WAIT)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as s:
+        s.sendall(sent)
+        received = b""
+        while chunk := s.recv(65536):
+            received += chunk
+        return received
+
+
+def two_on_one_connection(port: int) -> list[bytes]:
+    """Blocking: two keep-alive streamed requests, one after the other, on one socket."""
+    answers = []
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as s:
+        for _ in range(2):
+            s.sendall(request("1.1", stream=True))
+            received = b""
+            while not received.endswith(b"0\r\n\r\n"):  # the last chunk of chunked encoding
+                received += s.recv(65536)
+            answers.append(received)
+    return answers
+
+
+async def served(config: EngineConfig, blocking) -> object:
+    async with trio.open_nursery() as nursery:
+        base = (await nursery.start(partial(serve, config, ServeOptions(port=0))))[0]
+        port = int(base.rsplit(":", 1)[1])
+        result = await trio.to_thread.run_sync(blocking, port)
+        nursery.cancel_scope.cancel()
+    return result
+
+
+@pytest.mark.parametrize(
+    ("version", "close"), [("1.0", False), ("1.1", True)], ids=["http-1.0", "connection-close"]
+)
+async def test_a_streamed_response_closes_its_connection_where_http_says(config, version, close):
+    with trio.fail_after(3 * WAIT):
+        received = await served(config, partial(until_closed, sent=request(version, True, close)))
+    assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in received
+
+
+async def test_a_keep_alive_client_streams_twice_on_one_connection(config):
+    with trio.fail_after(3 * WAIT):
+        answers = await served(config, two_on_one_connection)
+    assert len(answers) == 2 and all(b"data: [DONE]" in a for a in answers)
