@@ -18,6 +18,10 @@ from lever_actors.options import GenerationOptions
 from lever_actors.plan.context import Context
 from lever_actors.progress import Progress
 
+# a prompt whose length alone bounds its tokens past this many times the room is refused
+# unencoded; nearer the room it is encoded (the engine then refuses it by its count)
+LENGTH_ONLY = 2
+
 
 class Asked(NamedTuple):
     """A request as `Engine.stream` takes it."""
@@ -71,13 +75,15 @@ def tokens_of(
     context: Context,
 ) -> list[int]:
     """Blocking (a worker thread): the text, or `messages` rendered, encoded; unless its
-    length alone shows that it cannot fit `context` (then ContextLengthError, at once)."""
+    length alone shows that it cannot fit `context` (then ContextLengthError, at once):
+    its bound passes LENGTH_ONLY times the room. Nearer, the text is encoded and counted,
+    since a tokenizer may drop text the bound counts (runs of whitespace, say)."""
     text = tokenizer.apply_chat_template(messages, tools) if messages is not None else prompt
     assert isinstance(text, str)  # text, or messages rendered (the engine's check)
     room = context.tokens - options.max_new_tokens
-    if len(text.encode()) > room:  # only then can the bound below exceed the room
+    if len(text.encode()) > LENGTH_ONLY * room:  # only then can the bound pass it
         least = tokenizer.fewest_tokens(text)
-        if least > room:
+        if least > LENGTH_ONLY * room:
             raise ContextLengthError(
                 f"prompt (at least {least} tokens: {len(text):,} characters) + "
                 f"max_new_tokens ({options.max_new_tokens}) exceeds the context of "

@@ -118,6 +118,12 @@ async def test_a_text_too_long_for_the_context_is_refused_from_its_length(monkey
         fits = "t1 " * 30  # longer in bytes than the room, shorter in tokens
         assert len((await engine.generate(fits, max_new_tokens=4)).tokens) == 4
         assert encoded == [1]
+        # whitespace the tokenizer drops: the length's bound passes the room, the tokens not
+        room, gap = 60, 1
+        while tokenizer.fewest_tokens(spaced := ("t1" + " " * gap) * 30) <= room:
+            gap += 1
+        assert tokenizer.fewest_tokens(spaced) <= 2 * room and len(encode(spaced)) <= room
+        assert len((await engine.generate(spaced, max_new_tokens=4)).tokens) == 4
 
 
 async def test_a_ctx_size_beyond_the_models_names_it_before_the_memory_is_planned(
