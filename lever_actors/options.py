@@ -18,6 +18,9 @@ from lever_actors.model.sampling import GREEDY, Sampling, seed_or_drawn
 log = get_logger(__name__)
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's
+# OpenAI takes 4; each string is looked for after every token, so thousands slowed a
+# request and those beside it in the batch (100,000: 8x)
+MAX_STOP_STRINGS = 64
 
 
 class GenerationOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -62,6 +65,10 @@ class GenerationOptions(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError("stop must be a list of strings, not one string")
         if not all(isinstance(s, str) for s in self.stop):
             raise ConfigError("stop must be a list of strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ConfigError(
+                f"stop has {len(self.stop):,} strings: expected {MAX_STOP_STRINGS} at most"
+            )
         if "" in self.stop:  # every text contains it: each generation would end at once
             raise ConfigError(f"stop = {list(self.stop)!r}: expected no empty string")
         msgspec.structs.force_setattr(self, "stop", tuple(self.stop))

@@ -45,6 +45,7 @@ def test_an_unknown_keyword_is_a_type_error():
         ({"stop": "x"}, "stop must be a list of strings, not one string"),
         ({"stop": ["x", 3]}, "stop must be a list of strings"),
         ({"stop": ["x", ""]}, "expected no empty string"),
+        ({"stop": [f"s{i}" for i in range(65)]}, "stop has 65 strings: expected 64 at most"),
     ],
 )
 def test_bad_options_are_refused_when_built(fields, message):

@@ -38,7 +38,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lever_actors.channels.messages import TokenEvent, TopLogprob
 from lever_actors.engine import Engine
-from lever_actors.errors import ConfigError, ConsumerStalledError, DeadlineError
+from lever_actors.errors import ConfigError, ConsumerStalledError, DeadlineError, LeverError
 from lever_actors.logs import get_logger
 from lever_actors.serve.admission import Admission, Cut, Ticket
 from lever_actors.serve.departures import ClientLeft, unless_gone
@@ -349,6 +349,11 @@ async def _sse(
         except ConsumerStalledError as stalled:  # a reader that came back too late
             log.info("a stalled reader's request was ended", reason=str(stalled))
             return
+        except Exception as error:  # the headers went out: the stream says so, then ends
+            log.exception("a streamed request failed")
+            yield _event(error_body(_streamed_failure(error), "server_error"))
+            yield b"data: [DONE]\n\n"
+            return
         if include_usage:
             use = usage(last.prompt_tokens, last.generated_tokens, last.cached_tokens)
             yield _event(reply.usage_chunk(use))
@@ -356,6 +361,14 @@ async def _sse(
     finally:
         ticket.release()
         await events.aclose()  # a client gone mid-stream cancels the request here
+
+
+def _streamed_failure(error: Exception) -> str:
+    """What a stream's client is told of a failure: a damaged layout by name (the engine's
+    one-line message), anything else as a bug whose traceback is in the log."""
+    if isinstance(error, LeverError):
+        return str(error)
+    return "the server failed; see its log"
 
 
 def _shut_down() -> ApiError:

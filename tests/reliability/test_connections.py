@@ -9,10 +9,13 @@ import json
 import socket
 from functools import partial
 
+import httpx
 import pytest
 import trio
 
 from lever_actors.config import EngineConfig
+from lever_actors.engine import Engine
+from lever_actors.errors import CorruptLayoutError
 from lever_actors.serve import serve
 from lever_actors.serve.options import ServeOptions
 from lever_actors.testing import TINY_ARGS, model_pair
@@ -84,3 +87,32 @@ async def test_a_keep_alive_client_streams_twice_on_one_connection(config):
     with trio.fail_after(3 * WAIT):
         answers = await served(config, two_on_one_connection)
     assert len(answers) == 2 and all(b"data: [DONE]" in a for a in answers)
+
+
+async def test_a_stream_that_fails_midway_says_so_and_ends(config, monkeypatch):
+    """#64 item 10: a layout damaged mid-request ended the stream with neither an error
+    event nor [DONE]."""
+    original = Engine.stream
+
+    async def failing(self, *args, **kwargs):
+        async for event in original(self, *args, **kwargs):
+            yield event
+            raise CorruptLayoutError("weights.bin: layer 3 fails its checksum")
+
+    monkeypatch.setattr(Engine, "stream", failing)
+    body = {"prompt": "t1 t2", "max_tokens": 5, "stream": True}
+    with trio.fail_after(3 * WAIT):
+        async with trio.open_nursery() as nursery:
+            base = (await nursery.start(partial(serve, config, ServeOptions(port=0))))[0]
+            async with httpx.AsyncClient(base_url=base) as http:
+                response = await http.post("/v1/completions", json=body)
+            nursery.cancel_scope.cancel()
+    events = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
+    assert response.status_code == 200 and events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error == {
+        "message": "weights.bin: layer 3 fails its checksum",
+        "type": "server_error",
+        "param": None,
+        "code": None,
+    }
