@@ -351,7 +351,7 @@ async def _sse(
             return
         except Exception as error:  # the headers went out: the stream says so, then ends
             log.exception("a streamed request failed")
-            yield _event(error_body(_streamed_failure(error), "server_error"))
+            yield _event(error_body(_failure(error), "server_error"))
             yield b"data: [DONE]\n\n"
             return
         if include_usage:
@@ -363,9 +363,9 @@ async def _sse(
         await events.aclose()  # a client gone mid-stream cancels the request here
 
 
-def _streamed_failure(error: Exception) -> str:
-    """What a stream's client is told of a failure: a damaged layout by name (the engine's
-    one-line message), anything else as a bug whose traceback is in the log."""
+def _failure(error: Exception) -> str:
+    """What a client is told of a failure: the library's own (a damaged layout, say) by its
+    one-line message, anything else as a bug whose traceback is in the log."""
     if isinstance(error, LeverError):
         return str(error)
     return "the server failed; see its log"
@@ -407,5 +407,5 @@ async def _client_left(request: Request, exc: Exception) -> Response:
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
-    """A bug: still OpenAI's error body (the server logs the traceback)."""
-    return JSON(error_body("the server failed; see its log", "server_error"), status_code=500)
+    """A failure: still OpenAI's error body (the server logs the traceback)."""
+    return JSON(error_body(_failure(exc), "server_error"), status_code=500)

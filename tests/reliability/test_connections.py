@@ -116,3 +116,18 @@ async def test_a_stream_that_fails_midway_says_so_and_ends(config, monkeypatch):
         "param": None,
         "code": None,
     }
+
+
+async def test_a_whole_answer_that_fails_names_a_damaged_layout(config, monkeypatch):
+    async def failing(self, *args, **kwargs):
+        raise CorruptLayoutError("weights.bin: layer 3 fails its checksum")
+
+    monkeypatch.setattr(Engine, "generate", failing)
+    with trio.fail_after(3 * WAIT):
+        async with trio.open_nursery() as nursery:
+            base = (await nursery.start(partial(serve, config, ServeOptions(port=0))))[0]
+            async with httpx.AsyncClient(base_url=base) as http:
+                response = await http.post("/v1/completions", json={"prompt": "t1"})
+            nursery.cancel_scope.cancel()
+    assert response.status_code == 500
+    assert response.json()["error"]["message"] == "weights.bin: layer 3 fails its checksum"
