@@ -268,6 +268,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     tree: TreeSpec = DEFAULT_TREE
     # None: the tree (and draft) as given; else a plan (Plan), which sets the tree
     plan: Plan | None = None
+    # testing: gain-cost trees try copies of the text after this many steps of a request,
+    # and keep them for good, whatever the prices (an auto plan's switch, forced:
+    # plan/switch.py); None: where auto chose trees, as the prices say
+    switch_at: Annotated[int, msgspec.Meta(ge=0)] | None = None
     early_exit: EarlyExit = "auto"  # auto: trained if one is saved beside the target, else lens
     exit_layer: Annotated[int, msgspec.Meta(ge=0)] | None = None  # default: 7/8 of the target
     # drop a child scoring below this within its candidate set

@@ -63,6 +63,14 @@ class FlashTarget:
         self.rope = Rope(self.args)
         self.tokenizer = layout_tokenizer(directory, self.manifest)
 
+    def hold(self, plan: ResidencyPlan) -> None:
+        """Blocking: the layers `plan` holds that this target streams, read (and checked)
+        into DRAM, then resident from the next pass on; the ring stays as it is."""
+        for i in self.plan.streamed_layers:
+            if i not in plan.streamed_layers:
+                self.resident_layers[i] = self.store.load_extent(self.manifest.layer(i))
+        self.plan = plan
+
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.args, capacity, self.dtype)
 

@@ -12,7 +12,7 @@ import torch
 import trio
 
 from lever_actors.actors.jitter import Jitter
-from lever_actors.channels.messages import Commit, DraftRequest, DraftTree
+from lever_actors.channels.messages import Commit, DraftRequest, DraftTree, Then
 from lever_actors.config import TreeSpec
 from lever_actors.device.units import Abandoned, ComputeUnit
 from lever_actors.model.grammar import Matcher
@@ -108,8 +108,9 @@ class Drafter:
         self.growth: GainCostGrowth | None = None  # the last tree's, when gain-cost
         self.carried: TreeBuilder | None = None  # the next tree, when the commit hit a run node
         self.chooser = Chooser(policy.sampling, noise_dtype=torch.float32)  # ranks only
-        copying = policy.lookup or policy.spec.kind == "lookup"
-        self.context = ContextIndex(prompt) if copying else None  # the committed text
+        self.drafting = policy.spec  # how the draft proposes, where a trial of copies ends
+        # the committed text, where copies are proposed or may be from a later step on
+        self.context = ContextIndex(prompt) if self._copies_possible else None
         self.matcher = matcher
 
     async def run(
@@ -218,7 +219,7 @@ class Drafter:
                 calibrator,
                 request.max_nodes,
                 self._run,
-                self.context,
+                self.context if self.policy.lookup else None,
                 request.beside,
             )
         else:
@@ -254,6 +255,10 @@ class Drafter:
             seat=self.seat,
         )
 
+    @property
+    def _copies_possible(self) -> bool:
+        return self.policy.lookup or self.policy.spec.kind in ("lookup", "gaincost")
+
     async def commit(self, commit: Commit, tree: DraftTree, max_nodes: int) -> None:
         self.chain = list(commit.next_tokens)
         path = [tree.tokens[n] for n in commit.accepted if n >= tree.n_committed]
@@ -267,14 +272,25 @@ class Drafter:
             self.policy.calibrator.observe(
                 tree.parents, tree.draft_probs, tree.draft_ranks, tree.n_committed, commit.accepted
             )
+        await self._keep_in_draft(commit, tree, max_nodes)
+        self._then(commit.then)
+
+    async def _keep_in_draft(self, commit: Commit, tree: DraftTree, max_nodes: int) -> None:
+        """The draft's KV keeps the accepted nodes it ran; those it did not run wait in the
+        backlog (all of them, after a step of copies), for its next forward."""
         if self.model is None or self.cache is None:  # no draft model: nothing to keep
+            return
+        if self.policy.spec.kind == "lookup":  # a trial of copies: the draft saw none
+            self.backlog += [tree.tokens[n] for n in commit.accepted]
             return
         builder, gain_cost = self.builder, self.growth is not None
         self.builder = self.growth = None
         if builder is None:  # autoregressive: nothing drafted, nothing to keep
             return
         accepted = commit.accepted[builder.unviewed :]  # those in our view
-        root = self._next_token_drafted(commit, builder) if gain_cost else None
+        # a tree carried over is a tree drafted: not where copies come next
+        carry = gain_cost and commit.then in ("same", "trees")
+        root = self._next_token_drafted(commit, builder) if carry else None
         if root is not None:
             # on the unit: the cache's copies there start no second OpenMP team (units.py)
             self.carried = await self.npu.run(builder.rebase, accepted, root, max_nodes)
@@ -284,6 +300,20 @@ class Drafter:
         ran = [n for n in accepted if n in builder.offsets]
         await self.npu.run(self.cache.keep, [builder.offsets[n] for n in ran])
         self.backlog = [tree.tokens[n] for n in accepted[len(ran) :]]
+
+    def _then(self, then: Then) -> None:
+        """Propose as the commit says from the next step on: copies of the text, with the
+        draft kept (a trial) or let go of with its KV; or the draft's trees again."""
+        if then == "same":
+            return
+        if then == "trees":
+            self.policy.spec = self.drafting
+            return
+        self.policy.spec = TreeSpec("lookup", cap=self.drafting.cap)
+        if then == "copies":
+            self.model = self.cache = None
+            self.builder = self.growth = self.carried = None
+            self.backlog = []
 
     def _next_token_drafted(self, commit: Commit, builder: TreeBuilder) -> int | None:
         """The node we ran below the accepted path's end for the target's next token."""

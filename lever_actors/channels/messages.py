@@ -172,11 +172,18 @@ class Verdict(Message, frozen=True):
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
+# how a drafter proposes after a commit: as before; copies of the text, keeping the draft
+# model (a trial); the draft's trees again; copies for good, the draft let go
+Then = Literal["same", "try_copies", "trees", "copies"]
+
+
 class Commit(Message, frozen=True):
     """engine -> verifier, drafter: keep these tree nodes in the KV caches; `tokens` follow."""
 
     accepted: tuple[int, ...]  # node indices of the step's tree to keep, in order
     next_tokens: tuple[int, ...]  # committed tokens not in any cache yet (the bonus token)
+    # how the drafter proposes from the next step on (plan/switch.py)
+    then: Then = "same"
 
 
 FinishReason = Literal["stop", "length"]

@@ -147,3 +147,20 @@ def plan_residency(manifest: Manifest, budget: int, ring_slots: int = 2) -> Resi
         head_rows_per_read=rows_per_read,
         head_buffer_bytes=buffer,
     )
+
+
+def grown_residency(manifest: Manifest, plan: ResidencyPlan, extra: int) -> ResidencyPlan:
+    """`plan` with the streamed layers that `extra` more bytes hold made resident, first
+    ones first (a pass reads the rest as before); the ring and the head stay as they are,
+    since a running crew holds the ring's slots."""
+    streamed = list(plan.streamed_layers)
+    grown: list[str] = []
+    while streamed and manifest.layer(streamed[0]).nbytes <= extra:
+        extra -= manifest.layer(streamed[0]).nbytes
+        grown.append(layer_key(streamed.pop(0)))
+    return msgspec.structs.replace(
+        plan,
+        budget=plan.budget + sum(manifest.extent(key).nbytes for key in grown),
+        resident=(*plan.resident, *grown),
+        streamed_layers=tuple(streamed),
+    )

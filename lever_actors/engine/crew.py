@@ -26,6 +26,7 @@ from lever_actors.channels.trace import Tracer
 from lever_actors.config import EngineConfig
 from lever_actors.device.units import ComputeUnit
 from lever_actors.engine.batch import Batch, Place
+from lever_actors.engine.switching import PlanSwitch
 from lever_actors.policy.setup import Policies
 from lever_actors.target import FlashTarget
 
@@ -43,10 +44,12 @@ class Crew:
         config: EngineConfig,
         target: FlashTarget,
         policies: Policies,
+        switch: PlanSwitch,
         npu: ComputeUnit,
         tracer: Tracer | None,
     ) -> None:
         self.batch, self.config, self.target, self.policies = batch, config, target, policies
+        self.switch = switch  # whether requests still draft, and the change when they stop
         self.npu, self.tracer = npu, tracer
         self.channels: ChannelSet | None = None  # the latest crew's
         self._arrivals: trio.MemorySendChannel[Arrival] | None = None  # to its verifier

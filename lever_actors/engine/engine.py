@@ -34,6 +34,7 @@ from lever_actors.engine.loading import LoadTimes, load
 from lever_actors.engine.prefix_cache import PrefixCache
 from lever_actors.engine.results import GenerationResult, result_of
 from lever_actors.engine.state import RequestState, kv_tokens
+from lever_actors.engine.switching import PlanSwitch
 from lever_actors.engine.wiring import run_request
 from lever_actors.errors import ConfigError, DeadlineError, EngineClosedError
 from lever_actors.model.transformer import Transformer
@@ -66,8 +67,9 @@ class Engine:
         self.load_times = load_times
         self.target = target
         self.tokenizer: Tokenizer | None = target.tokenizer
-        self.draft = draft
         self.policies = policies
+        # the draft, until the plan gives way to copies of the text (engine/switching.py)
+        self.switch = PlanSwitch(config, plan, target, policies, draft, nursery)
         self.spec = policies.spec
         self.npu, self.cpu = units
         self._nursery = nursery
@@ -75,7 +77,7 @@ class Engine:
         self.batch = Batch(plan.parallel, plan.context.room_tokens)
         self.tracer = Tracer(config.trace) if config.trace else None
         # the actors every request shares (their channels: crew.channels)
-        self.crew = Crew(self.batch, config, target, policies, self.npu, self.tracer)
+        self.crew = Crew(self.batch, config, target, policies, self.switch, self.npu, self.tracer)
         self.prefixes = prefixes  # finished requests' KV, for those that start the same
         self._closed = False
         # the channels of the request placed last (with several at once, any of them)
@@ -134,12 +136,13 @@ class Engine:
         npu = units[0]
         async with load(manifest, proposal, draft, npu, progress) as loaded:
             engine: Engine | None = None
+            draft_model, loaded.draft = loaded.draft, None  # the engine's alone: it may let go
             try:
                 async with trio.open_nursery() as nursery:
                     engine = cls(
                         proposal.config,
                         loaded.target,
-                        loaded.draft,
+                        draft_model,
                         loaded.policies,
                         units,
                         nursery,
@@ -147,6 +150,7 @@ class Engine:
                         loaded.prefixes,
                         loaded.times,
                     )
+                    draft_model = None
                     nursery.start_soon(engine.crew.run)
                     try:
                         yield engine
@@ -164,6 +168,11 @@ class Engine:
                         engine.tracer.close()
 
     @property
+    def draft(self) -> Transformer | None:
+        """The draft model new requests propose from; None without one, or once let go."""
+        return self.switch.draft
+
+    @property
     def context(self) -> Context:
         """How many tokens a request may fill, and why (the start-up plan's)."""
         return self.plan.context
@@ -171,7 +180,7 @@ class Engine:
     def _let_go_of_weights(self) -> None:
         """A closed engine may live on in a caller's variable, say while the next one opens:
         it then holds none of its weights (an engine of the real pair at 1 GiB kept 420 MB)."""
-        self.draft = None
+        self.switch.draft = None
         self.policies.prune = keep_everything  # the lens shares the target's LM head
         self.prefixes = PrefixCache(0)
         self.target.close()

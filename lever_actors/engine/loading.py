@@ -48,12 +48,12 @@ class LoadTimes(msgspec.Struct, frozen=True):
         )
 
 
-@dataclass(frozen=True)
+@dataclass
 class Loaded:
     """What an engine serves with, as `load` left it."""
 
     target: FlashTarget
-    draft: Transformer | None  # proposing from config.draft_vocabulary's ids
+    draft: Transformer | None  # proposing from config.draft_vocabulary's ids; the engine takes it
     policies: Policies
     prefixes: PrefixCache
     times: LoadTimes
@@ -116,7 +116,10 @@ async def load(
             policies=time.perf_counter() - target_opened,
             beside=bool(resident),
         )
-        yield Loaded(target, model, policies, prefixes, times, plan)
+        loaded = Loaded(target, model, policies, prefixes, times, plan)
+        # the engine alone holds the draft from here: it may let go of it (engine/switching.py)
+        draft = drafted = model = None
+        yield loaded
     finally:
         target.close()
 

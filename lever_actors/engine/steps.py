@@ -27,6 +27,7 @@ from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.device.memory import return_freed_heap
 from lever_actors.engine.batch import Batch, Place
 from lever_actors.engine.state import RequestState
+from lever_actors.engine.switching import PlanSwitch
 from lever_actors.errors import ConsumerStalledError
 from lever_actors.policy.setup import Policies
 from lever_actors.target import FlashTarget
@@ -44,11 +45,15 @@ async def run_steps(
     commits: tuple[Any, ...],  # to the drafter and the verifier
     target: FlashTarget,
     policies: Policies,
+    switch: PlanSwitch,
+    drafting: bool,
     stall_seconds: float | None,
 ) -> None:
     """Ask for a tree (sized for the requests beside it in the batch), take the verdict,
-    emit, commit; until the request ends."""
+    emit, commit; until the request ends. `drafting`: the request's drafter proposes with
+    the draft model, until `switch` says to copy from the text instead (or to try it)."""
     emitter = Emitter(request, target.tokenizer)
+    follower = switch.follower(drafting)
     reads = target.store.stats
     for step in range(request.options.max_new_tokens):
         step_started = time.perf_counter()
@@ -93,7 +98,11 @@ async def run_steps(
         place.last = Beside(0, stats.tree_nodes, emitted)
         if policies.cost is not None:
             policies.cost.observe(stats)
-        commit = Commit(step=step, accepted=verdict.accepted, next_tokens=verdict.tokens[-1:])
+        then = follower.after_step(request.steps, request.prompt, request.tokens)
+        switch.after_any_step()
+        commit = Commit(
+            step=step, accepted=verdict.accepted, next_tokens=verdict.tokens[-1:], then=then
+        )
         for channel in commits:  # the last step's too: both caches keep its path
             await channel.send(commit)
         if finish is not None:

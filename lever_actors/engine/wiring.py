@@ -56,17 +56,20 @@ async def run_request(
     draft_commits = ch.open("draft_commits", Commit, sizes.commits)
     verify_commits = ch.open("verify_commits", Commit, sizes.commits)
 
-    caches = await npu.run(  # units.py: copies start a team
+    target_cache, draft_cache = await npu.run(  # units.py: copies start a team
         new_caches, request, prefixes, target, draft, config
     )
     leaving = LeaveSeat(step=-1, seat=place.seat, done=trio.Event())
     left = False
     with await crew.join(place) as arrivals:
-        drafter, projector = _own_actors(request, place, crew, caches[1], draft, units, arrivals)
+        drafter, projector = _own_actors(request, place, crew, draft_cache, draft, units, arrivals)
+        # the drafter alone holds the draft and its KV: it lets go of them where the plan
+        # gives way to copies (engine/switching.py)
+        draft = draft_cache = None
         seat = TakeSeat(
             step=-1,
             seat=place.seat,
-            cache=caches[0],
+            cache=target_cache,
             commits=verify_commits.receive,
             finals=finals.send,
             progress=request.progress,
@@ -91,6 +94,8 @@ async def run_request(
                         (draft_commits.send, verify_commits.send),
                         target,
                         p,
+                        crew.switch,
+                        drafter.model is not None,
                         config.stall_seconds,
                     )
                 left = True  # the verifier then closes the projector's inbox, which ends it
@@ -104,7 +109,9 @@ async def run_request(
                     await _first_of(leaving.done, place.crew)
     await leaving.done.wait()  # the verifier has kept the last accepted path
     place.crew = None  # no failure of the crew concerns it now
-    await npu.run(prefixes.store, request.text_tokens, *caches, request.draft_start)
+    await npu.run(
+        prefixes.store, request.text_tokens, target_cache, drafter.cache, request.draft_start
+    )
 
 
 def _own_actors(

@@ -35,3 +35,24 @@ class ContextIndex:
         end = [*self.tokens[-MATCH:], *path][-MATCH:]
         at = self._after.get(tuple(end)) if len(end) == MATCH else None
         return None if at is None else self.tokens[at]
+
+
+def copied_tokens_per_step(text: Sequence[int], start: int, cap: int) -> float:
+    """Tokens a step of copies alone (plan lookup) would have committed on `text` from
+    `start` on, had every copy been verified: each step commits the run of copies that
+    matches the text, then one token of the target's own. Teacher-forced, so it is read off
+    a prompt before any step runs; 1.0 where the text never repeats itself."""
+    index = ContextIndex(text[:start])
+    steps, at = 0, start
+    while at < len(text):
+        copies: list[int] = []
+        while len(copies) < cap and at + len(copies) < len(text):
+            token = index.follower(copies)
+            if token != text[at + len(copies)]:
+                break
+            copies.append(token)
+        taken = min(len(copies) + 1, len(text) - at)
+        index.extend(text[at : at + taken])
+        at += taken
+        steps += 1
+    return (len(text) - start) / steps if steps else 1.0

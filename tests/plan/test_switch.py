@@ -1,0 +1,118 @@
+"""The plan's switch from trees to copies, priced: copies read off the text itself, the
+trees a request has grown, and the target's residency grown by the draft's memory."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from lever_actors.channels.messages import StepStats
+from lever_actors.device.budget import minimum_budget, plan_residency
+from lever_actors.device.layout import read_manifest
+from lever_actors.plan.switch import MARGIN, TRIAL_BAR, due, predicted, tried
+from lever_actors.policy.cost_model import CostModel, Curve
+from lever_actors.policy.lookup import copied_tokens_per_step
+from lever_actors.testing.checkpoints import TINY_ARGS, flash_layout, tiny_checkpoint
+
+
+def test_copies_count_the_runs_a_repeating_text_would_have_given():
+    assert copied_tokens_per_step([1, 2, 3, 4, 5, 6, 7, 8], 0, 8) == 1.0  # no repeats
+    # the text repeats itself from token 10 on: once its end matches three earlier tokens,
+    # a step takes the whole run of copies that follows, up to the cap
+    text = list(range(10)) * 2
+    assert copied_tokens_per_step(text, 13, 16) == 7.0  # one step: the last 7 tokens
+    assert copied_tokens_per_step(text, 13, 4) == 7 / 2  # four copies and its own, then 2
+    assert copied_tokens_per_step(text, 10, 16) == 10 / 4  # 3 steps of one before matching
+    assert copied_tokens_per_step([], 0, 4) == 1.0
+
+
+def test_copies_may_be_tried_once_four_steps_have_decoded_after_the_prefill():
+    assert [n for n in range(1, 40) if due(n)] == [5]
+
+
+def _cost(streamed: int) -> CostModel:
+    return CostModel(
+        flash_bandwidth=1e9,
+        streamed_bytes=streamed,
+        verify=Curve([1, 16], [0.01, 0.04]),
+        draft=Curve([1, 16], [0.005, 0.01]),
+        project_seconds=0.001,
+    )
+
+
+def _steps(cost: CostModel, tokens: int, nodes: int, rounds: tuple[int, ...]) -> list[StepStats]:
+    """Steps of trees that took what `cost` prices them at; the first one carries a prefill."""
+    seconds = cost.step_seconds(nodes, list(rounds), tokens)
+    return [
+        StepStats(
+            step=i,
+            tree_nodes=nodes,
+            live_nodes=nodes,
+            pruned=0,
+            saved_node_layers=0,
+            probe_seconds=0.0,
+            audited=False,
+            false_prunes=0,
+            projected_nodes=tokens,
+            drafted_ahead=0,
+            draft_rounds=rounds,
+            draft_seconds=sum(cost.draft(r) for r in rounds),
+            io_wait_seconds=0.0,
+            verify_seconds=0.0,
+            project_seconds=0.0,
+            new_tokens=tokens,
+            step_seconds=seconds * (100 if i == 0 else 1),
+        )
+        for i in range(5)
+    ]
+
+
+def _case(n_layers: int = 6):
+    layout = flash_layout(tiny_checkpoint(msgspec.structs.replace(TINY_ARGS, n_layers=n_layers)))
+    manifest = read_manifest(layout)
+    residency = plan_residency(manifest, minimum_budget(manifest))  # every layer streams
+    layer = manifest.layer(0).nbytes
+    # bandwidth so low that each streamed layer costs 0.1 s: flash paces the pass
+    streamed = len(residency.streamed_layers) * layer
+    cost = msgspec.structs.replace(_cost(streamed), flash_bandwidth=layer / 0.1)
+    return manifest, residency, layer, cost
+
+
+def test_copies_are_tried_where_the_draft_memory_would_hold_the_layers_the_trees_stream():
+    manifest, residency, layer, cost = _case()
+    prose = list(range(200))  # never repeats: copies give one token a step
+    poor = _steps(cost, tokens=2, nodes=15, rounds=(4, 4, 4, 3))
+    prices = predicted(cost, poor, prose, manifest, residency, draft_bytes=10 * layer, cap=16)
+    assert prices.grown.streamed_layers == ()  # the draft's memory holds them all
+    assert prices.trees == 2 / poor[1].step_seconds  # as they ran, the prefill's step left out
+    assert prices.worth_a_trial
+    # no memory to grow into: copies would stream every layer, for one token a step
+    assert not predicted(cost, poor, prose, manifest, residency, 0, 16).worth_a_trial
+    # trees that accept six tokens a step are not worth a trial where the draft's memory
+    # holds a third of the layers
+    rich = _steps(cost, tokens=6, nodes=15, rounds=(4, 4, 4, 3))
+    assert not predicted(cost, rich, prose, manifest, residency, 2 * layer, 16).worth_a_trial
+
+
+def test_copies_tried_are_kept_where_they_ran_faster_with_the_flash_time_saved():
+    manifest, residency, layer, cost = _case()
+    trees = _steps(cost, tokens=2, nodes=15, rounds=(4, 4, 4, 3))
+    copies = _steps(cost, tokens=1, nodes=2, rounds=())[1:]  # they streamed every layer
+    prose = list(range(200))
+    kept = tried(cost, trees, copies, prose, manifest, residency, draft_bytes=10 * layer, cap=16)
+    assert copies[0].step_seconds > 0.6  # as tried, copies were slower than the trees...
+    assert 1 / copies[0].step_seconds < kept.trees
+    assert kept.copies_win and kept.copies > MARGIN * kept.trees  # ...but not resident
+    assert not tried(cost, trees, copies, prose, manifest, residency, 0, 16).copies_win
+    assert TRIAL_BAR <= 1 < MARGIN
+
+
+def test_a_trial_that_fell_on_a_repeated_passage_counts_the_copies_the_text_gives():
+    manifest, residency, layer, cost = _case()
+    trees = _steps(cost, tokens=2, nodes=15, rounds=(4, 4, 4, 3))
+    lucky = _steps(cost, tokens=8, nodes=9, rounds=())[1:]  # eight tokens a step of copies
+    prose = list(range(200))  # a text that never repeats: one token a step
+    repeats = list(range(20)) * 10  # one that always does
+    on_prose = tried(cost, trees, lucky, prose, manifest, residency, 10 * layer, cap=16)
+    on_repeats = tried(cost, trees, lucky, repeats, manifest, residency, 10 * layer, cap=16)
+    assert on_repeats.copies == pytest.approx(8 * on_prose.copies)
