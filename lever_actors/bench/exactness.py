@@ -35,6 +35,8 @@ POLICIES: dict[str, dict[str, Any]] = {
     "gaincost-prune-always": {"tree": "gaincost", "early_exit": "lens", "prune_when": "always"},
     "gaincost-exit-off": {"tree": "gaincost", "early_exit": "off"},
     "lookup": {"tree": "lookup"},  # copies from the text alone, no draft model
+    # trees, a trial of copies from the third step, kept for good (later prompts copy)
+    "gaincost-switch": {"tree": "gaincost", "switch_at": 3},
 }
 
 # continued as raw text: repetition makes the target's top two tokens close
