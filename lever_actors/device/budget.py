@@ -151,8 +151,9 @@ def plan_residency(manifest: Manifest, budget: int, ring_slots: int = 2) -> Resi
 
 def grown_residency(manifest: Manifest, plan: ResidencyPlan, extra: int) -> ResidencyPlan:
     """`plan` with the streamed layers that `extra` more bytes hold made resident, first
-    ones first (a pass reads the rest as before); the ring and the head stay as they are,
-    since a running crew holds the ring's slots."""
+    ones first (a pass reads the rest as before). The head stays as it is, and so does the
+    ring while a layer streams: it is counted as held, since a running crew holds its slots
+    (with no layer streamed, the next crew takes none)."""
     streamed = list(plan.streamed_layers)
     grown: list[str] = []
     while streamed and manifest.layer(streamed[0]).nbytes <= extra:
@@ -163,4 +164,6 @@ def grown_residency(manifest: Manifest, plan: ResidencyPlan, extra: int) -> Resi
         budget=plan.budget + sum(manifest.extent(key).nbytes for key in grown),
         resident=(*plan.resident, *grown),
         streamed_layers=tuple(streamed),
+        ring_slots=plan.ring_slots if streamed else 0,
+        slot_bytes=plan.slot_bytes if streamed else 0,
     )
