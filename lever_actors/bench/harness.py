@@ -15,6 +15,9 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
+from lever_actors.bench.class_summary import class_figures
 from lever_actors.bench.modes import Decoded, Mode, describe
 from lever_actors.bench.results import BenchResults, Machine, PromptRun
 from lever_actors.bench.summary import (
@@ -85,6 +88,8 @@ async def run_bench(
     summary = compute_summary(infos, runs, budget)
     if any(m.limit is not None for m in infos):
         summary = limit_summary(summary, infos, runs, summaries, reference)
+        by_class = msgspec.structs.asdict(class_figures(infos, runs))
+        summary = msgspec.structs.replace(summary, **by_class)
     return BenchResults(
         machine=Machine.here(),
         command=command,

@@ -40,6 +40,8 @@ from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.paths import default_cache_dir
 from lever_actors.sizes import compact_bytes, parse_bytes
 
+# Lever with its decode plan forced rather than chosen: what auto's choice is judged against
+FORCED_PLANS = ("lever-trees", "lever-lookup", "lever-ar")
 ENGINE_FAMILIES = (
     "flash-ar",
     "sd-chain",
@@ -53,6 +55,7 @@ ENGINE_FAMILIES = (
     "lever-two-units",
     "flash-ar-no-verify",
     "lever-no-verify",
+    *FORCED_PLANS,
 )
 PEER_FAMILIES = ("peer-memory", "peer-offload", "peer-assisted")
 # memory-ar-dense: memory-resident AR on the target's GGUF dequantized to bf16, beside the
@@ -60,8 +63,9 @@ PEER_FAMILIES = ("peer-memory", "peer-offload", "peer-assisted")
 MEMORY_RESIDENT = ("memory-ar", "memory-ar-dense", "peer-memory")
 MODES = (*MEMORY_RESIDENT, *ENGINE_FAMILIES, *PEER_FAMILIES, *LLAMACPP_FAMILIES)
 ISOLATE = ("none", "peers", "all")
+DRAFTLESS = ("flash-ar", "flash-ar-no-verify", "lever-lookup", "lever-ar")
 NEEDS_DRAFT = tuple(
-    f for f in (*ENGINE_FAMILIES, "peer-assisted", "llamacpp-spec") if f != "flash-ar"
+    f for f in (*ENGINE_FAMILIES, "peer-assisted", "llamacpp-spec") if f not in DRAFTLESS
 )
 
 
@@ -206,6 +210,9 @@ def engine_variants(options: BenchOptions, family: str) -> list[tuple[str, str |
             )
         ],
         "lever-no-verify": [("lever-no-verify", "gaincost", {**lever, "verify_checksums": False})],
+        "lever-trees": [("lever-trees", "gaincost", {**lever, "plan": "trees"})],
+        "lever-lookup": [("lever-lookup", "lookup", {"plan": "lookup"})],
+        "lever-ar": [("lever-ar", None, {"plan": "ar"})],
     }
     return variants[family]
 
@@ -402,7 +409,7 @@ def _engine_config(
 ) -> EngineConfig:
     return EngineConfig(
         target=str(target),
-        draft=str(draft) if tree is not None and draft is not None else None,
+        draft=str(draft) if tree not in (None, "lookup") and draft is not None else None,
         throttle=options.throttle,
         dram_budget=budget,
         draft_dtype=options.draft_dtype,

@@ -14,6 +14,7 @@ from lever_actors.bench.results import (
     ConcurrencyResults,
     ConcurrencyRun,
     ModeSummary,
+    Summary,
     SweepResults,
 )
 from lever_actors.bench.summary import (
@@ -163,7 +164,33 @@ def limits_lines(results: BenchResults) -> str:
             f"lowest token agreement of our modes with {results.reference_mode}: "
             f"{s.min_agreement:.1%}"
         )
-    return "\n".join([*lines, "", "; ".join(facts) + "."])
+    return "\n".join([*lines, "", "; ".join(facts) + ".", *class_lines(s)])
+
+
+def class_lines(s: Summary) -> list[str]:
+    """Lever on auto over llama.cpp's faster mode, by class of text and limit, with the worst
+    prompt and the regret of auto's plan; nothing where the run has no classes."""
+    if not s.classes:
+        return []
+    limits = list(dict.fromkeys(limit for row in s.classes.values() for limit in row))
+    lines = [
+        "",
+        "Lever (plan auto) / llama.cpp's faster mode, decode tok/s by class of text:",
+        "",
+        "| class | " + " | ".join(limits) + " |",
+        "|" + "---|" * (len(limits) + 1),
+    ]
+    for kind, row in s.classes.items():
+        cells = [f"{row[limit]:.2f}x" if limit in row else "—" for limit in limits]
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    facts = []
+    if s.min_prompt_ratio is not None:
+        facts.append(f"worst single prompt {s.min_prompt_ratio:.2f}x")
+    if s.max_plan_regret is not None:
+        facts.append(
+            f"the fastest forced plan ran at most {s.max_plan_regret:.2f}x auto on one prompt"
+        )
+    return [*lines, "", "; ".join(facts) + "."] if facts else lines
 
 
 def machine_line(results: AnyResults) -> str:

@@ -165,6 +165,11 @@ class Summary(msgspec.Struct, frozen=True, omit_defaults=True):
     layout_bytes: int | None = None
     gguf_bytes: int | None = None
     min_agreement: float | None = None
+    # by class of text (bench/class_summary.py): class -> limit -> Lever over llama.cpp's
+    # best; the worst prompt's ratio; the largest (best forced plan / auto) on a prompt
+    classes: dict[str, dict[str, float]] = {}
+    min_prompt_ratio: float | None = None
+    max_plan_regret: float | None = None
     limits: dict[str, LimitFigures] = {}
     memory_ar_quantized: float | None = None
     memory_ar_bf16: float | None = None

@@ -19,6 +19,7 @@ from lever_actors.bench.plan import BenchOptions, plan_modes
 from lever_actors.bench.report import limits_lines, output_paths, readme_section
 from lever_actors.bench.results import ModeInfo, read_results, write_results
 from lever_actors.cli.bench import options_from_args
+from lever_actors.errors import ConfigError
 from tests.bench.fakes import SETS, FakeMode
 
 GIB = 2**30
@@ -65,6 +66,24 @@ def test_limits_plan_our_budgets_auto_and_levers_decode_plan_auto(tiny_pair, mon
         assert isinstance(lever, EngineSpec) and lever.config.draft == str(draft)
         flash = engines[f"flash-ar@{limit}"].spec
         assert isinstance(flash, EngineSpec) and flash.config.draft is None
+
+
+def test_forced_plans_run_under_each_limit_with_their_plan_and_only_trees_draft(tiny_pair):
+    target, draft = tiny_pair
+    options = BenchOptions(
+        modes=("lever-trees", "lever-lookup", "lever-ar"), limits=("1GiB",), isolate="all"
+    )
+    planned = {p.info.name: p.spec for p in plan_modes(options, target, draft)}
+    configs = {name: spec.config for name, spec in planned.items()}  # type: ignore[union-attr]
+    assert {name: (c.plan, c.draft) for name, c in configs.items()} == {
+        "lever-trees@1GiB": ("trees", str(draft)),
+        "lever-lookup@1GiB": ("lookup", None),
+        "lever-ar@1GiB": ("ar", None),
+    }
+    with pytest.raises(ConfigError, match="speculative modes need a draft model"):
+        plan_modes(options, target, None)
+    no_draft = BenchOptions(modes=("lever-lookup", "lever-ar"), limits=("1GiB",), isolate="all")
+    assert len(plan_modes(no_draft, target, None)) == 2
 
 
 def test_limits_from_the_command_line_run_every_mode_in_a_child(bench_parser):
