@@ -9,8 +9,11 @@ handler awaits the engine directly.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
+import sys
+import threading
 from collections.abc import AsyncIterator, Callable, Collection, Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -31,6 +34,9 @@ from lever_actors.serve.options import ServeOptions
 log = get_logger(__name__)
 
 DEFAULTS = ServeOptions()
+
+CLOSE_SECONDS = 2.0  # past the grace, what the connections get to close before the exit
+INTERRUPTED = 130  # Ctrl-C's exit status, as the CLI's
 
 # trio logs each accept that finds no file descriptor left (EMFILE) with a traceback
 ACCEPT_LOGGER = logging.getLogger("trio.serve_listeners")
@@ -54,6 +60,19 @@ async def serve(
     check_address(options.host, options.port)  # before the engine loads, which can take minutes
     if options.keyless_exposure:
         log.warning(f"serving {options.host} without an API key: whoever reaches it can use it")
+    with ShutdownDeadline() as deadline:
+        await _serve_engine(config, options, drain_on, progress, opened, deadline, task_status)
+
+
+async def _serve_engine(
+    config: EngineConfig,
+    options: ServeOptions,
+    drain_on: Collection[signal.Signals],
+    progress: Progress | None,
+    opened: Callable[[Engine], object],
+    deadline: ShutdownDeadline,
+    task_status: trio.TaskStatus[list[str]],
+) -> None:
     async with Engine.open(config, progress=progress) as engine:
         opened(engine)
         app = build_app(engine, options)
@@ -62,10 +81,12 @@ async def serve(
         settings.accesslog = None
         with _receiver(drain_on) as received, _one_line(ACCEPT_LOGGER):
             # the receiver opens before the port does: no signal is missed
-            drained = partial(_drain_on_signal, received, app.state.admission, options.grace)
+            drained = partial(
+                _drain_on_signal, received, app.state.admission, options.grace, deadline
+            )
             async with trio.open_nursery() as nursery:
                 if drain_on:  # the main thread's run: it may take signals
-                    nursery.start_soon(_interrupted)
+                    nursery.start_soon(_interrupted, deadline)
                 # hypercorn types an ASGI app narrower than Starlette's (pgjones/hypercorn#353)
                 await hypercorn.trio.serve(
                     app,  # type: ignore[arg-type]
@@ -122,20 +143,54 @@ def _receiver(signals: Collection[signal.Signals]) -> Iterator[AsyncIterator[int
         yield received
 
 
-async def _interrupted() -> None:
+async def _interrupted(deadline: ShutdownDeadline) -> None:
     """Ctrl-C as a KeyboardInterrupt of our own: trio raises it wherever the run is, and
     inside hypercorn's tasks hypercorn takes it for a shutdown (the command then exited 0)."""
     with trio.open_signal_receiver(signal.SIGINT) as received:
         await anext(received)
+    deadline.arm(CLOSE_SECONDS, INTERRUPTED)
     raise KeyboardInterrupt
 
 
 async def _drain_on_signal(
-    received: AsyncIterator[int] | None, admission: Admission, grace: float
+    received: AsyncIterator[int] | None,
+    admission: Admission,
+    grace: float,
+    deadline: ShutdownDeadline,
 ) -> None:
     """Return, for hypercorn to close, once a signal has come and the requests have left."""
     if received is None:
         await trio.sleep_forever()
     number = await anext(received)
     log.warning(f"{signal.Signals(number).name}: shutting down", grace_seconds=grace)
+    deadline.arm(grace + CLOSE_SECONDS, 0)
     await admission.drain(grace)
+
+
+class ShutdownDeadline:
+    """Once armed, ends the process that many seconds later unless the server has returned:
+    hypercorn shields its writes from cancellation, so a client that reads nothing would
+    otherwise hold a shutdown for ever (#64 E6). Disarmed when the block ends."""
+
+    def __init__(self, exit: Callable[[int], object] = os._exit) -> None:
+        self._exit = exit
+        self._timer: threading.Timer | None = None
+
+    def __enter__(self) -> ShutdownDeadline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def arm(self, seconds: float, code: int) -> None:
+        """Exit with `code` after `seconds`; the first arming holds."""
+        if self._timer is None:
+            self._timer = threading.Timer(seconds, self._expire, (seconds, code))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _expire(self, seconds: float, code: int) -> None:
+        log.warning(f"a client still held its connection {seconds:g} s into the shutdown; exiting")
+        sys.stderr.flush()
+        self._exit(code)
