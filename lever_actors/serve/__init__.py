@@ -35,7 +35,9 @@ log = get_logger(__name__)
 
 DEFAULTS = ServeOptions()
 
-CLOSE_SECONDS = 2.0  # past the grace, what the connections get to close before the exit
+# past the grace, what the connections get to close before the exit: more than hypercorn's
+# graceful_timeout (3 s), after which it cancels what it can
+CLOSE_SECONDS = 5.0
 INTERRUPTED = 130  # Ctrl-C's exit status, as the CLI's
 
 # trio logs each accept that finds no file descriptor left (EMFILE) with a traceback
@@ -60,26 +62,17 @@ async def serve(
     check_address(options.host, options.port)  # before the engine loads, which can take minutes
     if options.keyless_exposure:
         log.warning(f"serving {options.host} without an API key: whoever reaches it can use it")
-    with ShutdownDeadline() as deadline:
-        await _serve_engine(config, options, drain_on, progress, opened, deadline, task_status)
-
-
-async def _serve_engine(
-    config: EngineConfig,
-    options: ServeOptions,
-    drain_on: Collection[signal.Signals],
-    progress: Progress | None,
-    opened: Callable[[Engine], object],
-    deadline: ShutdownDeadline,
-    task_status: trio.TaskStatus[list[str]],
-) -> None:
     async with Engine.open(config, progress=progress) as engine:
         opened(engine)
         app = build_app(engine, options)
         settings = hypercorn.config.Config()
         settings.bind = [f"{options.host}:{options.port}"]
         settings.accesslog = None
-        with _receiver(drain_on) as received, _one_line(ACCEPT_LOGGER):
+        with (
+            _receiver(drain_on) as received,
+            _one_line(ACCEPT_LOGGER),
+            ShutdownDeadline() as deadline,
+        ):
             # the receiver opens before the port does: no signal is missed
             drained = partial(
                 _drain_on_signal, received, app.state.admission, options.grace, deadline
