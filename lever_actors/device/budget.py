@@ -125,28 +125,43 @@ def plan_residency(manifest: Manifest, budget: int, ring_slots: int = 2) -> Resi
     rows_per_read, buffer = stream if stream_head and stream else (0, 0)
     left -= buffer
     if sum(layers) <= left:
-        resident_layers, slots = n_layers, 0  # everything fits: the memory-resident case
+        streamed, slots = [], 0  # everything fits: the memory-resident case
     else:
         left -= ring_slots * slot
-        resident_layers = 0
-        while resident_layers < n_layers and layers[resident_layers] <= left:
-            left -= layers[resident_layers]
-            resident_layers += 1
+        streamed = spread_streamed_layers(layers, left)
+        left -= sum(size for i, size in enumerate(layers) if i not in streamed)
         slots = ring_slots
-    resident += [layer_key(i) for i in range(resident_layers)]
+    resident += [layer_key(i) for i in range(n_layers) if i not in streamed]
     streamed_table = stream_head and head_key(manifest) == "embed"  # a tied head streams
     if "embed" not in resident and manifest.extent("embed").nbytes <= left and not streamed_table:
         resident.append("embed")
     return ResidencyPlan(
         budget=budget,
         resident=tuple(resident),
-        streamed_layers=tuple(range(resident_layers, n_layers)),
+        streamed_layers=tuple(streamed),
         ring_slots=slots,
         slot_bytes=slot if slots else 0,
         embed_rows_on_demand="embed" not in resident,
         head_rows_per_read=rows_per_read,
         head_buffer_bytes=buffer,
     )
+
+
+def spread_streamed_layers(layers: list[int], room: int) -> list[int]:
+    """Which layers stream when `room` bytes hold the rest: as many as the first layers that
+    fit leave, spread evenly through the pass (each ending an equal run of layers), so that
+    each is read while the layers before it compute, rather than all waiting at the pass's
+    end for the ring's slots; the last layers where spread ones would not fit (layers of
+    unequal sizes)."""
+    n_layers, fitting = len(layers), 0
+    while fitting < n_layers and layers[fitting] <= room:
+        room -= layers[fitting]
+        fitting += 1
+    count = n_layers - fitting
+    spread = [round((i + 1) * n_layers / count) - 1 for i in range(count)]
+    kept = sum(size for i, size in enumerate(layers) if i not in spread)
+    tail = list(range(fitting, n_layers))
+    return spread if kept <= sum(layers[:fitting]) else tail
 
 
 def grown_residency(manifest: Manifest, plan: ResidencyPlan, extra: int) -> ResidencyPlan:

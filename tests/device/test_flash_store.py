@@ -14,7 +14,7 @@ import torch
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.hf import load_hf
-from lever_actors.device.budget import minimum_budget, plan_residency
+from lever_actors.device.budget import minimum_budget, plan_residency, spread_streamed_layers
 from lever_actors.device.flash import AlignedBuffer, FlashStore
 from lever_actors.device.layout import MANIFEST_NAME, MANIFEST_VERSION, WEIGHTS_NAME, read_manifest
 from lever_actors.errors import CheckpointError, ConfigError
@@ -125,6 +125,15 @@ def test_budget_below_minimum_states_the_minimum(layout):
         plan_residency(manifest, minimum - 1)
 
 
+def testspread_streamed_layers_spread_through_the_pass_and_fall_back_to_the_last_ones():
+    equal = [10] * 28
+    assert spread_streamed_layers(equal, 250) == [8, 18, 27]  # 25 fit beside the ring
+    assert spread_streamed_layers(equal, 280) == []
+    assert spread_streamed_layers(equal, 0) == list(range(28))
+    # unequal sizes: spread, layer 2 (30) would be kept where only layers 0 and 1 (20) fit
+    assert spread_streamed_layers([10, 10, 30, 10], 25) == [2, 3]
+
+
 def test_budget_plans(layout):
     manifest = read_manifest(layout)
     everything = manifest.file_bytes
@@ -133,7 +142,8 @@ def test_budget_plans(layout):
     least = plan_residency(manifest, minimum_budget(manifest))
     assert least.streamed_layers == (0, 1, 2, 3) and least.embed_rows_on_demand
     mixed = plan_residency(manifest, minimum_budget(manifest) + manifest.layer(0).nbytes)
-    assert mixed.streamed_layers == (1, 2, 3) and "layer.0" in mixed.resident
+    # the streamed layers spread through the pass, each ending an equal run
+    assert mixed.streamed_layers == (0, 2, 3) and "layer.1" in mixed.resident
     for plan in (full, least, mixed):
         assert plan.used(manifest) <= plan.budget
 

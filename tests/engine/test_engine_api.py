@@ -264,7 +264,7 @@ async def test_a_closed_engine_holds_no_weights_while_its_object_lives_on(tiny):
     async with Engine.open(tiny.config()) as engine:
         await generate(engine)
         draft = weakref.ref(engine.draft)
-        resident_layer = weakref.ref(engine.target.resident_layers[0]["wq"])
+        resident_layer = weakref.ref(next(iter(engine.target.resident_layers.values()))["wq"])
     gc.collect()
     assert draft() is None and resident_layer() is None
     assert engine.tokenizer is not None  # what a caller may still read: text, statistics
@@ -651,7 +651,8 @@ async def test_the_trace_holds_every_message_of_every_step_as_typed_structs(tiny
     assert {m.layer for m in layers} == set(range(N_LAYERS))
     for m in layers:
         assert m.tensors and all(is_tensor_summary(t) for t in m.tensors.values())
-        assert (m.slot is None) == (m.layer == 0)  # layer 0 resident, the rest streamed
+        # one layer resident (the streamed ones spread through the pass), the rest streamed
+        assert (m.slot is None) == (m.layer == 1)
     released = [m.slot for m in by_type[SlotRelease]]
     assert len(released) == (N_LAYERS - 1) * n_steps
 
