@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -11,11 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from lever_actors.checkpoints.fetch import CHUNK
+from lever_actors.checkpoints.new_directory import partial_path, remove_stale_partials
 from lever_actors.errors import FetchError
 
 REGISTRY = "https://registry.npmjs.org"
 TIMEOUT_S = 60.0
-CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -38,23 +38,24 @@ Opener = Callable[[str], IO[bytes]]  # url -> the response's body (urllib's urlo
 
 def npm_tarball(package: NpmPackage, folder: Path, opener: Opener | None = None) -> Path:
     """The package's tarball in `folder`, downloaded on first use; a file whose bytes do not
-    hash to the pin is never left under the final name."""
+    hash to the pin is never left under the final name, and a killed download's partial file
+    goes at the next (the model fetch's partial files, checkpoints/new_directory.py)."""
     final = folder / package.file_name
     if final.is_file():
         return final
     folder.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(final)
     open_url = opener or (lambda url: urllib.request.urlopen(url, timeout=TIMEOUT_S))
     digest = hashlib.sha256()
-    with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{final.name}.", delete=False) as out:
-        partial = Path(out.name)
-        try:
-            with open_url(package.url) as response:
-                while chunk := response.read(CHUNK):
-                    digest.update(chunk)
-                    out.write(chunk)
-        except (urllib.error.URLError, OSError) as e:
-            partial.unlink(missing_ok=True)
-            raise FetchError(f"cannot download {package.url}: {e}") from None
+    partial = partial_path(final)
+    try:
+        with partial.open("wb") as out, open_url(package.url) as response:
+            while chunk := response.read(CHUNK):
+                digest.update(chunk)
+                out.write(chunk)
+    except (urllib.error.URLError, OSError) as e:
+        partial.unlink(missing_ok=True)
+        raise FetchError(f"cannot download {package.url}: {e}") from None
     if digest.hexdigest() != package.sha256:
         partial.unlink(missing_ok=True)
         raise FetchError(
