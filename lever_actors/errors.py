@@ -1,5 +1,7 @@
 """Exception types the library raises for bad input; each message names the file and the cause."""
 
+INTERRUPTED = 130  # the exit status of a command Ctrl-C ended: the CLI's and serve's deadline
+
 
 class LeverError(Exception):
     """Base of every error lever_actors raises on purpose."""

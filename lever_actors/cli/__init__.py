@@ -20,11 +20,11 @@ from lever_actors.cli.generate import add_generate_command
 from lever_actors.cli.report import add_report_command
 from lever_actors.cli.serve import add_serve_command
 from lever_actors.cli.tools import add_tool_commands
-from lever_actors.errors import ConfigError, LeverError
+from lever_actors.errors import INTERRUPTED, ConfigError, LeverError
 from lever_actors.logs import log_to_stderr
 from lever_actors.paths import default_cache_dir
 
-USAGE, RUNTIME, INTERRUPTED = 2, 1, 130  # argparse exits with USAGE on a bad flag itself
+USAGE, RUNTIME = 2, 1  # argparse exits with USAGE on a bad flag itself
 # The one place failures become exit codes, first match wins: a bad value the user gave,
 # then what went wrong at run time (a checkpoint, a download, a file, undecodable input).
 # Any other exception is a bug and keeps its traceback.

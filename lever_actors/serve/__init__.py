@@ -24,7 +24,7 @@ import trio
 
 from lever_actors.config import EngineConfig
 from lever_actors.engine import Engine
-from lever_actors.errors import ConfigError
+from lever_actors.errors import INTERRUPTED, ConfigError
 from lever_actors.logs import get_logger
 from lever_actors.progress import Progress
 from lever_actors.serve.admission import Admission
@@ -38,7 +38,6 @@ DEFAULTS = ServeOptions()
 # past the grace, what the connections get to close before the exit: more than hypercorn's
 # graceful_timeout (3 s), after which it cancels what it can
 CLOSE_SECONDS = 5.0
-INTERRUPTED = 130  # Ctrl-C's exit status, as the CLI's
 
 # trio logs each accept that finds no file descriptor left (EMFILE) with a traceback
 ACCEPT_LOGGER = logging.getLogger("trio.serve_listeners")
