@@ -32,6 +32,7 @@ from lever_actors.config import (
     DramBudget,
     EngineConfig,
     Throttle,
+    TreeSpec,
 )
 from lever_actors.device.layout import DTYPE_NAMES, MANIFEST_NAME, Manifest, read_manifest
 from lever_actors.draft import DraftModel, load_draft
@@ -409,12 +410,17 @@ def _engine_config(
 ) -> EngineConfig:
     return EngineConfig(
         target=str(target),
-        draft=str(draft) if tree not in (None, "lookup") and draft is not None else None,
+        draft=str(draft) if _drafts_from(tree) and draft is not None else None,
         throttle=options.throttle,
         dram_budget=budget,
         draft_dtype=options.draft_dtype,
         **fields,
     )
+
+
+def _drafts_from(tree: str | None) -> bool:
+    """Whether a variant's tree is proposed by a draft model (not copies of the text)."""
+    return tree is not None and TreeSpec.parse(tree).needs_draft
 
 
 def _llamacpp_tree(options: BenchOptions, spec: LlamaCppSpec) -> str | None:
