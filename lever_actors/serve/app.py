@@ -41,7 +41,7 @@ from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError, ConsumerStalledError, DeadlineError, LeverError
 from lever_actors.logs import get_logger
 from lever_actors.serve.admission import Admission, Cut, Ticket
-from lever_actors.serve.departures import ClientLeft, unless_gone
+from lever_actors.serve.departures import ClientLeft, GoneConnections, unless_gone
 from lever_actors.serve.errors import JSON, ApiError
 from lever_actors.serve.event_stream import EventStream
 from lever_actors.serve.options import ServeOptions
@@ -69,6 +69,7 @@ def build_app(engine: Engine, options: ServeOptions) -> Starlette:
     routes = _Routes(engine, options, admission)
     allowed = options.allowed_hosts
     hosts = [] if allowed is None else [Middleware(_AllowedHosts, names=allowed)]
+    gone = [Middleware(GoneConnections)]
     app = Starlette(
         routes=[
             Route("/health", routes.health, methods=["GET"]),
@@ -76,7 +77,7 @@ def build_app(engine: Engine, options: ServeOptions) -> Starlette:
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
         ],
-        middleware=hosts,
+        middleware=gone + hosts,
         exception_handlers={
             HTTPException: _http_error,
             ApiError: _api_error,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from functools import partial
 
 import httpx
@@ -29,8 +30,8 @@ def config() -> EngineConfig:
     return EngineConfig(target=str(pair.target), draft=str(pair.draft), tree="chain:2")
 
 
-def request(version: str, stream: bool, close: bool = False) -> bytes:
-    body = json.dumps({"prompt": "t1 t2", "max_tokens": 3, "stream": stream}).encode()
+def request(version: str, stream: bool, close: bool = False, max_tokens: int = 3) -> bytes:
+    body = json.dumps({"prompt": "t1 t2", "max_tokens": max_tokens, "stream": stream}).encode()
     head = [
         f"POST /v1/completions HTTP/{version}",
         "Host: 127.0.0.1",
@@ -65,9 +66,10 @@ def two_on_one_connection(port: int) -> list[bytes]:
     return answers
 
 
-async def served(config: EngineConfig, blocking) -> object:
+async def served(config: EngineConfig, blocking, options: ServeOptions | None = None) -> object:
     async with trio.open_nursery() as nursery:
-        base = (await nursery.start(partial(serve, config, ServeOptions(port=0))))[0]
+        started = partial(serve, config, options or ServeOptions(port=0))
+        base = (await nursery.start(started))[0]
         port = int(base.rsplit(":", 1)[1])
         result = await trio.to_thread.run_sync(blocking, port)
         nursery.cancel_scope.cancel()
@@ -87,6 +89,55 @@ async def test_a_keep_alive_client_streams_twice_on_one_connection(config):
     with trio.fail_after(3 * WAIT):
         answers = await served(config, two_on_one_connection)
     assert len(answers) == 2 and all(b"data: [DONE]" in a for a in answers)
+
+
+def pipelined_answers(port: int, count: int = 3) -> list[bytes]:
+    """Blocking: `count` whole requests sent at once on one keep-alive socket, then read."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as s:
+        s.sendall(request("1.1", stream=False) * count)
+        received = b""
+        while received.count(b"HTTP/1.1 ") < count or not received.endswith(b"}"):
+            received += s.recv(65536)
+    return received.split(b"HTTP/1.1 ")[1:]
+
+
+def places_after_pipeliners_leave(port: int) -> dict[str, object]:
+    """Blocking: six connections pipeline 200 requests each and read nothing; what another
+    client gets while they are open, and how long after they close until it is served."""
+    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=WAIT)
+    pipeliners = [socket.create_connection(("127.0.0.1", port), timeout=WAIT) for _ in range(6)]
+    for s in pipeliners:
+        s.sendall(request("1.1", stream=False, max_tokens=40) * 200)
+    time.sleep(0.5)
+    while_open = http.post("/v1/completions", json={"prompt": "t1", "max_tokens": 2})
+    for s in pipeliners:
+        s.close()
+    closed = time.monotonic()
+    while http.get("/health").json()["requests"] or (
+        http.post("/v1/completions", json={"prompt": "t1", "max_tokens": 2}).status_code != 200
+    ):
+        if time.monotonic() - closed > WAIT:
+            break
+        time.sleep(0.05)
+    return {"while_open": while_open.status_code, "served_after": time.monotonic() - closed}
+
+
+async def test_a_keep_alive_client_gets_every_answer_it_pipelined(config):
+    with trio.fail_after(3 * WAIT):
+        answers = await served(config, pipelined_answers)
+    assert [a[:3] for a in answers] == [b"200"] * 3
+
+
+async def test_pipelining_clients_that_leave_give_their_places_back(config):
+    """#64 E9: hypercorn reads nothing of a connection while one of its requests runs, so the
+    200 requests each of these clients queued ran in turn after it closed, for nobody, and
+    every other client got 429 for as long. Each holds one place at a time; once they
+    close, only the requests running then finish (40 tokens each), the rest are dropped."""
+    busy = EngineConfig(target=config.target, draft=config.draft, tree="chain:2", parallel=2)
+    with trio.fail_after(3 * WAIT):
+        seen = await served(busy, places_after_pipeliners_leave, ServeOptions(port=0, queue=1))
+    assert seen["while_open"] == 429
+    assert seen["served_after"] < 3.0
 
 
 async def test_a_stream_that_fails_midway_says_so_and_ends(config, monkeypatch):
