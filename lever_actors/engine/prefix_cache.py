@@ -111,14 +111,19 @@ class PrefixCache:
         kept = tuple(tokens[:length])
         for old in [t for t in self._entries if kept[: len(t)] == t]:
             del self._entries[old]
-        drafted = draft.prefix(max(0, length - draft_start)) if draft else None
-        entry = CachedPrefix(kept, target.prefix(length), drafted, draft_start)
-        if entry.nbytes > self.capacity_bytes:
+        draft_length = max(0, length - draft_start)
+        size = target.prefix_bytes(length) + (draft.prefix_bytes(draft_length) if draft else 0)
+
+        def copied() -> CachedPrefix:
+            drafted = draft.prefix(draft_length) if draft else None
+            return CachedPrefix(kept, target.prefix(length), drafted, draft_start)
+
+        if size > self.capacity_bytes:
             if self.spilled is not None:
-                self.spilled.save(entry)
+                self.spilled.save(copied())
             return
-        self._entries[kept] = entry
-        self._fit()
+        self._fit(self.capacity_bytes - size)  # room first: the copy never lies beside a full cache
+        self._entries[kept] = copied()
 
     def close(self) -> None:
         """Spill what DRAM holds, where there is a directory, and hold nothing."""
@@ -127,8 +132,11 @@ class PrefixCache:
                 self.spilled.save(entry)
         self._entries.clear()
 
-    def _fit(self) -> None:
-        while self.nbytes > self.capacity_bytes:
+    def _fit(self, capacity: int | None = None) -> None:
+        """Let the least recently used go until the entries hold at most `capacity` bytes
+        (the cache's own by default)."""
+        capacity = self.capacity_bytes if capacity is None else capacity
+        while self.nbytes > capacity:
             _, entry = self._entries.popitem(last=False)
             if self.spilled is not None:
                 self.spilled.save(entry)

@@ -82,6 +82,11 @@ class KVCache:
             self.positions[dst] = self.positions[src]
         self.length += len(offsets)
 
+    def prefix_bytes(self, length: int) -> int:
+        """What `prefix(length)` will hold."""
+        slots = (t.nbytes // self.capacity for t in (self.keys, self.values, self.positions))
+        return length * sum(slots) if self.capacity else 0
+
     def prefix(self, length: int) -> KVPrefix:
         """A compact copy of the first `length` committed positions."""
         if not 0 <= length <= self.length:

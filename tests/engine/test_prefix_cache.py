@@ -215,3 +215,22 @@ def test_the_least_recently_used_go_first_and_a_prefix_too_large_is_not_kept():
     small = PrefixCache(size - 1)
     small.store([1, 2, 3], one, None)
     assert len(small) == 0
+
+
+def test_a_store_makes_room_before_it_copies(monkeypatch):
+    """#64 E1: a store copied a finished request's KV beside a full cache, then let the old
+    entries go: for a moment the cache held one entry more than its share of the memory,
+    which with two requests ending together took a server under a cgroup limit to 96%."""
+    full = cache_of([1, 2, 3])
+    size = full.prefix(3).nbytes
+    assert full.prefix_bytes(3) == size
+    prefixes = PrefixCache(size)
+    prefixes.store([1, 2, 3], full, None)
+    held_while_copying = []
+    copy = KVCache.prefix
+    monkeypatch.setattr(
+        KVCache, "prefix", lambda c, n: held_while_copying.append(prefixes.nbytes) or copy(c, n)
+    )
+    prefixes.store([4, 5, 6], cache_of([4, 5, 6]), None)
+    assert held_while_copying == [0] and prefixes.nbytes == size
+    assert prefixes.claim([4, 5, 6, 0]).tokens == 3
