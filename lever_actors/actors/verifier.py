@@ -23,6 +23,7 @@ from lever_actors.channels.messages import (
     LeaveSeat,
     PruneVerdict,
     SlotRelease,
+    StepAside,
     TakeSeat,
 )
 from lever_actors.device.units import ComputeUnit
@@ -39,7 +40,7 @@ from lever_actors.target import FlashTarget
 # committed tokens from which a pass counts as a prefill that reports progress
 PREFILL_SHOWN = 256
 # what a request sends the verifier: its comings and goings, its draft forwards, its trees
-Arrival = DraftTree | DraftRound | TakeSeat | LeaveSeat
+Arrival = DraftTree | DraftRound | TakeSeat | LeaveSeat | StepAside
 
 
 @dataclass
@@ -167,6 +168,8 @@ class Verifier:
                 case LeaveSeat():
                     await self._let_go(passes.unseat(message.seat))
                     message.done.set()
+                case StepAside():
+                    passes.step_aside(message.seat)
                 case DraftRound():
                     if not passes.add_round(message.seat, message):  # its request has gone:
                         message.round.error = RuntimeError("the request left the batch")

@@ -82,6 +82,13 @@ class LeaveSeat(Message, frozen=True):
     done: Any
 
 
+class StepAside(Message, frozen=True):
+    """engine -> verifier: the request waits for its consumer to take its tokens; passes go
+    on without it until its next tree comes (its KV and its place kept)."""
+
+    seat: int
+
+
 class LayerWeights(Message, frozen=True):
     """prefetcher -> verifier: one layer's tensors for pass `step`, resident or in a slot."""
 

@@ -25,6 +25,7 @@ from lever_actors.channels.messages import (
     LeaveSeat,
     PruneVerdict,
     SlotRelease,
+    StepAside,
     TakeSeat,
     Verdict,
 )
@@ -41,6 +42,7 @@ AnyMessage = (
     | Commit
     | TakeSeat
     | LeaveSeat
+    | StepAside
     | DraftRound
 )
 

@@ -31,8 +31,9 @@ from lever_actors.policy.setup import Policies
 from lever_actors.target import FlashTarget
 
 # a request's messages to the verifier that may be in flight at once: its seat, its tree or
-# a draft forward (one at a time), and its leaving, so that leaving never waits
-ARRIVALS_PER_REQUEST = 3
+# a draft forward (one at a time), its stepping aside, and its leaving, so that leaving
+# never waits
+ARRIVALS_PER_REQUEST = 4
 
 
 class Crew:

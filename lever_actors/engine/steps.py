@@ -13,11 +13,13 @@ from typing import Any
 import msgspec
 import trio
 
+from lever_actors.actors.verifier import Arrival
 from lever_actors.channels.messages import (
     Beside,
     Commit,
     DraftRequest,
     FinishReason,
+    StepAside,
     TokenEvent,
     TopLogprob,
     Verdict,
@@ -40,6 +42,7 @@ async def run_steps(
     place: Place,
     batch: Batch,
     events: trio.MemorySendChannel[TokenEvent],
+    arrivals: trio.MemorySendChannel[Arrival],
     requests: Any,  # send ends: trio's, or tracing wrappers with the same methods
     verdicts: trio.MemoryReceiveChannel[Verdict],
     commits: tuple[Any, ...],  # to the drafter and the verifier
@@ -50,8 +53,10 @@ async def run_steps(
     stall_seconds: float | None,
 ) -> None:
     """Ask for a tree (sized for the requests beside it in the batch), take the verdict,
-    emit, commit; until the request ends. `drafting`: the request's drafter proposes with
-    the draft model, until `switch` says to copy from the text instead (or to try it)."""
+    emit, commit; until the request ends. Where its consumer is not taking the events, the
+    request steps aside (`arrivals`: the verifier's), so that the others' passes go on.
+    `drafting`: the request's drafter proposes with the draft model, until `switch` says to
+    copy from the text instead (or to try it)."""
     emitter = Emitter(request, target.tokenizer)
     follower = switch.follower(drafting)
     reads = target.store.stats
@@ -65,6 +70,8 @@ async def run_steps(
         request.scope.deadline = math.inf  # from the first token on, the deadline is soft
         finish: FinishReason | None = None
         emitted = 0
+        aside = False  # waiting for the consumer, out of the passes
+        consumer_seconds = 0.0  # no part of the step's cost
         last = len(verdict.tokens)
         tops = verdict.top_logprobs or ((),) * last
         for token, from_draft, logprob, top in zip(
@@ -76,8 +83,14 @@ async def run_steps(
             )
             finish = event.finish_reason
             try:
-                with trio.fail_after(stall_seconds or math.inf):
-                    await events.send(event)
+                if aside or not _sent_at_once(events, event):
+                    waiting = time.perf_counter()
+                    if not aside:  # the others' passes go on without it meanwhile
+                        aside = True
+                        await arrivals.send(StepAside(step=step, seat=place.seat))
+                    with trio.fail_after(stall_seconds or math.inf):
+                        await events.send(event)
+                    consumer_seconds += time.perf_counter() - waiting
             except trio.BrokenResourceError:
                 return  # the consumer stopped listening: the request ends here
             except trio.TooSlowError:
@@ -90,7 +103,7 @@ async def run_steps(
         stats = msgspec.structs.replace(
             verdict.stats,
             new_tokens=emitted,
-            step_seconds=time.perf_counter() - step_started,
+            step_seconds=time.perf_counter() - step_started - consumer_seconds,
             bytes_read=reads.bytes_read - bytes_before,
             read_seconds=reads.read_seconds - read_seconds_before,
         )
@@ -112,6 +125,15 @@ async def run_steps(
             # kernel: short of memory they would crowd out the page cache. About a
             # millisecond on the event loop, 2% of a resident step, so only then.
             return_freed_heap()
+
+
+def _sent_at_once(events: trio.MemorySendChannel[TokenEvent], event: TokenEvent) -> bool:
+    """Whether the consumer's buffer took `event` without a wait."""
+    try:
+        events.send_nowait(event)
+    except trio.WouldBlock:
+        return False
+    return True
 
 
 class Emitter:

@@ -89,6 +89,7 @@ async def run_request(
                         place,
                         crew.batch,
                         events,
+                        arrivals,
                         requests.send,
                         verdicts.receive,
                         (draft_commits.send, verify_commits.send),

@@ -69,6 +69,9 @@ class Passes(Generic[Seated, Tree, Round]):
     seated: dict[int, Seated] = field(default_factory=dict)  # by seat
     trees: dict[int, Tree] = field(default_factory=dict)  # the next pass's, by seat
     rounds: dict[int, Round] = field(default_factory=dict)  # waiting for the others', by seat
+    # seats whose requests wait for their consumers: no pass waits for them until their
+    # next tree
+    aside: set[int] = field(default_factory=set)
 
     def seat(self, seat: int, seated: Seated) -> None:
         self.seated[seat] = seated
@@ -77,7 +80,13 @@ class Passes(Generic[Seated, Tree, Round]):
         """Its request left: what it sent goes with it. Who sat there, if anyone still did."""
         self.trees.pop(seat, None)
         self.rounds.pop(seat, None)
+        self.aside.discard(seat)
         return self.seated.pop(seat, None)
+
+    def step_aside(self, seat: int) -> None:
+        """Its request waits for its consumer: the passes and rounds go on without it."""
+        if seat in self.seated and seat not in self.trees:
+            self.aside.add(seat)
 
     def add_round(self, seat: int, round_: Round) -> bool:
         """False where its request has gone (nothing waits for the round)."""
@@ -88,21 +97,22 @@ class Passes(Generic[Seated, Tree, Round]):
 
     def add_tree(self, seat: int, tree: Tree) -> None:
         assert seat in self.seated  # the caller took its commit from who sits there
+        self.aside.discard(seat)
         self.trees[seat] = tree
 
     def rounds_ready(self) -> list[Round]:
         """The rounds to run as one job, once no other is coming: every seat without a
         tree has sent its round. Empty until then; taken when answered."""
-        drafting = self.seated.keys() - self.trees.keys()
+        drafting = self.seated.keys() - self.trees.keys() - self.aside
         if not self.rounds or not drafting <= self.rounds.keys():
             return []
         ready, self.rounds = list(self.rounds.values()), {}
         return ready
 
     def pass_ready(self) -> list[tuple[int, Seated, Tree]]:
-        """The next pass's trees, with who sent them, in seat order, once every seat has sent
-        one. Empty until then; taken when answered."""
-        if not self.trees or self.trees.keys() != self.seated.keys():
+        """The next pass's trees, with who sent them, in seat order, once every seat not
+        aside has sent one. Empty until then; taken when answered."""
+        if not self.trees or self.trees.keys() != self.seated.keys() - self.aside:
             return []
         ready = [(seat, self.seated[seat], self.trees[seat]) for seat in sorted(self.trees)]
         self.trees = {}

@@ -668,7 +668,7 @@ async def test_channel_statistics_are_exposed(tiny):
         stats = engine.channels.statistics() | engine.crew.channels.statistics()
     capacities = {
         "requests": 2,
-        "arrivals": 3 * 2,  # a seat, a tree and a leaving for each request of the batch
+        "arrivals": 4 * 2,  # a seat, a tree, a step aside and a leaving for each request
         "layers": 3,
         "releases": 3,
         "probes": 1,
@@ -720,8 +720,8 @@ async def test_a_target_alone_decodes_one_token_per_pass(tiny):
 
 
 async def test_a_stalled_consumer_is_ended_and_the_next_request_runs():
-    """A stream whose reader stops taking tokens (its buffer full) holds the engine for
-    `stall_seconds` at most; the reader, back, hears why its request ended."""
+    """A stream whose reader stops taking tokens (its buffer full) is ended after
+    `stall_seconds`; the reader, back, hears why its request ended."""
     pair = model_pair(TINY_ARGS, "perturbed", 0)
     config = EngineConfig(
         target=str(pair.target),
@@ -739,12 +739,40 @@ async def test_a_stalled_consumer_is_ended_and_the_next_request_runs():
             started = trio.current_time()
             after = await engine.generate([4, 5], max_new_tokens=3)
             waited = trio.current_time() - started
+            await trio.sleep(1)  # past the stall: the other request no longer waits for it
             with pytest.raises(ConsumerStalledError, match="no token was taken for 0.5 s"):
                 async for event in stalled:
                     taken.append(event)
     assert len(after.tokens) == 3
-    assert waited < 5  # the stall, and the second request's own run
+    assert waited < 5  # the second request's own run
     assert len(taken) <= 1 + 2  # what the buffer and the step held when it was ended
+
+
+async def test_a_reader_that_stops_holds_up_no_other_request():
+    """#64 E4: a pass waited for every seated request's tree, so a stream whose reader
+    stopped froze the others in its batch until `stall_seconds` ended it. It steps aside
+    now: the other request runs to its end meanwhile, and the stopped one, read again,
+    goes on to the same tokens as alone."""
+    pair = model_pair(TINY_ARGS, "perturbed", 0)
+    config = EngineConfig(
+        target=str(pair.target),
+        draft=str(pair.draft),
+        tree="chain:2",
+        parallel=2,
+        stall_seconds=30,
+        channels=ChannelSizes(events=1),
+    )
+    with trio.fail_after(60):
+        async with Engine.open(config) as engine:
+            alone = [(await engine.generate(p, max_new_tokens=24)).tokens for p in ([1, 2], [4])]
+            stopped = engine.stream([1, 2], max_new_tokens=24)
+            taken = [(await anext(stopped)).token]  # then it takes none for a while
+            started = trio.current_time()
+            other = await engine.generate([4], max_new_tokens=24)
+            waited = trio.current_time() - started
+            taken += [event.token async for event in stopped]
+    assert waited < 10  # it waited for the stall's 30 s before
+    assert [taken, other.tokens] == alone
 
 
 async def test_a_deadline_ends_the_request_at_the_step_it_passes_in():

@@ -1,6 +1,6 @@
 """The scheduler decides alone, without trio or tensors: places in arrival order within
 `parallel` and the KV room, a job of draft rounds once no other round is coming, a pass
-once every seat has sent its tree."""
+once every seat not aside (waiting for its consumer) has sent its tree."""
 
 from __future__ import annotations
 
@@ -85,3 +85,21 @@ def test_a_request_gone_during_a_pass_is_not_waited_for_by_the_next():
     passes.unseat(1)  # its projector had ended: the verifier found it gone
     passes.add_tree(0, "a2")
     assert passes.pass_ready() == [(0, "request 0", "a2")]
+
+
+def test_a_seat_aside_holds_up_no_pass_or_round_until_its_next_tree():
+    passes = seated(0, 1, 2)
+    passes.add_tree(0, "a")
+    passes.add_round(1, "r")
+    passes.step_aside(2)  # its request waits for its consumer
+    assert passes.rounds_ready() == ["r"]
+    passes.add_tree(1, "b")
+    assert passes.pass_ready() == [(0, "request 0", "a"), (1, "request 1", "b")]
+    passes.add_tree(2, "c")  # back: the next pass waits for it again
+    passes.add_tree(0, "a2")
+    assert passes.pass_ready() == []
+    passes.add_tree(1, "b2")
+    assert [seat for seat, _, _ in passes.pass_ready()] == [0, 1, 2]
+    passes.step_aside(0)
+    passes.unseat(0)
+    assert passes.aside == set()  # gone with its request
