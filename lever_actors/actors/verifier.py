@@ -39,6 +39,10 @@ from lever_actors.target import FlashTarget
 
 # committed tokens from which a pass counts as a prefill that reports progress
 PREFILL_SHOWN = 256
+# a pass of more rows (a prompt's) takes its layers a job each, so that a request that
+# leaves (its deadline passed) stops at the next layer (a thread handoff a layer, some 28 ms
+# of a pass of a second or more); fewer share a job (_layers_arrived)
+LAYER_A_JOB_ROWS = 256
 # what a request sends the verifier: its comings and goings, its draft forwards, its trees
 Arrival = DraftTree | DraftRound | TakeSeat | LeaveSeat | StepAside
 
@@ -86,6 +90,11 @@ class Occupant:
     def close(self) -> None:
         self.commits.close()
         self.finals.close()
+
+
+def _has_left(occupant: Occupant) -> bool:
+    """Whether the occupant's request has ended: its projector no longer listens."""
+    return occupant.finals.statistics().open_receive_channels == 0
 
 
 @dataclass
@@ -232,19 +241,27 @@ class Verifier:
                 and self.probe_when(len(t.tree))
             )
         probe_at = self.exit_layer if any(t.probes for t in batch) else None
+        layer_a_job = sum(len(t.tree) for t in batch) > LAYER_A_JOB_ROWS
         io_wait = compute = 0.0
         layer = 0
+        left: list[int] = []  # the seats whose requests ended during the pass
         while layer < n_layers:
             # up to the exit layer first when this pass probes there: the pruner's verdicts
             # decide which nodes go on
             last = probe_at if probe_at is not None and layer <= probe_at else n_layers - 1
             waited = time.perf_counter()
-            arrived = await self._layers_arrived(inbox.layers, step, layer, last)
+            arrived = await self._layers_arrived(
+                inbox.layers, step, layer, layer if layer_a_job else last
+            )
             started = time.perf_counter()
             tensors = [weights.tensors for weights in arrived]
+            left += [t.seat for t in batch if _has_left(t.occupant)]
+            batch = [t for t in batch if t.seat not in left]
             # the jobs' own time: a wait behind a round drafted ahead on the unit is no cost
             # of the trees' nodes
-            if layer == 0:  # one job, not three: each hands over between threads (units.py)
+            if not batch:  # every request left: the layers are only let go
+                seconds = 0.0
+            elif layer == 0:  # one job, not three: each hands over between threads (units.py)
                 firsts, seconds = await self.unit.run_timed(
                     _first_layers, self.target, batch, tensors
                 )
@@ -271,10 +288,10 @@ class Verifier:
                     if t.probes:
                         await self._prune(t, layer - 1, inbox, outbox)
         projected: list[dict[int, torch.Tensor]] = [{} for _ in batch]
-        if self.project_chains:
+        if self.project_chains and batch:
             projected, seconds = await self.unit.run_timed(_chains_projected, self.target, batch)
             compute += seconds
-        gone = []
+        gone = left
         rows = sum(len(t.tree) for t in batch)
         for t, logits in zip(batch, projected, strict=True):
             final = await self._final(t, io_wait, compute, rows, len(batch), logits)

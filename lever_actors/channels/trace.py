@@ -99,6 +99,10 @@ class _TracedSend:
         self.inner.send_nowait(message)
         self.tracer.record(self.name, message)
 
+    def statistics(self) -> Any:
+        """trio's figures of the channel (its open ends: whether anyone still listens)."""
+        return self.inner.statistics()
+
     def close(self) -> None:
         self.inner.close()
 

@@ -8,17 +8,20 @@ import gc
 import math
 import re
 import threading
+import time
 import weakref
 from collections import Counter
 from contextlib import aclosing
 from pathlib import Path
 
+import msgspec
 import pytest
 import tokenizers
 import torch
 import trio
 from tokenizers import decoders, models
 
+from lever_actors.actors import verifier
 from lever_actors.actors.drafter import Drafter
 from lever_actors.actors.projector import Projector
 from lever_actors.actors.verifier import Verifier
@@ -717,6 +720,41 @@ async def test_a_target_alone_decodes_one_token_per_pass(tiny):
     with trio.fail_after(TIMEOUT):
         result = await assert_matches_sequential(config, PROMPT, 6)
     assert result.mean_accepted == 1.0
+
+
+async def test_a_deadline_stops_a_prompts_pass_at_the_next_layer(monkeypatch):
+    """#64 item 10: a deadline could not stop a prefill pass already running (504 after
+    3.6 s for a 0.5 s deadline). A prompt's pass takes its layers a job each, and a request
+    that left is dropped at the next: here 8 layers of 0.25 s each, a 0.3 s deadline."""
+    args = msgspec.structs.replace(TINY_ARGS, n_layers=8, max_seq_len=512)
+    pair = model_pair(args, "perturbed", 0)
+    config = EngineConfig(target=str(pair.target), draft=str(pair.draft), tree="chain:2")
+    first, apply = verifier._first_layers, verifier._apply_layers
+
+    def compute(batch, layers) -> None:  # a prompt's layers' compute, in the unit's thread
+        if sum(len(t.tree) for t in batch) > 100:
+            time.sleep(0.25 * len(layers))
+
+    def slow_first(target, batch, layers):
+        compute(batch, layers)
+        return first(target, batch, layers)
+
+    def slow(batch, layers, *rest):
+        compute(batch, layers)
+        return apply(batch, layers, *rest)
+
+    monkeypatch.setattr(verifier, "_first_layers", slow_first)
+    monkeypatch.setattr(verifier, "_apply_layers", slow)
+    prompt = [1 + i % 30 for i in range(300)]
+    with trio.fail_after(60):
+        async with Engine.open(config) as engine:
+            started = trio.current_time()
+            with pytest.raises(DeadlineError):
+                await engine.generate(prompt, max_new_tokens=3, deadline_seconds=0.3)
+            ended = trio.current_time() - started
+            after = await engine.generate([4, 5], max_new_tokens=3)  # the engine goes on
+    assert ended < 1.2  # the deadline and the layer running then; the pass takes 2 s
+    assert len(after.tokens) == 3
 
 
 async def test_a_stalled_consumer_is_ended_and_the_next_request_runs():
