@@ -1,6 +1,6 @@
 """lever_actors: a flash-resident LLM served by speculative token trees, as Trio actors.
 
-    from lever_actors import Engine, EngineConfig
+    from lever_actors import Engine, EngineConfig, real_pair
 
 `Engine` (trio) and `AsyncEngine` (asyncio) serve requests under an `EngineConfig`; the
 `lever-actors` command wraps both. The names below load on first use (PEP 562), so that
@@ -30,6 +30,7 @@ _PUBLIC = {
     "AsyncEngine": "lever_actors.engine.aio",
     "GenerationResult": "lever_actors.engine.results",
     "EngineConfig": "lever_actors.config",
+    "real_pair": "lever_actors.checkpoints.real_pair",
     "GenerationOptions": "lever_actors.options",
     "Grammar": "lever_actors.model.grammar",
     "TokenEvent": "lever_actors.channels.messages",
@@ -60,10 +61,12 @@ __all__ = [
     "Grammar",
     "LeverError",
     "TokenEvent",
+    "real_pair",
 ]
 
 if TYPE_CHECKING:
     from lever_actors.channels.messages import TokenEvent
+    from lever_actors.checkpoints.real_pair import real_pair
     from lever_actors.config import EngineConfig
     from lever_actors.engine.aio import AsyncEngine
     from lever_actors.engine.engine import Engine

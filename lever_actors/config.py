@@ -258,7 +258,7 @@ DRAFT_WINDOW = 256  # the prompt tokens a draft prefills at most, by default (En
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
-    target: str  # flash layout directory
+    target: str  # flash layout directory, or a GGUF file (converted once, on first use)
     draft: str | None = None  # HF directory, GGUF file or flash layout; held whole in DRAM
     # target weights in DRAM: auto (what the memory the process may use leaves beside the
     # draft and room for a context: plan/memory.py), all, a share ("25%") or a size

@@ -1,19 +1,16 @@
-"""The real model pair in the cache: GGUFs fetched and the target converted on first use."""
+"""The real model pair in the cache: GGUFs fetched and the target converted on first use;
+`real_pair()`, the EngineConfig the CLI runs by default, in one line."""
 
 from __future__ import annotations
 
-import shutil
-import sys
 from pathlib import Path
+from typing import Any
 
-import torch
-
-from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.fetch import REAL_MODELS, fetch_model
-from lever_actors.config import Weights
-from lever_actors.device.layout import MANIFEST_VERSION, manifest_version
-from lever_actors.paths import exclusive
-from lever_actors.progress import Progress
+from lever_actors.checkpoints.gguf_layout import GGUF_WEIGHTS, gguf_layout
+from lever_actors.config import EngineConfig, Weights
+from lever_actors.paths import default_cache_dir
+from lever_actors.progress import Progress, ProgressLine
 
 
 def real_model_path(cache_dir: Path, key: str, progress: Progress | None = None) -> Path:
@@ -22,24 +19,26 @@ def real_model_path(cache_dir: Path, key: str, progress: Progress | None = None)
 
 
 # the real target's layout when none is named: its matrices as the GGUF keeps them
-REAL_TARGET_WEIGHTS: Weights = "auto"
+REAL_TARGET_WEIGHTS: Weights = GGUF_WEIGHTS
 
 
 def real_target_layout(
     cache_dir: Path, progress: Progress | None = None, weights: Weights = REAL_TARGET_WEIGHTS
 ) -> Path:
-    """The real target's flash layout, converted from its GGUF once: bf16 ("dense"), or
-    with its matrices in the file's own 4- and 8-bit classes ("auto"), or q4, q8."""
+    """The real target's flash layout, converted from its GGUF once (gguf_layout.py)."""
     gguf_path = real_model_path(cache_dir, "target", progress)
-    suffix = {"dense": "bf16", "auto": "quantized"}.get(weights, weights)
-    layout = cache_dir / "flash" / f"{gguf_path.stem}-{suffix}"
-    waiting = f"waiting for another process converting {gguf_path.name}"
-    # one conversion at a time: a second would convert it all again, then fail to rename
-    with exclusive(layout.parent, lambda: print(waiting, file=sys.stderr)):
-        if layout.is_dir() and manifest_version(layout) != MANIFEST_VERSION:
-            print(f"{layout.name} was written by another lever_actors version", file=sys.stderr)
-            shutil.rmtree(layout)  # ours to replace: the cache is ours, the GGUF stays
-        if not layout.is_dir():
-            print(f"converting {gguf_path.name} to a {suffix} flash layout (once)", file=sys.stderr)
-            convert(gguf_path, layout, torch.bfloat16, progress, weights)
-    return layout
+    return gguf_layout(gguf_path, cache_dir, progress, weights, name=gguf_path.stem)
+
+
+def real_pair(
+    cache_dir: Path | None = None, weights: Weights = REAL_TARGET_WEIGHTS, **fields: Any
+) -> EngineConfig:
+    """Blocking: an EngineConfig of the real pair (Qwen2.5-Coder 1.5B Instruct Q4_K_M, its
+    0.5B as the draft) with `fields` set; the GGUFs fetched and the target converted into
+    `cache_dir` (default: ~/.cache/lever_actors) on first use, minutes once, with progress
+    on stderr. `fields` are checked before anything is fetched."""
+    EngineConfig(target="the real target", draft="the real draft", **fields)
+    cache = cache_dir or default_cache_dir()
+    target = real_target_layout(cache, ProgressLine(), weights)
+    draft = real_model_path(cache, "draft", ProgressLine())
+    return EngineConfig(target=str(target), draft=str(draft), **fields)

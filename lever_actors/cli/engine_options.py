@@ -10,12 +10,9 @@ from typing import Any
 
 import msgspec
 
+from lever_actors.checkpoints.gguf_layout import gguf_layout, is_gguf
 from lever_actors.checkpoints.quantize import WEIGHTS_CHOICES
-from lever_actors.checkpoints.real_pair import (
-    REAL_TARGET_WEIGHTS,
-    real_model_path,
-    real_target_layout,
-)
+from lever_actors.checkpoints.real_pair import REAL_TARGET_WEIGHTS, real_pair
 from lever_actors.config import (
     DEFAULT_PROMPT_CACHE,
     SPILLED_PROMPT_CACHE,
@@ -30,13 +27,18 @@ from lever_actors.sizes import compact_bytes
 
 
 def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
-    gen.add_argument("--target", type=Path, help="flash layout of the target (from `convert`)")
+    gen.add_argument(
+        "--target",
+        type=Path,
+        help="the target: a GGUF file (converted into the cache on first use) or a flash "
+        "layout (from `convert`)",
+    )
     gen.add_argument(
         "--target-weights",
         choices=WEIGHTS_CHOICES,
         default=REAL_TARGET_WEIGHTS,
-        help="without --target: the real target's layout, its matrices dense (bfloat16) or "
-        f"quantized (see `convert --weights`) (default: {REAL_TARGET_WEIGHTS})",
+        help="without --target, or with a GGUF: the target's layout, its matrices dense "
+        f"(bfloat16) or quantized (see `convert --weights`) (default: {REAL_TARGET_WEIGHTS})",
     )
     gen.add_argument("--draft", type=Path, help="draft model: HF dir, GGUF file or flash layout")
     gen.add_argument(
@@ -174,13 +176,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     # a tree given is followed as given, unless a plan is asked for too
     flags["plan"] = args.plan or (None if args.tree else "auto")
     if args.target is None:
-        # the flags are checked before the pair is fetched and converted (minutes, once)
-        EngineConfig(target="the real target", draft="the real draft", **flags)
-        target = real_target_layout(args.cache_dir, ProgressLine(), args.target_weights)
-        draft: Path | None = real_model_path(args.cache_dir, "draft", ProgressLine())
-    else:
-        target, draft = args.target, args.draft
-    return EngineConfig(target=str(target), draft=str(draft) if draft else None, **flags)
+        return real_pair(args.cache_dir, args.target_weights, **flags)
+    target = args.target
+    if is_gguf(target):  # as it is: converted once into the cache
+        target = gguf_layout(target, args.cache_dir, ProgressLine(), args.target_weights)
+    draft = str(args.draft) if args.draft else None
+    return EngineConfig(target=str(target), draft=draft, **flags)
 
 
 def _count_or_all(text: str) -> int | None:

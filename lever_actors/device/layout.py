@@ -124,7 +124,10 @@ def manifest_version(directory: Path) -> int | None:
 def read_manifest(directory: Path) -> Manifest:
     path = directory / MANIFEST_NAME
     if not path.is_file():
-        raise CheckpointError(f"{directory}: not a flash layout (no {MANIFEST_NAME})")
+        raise CheckpointError(
+            f"{directory}: not a flash layout (no {MANIFEST_NAME}) nor a GGUF file; "
+            "`lever-actors convert` makes a layout of a checkpoint"
+        )
     raw = path.read_bytes()
     try:
         version = _declared_version(raw)

@@ -15,12 +15,14 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Unpack
 
+import msgspec
 import trio
 
 from lever_actors.channels.bounded import ChannelSet
 from lever_actors.channels.messages import TokenEvent
 from lever_actors.channels.trace import Tracer
 from lever_actors.checkpoints.flash_layout import layout_tokenizer
+from lever_actors.checkpoints.gguf_layout import gguf_layout, is_gguf
 from lever_actors.checkpoints.tokenizer import Message, Tokenizer
 from lever_actors.config import EngineConfig
 from lever_actors.device.layout import Manifest, read_manifest
@@ -39,6 +41,7 @@ from lever_actors.engine.wiring import run_request
 from lever_actors.errors import ConfigError, DeadlineError, EngineClosedError
 from lever_actors.model.transformer import Transformer
 from lever_actors.options import GenerationKeywords, GenerationOptions, options_of
+from lever_actors.paths import default_cache_dir
 from lever_actors.plan.context import Context
 from lever_actors.plan.start import Proposal, StartPlan, propose, refuse_early
 from lever_actors.policy.pruning import keep_everything
@@ -102,12 +105,15 @@ class Engine:
         drafts = draft is not None or config.draft is not None
         if config.plan is None and config.tree.needs_draft and not drafts:
             raise ConfigError(f"tree {str(config.tree)!r} needs a draft model; set draft")
-        manifest = read_manifest(Path(config.target))
         # planning, loading and profiling on the "npu" unit's thread too: no other thread of
         # ours starts an OpenMP team (units.py)
         npu = ComputeUnit("npu")
         units = (npu, ComputeUnit("cpu") if config.units == "split" else npu)
         try:
+            if is_gguf(Path(config.target)):  # as it is: its layout in the cache, made once
+                layout = await npu.run(gguf_layout, Path(config.target), default_cache_dir())
+                config = msgspec.structs.replace(config, target=str(layout))
+            manifest = read_manifest(Path(config.target))
             # a limit that cannot hold the process beside the target's least budget is
             # refused before anything is parsed; then the tokenizer: its parse peaks about
             # 130 MB above the 46 MiB it keeps (the real pair's), which then comes before

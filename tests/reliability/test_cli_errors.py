@@ -194,8 +194,8 @@ def test_engine_flags_are_checked_before_the_real_pair_is_fetched(
     def fetch(*args, **kwargs):
         raise AssertionError("the real pair was fetched before the flags were checked")
 
-    monkeypatch.setattr("lever_actors.cli.engine_options.real_target_layout", fetch)
-    monkeypatch.setattr("lever_actors.cli.engine_options.real_model_path", fetch)
+    monkeypatch.setattr("lever_actors.checkpoints.real_pair.real_target_layout", fetch)
+    monkeypatch.setattr("lever_actors.checkpoints.real_pair.real_model_path", fetch)
     assert main(["--cache-dir", str(tmp_path), "generate", *flags]) == 2
     assert message in one_line(capsys)
 
@@ -225,7 +225,7 @@ def test_an_address_serve_cannot_listen_on_is_one_line_before_anything_loads(
     def fetch(*args, **kwargs):
         raise AssertionError("the real pair was fetched before the address was checked")
 
-    monkeypatch.setattr("lever_actors.cli.engine_options.real_target_layout", fetch)
+    monkeypatch.setattr("lever_actors.checkpoints.real_pair.real_target_layout", fetch)
     flags = [flag.replace("TAKEN", str(taken_port)) for flag in flags]
     assert main(["--cache-dir", str(tmp_path), "serve", *flags]) == code
     assert one_line(capsys).startswith(PREFIX + message.replace("TAKEN", str(taken_port)))
@@ -234,7 +234,10 @@ def test_an_address_serve_cannot_listen_on_is_one_line_before_anything_loads(
 def test_a_failure_inside_serves_trio_run_is_one_line(capsys, tmp_path):
     missing = tmp_path / "missing"  # the engine fails to open, inside trio's exception groups
     assert main(["serve", "--target", str(missing), "--port", "0"]) == 1
-    assert one_line(capsys) == f"{PREFIX}{missing}: not a flash layout (no manifest.json)\n"
+    assert one_line(capsys) == (
+        f"{PREFIX}{missing}: not a flash layout (no manifest.json) nor a GGUF file; "
+        "`lever-actors convert` makes a layout of a checkpoint\n"
+    )
 
 
 @pytest.mark.parametrize(
