@@ -65,6 +65,12 @@ class Batch:
     def queued(self) -> int:
         return len(self._line)
 
+    @property
+    def kv_usage(self) -> float:
+        """The share of the KV room the placed requests may fill (0 to 1)."""
+        scheduler = self._scheduler
+        return min(1.0, sum(scheduler.placed.values()) / scheduler.room_tokens)
+
     @asynccontextmanager
     async def place(self, kv_tokens: int) -> AsyncIterator[Place]:
         """Wait in line for a place for a request that may fill `kv_tokens` of KV; hold it

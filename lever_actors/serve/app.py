@@ -44,6 +44,8 @@ from lever_actors.serve.admission import Admission, Cut, Ticket
 from lever_actors.serve.departures import ClientLeft, GoneConnections, unless_gone
 from lever_actors.serve.errors import JSON, ApiError
 from lever_actors.serve.event_stream import EventStream
+from lever_actors.serve.metrics import CONTENT_TYPE as METRICS_TYPE
+from lever_actors.serve.metrics import Finished, ServerMetrics
 from lever_actors.serve.options import ServeOptions
 from lever_actors.serve.schemas import (
     ChatRequest,
@@ -66,13 +68,14 @@ Describer = Callable[[int, str, float, Sequence[TopLogprob]], list[TokenLogprob]
 def build_app(engine: Engine, options: ServeOptions) -> Starlette:
     """The application serving `engine` as `options` say; its `state.admission` drains it."""
     admission = Admission(options.queue, engine.batch)
-    routes = _Routes(engine, options, admission)
+    routes = _Routes(engine, options, admission, ServerMetrics(engine))
     allowed = options.allowed_hosts
     hosts = [] if allowed is None else [Middleware(_AllowedHosts, names=allowed)]
     gone = [Middleware(GoneConnections)]
     app = Starlette(
         routes=[
             Route("/health", routes.health, methods=["GET"]),
+            Route("/metrics", routes.metrics, methods=["GET"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
@@ -131,16 +134,22 @@ def host_name(header: str) -> str:
 
 
 class _Routes:
-    def __init__(self, engine: Engine, options: ServeOptions, admission: Admission) -> None:
+    def __init__(
+        self, engine: Engine, options: ServeOptions, admission: Admission, metrics: ServerMetrics
+    ) -> None:
         self.engine = engine
         self.options = options
         self.admission = admission
+        self.figures = metrics
         tokenizer = engine.tokenizer  # whether a tool call's markers are tokens of their own
         self.marker_tokens = tokenizer is not None and tokenizer.has_token(OPEN)
 
     async def health(self, request: Request) -> Response:
         figures = self.admission.figures()
         return JSON({"status": "ok", **figures, "n_ctx": self.engine.context.tokens})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.figures.text(), media_type=METRICS_TYPE)
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
@@ -265,6 +274,7 @@ class _Routes:
                 ticket.release()
             if scope.cancelled_caught:
                 raise _shut_down()
+            self.figures.finished(Finished.of_result(result))
             use = usage(result.prompt_tokens, result.generated_tokens, result.cached_tokens)
             logprobs = None
             if described is not None:
@@ -295,7 +305,7 @@ class _Routes:
             raise
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         held = CallText() if tools else None
-        body = _sse(reply, first, events, include_usage, ticket, described, held)
+        body = _sse(reply, first, events, include_usage, ticket, self.figures, described, held)
         weakref.finalize(body, ticket.release)  # also if the response never starts
         return EventStream(body)
 
@@ -306,6 +316,7 @@ async def _sse(
     events: AsyncGenerator[TokenEvent, None],
     include_usage: bool,
     ticket: Ticket,
+    metrics: ServerMetrics,
     described: Describer | None = None,
     calls: CallText | None = None,
 ) -> AsyncGenerator[bytes, None]:
@@ -355,6 +366,7 @@ async def _sse(
             yield _event(error_body(_failure(error), "server_error"))
             yield b"data: [DONE]\n\n"
             return
+        metrics.finished(Finished.of_events(first, last))
         if include_usage:
             use = usage(last.prompt_tokens, last.generated_tokens, last.cached_tokens)
             yield _event(reply.usage_chunk(use))
