@@ -73,6 +73,15 @@ class GenerationOptions(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"stop = {list(self.stop)!r}: expected no empty string")
         msgspec.structs.force_setattr(self, "stop", tuple(self.stop))
 
+    def choice(self, index: int) -> GenerationOptions:
+        """The options of a request's choice `index` (OpenAI's `n`): its seed the request's
+        plus `index` (modulo 2**64), so that choice 0 is the request alone and each choice
+        is the same whenever the request is."""
+        seed = (self.sampling.seed + index) % 2**64
+        return msgspec.structs.replace(
+            self, sampling=msgspec.structs.replace(self.sampling, seed=seed)
+        )
+
 
 DEFAULTS = GenerationOptions()
 

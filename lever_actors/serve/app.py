@@ -37,9 +37,10 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lever_actors.channels.messages import TokenEvent, TopLogprob
-from lever_actors.engine import Engine
+from lever_actors.engine import Engine, GenerationResult
 from lever_actors.errors import ConfigError, ConsumerStalledError, DeadlineError, LeverError
 from lever_actors.logs import get_logger
+from lever_actors.options import GenerationOptions
 from lever_actors.serve.admission import Admission, Cut, Ticket
 from lever_actors.serve.departures import ClientLeft, GoneConnections, unless_gone
 from lever_actors.serve.errors import JSON, ApiError
@@ -48,6 +49,7 @@ from lever_actors.serve.metrics import CONTENT_TYPE as METRICS_TYPE
 from lever_actors.serve.metrics import Finished, ServerMetrics
 from lever_actors.serve.options import ServeOptions
 from lever_actors.serve.schemas import (
+    Answer,
     ChatRequest,
     CompletionRequest,
     Reply,
@@ -217,6 +219,31 @@ class _Routes:
                 400, f"the body is not valid JSON: {e}", "invalid_request_error"
             ) from None
 
+    async def _choices(
+        self,
+        prompt: str | list[int] | None,
+        messages: list[dict[str, Any]] | None,
+        tools: list[dict[str, Any]] | None,
+        options: GenerationOptions,
+        n: int,
+    ) -> list[GenerationResult]:
+        """The request's `n` choices, each a request of the batch, decoded together."""
+        chosen: dict[int, GenerationResult] = {}
+
+        async def choose(index: int) -> None:
+            choice = options.choice(index)
+            chosen[index] = await self.engine.generate(
+                prompt, messages=messages, tools=tools, options=choice
+            )
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for index in range(n):
+                    nursery.start_soon(choose, index)
+        except BaseExceptionGroup as group:  # a choice's failure is the request's
+            raise group.exceptions[0] from None
+        return [chosen[index] for index in range(n)]
+
     async def _body(self, request: Request) -> bytes:
         """The body, refused (413) past max_body: by its Content-Length, or as it comes."""
         too_large = ApiError(
@@ -260,12 +287,10 @@ class _Routes:
             ticket.release()
             raise
         if not parsed.stream:
-            whole = partial(
-                self.engine.generate, prompt, messages=messages, tools=tools, options=options
-            )
+            whole = partial(self._choices, prompt, messages, tools, options, parsed.n)
             try:
                 with self.admission.cuttable() as scope:
-                    result = await unless_gone(request, whole)
+                    results = await unless_gone(request, whole)
             except ConfigError as e:
                 raise ApiError.bad_request(e) from None
             except DeadlineError as e:
@@ -274,16 +299,13 @@ class _Routes:
                 ticket.release()
             if scope.cancelled_caught:
                 raise _shut_down()
-            self.figures.finished(Finished.of_result(result))
-            use = usage(result.prompt_tokens, result.generated_tokens, result.cached_tokens)
-            logprobs = None
-            if described is not None:
-                each = zip(
-                    result.tokens, result.pieces, result.logprobs, result.top_logprobs, strict=True
-                )
-                logprobs = [t for args in each for t in described(*args)]
-            text, calls = read_calls(result.text) if tools else (result.text, [])
-            return JSON(reply.whole(text, result.finish_reason, use, logprobs, calls))
+            for result in results:
+                self.figures.finished(Finished.of_result(result))
+            prompted = results[0]  # the prompt, counted once
+            generated = sum(result.generated_tokens for result in results)
+            use = usage(prompted.prompt_tokens, generated, prompted.cached_tokens)
+            answers = [_answer_of(result, described, bool(tools)) for result in results]
+            return JSON(reply.whole(answers, use))
         # the place in the queue is free once the engine's work is: a stalled reader whose
         # request the engine ended holds none, though its response (which a drain awaits)
         # waits on it still
@@ -374,6 +396,17 @@ async def _sse(
     finally:
         ticket.release()
         await events.aclose()  # a client gone mid-stream cancels the request here
+
+
+def _answer_of(result: GenerationResult, described: Describer | None, tools: bool) -> Answer:
+    """A whole response's choice: its text (tool calls read out of it where `tools`), and
+    each token's log-probability where `described`."""
+    logprobs = None
+    if described is not None:
+        each = zip(result.tokens, result.pieces, result.logprobs, result.top_logprobs, strict=True)
+        logprobs = [t for args in each for t in described(*args)]
+    text, calls = read_calls(result.text) if tools else (result.text, [])
+    return Answer(text, result.finish_reason, logprobs, calls)
 
 
 def _failure(error: Exception) -> str:

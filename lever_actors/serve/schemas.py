@@ -1,7 +1,7 @@
 """The OpenAI-compatible request and response bodies `serve` speaks, as msgspec structs.
 
 Requests refuse unknown fields, so that a client that asks for something we do not do
-(n > 1, logit_bias) hears so instead of silently getting something else.
+(logit_bias) hears so instead of silently getting something else.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
@@ -21,6 +22,7 @@ from lever_actors.text.finish import ReplyFinish, reply_finish
 from lever_actors.text.tool_calls import ToolCall, call_grammar
 
 Role = Literal["system", "user", "assistant", "tool"]
+MAX_CHOICES = 8  # `n`: choices a request may ask for, each a request of the batch
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -51,6 +53,7 @@ class Sampled(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Fields both endpoints share; the defaults are OpenAI's (temperature 1: sampling)."""
 
     model: str | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHOICES)] = 1  # choices, decoded together
     max_tokens: int | None = None  # default: the engine's
     temperature: float = 1.0
     top_p: float = 1.0
@@ -60,6 +63,10 @@ class Sampled(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, unused
     response_format: ResponseFormat | None = None
+
+    def __post_init__(self) -> None:
+        if self.stream and self.n > 1:
+            raise ValueError("n > 1 is answered whole: set stream to false")
 
     def options(
         self, default_max_tokens: int, deadline_seconds: float | None, marker_tokens: bool = False
@@ -262,6 +269,15 @@ def _bytes(text: str) -> list[int] | None:
     return None if "\ufffd" in text else list(text.encode())
 
 
+class Answer(NamedTuple):
+    """One choice of a whole response."""
+
+    text: str
+    finish: FinishReason | None
+    logprobs: list[TokenLogprob] | None = None
+    calls: list[ToolCall] | None = None
+
+
 class Reply:
     """One response's identity (id, creation time, model name) and its body builders: a
     completion or a chat completion, whole or as stream chunks."""
@@ -272,15 +288,14 @@ class Reply:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
-    def whole(
-        self,
-        text: str,
-        finish: FinishReason | None,
-        use: Usage,
-        logprobs: list[TokenLogprob] | None = None,
-        calls: list[ToolCall] | None = None,
-    ) -> dict[str, Any]:
-        """The whole response; with `calls`, a chat message that calls tools."""
+    def whole(self, answers: Sequence[Answer], use: Usage) -> dict[str, Any]:
+        """The whole response, a choice per answer; one with `calls` a chat message that
+        calls tools."""
+        body = self._head("chat.completion" if self.chat else "text_completion")
+        return body | {"choices": [self._choice(i, a) for i, a in enumerate(answers)], "usage": use}
+
+    def _choice(self, index: int, answer: Answer) -> dict[str, Any]:
+        text, calls = answer.text, answer.calls
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if calls:
@@ -288,13 +303,12 @@ class Reply:
                     "content": text or None,
                     "tool_calls": tool_calls_body(calls, False),
                 }
-            choice = {"index": 0, "message": message}
+            choice: dict[str, Any] = {"index": index, "message": message}
         else:
-            choice = {"index": 0, "text": text}
+            choice = {"index": index, "text": text}
+        logprobs = answer.logprobs
         choice["logprobs"] = None if logprobs is None else self.logprobs(logprobs, 0)
-        body = self._head("chat.completion" if self.chat else "text_completion")
-        ended = reply_finish(finish, bool(calls))
-        return body | {"choices": [choice | {"finish_reason": ended}], "usage": use}
+        return choice | {"finish_reason": reply_finish(answer.finish, bool(calls))}
 
     def chunk(
         self,

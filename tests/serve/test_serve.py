@@ -233,11 +233,41 @@ async def test_a_client_that_leaves_mid_stream_cancels_its_request(config):
     assert health["requests"] == 0  # the abandoned request no longer holds a place
 
 
+async def test_n_choices_with_a_seed_are_the_same_each_time_and_each_exact(config):
+    """#66 item 2: `n` choices decode together; choice i samples with the seed plus i, so
+    the same request gives the same choices, choice 0 is the request alone, and usage
+    counts every choice's tokens."""
+    asked = {"model": "lever", "prompt": "t3 t1 t4", "max_tokens": NEW, "temperature": 0.9}
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            api = client(await start(nursery, config))
+            twice = [await api.completions.create(**asked, n=3, seed=11) for _ in range(2)]
+            chat = await api.chat.completions.create(
+                model="lever",
+                messages=[{"role": "user", "content": "t1 t4"}],
+                max_tokens=NEW,
+                temperature=0,
+                n=2,
+            )
+            nursery.cancel_scope.cancel()
+    first, again = ([c.text for c in r.choices] for r in twice)
+    expected = [
+        text_of(config, [3, 1, 4], Sampling(temperature=0.9, seed=11 + i)) for i in range(3)
+    ]
+    assert first == again == expected and len(set(first)) > 1
+    assert [c.index for c in twice[0].choices] == [0, 1, 2]
+    assert (twice[0].usage.prompt_tokens, twice[0].usage.completion_tokens) == (3, 3 * NEW)
+    greedy = [c.message.content for c in chat.choices]
+    assert greedy == [greedy[0]] * 2 and chat.usage.completion_tokens == 2 * NEW
+
+
 @pytest.mark.parametrize(
     ("body", "headers", "status", "fragment"),
     [
         ("{not json", None, 400, "not valid JSON"),
-        ({"prompt": "t1", "n": 2}, None, 400, "unknown field `n`"),
+        ({"prompt": "t1", "logit_bias": {}}, None, 400, "unknown field `logit_bias`"),
+        ({"prompt": "t1", "n": 9}, None, 400, "Expected `int` <= 8 - at `$.n`"),
+        ({"prompt": "t1", "n": 2, "stream": True}, None, 400, "n > 1 is answered whole"),
         ({"prompt": "t1", "max_tokens": 0}, None, 400, "max_new_tokens"),
         ({"prompt": "t1", "temperature": -1}, None, 400, "temperature = -1"),
         ({"prompt": "t1", "temperature": 1e-300}, None, 400, "temperature = 1e-300: expected 0"),
