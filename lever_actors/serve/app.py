@@ -38,16 +38,17 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lever_actors.channels.messages import TokenEvent, TopLogprob
 from lever_actors.engine import Engine, GenerationResult
-from lever_actors.errors import ConfigError, ConsumerStalledError, DeadlineError, LeverError
+from lever_actors.errors import ConfigError, ConsumerStalledError, DeadlineError
 from lever_actors.logs import get_logger
 from lever_actors.options import GenerationOptions
 from lever_actors.serve.admission import Admission, Cut, Ticket
 from lever_actors.serve.departures import ClientLeft, GoneConnections, unless_gone
-from lever_actors.serve.errors import JSON, ApiError
+from lever_actors.serve.errors import JSON, ApiError, failure_message
 from lever_actors.serve.event_stream import EventStream
 from lever_actors.serve.metrics import CONTENT_TYPE as METRICS_TYPE
 from lever_actors.serve.metrics import Finished, ServerMetrics
 from lever_actors.serve.options import ServeOptions
+from lever_actors.serve.responses import Conversations, ResponsesRequest, ResponseWriter
 from lever_actors.serve.schemas import (
     Answer,
     ChatRequest,
@@ -81,6 +82,7 @@ def build_app(engine: Engine, options: ServeOptions) -> Starlette:
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+            Route("/v1/responses", routes.responses, methods=["POST"]),
         ],
         middleware=gone + hosts,
         exception_handlers={
@@ -143,6 +145,7 @@ class _Routes:
         self.options = options
         self.admission = admission
         self.figures = metrics
+        self.conversations = Conversations()  # for the Responses API's previous_response_id
         tokenizer = engine.tokenizer  # whether a tool call's markers are tokens of their own
         self.marker_tokens = tokenizer is not None and tokenizer.has_token(OPEN)
 
@@ -168,6 +171,17 @@ class _Routes:
         return await self._answer(
             request, parsed, Reply(False, self.options.model_name), parsed.prompt
         )
+
+    async def responses(self, request: Request) -> Response:
+        asked = await self._parse(request, ResponsesRequest)
+        with client_errors():  # a past call's arguments that are not JSON, a bad item
+            chat = asked.as_chat(self.conversations.before(asked.previous_response_id))
+            conversation, tools = chat.conversation(), chat.functions()
+        writer = ResponseWriter(asked, chat, self.options.model_name, self.conversations)
+        return await self._answer(request, chat, writer, None, conversation, tools)
+
+    def _finished_stream(self, first: TokenEvent, last: TokenEvent) -> None:
+        self.figures.finished(Finished.of_events(first, last))
 
     async def chat_completions(self, request: Request) -> Response:
         parsed = await self._parse(request, ChatRequest)
@@ -198,7 +212,7 @@ class _Routes:
         if not secrets.compare_digest(given.encode(), key.encode()):
             raise ApiError(401, "incorrect API key", "invalid_request_error", "invalid_api_key")
 
-    async def _parse(self, request: Request, schema: type[Sampled]) -> Any:
+    async def _parse(self, request: Request, schema: type[Sampled | ResponsesRequest]) -> Any:
         self._authorize(request)
         media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
         if media != "application/json":
@@ -267,7 +281,7 @@ class _Routes:
         self,
         request: Request,
         parsed: Sampled,
-        reply: Reply,
+        reply: Reply | ResponseWriter,
         prompt: str | list[int] | None,
         messages: list[dict[str, Any]] | None = None,
         tools: list[dict[str, Any]] | None = None,
@@ -325,9 +339,13 @@ class _Routes:
             if isinstance(e, DeadlineError):
                 raise _timed_out(e) from None
             raise
-        include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-        held = CallText() if tools else None
-        body = _sse(reply, first, events, include_usage, ticket, self.figures, described, held)
+        if isinstance(reply, ResponseWriter):
+            finished = self._finished_stream
+            body = reply.events(first, events, tools is not None, finished, ticket)
+        else:
+            include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+            held = CallText() if tools else None
+            body = _sse(reply, first, events, include_usage, ticket, self.figures, described, held)
         weakref.finalize(body, ticket.release)  # also if the response never starts
         return EventStream(body)
 
@@ -385,7 +403,7 @@ async def _sse(
             return
         except Exception as error:  # the headers went out: the stream says so, then ends
             log.exception("a streamed request failed")
-            yield _event(error_body(_failure(error), "server_error"))
+            yield _event(error_body(failure_message(error), "server_error"))
             yield b"data: [DONE]\n\n"
             return
         metrics.finished(Finished.of_events(first, last))
@@ -407,14 +425,6 @@ def _answer_of(result: GenerationResult, described: Describer | None, tools: boo
         logprobs = [t for args in each for t in described(*args)]
     text, calls = read_calls(result.text) if tools else (result.text, [])
     return Answer(text, result.finish_reason, logprobs, calls)
-
-
-def _failure(error: Exception) -> str:
-    """What a client is told of a failure: the library's own (a damaged layout, say) by its
-    one-line message, anything else as a bug whose traceback is in the log."""
-    if isinstance(error, LeverError):
-        return str(error)
-    return "the server failed; see its log"
 
 
 def _shut_down() -> ApiError:
@@ -454,4 +464,4 @@ async def _client_left(request: Request, exc: Exception) -> Response:
 
 async def _server_error(request: Request, exc: Exception) -> Response:
     """A failure: still OpenAI's error body (the server logs the traceback)."""
-    return JSON(error_body(_failure(exc), "server_error"), status_code=500)
+    return JSON(error_body(failure_message(exc), "server_error"), status_code=500)

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 from starlette.responses import JSONResponse, Response
 
-from lever_actors.errors import ConfigError, ContextLengthError
+from lever_actors.errors import ConfigError, ContextLengthError, LeverError
 from lever_actors.serve.schemas import error_body
 
 RETRY_AFTER_SECONDS = 5
@@ -50,3 +50,11 @@ class ApiError(Exception):
         body = error_body(self.message, self.kind, self.code)
         body["error"] |= self.details
         return JSON(body, status_code=self.status, headers=headers)
+
+
+def failure_message(error: Exception) -> str:
+    """What a client is told of a failure: the library's own (a damaged layout, say) by its
+    one-line message, anything else as a bug whose traceback is in the log."""
+    if isinstance(error, LeverError):
+        return str(error)
+    return "the server failed; see its log"
