@@ -308,7 +308,7 @@ class ResponseWriter:
         self._keep(text, calls)
         use = usage(last.prompt_tokens, last.generated_tokens, last.cached_tokens)
         done = self._response("completed", self._output(text, calls), last.finish_reason, use)
-        yield self._event("response.completed", response=done)
+        yield self._event(f"response.{done['status']}", response=done)  # or incomplete: cut
 
     def _keep(self, text: str, calls: list[ToolCall]) -> None:
         said = [AssistantCall(c.id, "function", CalledFunction(c.name, c.arguments)) for c in calls]
