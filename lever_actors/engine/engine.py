@@ -248,6 +248,52 @@ class Engine:
         async for event in self._events(request):
             yield event
 
+    async def stream_choices(
+        self,
+        n: int,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        messages: Sequence[Message] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        options: GenerationOptions | None = None,
+        on_done: Callable[[], None] | None = None,
+        **keywords: Unpack[GenerationKeywords],
+    ) -> AsyncGenerator[tuple[int, TokenEvent], None]:
+        """`n` choices of one request (OpenAI's `n`), each a request of the batch with the
+        options of its index (`GenerationOptions.choice`), decoded together: yield
+        (index, event) as each comes. Leaving the loop early cancels them all; the first
+        error of one is raised once all have ended. `on_done()` once the engine has done
+        with every choice. The arguments are `stream`'s."""
+        options = options_of(options, keywords)
+        choices = [
+            await self._request(prompt, messages, tools, options.choice(index))
+            for index in range(n)
+        ]
+        left = [n]
+
+        def one_done() -> None:
+            left[0] -= 1
+            if left[0] == 0 and on_done is not None:
+                on_done()
+
+        size = self.config.channels.events
+        merged, taken = trio.open_memory_channel[tuple[int, TokenEvent]](n * size)
+        with merged:
+            for index, request in enumerate(choices):
+                request.on_done = one_done
+                send, receive = trio.open_memory_channel[TokenEvent](size)
+                self._nursery.start_soon(self._serve, request, send)
+                self._nursery.start_soon(_tagged, index, receive, merged.clone())
+        try:
+            with taken:
+                async for pair in taken:
+                    yield pair
+        finally:
+            for request in choices:  # a consumer that stopped early ends them all
+                request.scope.cancel()
+        if errors := [request.error for request in choices if request.error is not None]:
+            raise errors[0]
+
     async def _request(
         self,
         prompt: str | Sequence[int] | None,
@@ -316,3 +362,17 @@ class Engine:
             assert place.crew is not None  # the crew it joined failed
             await place.crew.wait()  # nothing of that crew still runs once the request raises
             raise place.failure
+
+
+async def _tagged(
+    index: int,
+    events: trio.MemoryReceiveChannel[TokenEvent],
+    merged: trio.MemorySendChannel[tuple[int, TokenEvent]],
+) -> None:
+    """A choice's events onto the channel of all, with its index, until either end closes."""
+    with events, merged:
+        async for event in events:
+            try:
+                await merged.send((index, event))
+            except trio.BrokenResourceError:  # the consumer left: its choices end
+                return

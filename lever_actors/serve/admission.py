@@ -7,15 +7,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 import trio
 
-from lever_actors.channels.messages import TokenEvent
 from lever_actors.engine.batch import Batch
 from lever_actors.logs import get_logger
 from lever_actors.serve.errors import ApiError
 
 log = get_logger(__name__)
+
+T = TypeVar("T")
 
 DRAIN_POLL_SECONDS = 0.05  # how often a drain looks whether the last request has left
 
@@ -69,9 +71,7 @@ class Admission:
         finally:
             self._scopes.discard(scope)
 
-    async def until_cut(
-        self, events: AsyncGenerator[TokenEvent, None]
-    ) -> AsyncGenerator[TokenEvent, None]:
+    async def until_cut(self, events: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
         """`events` until they end, or until a drain cuts them (then `Cut`)."""
         try:
             while True:

@@ -22,6 +22,7 @@ from collections.abc import (
     Sequence,
 )
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -323,8 +324,13 @@ class _Routes:
         # the place in the queue is free once the engine's work is: a stalled reader whose
         # request the engine ended holds none, though its response (which a drain awaits)
         # waits on it still
-        stream = self.engine.stream(
-            prompt, messages=messages, tools=tools, options=options, on_done=ticket.engine_done
+        stream = self.engine.stream_choices(
+            parsed.n,
+            prompt,
+            messages=messages,
+            tools=tools,
+            options=options,
+            on_done=ticket.engine_done,
         )
         events = self.admission.until_cut(stream)
         try:  # the first token before the headers: a bad request is still a 400
@@ -341,63 +347,83 @@ class _Routes:
             raise
         if isinstance(reply, ResponseWriter):
             finished = self._finished_stream
-            body = reply.events(first, events, tools is not None, finished, ticket)
+            body = reply.events(first[1], events, tools is not None, finished, ticket)
         else:
             include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-            held = CallText() if tools else None
-            body = _sse(reply, first, events, include_usage, ticket, self.figures, described, held)
+            figures = self.figures
+            body = _sse(
+                reply, first, events, include_usage, ticket, figures, described, bool(tools)
+            )
         weakref.finalize(body, ticket.release)  # also if the response never starts
         return EventStream(body)
 
 
+@dataclass
+class _Streamed:
+    """One choice of a streamed response, as far as it has gone."""
+
+    first: TokenEvent
+    last: TokenEvent
+    calls: CallText | None  # its tool calls held back, where the request has tools
+    offset: int = 0  # characters of its tokens' texts so far, for the legacy text_offset
+
+
 async def _sse(
     reply: Reply,
-    first: TokenEvent,
-    events: AsyncGenerator[TokenEvent, None],
+    first: tuple[int, TokenEvent],
+    events: AsyncGenerator[tuple[int, TokenEvent], None],
     include_usage: bool,
     ticket: Ticket,
     metrics: ServerMetrics,
     described: Describer | None = None,
-    calls: CallText | None = None,
+    with_tools: bool = False,
 ) -> AsyncGenerator[bytes, None]:
-    """Server-sent events: one chunk per token, the finish reason on the last (CUT_SHORT on
-    a chunk of its own where a drain cut the stream), [DONE]; each token's log-probability
-    where `described`; tool calls, where `calls` holds them back, in a last chunk."""
-    offset = 0  # characters of the tokens' texts so far, for the legacy text_offset
+    """Server-sent events: one chunk per token of each choice (by its index), the finish
+    reason on a choice's last (CUT_SHORT on a chunk of its own where a drain cut the
+    stream), [DONE]; each token's log-probability where `described`; tool calls, held back
+    where the request has tools, in a choice's last chunk."""
+    choices: dict[int, _Streamed] = {}
 
-    def chunks(event: TokenEvent) -> Iterator[bytes]:
-        nonlocal offset
+    def chunks(index: int, event: TokenEvent) -> Iterator[bytes]:
+        choice = choices.get(index)
+        if choice is None:
+            choice = choices[index] = _Streamed(event, event, CallText() if with_tools else None)
+            if reply.chat:
+                yield _event(reply.chunk(None, first=True, index=index))
+        choice.last = event
         logprobs = None
         if described is not None:
             tokens = described(event.token, event.piece, event.logprob, event.top_logprobs)
-            logprobs = reply.logprobs(tokens, offset)
-            offset += sum(len(t.text) for t in tokens)
+            logprobs = reply.logprobs(tokens, choice.offset)
+            choice.offset += sum(len(t.text) for t in tokens)
+        calls = choice.calls
         if calls is None:
-            yield _event(reply.chunk(event.text, event.finish_reason, logprobs=logprobs))
+            yield _event(
+                reply.chunk(event.text, event.finish_reason, logprobs=logprobs, index=index)
+            )
             return
         text = calls.push(event.text)
         if event.finish_reason is None:
-            yield _event(reply.chunk(text, logprobs=logprobs))
+            yield _event(reply.chunk(text, logprobs=logprobs, index=index))
             return
         rest, called = calls.end()
         ended = reply_finish(event.finish_reason, bool(called))  # on the calls' chunk, if any
-        yield _event(reply.chunk(text + rest, None if called else ended, logprobs=logprobs))
+        yield _event(
+            reply.chunk(text + rest, None if called else ended, logprobs=logprobs, index=index)
+        )
         if called:
-            yield _event(reply.chunk(None, ended, calls=called))
+            yield _event(reply.chunk(None, ended, calls=called, index=index))
 
     try:
-        if reply.chat:
-            yield _event(reply.chunk(None, first=True))
-        last = first
-        for part in chunks(first):
+        for part in chunks(*first):
             yield part
         try:
-            async for event in events:
-                last = event
-                for part in chunks(event):
+            async for index, event in events:
+                for part in chunks(index, event):
                     yield part
         except Cut:
-            yield _event(reply.chunk(None, CUT_SHORT))
+            for index in choices:
+                yield _event(reply.chunk(None, CUT_SHORT, index=index))
         except ConsumerStalledError as stalled:  # a reader that came back too late
             log.info("a stalled reader's request was ended", reason=str(stalled))
             return
@@ -406,9 +432,12 @@ async def _sse(
             yield _event(error_body(failure_message(error), "server_error"))
             yield b"data: [DONE]\n\n"
             return
-        metrics.finished(Finished.of_events(first, last))
+        for choice in choices.values():
+            metrics.finished(Finished.of_events(choice.first, choice.last))
         if include_usage:
-            use = usage(last.prompt_tokens, last.generated_tokens, last.cached_tokens)
+            last = first[1] if not choices else next(iter(choices.values())).last
+            generated = sum(choice.last.generated_tokens for choice in choices.values())
+            use = usage(last.prompt_tokens, generated, last.cached_tokens)
             yield _event(reply.usage_chunk(use))
         yield b"data: [DONE]\n\n"
     finally:

@@ -244,7 +244,7 @@ class ResponseWriter:
     async def events(
         self,
         first: TokenEvent,
-        events: AsyncGenerator[TokenEvent, None],
+        events: AsyncGenerator[tuple[int, TokenEvent], None],  # its one choice's
         with_tools: bool,
         ended: Callable[[TokenEvent, TokenEvent], None],  # the first and last, once whole
         ticket: Ticket,
@@ -271,7 +271,7 @@ class ResponseWriter:
     async def _streamed(
         self,
         first: TokenEvent,
-        events: AsyncGenerator[TokenEvent, None],
+        events: AsyncGenerator[tuple[int, TokenEvent], None],
         with_tools: bool,
         ended: Callable[[TokenEvent, TokenEvent], None],
     ) -> AsyncGenerator[bytes, None]:
@@ -397,8 +397,8 @@ def _function_call(call: ToolCall) -> dict[str, Any]:
 
 
 async def _chained(
-    first: TokenEvent, rest: AsyncGenerator[TokenEvent, None]
+    first: TokenEvent, rest: AsyncGenerator[tuple[int, TokenEvent], None]
 ) -> AsyncGenerator[TokenEvent, None]:
     yield first
-    async for event in rest:
+    async for _, event in rest:
         yield event

@@ -64,10 +64,6 @@ class Sampled(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     user: str | None = None  # accepted, unused
     response_format: ResponseFormat | None = None
 
-    def __post_init__(self) -> None:
-        if self.stream and self.n > 1:
-            raise ValueError("n > 1 is answered whole: set stream to false")
-
     def options(
         self, default_max_tokens: int, deadline_seconds: float | None, marker_tokens: bool = False
     ) -> GenerationOptions:
@@ -317,18 +313,19 @@ class Reply:
         first: bool = False,
         logprobs: dict[str, Any] | None = None,
         calls: list[ToolCall] | None = None,
+        index: int = 0,
     ) -> dict[str, Any]:
-        """A stream chunk carrying `text` (None: none) or a chat's tool `calls`, and
-        `finish` on the last one."""
+        """A stream chunk of choice `index` carrying `text` (None: none) or a chat's tool
+        `calls`, and `finish` on the last one."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
                 delta["content"] = text
             if calls:
                 delta["tool_calls"] = tool_calls_body(calls, True)
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
+            choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text or ""}
+            choice = {"index": index, "text": text or ""}
         choice["logprobs"] = logprobs
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
         return body | {"choices": [choice | {"finish_reason": finish}]}

@@ -143,14 +143,14 @@ async def test_pipelining_clients_that_leave_give_their_places_back(config):
 async def test_a_stream_that_fails_midway_says_so_and_ends(config, monkeypatch):
     """#64 item 10: a layout damaged mid-request ended the stream with neither an error
     event nor [DONE]."""
-    original = Engine.stream
+    original = Engine.stream_choices
 
     async def failing(self, *args, **kwargs):
-        async for event in original(self, *args, **kwargs):
-            yield event
+        async for pair in original(self, *args, **kwargs):
+            yield pair
             raise CorruptLayoutError("weights.bin: layer 3 fails its checksum")
 
-    monkeypatch.setattr(Engine, "stream", failing)
+    monkeypatch.setattr(Engine, "stream_choices", failing)
     body = {"prompt": "t1 t2", "max_tokens": 5, "stream": True}
     with trio.fail_after(3 * WAIT):
         async with trio.open_nursery() as nursery:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lever_actors.checkpoints import load_checkpoint, real_pair
+from lever_actors.checkpoints import gguf_layout, load_checkpoint, real_pair
 from lever_actors.checkpoints.fetch import fetch_model
 from lever_actors.cli import main
 from lever_actors.testing import TINY_ARGS, tiny_checkpoint
@@ -178,7 +178,7 @@ def test_two_first_uses_convert_once_and_the_second_takes_the_layout(tmp_path, m
     monkeypatch.setattr(real_pair, "real_model_path", lambda *args: src)
     heard, inside, converted = Heard(), threading.Event(), []
     monkeypatch.setattr(sys, "stderr", heard)
-    original = real_pair.convert
+    original = gguf_layout.convert
 
     def convert(*args):  # holds the lock until the second use waits on it
         converted.append(args[1])
@@ -186,7 +186,7 @@ def test_two_first_uses_convert_once_and_the_second_takes_the_layout(tmp_path, m
         assert heard.waiting.wait(10)
         return original(*args)
 
-    monkeypatch.setattr(real_pair, "convert", convert)
+    monkeypatch.setattr(gguf_layout, "convert", convert)
     layouts = at_once(lambda: real_pair.real_target_layout(tmp_path), inside)
     assert layouts == [tmp_path / "flash" / f"{src.name}-quantized"] * 2
     assert converted == layouts[:1]

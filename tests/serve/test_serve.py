@@ -234,14 +234,18 @@ async def test_a_client_that_leaves_mid_stream_cancels_its_request(config):
 
 
 async def test_n_choices_with_a_seed_are_the_same_each_time_and_each_exact(config):
-    """#66 item 2: `n` choices decode together; choice i samples with the seed plus i, so
-    the same request gives the same choices, choice 0 is the request alone, and usage
-    counts every choice's tokens."""
+    """#66 item 2: `n` choices decode together, whole or streamed; choice i samples with the
+    seed plus i, so the same request gives the same choices, choice 0 is the request alone,
+    and usage counts every choice's tokens."""
     asked = {"model": "lever", "prompt": "t3 t1 t4", "max_tokens": NEW, "temperature": 0.9}
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
             api = client(await start(nursery, config))
             twice = [await api.completions.create(**asked, n=3, seed=11) for _ in range(2)]
+            stream = await api.completions.create(
+                **asked, n=3, seed=11, stream=True, stream_options={"include_usage": True}
+            )
+            chunks = [chunk async for chunk in stream]
             chat = await api.chat.completions.create(
                 model="lever",
                 messages=[{"role": "user", "content": "t1 t4"}],
@@ -256,6 +260,11 @@ async def test_n_choices_with_a_seed_are_the_same_each_time_and_each_exact(confi
     ]
     assert first == again == expected and len(set(first)) > 1
     assert [c.index for c in twice[0].choices] == [0, 1, 2]
+    streamed = [
+        "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+        for i in range(3)
+    ]
+    assert streamed == expected and chunks[-1].usage.completion_tokens == 3 * NEW
     assert (twice[0].usage.prompt_tokens, twice[0].usage.completion_tokens) == (3, 3 * NEW)
     greedy = [c.message.content for c in chat.choices]
     assert greedy == [greedy[0]] * 2 and chat.usage.completion_tokens == 2 * NEW
@@ -267,7 +276,6 @@ async def test_n_choices_with_a_seed_are_the_same_each_time_and_each_exact(confi
         ("{not json", None, 400, "not valid JSON"),
         ({"prompt": "t1", "logit_bias": {}}, None, 400, "unknown field `logit_bias`"),
         ({"prompt": "t1", "n": 9}, None, 400, "Expected `int` <= 8 - at `$.n`"),
-        ({"prompt": "t1", "n": 2, "stream": True}, None, 400, "n > 1 is answered whole"),
         ({"prompt": "t1", "max_tokens": 0}, None, 400, "max_new_tokens"),
         ({"prompt": "t1", "temperature": -1}, None, 400, "temperature = -1"),
         ({"prompt": "t1", "temperature": 1e-300}, None, 400, "temperature = 1e-300: expected 0"),
@@ -412,21 +420,21 @@ async def test_a_bug_is_a_500_with_an_openai_error_body(config, monkeypatch):
 
 
 def slowed(monkeypatch, seconds: float) -> None:
-    """Engine.stream with `seconds` before each event, and Engine.generate a minute late:
-    requests that last."""
-    stream, generate = Engine.stream, Engine.generate
+    """Engine.stream_choices with `seconds` before each event, and Engine.generate a minute
+    late: requests that last."""
+    stream, generate = Engine.stream_choices, Engine.generate
 
     async def slow_stream(self, *args, **kwargs):
         async with aclosing(stream(self, *args, **kwargs)) as events:
-            async for event in events:
+            async for pair in events:
                 await trio.sleep(seconds)
-                yield event
+                yield pair
 
     async def slow_generate(self, *args, **kwargs):
         await trio.sleep(60)
         return await generate(self, *args, **kwargs)
 
-    monkeypatch.setattr(Engine, "stream", slow_stream)
+    monkeypatch.setattr(Engine, "stream_choices", slow_stream)
     monkeypatch.setattr(Engine, "generate", slow_generate)
 
 
