@@ -171,32 +171,48 @@ class Verifier:
         outbox: VerifierOutbox,
     ) -> None:
         async for message in inbox.arrivals:
-            match message:
-                case TakeSeat():
-                    passes.seat(message.seat, Occupant.taken(message))
-                case LeaveSeat():
-                    await self._let_go(passes.unseat(message.seat))
-                    message.done.set()
-                case StepAside():
-                    passes.step_aside(message.seat)
-                case DraftRound():
-                    if not passes.add_round(message.seat, message):  # its request has gone:
-                        message.round.error = RuntimeError("the request left the batch")
-                        message.done.set()  # nothing waits for it
-                case DraftTree():
-                    occupant = passes.seated.get(message.seat)
-                    if occupant is not None:  # else its request is gone
-                        await occupant.take_commit()
-                        passes.add_tree(message.seat, message)
+            await self._arrived(message, passes)
+            del message  # no request's cache outlives its request here (its KV is large)
             if rounds := passes.rounds_ready():
                 await self._draft(rounds)
             if trees := passes.pass_ready():
-                await self.jitter()
-                batch = [_Tree(s, o, tree, _token_tree(tree)) for s, o, tree in trees]
-                for gone in await self._verify(batch, inbox, outbox):
-                    occupant = passes.unseat(gone)
-                    assert occupant is not None  # it was in the pass
-                    occupant.close()
+                await self._pass(trees, passes, inbox, outbox)
+
+    async def _arrived(
+        self, message: Arrival, passes: Passes[Occupant, DraftTree, DraftRound]
+    ) -> None:
+        match message:
+            case TakeSeat():
+                passes.seat(message.seat, Occupant.taken(message))
+            case LeaveSeat():
+                await self._let_go(passes.unseat(message.seat))
+                message.done.set()
+            case StepAside():
+                passes.step_aside(message.seat)
+            case DraftRound():
+                if not passes.add_round(message.seat, message):  # its request has gone:
+                    message.round.error = RuntimeError("the request left the batch")
+                    message.done.set()  # nothing waits for it
+            case DraftTree():
+                occupant = passes.seated.get(message.seat)
+                if occupant is not None:  # else its request is gone
+                    await occupant.take_commit()
+                    passes.add_tree(message.seat, message)
+
+    async def _pass(
+        self,
+        trees: list[tuple[int, Occupant, DraftTree]],
+        passes: Passes[Occupant, DraftTree, DraftRound],
+        inbox: VerifierInbox,
+        outbox: VerifierOutbox,
+    ) -> None:
+        """One pass over the trees sent; the requests found gone leave their seats."""
+        await self.jitter()
+        batch = [_Tree(s, o, tree, _token_tree(tree)) for s, o, tree in trees]
+        for gone in await self._verify(batch, inbox, outbox):
+            occupant = passes.unseat(gone)
+            assert occupant is not None  # it was in the pass
+            occupant.close()
 
     async def _let_go(self, occupant: Occupant | None) -> None:
         """A request that left: its last accepted path kept, for the prefix cache."""

@@ -19,6 +19,7 @@ from lever_actors.cli.readme import (
     render,
     rewrite,
 )
+from lever_actors.config import EngineConfig
 from lever_actors.testing import TINY_ARGS, model_pair
 
 README = Path(__file__).parents[2] / "README.md"
@@ -75,7 +76,8 @@ def test_a_readme_without_well_formed_markers_is_left_alone(tmp_path, text):
 
 def test_the_readmes_library_example_runs(capsys):
     """The first Python block that opens an Engine runs as written, on a tiny pair in place
-    of the real one (its paths and only those replaced)."""
+    of the real one: its `real_pair(...)` made the EngineConfig of the tiny pair, with the
+    same fields."""
     blocks = README.read_text().split("```python\n")[1:]
     source = next(b.split("```")[0] for b in blocks if "Engine.open" in b)
     tree = ast.parse(source)
@@ -84,14 +86,13 @@ def test_the_readmes_library_example_runs(capsys):
     calls = [
         node
         for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "EngineConfig"
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "real_pair"
     ]
     assert len(calls) == 1
-    for keyword in calls[0].keywords:
-        if keyword.arg in paths:
-            keyword.value = ast.Constant(paths.pop(keyword.arg))
-    assert not paths, f"the example's EngineConfig names no {sorted(paths)}"
-    exec(compile(ast.fix_missing_locations(tree), "README.md", "exec"), {"__name__": "readme"})
+    calls[0].func = ast.Name("EngineConfig", ast.Load())
+    calls[0].keywords += [ast.keyword(k, ast.Constant(v)) for k, v in paths.items()]
+    namespace = {"__name__": "readme", "EngineConfig": EngineConfig}
+    exec(compile(ast.fix_missing_locations(tree), "README.md", "exec"), namespace)
     # the streamed tokens' text, then the chat's finish reason and its decode rate
     streamed, finish, rate = capsys.readouterr().out.rsplit(maxsplit=2)
     assert streamed.strip() and finish in ("stop", "length") and float(rate) > 0
