@@ -181,9 +181,6 @@ class _Routes:
         writer = ResponseWriter(asked, chat, self.options.model_name, self.conversations)
         return await self._answer(request, chat, writer, None, conversation, tools)
 
-    def _finished_stream(self, first: TokenEvent, last: TokenEvent) -> None:
-        self.figures.finished(Finished.of_events(first, last))
-
     async def chat_completions(self, request: Request) -> Response:
         parsed = await self._parse(request, ChatRequest)
         reply = Reply(True, self.options.model_name)
@@ -346,14 +343,11 @@ class _Routes:
                 raise _timed_out(e) from None
             raise
         if isinstance(reply, ResponseWriter):
-            finished = self._finished_stream
-            body = reply.events(first[1], events, tools is not None, finished, ticket)
+            body = reply.events(first[1], events, tools is not None, self.figures, ticket)
         else:
             include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-            figures = self.figures
-            body = _sse(
-                reply, first, events, include_usage, ticket, figures, described, bool(tools)
-            )
+            shown = (described, bool(tools))
+            body = _sse(reply, first, events, include_usage, ticket, self.figures, *shown)
         weakref.finalize(body, ticket.release)  # also if the response never starts
         return EventStream(body)
 

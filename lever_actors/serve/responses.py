@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -23,6 +23,7 @@ from lever_actors.errors import ConfigError, ConsumerStalledError
 from lever_actors.logs import get_logger
 from lever_actors.serve.admission import Cut, Ticket
 from lever_actors.serve.errors import ApiError, failure_message
+from lever_actors.serve.metrics import Finished, ServerMetrics
 from lever_actors.serve.schemas import (
     Answer,
     AssistantCall,
@@ -246,14 +247,14 @@ class ResponseWriter:
         first: TokenEvent,
         events: AsyncGenerator[tuple[int, TokenEvent], None],  # its one choice's
         with_tools: bool,
-        ended: Callable[[TokenEvent, TokenEvent], None],  # the first and last, once whole
+        metrics: ServerMetrics,
         ticket: Ticket,
     ) -> AsyncGenerator[bytes, None]:
         """The SDK's events for a streamed answer: created, the message's text in deltas,
         then its items done (function calls at the end) and completed, with usage; an
         `error` event where it fails or a drain cuts it."""
         try:
-            async for part in self._streamed(first, events, with_tools, ended):
+            async for part in self._streamed(first, events, with_tools, metrics):
                 yield part
         except Cut:
             yield self._event(
@@ -273,7 +274,7 @@ class ResponseWriter:
         first: TokenEvent,
         events: AsyncGenerator[tuple[int, TokenEvent], None],
         with_tools: bool,
-        ended: Callable[[TokenEvent, TokenEvent], None],
+        metrics: ServerMetrics,
     ) -> AsyncGenerator[bytes, None]:
         held = CallText() if with_tools else None
         yield self._event(
@@ -296,7 +297,7 @@ class ResponseWriter:
         if rest:
             text += rest
             yield self._event("response.output_text.delta", **where, delta=rest, logprobs=[])
-        ended(first, last)
+        metrics.finished(Finished.of_events(first, last))
         yield self._event("response.output_text.done", **where, text=text, logprobs=[])
         yield self._event("response.content_part.done", **where, part=part | {"text": text})
         message = self._message(text, "completed")
