@@ -72,13 +72,16 @@ async def run_bench(
                     for index, prompt in enumerate(prompt_set.prompts):
                         await runner.decode(mode, prompt_set, index, prompt)
     elif order == "interleaved":
-        async with AsyncExitStack() as stack:
-            for mode in modes:
-                await runner.open(mode, stack)
-            for prompt_set in prompt_sets:
-                for index, prompt in enumerate(prompt_set.prompts):
-                    for mode in modes:
-                        await runner.decode(mode, prompt_set, index, prompt)
+        # the modes of one memory limit at a time: every limit's children at once would
+        # hold the sum of the limits
+        for group in _by_limit(modes):
+            async with AsyncExitStack() as stack:
+                for mode in group:
+                    await runner.open(mode, stack)
+                for prompt_set in prompt_sets:
+                    for index, prompt in enumerate(prompt_set.prompts):
+                        for mode in group:
+                            await runner.decode(mode, prompt_set, index, prompt)
     else:
         raise ValueError(f"order must be interleaved or sequential, not {order!r}")
     reference = modes[0].info.name
@@ -153,6 +156,14 @@ class _Runner:
 
     def _say(self, text: str) -> None:
         print(f"[{time.monotonic() - self.started:7.1f}s] {text}", file=self.log, flush=True)
+
+
+def _by_limit(modes: Sequence[Mode]) -> list[list[Mode]]:
+    """The modes grouped by the memory limit they run under, in their order of first use."""
+    groups: dict[str | None, list[Mode]] = {}
+    for mode in modes:
+        groups.setdefault(mode.info.limit, []).append(mode)
+    return list(groups.values())
 
 
 def _failed_run(mode: str, prompt_set: str, index: int, prompt: list[int], error: str) -> PromptRun:
