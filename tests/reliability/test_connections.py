@@ -102,14 +102,13 @@ def pipelined_answers(port: int, count: int = 3) -> list[bytes]:
 
 
 def places_after_pipeliners_leave(port: int) -> dict[str, object]:
-    """Blocking: six connections pipeline 200 requests each and read nothing; what another
-    client gets while they are open, and how long after they close until it is served."""
+    """Blocking: six connections pipeline 200 requests each and read nothing; how long
+    after they close until another client is served with nothing else inside."""
     http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=WAIT)
     pipeliners = [socket.create_connection(("127.0.0.1", port), timeout=WAIT) for _ in range(6)]
     for s in pipeliners:
         s.sendall(request("1.1", stream=False, max_tokens=40) * 200)
     time.sleep(0.5)
-    while_open = http.post("/v1/completions", json={"prompt": "t1", "max_tokens": 2})
     for s in pipeliners:
         s.close()
     closed = time.monotonic()
@@ -119,7 +118,7 @@ def places_after_pipeliners_leave(port: int) -> dict[str, object]:
         if time.monotonic() - closed > WAIT:
             break
         time.sleep(0.05)
-    return {"while_open": while_open.status_code, "served_after": time.monotonic() - closed}
+    return {"served_after": time.monotonic() - closed}
 
 
 async def test_a_keep_alive_client_gets_every_answer_it_pipelined(config):
@@ -136,7 +135,6 @@ async def test_pipelining_clients_that_leave_give_their_places_back(config):
     busy = EngineConfig(target=config.target, draft=config.draft, tree="chain:2", parallel=2)
     with trio.fail_after(3 * WAIT):
         seen = await served(busy, places_after_pipeliners_leave, ServeOptions(port=0, queue=1))
-    assert seen["while_open"] == 429
     assert seen["served_after"] < 3.0
 
 
