@@ -1,10 +1,13 @@
 """The engine's change of plan from a draft's trees to copies of the text, as plan/switch.py
 decides it. A request tries copies for a few steps, its drafter told in its commits, then
-goes back to its trees or keeps the copies for good; then every request's drafter is told
-in its next commit and lets go of the draft model, the engine lets go of its reference,
-and once the memory is back, measured, the target's next streamed layers are read into
-DRAM on a worker thread beside decoding, resident from the next pass on. Any tree gives
-the target's own tokens, so the output is the same whichever plan a step ran under."""
+goes back to its trees or keeps the copies. Kept where the draft's memory would hold
+streamed layers, they are kept for good: every request's drafter is told in its next commit
+and lets go of the draft model, the engine lets go of its reference, and once the memory is
+back, measured, the target's next streamed layers are read into DRAM on a worker thread
+beside decoding, resident from the next pass on. Kept where it would hold none, the draft
+stays, and the request goes back to its trees once its copies run slower than they did.
+Any tree gives the target's own tokens, so the output is the same whichever plan a step
+ran under."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from lever_actors.device.budget import grown_residency
 from lever_actors.device.memory import anonymous_rss_bytes, return_freed_heap
 from lever_actors.model.transformer import Transformer
 from lever_actors.plan.start import StartPlan
-from lever_actors.plan.switch import TRIAL_STEPS, Prices, due, predicted, tried
+from lever_actors.plan.switch import RECHECK_STEPS, TRIAL_STEPS, Prices, due, predicted, rate, tried
 from lever_actors.policy.setup import Policies
 from lever_actors.target import FlashTarget
 
@@ -101,7 +104,8 @@ class PlanSwitch:
 
     def copies_win(
         self, trees: Sequence[StepStats], copies: Sequence[StepStats], text: Sequence[int]
-    ) -> bool:
+    ) -> Prices | None:
+        """The trial's prices where its copies won, else None."""
         cost = self.policies.cost
         assert cost is not None  # gain-cost trees ran
         self.prices = tried(
@@ -115,7 +119,7 @@ class PlanSwitch:
             self.policies.spec.cap,
         )
         log.info("plan: tried copies (%s)", self.prices)
-        return self.forced_at is not None or self.prices.copies_win
+        return self.prices if self.forced_at is not None or self.prices.copies_win else None
 
     def switch(self, step: int) -> None:
         log.info("plan: copies from now on, after %d steps", step)
@@ -142,13 +146,16 @@ class PlanSwitch:
 
 class RequestPlan:
     """How one request's drafter proposes, step after step: the draft's trees, a trial of
-    copies (at most one), or copies for good."""
+    copies (at most one), copies beside the draft kept (checked against the trees' pace),
+    or copies for good."""
 
     def __init__(self, switch: PlanSwitch, state: Literal["trees", "copies"]) -> None:
         self.switch = switch
-        self.state: Literal["trees", "trying", "copies"] = state
+        self.state: Literal["trees", "trying", "copying", "copies"] = state
         self.tried = False
         self.trial_from = 0  # the first step of the trial
+        self.checked_from = 0  # copying: the first step since the last check
+        self.trees_rate = 0.0  # copying: the trees' tokens per second, as they ran
 
     def after_step(
         self, steps: Sequence[StepStats], prompt: Sequence[int], tokens: Sequence[int]
@@ -159,15 +166,22 @@ class RequestPlan:
             return "same"
         if switch.copying:  # another request's trial decided
             return self._end("copies")
+        if self.state == "copying":
+            return self._check(steps)
         if self.state == "trying":
             if len(steps) - self.trial_from < TRIAL_STEPS:
                 return "same"
             trees, copies = steps[: self.trial_from], steps[self.trial_from :]
             switch.trying = False
-            if switch.copies_win(trees, copies, [*prompt, *tokens]):
+            won = switch.copies_win(trees, copies, [*prompt, *tokens])
+            if won is None:
+                return self._end("trees")
+            if won.grows:
                 switch.switch(len(steps))
                 return self._end("copies")
-            return self._end("trees")
+            # the draft's memory would hold no layer: keep it, to go back to its trees
+            self.state, self.checked_from, self.trees_rate = "copying", len(steps), won.trees
+            return "same"
         if not switch.allowed or self.tried:
             return "same"
         if switch.forced_at is not None:  # testing: a trial from that step on
@@ -183,6 +197,18 @@ class RequestPlan:
         self.state, self.tried, self.trial_from = "trying", True, len(steps)
         switch.trying = True
         return "try_copies"
+
+    def _check(self, steps: Sequence[StepStats]) -> Then:
+        """Copies beside the kept draft, every RECHECK_STEPS steps: on while they run at
+        the trees' pace or faster, else back to the trees (no trial again: no flapping)."""
+        if len(steps) - self.checked_from < RECHECK_STEPS:
+            return "same"
+        recent = rate(steps[self.checked_from :])
+        self.checked_from = len(steps)
+        if recent >= self.trees_rate:
+            return "same"
+        log.info("plan: trees again (copies ran %.1f tok/s, trees %.1f)", recent, self.trees_rate)
+        return self._end("trees")
 
     def _end(self, then: Literal["trees", "copies"]) -> Then:
         self.state = then

@@ -1,12 +1,14 @@
 """Whether a request's text says to stop drafting. The plan chosen at start prices trees by
 shapes measured on code, where a draft's trees accept five tokens a step; on prose they
 accept about two, and the draft's DRAM, given to the target's layers instead, may pay more.
-So after a few steps of trees, copies of the text (plan lookup) are priced against them;
-priced far faster, they are kept for good at once: the draft is let go of and the target's
-layers grown into its memory. Priced about as fast, a request tries them for a few steps
-with the draft still loaded, and copies that then beat the trees it ran, with the flash
-time the draft's memory would save taken off, are kept for good; otherwise the trees go
-on. A draft let go is not loaded again.
+So after a few steps of trees, copies of the text (plan lookup) are priced against them.
+Where the draft's memory would hold layers the target streams, copies priced far faster are
+kept for good at once: the draft is let go of and the target's layers grown into its
+memory. Otherwise a request tries them for a few steps with the draft still loaded, and
+copies that then beat the trees it ran (with the flash time the draft's memory would save
+taken off) are kept: for good where that memory holds layers, else with the draft kept and
+the copies' pace checked every few steps against the trees', back to trees once slower.
+A draft let go is not loaded again.
 
 Decisions only; the engine carries them out (engine/switching.py)."""
 
@@ -33,12 +35,15 @@ TRIAL_STEPS = 4  # steps of copies tried
 # streamed layers the draft's memory would hold, is priced far above)
 TRIAL_BAR = 1.0
 # copies priced this much faster than the trees are kept without a trial (priced within a
-# third, they cannot then be slower): a trial of copies that stream the layers the draft's
-# memory would hold is slow, and it delays the layers' reads
+# third, they cannot then be slower), where the draft's memory would hold streamed layers: a
+# trial of copies that stream them is slow, and it delays the layers' reads. Where it would
+# hold none (the target resident), nothing is lost by trying first.
 SURE = 1.5
 # copies tried must beat the trees by this much to be kept: the draft is not loaded again,
 # and a text's next part may suit trees better than its start
 MARGIN = 1.15
+# copies kept beside the draft are checked against the trees' pace every this many steps
+RECHECK_STEPS = 8
 TEXT_WINDOW = 2048  # the text's last tokens the copies may come from
 COUNTED = 512  # of those, the last ones whose copies are counted (half the window at most)
 
@@ -49,6 +54,7 @@ class Prices(msgspec.Struct, frozen=True):
     trees: float
     copies: float  # predicted before a trial; after it, as it ran, less the flash time saved
     grown: ResidencyPlan  # the target's residency with the draft's memory given to it
+    grows: bool  # whether that memory would hold layers the target streams now
 
     @property
     def worth_a_trial(self) -> bool:
@@ -56,7 +62,7 @@ class Prices(msgspec.Struct, frozen=True):
 
     @property
     def copies_sure(self) -> bool:
-        return self.copies > SURE * self.trees
+        return self.grows and self.copies > SURE * self.trees
 
     @property
     def copies_win(self) -> bool:
@@ -75,10 +81,14 @@ def due(steps: int) -> bool:
     return steps == FIRST_LOOK + 1
 
 
+def rate(steps: Sequence[StepStats]) -> float:
+    """Tokens per second of `steps` as they ran."""
+    seconds = sum(step.step_seconds for step in steps)
+    return sum(step.new_tokens for step in steps) / seconds if seconds > 0 else 0.0
+
+
 def _trees_rate(steps: Sequence[StepStats]) -> float:
-    decoded = steps[1:]  # the first step carries the prompt's prefill
-    seconds = sum(step.step_seconds for step in decoded)
-    return sum(step.new_tokens for step in decoded) / seconds if seconds > 0 else 0.0
+    return rate(steps[1:])  # the first step carries the prompt's prefill
 
 
 def _grown(
@@ -87,6 +97,10 @@ def _grown(
     grown = grown_residency(manifest, residency, draft_bytes)
     streamed = sum(manifest.layer(i).nbytes for i in grown.streamed_layers)
     return grown, msgspec.structs.replace(cost, streamed_bytes=streamed)
+
+
+def _grows(grown: ResidencyPlan, residency: ResidencyPlan) -> bool:
+    return grown.streamed_layers != residency.streamed_layers
 
 
 def copy_tokens(text: Sequence[int], cap: int) -> float:
@@ -107,25 +121,24 @@ def predicted(
     cap: int,
 ) -> Prices:
     """The trees `steps` grew, as they ran, against copies of `text` (up to `cap` a step)
-    under `residency` grown by `draft_bytes`: each step as measured, less its drafting and
-    what `cost` prices its pass at, plus what it prices a pass of copies at, so that what
-    both plans share cancels."""
+    under `residency` grown by `draft_bytes`: each step as measured, less its drafting,
+    scaled by what `cost` prices a pass of copies at against its pass. A ratio, so an error
+    in the cost model's level (its profile measured on a busier or quieter machine) cancels;
+    a difference let an overpriced tree price copies up to twice as fast as they ran."""
     tokens = copy_tokens(text, cap)
     grown, copying = _grown(cost, manifest, residency, draft_bytes)
     nodes = round(tokens) + 1  # the committed token, and copies beyond those accepted
     copy_pass = copying.step_seconds(nodes, [], tokens)
     decoded = steps[1:]
     copy_seconds = sum(
-        max(
-            step.step_seconds
-            - step.draft_seconds
-            - cost.step_seconds(step.tree_nodes, [], step.new_tokens)
-            + copy_pass,
-            copy_pass / 2,  # a pass the cost model overpriced saves no more than half
-        )
+        (step.step_seconds - step.draft_seconds)
+        * copy_pass
+        / cost.step_seconds(step.tree_nodes, [], step.new_tokens)
         for step in decoded
     )
-    return Prices(_trees_rate(steps), tokens * len(decoded) / copy_seconds, grown)
+    trees = _trees_rate(steps)
+    copies = tokens * len(decoded) / copy_seconds if copy_seconds > 0 else trees
+    return Prices(trees, copies, grown, _grows(grown, residency))
 
 
 def tried(
@@ -150,4 +163,5 @@ def tried(
         for step in copies
     )
     tokens = min(sum(step.new_tokens for step in copies), copy_tokens(text, cap) * len(copies))
-    return Prices(_trees_rate(trees), tokens / seconds if seconds > 0 else math.inf, grown)
+    copies_rate = tokens / seconds if seconds > 0 else math.inf
+    return Prices(_trees_rate(trees), copies_rate, grown, _grows(grown, residency))

@@ -1,7 +1,8 @@
 """A change of plan mid-request, from a draft's trees to copies of the text and back, keeps
 every token the target's sequential one: a trial of copies forced at random steps
-(`switch_at`), kept for good or ended, greedy and seeded, alone and with requests after it,
-the draft let go and the target's layers grown into the memory it held."""
+(`switch_at`), kept for good, kept beside the draft and then left, or ended, greedy and
+seeded, alone and with requests after it, the draft let go and the target's layers grown
+into the memory it held."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lever_actors.config import EngineConfig
+from lever_actors.device.budget import ResidencyPlan
 from lever_actors.engine import Engine, switching
 from lever_actors.model.sampling import GREEDY
-from lever_actors.plan.switch import TRIAL_STEPS
+from lever_actors.plan.switch import RECHECK_STEPS, TRIAL_STEPS, Prices
 from lever_actors.testing import (
     assert_matches_sequential,
     engine_cases,
@@ -28,24 +30,38 @@ from lever_actors.testing.checkpoints import TINY_ARGS, budget_bytes, model_pair
 gaincost = trees(kinds=("gaincost",))
 
 
+def won(grows: bool) -> Prices:
+    """A trial's prices where copies won; `grows`: the draft's memory would hold layers."""
+    nowhere = ResidencyPlan(0, (), (), 0, 0, False)
+    return Prices(trees=1.0, copies=2.0, grown=nowhere, grows=grows)
+
+
 @settings(max_examples=max(1, settings.default.max_examples // 2))
 @given(
     case=engine_cases(tree_shapes=gaincost, sampling=st.one_of(st.just(GREEDY), samplings())),
     switch_at=st.integers(1, 6),
-    kept=st.booleans(),
+    outcome=st.sampled_from(["lost", "for good", "beside the draft", "and back"]),
 )
-async def test_a_trial_of_copies_at_any_step_keeps_the_output_exact(case, switch_at, kept):
-    """Copies tried from step `switch_at` on, then kept for good (the draft let go) or
-    ended (the draft's trees again, its KV caught up with the text committed meanwhile)."""
+async def test_a_trial_of_copies_at_any_step_keeps_the_output_exact(case, switch_at, outcome):
+    """Copies tried from step `switch_at` on, then kept for good (the draft let go), kept
+    beside the draft (and left again for its trees after a check), or ended (the draft's
+    trees again, its KV caught up with the text committed meanwhile)."""
     config = msgspec.structs.replace(case.engine_config(), switch_at=switch_at)
-    with mock.patch.object(switching.PlanSwitch, "copies_win", lambda *_: kept):
+    prices = None if outcome == "lost" else won(grows=outcome == "for good")
+    slower = outcome == "and back"  # the copies' pace at the check: below the trees'
+    with (
+        mock.patch.object(switching.PlanSwitch, "copies_win", lambda *_: prices),
+        mock.patch.object(switching, "rate", lambda _: 0.0 if slower else 2.0),
+    ):
         result = await assert_matches_sequential(
             config, case.prompt, case.max_new_tokens, sampling=case.sampling
         )
-    trial = result.steps[switch_at : switch_at + TRIAL_STEPS]
-    assert all(s.draft_rounds == () for s in trial)
-    if kept:
-        assert all(s.draft_rounds == () for s in result.steps[switch_at:])
+    decided = switch_at + TRIAL_STEPS
+    assert all(s.draft_rounds == () for s in result.steps[switch_at:decided])
+    copied = {"lost": decided, "and back": decided + RECHECK_STEPS}.get(outcome)
+    after = result.steps[decided:] if copied is None else result.steps[copied:]
+    assert all(bool(s.draft_rounds) == (copied is not None) for s in after)
+    assert all(s.draft_rounds == () for s in result.steps[decided : copied or decided])
 
 
 async def test_copies_kept_for_good_let_go_of_the_draft_for_every_later_request():
@@ -56,7 +72,8 @@ async def test_copies_kept_for_good_let_go_of_the_draft_for_every_later_request(
     prompt = [5, 6, 7, 8, 9] * 4
     async with Engine.open(config) as engine:
         assert engine.draft is not None
-        first = await engine.generate(prompt, max_new_tokens=30)
+        with mock.patch.object(switching.PlanSwitch, "copies_win", lambda *_: won(grows=True)):
+            first = await engine.generate(prompt, max_new_tokens=30)
         assert engine.draft is None and engine.switch.switched_at_step == 2 + TRIAL_STEPS
         assert all(s.draft_rounds == () for s in first.steps[2:])
         assert any(s.draft_rounds for s in first.steps[:2])
@@ -73,6 +90,28 @@ async def test_copies_kept_for_good_let_go_of_the_draft_for_every_later_request(
     assert sorted(results) == sorted(expected)
 
 
+async def test_copies_where_the_draft_would_hold_no_layer_keep_it_for_the_next_request(
+    monkeypatch,
+):
+    """The target resident: copies that won their trial go on beside the draft, which the
+    engine keeps, and the next request drafts again from its start."""
+    pair = model_pair(TINY_ARGS, "perturbed", 0)
+    config = EngineConfig(
+        target=str(pair.target), draft=str(pair.draft), tree="gaincost", switch_at=2
+    )
+    monkeypatch.setattr(switching, "rate", lambda _: float("inf"))  # copies keep the pace
+    prompt, other = [5, 6, 7, 8, 9] * 4, [3, 1, 4, 1, 5, 9, 2, 6]
+    async with Engine.open(config) as engine:
+        assert engine.target.plan.streamed_layers == ()
+        first = await engine.generate(prompt, max_new_tokens=30)
+        assert engine.draft is not None and not engine.switch.copying
+        second = await engine.generate(other, max_new_tokens=12)
+    assert all(s.draft_rounds == () for s in first.steps[2:])
+    assert all(s.draft_rounds for s in second.steps[:2])
+    assert first.tokens == reference_tokens(config.target, prompt, 30)
+    assert second.tokens == reference_tokens(config.target, other, 12)
+
+
 async def test_a_trial_that_loses_goes_back_to_the_trees():
     pair = model_pair(TINY_ARGS, "perturbed", 0)
     config = EngineConfig(
@@ -80,7 +119,7 @@ async def test_a_trial_that_loses_goes_back_to_the_trees():
     )
     prompt = [5, 6, 7, 8, 9] * 4
     async with Engine.open(config) as engine:
-        with mock.patch.object(switching.PlanSwitch, "copies_win", lambda *_: False):
+        with mock.patch.object(switching.PlanSwitch, "copies_win", lambda *_: None):
             result = await engine.generate(prompt, max_new_tokens=40)
         assert engine.draft is not None and not engine.switch.copying
     after = result.steps[2 + TRIAL_STEPS :]

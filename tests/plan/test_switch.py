@@ -9,7 +9,7 @@ import pytest
 from lever_actors.channels.messages import StepStats
 from lever_actors.device.budget import minimum_budget, plan_residency
 from lever_actors.device.layout import read_manifest
-from lever_actors.plan.switch import MARGIN, TRIAL_BAR, due, predicted, tried
+from lever_actors.plan.switch import MARGIN, SURE, TRIAL_BAR, due, predicted, tried
 from lever_actors.policy.cost_model import CostModel, Curve
 from lever_actors.policy.lookup import copied_tokens_per_step
 from lever_actors.testing.checkpoints import TINY_ARGS, flash_layout, tiny_checkpoint
@@ -116,3 +116,32 @@ def test_a_trial_that_fell_on_a_repeated_passage_counts_the_copies_the_text_give
     on_prose = tried(cost, trees, lucky, prose, manifest, residency, 10 * layer, cap=16)
     on_repeats = tried(cost, trees, lucky, repeats, manifest, residency, 10 * layer, cap=16)
     assert on_repeats.copies == pytest.approx(8 * on_prose.copies)
+
+
+def test_copies_are_priced_from_the_trees_steps_whatever_the_cost_models_level():
+    """A profile measured on a busier machine prices every pass at 1.5 times what it took: the
+    copies' price scales the trees' measured steps by the pass it would run, so it is what
+    the same error-free model gives; a difference of prices priced them a third too fast."""
+    manifest, residency, _, _ = _case()
+    resident = plan_residency(manifest, 10**12)
+    cost = _cost(0)
+    steps = _steps(cost, tokens=2, nodes=15, rounds=(4, 4, 4, 3))
+    dear = msgspec.structs.replace(cost, verify=Curve([1, 16], [0.015, 0.06]))
+    prose = list(range(200))
+    truly = predicted(cost, steps, prose, manifest, resident, draft_bytes=0, cap=16)
+    priced = predicted(dear, steps, prose, manifest, resident, draft_bytes=0, cap=16)
+    assert priced.trees == truly.trees
+    assert priced.copies == pytest.approx(truly.copies, rel=0.1)
+
+
+def test_copies_are_kept_without_a_trial_only_where_the_draft_memory_would_hold_layers():
+    manifest, residency, layer, cost = _case()
+    poor = _steps(cost, tokens=1, nodes=15, rounds=(4, 4, 4, 3))
+    prose = list(range(200))
+    holds = predicted(cost, poor, prose, manifest, residency, draft_bytes=10 * layer, cap=16)
+    assert holds.grows and holds.copies_sure
+    resident = plan_residency(manifest, 10**12)
+    steps = _steps(_cost(0), tokens=1, nodes=15, rounds=(4, 4, 4, 3))
+    alone = predicted(_cost(0), steps, prose, manifest, resident, 10 * layer, 16)
+    assert alone.copies > SURE * alone.trees  # priced far faster, but nothing grows:
+    assert not alone.grows and not alone.copies_sure and alone.worth_a_trial  # tried first
