@@ -20,11 +20,22 @@ VERIFY_WEIGHT = 0.5
 IO_BOUND_WAIT = 0.25  # a pass that spent this share of its time waiting for layers is I/O-bound
 
 
+# each learned pass moves the points it was not read from this share of the way back to the
+# profile: a point only ever raised (by a slower pass below it, or one dear pass) comes back
+# within some 20 passes to be tried again, where it would stay priced out for good
+RELAX = 0.05
+
+
 class Curve(msgspec.Struct):
     """Seconds as a function of a size, piecewise linear between measured points."""
 
     sizes: list[int]
     seconds: list[float]
+    profiled: list[float] = msgspec.field(default_factory=list)  # as measured at start
+
+    def __post_init__(self) -> None:
+        if not self.profiled:
+            self.profiled = list(self.seconds)
 
     def __call__(self, size: float) -> float:
         sizes, seconds = self.sizes, self.seconds
@@ -39,11 +50,14 @@ class Curve(msgspec.Struct):
 
     def scale(self, factor: float) -> None:
         self.seconds = [s * factor for s in self.seconds]
+        self.profiled = [s * factor for s in self.profiled]
 
     def learn(self, size: float, measured: float, weight: float) -> None:
         """Move the prediction at `size` the `weight` share of the way to `measured`, by
         scaling only the segment it is read from (the first point alone below it), so the
-        shape follows the sizes in use. The curve stays non-decreasing."""
+        shape follows the sizes in use; the other points go RELAX of the way back to the
+        profile. The curve stays non-decreasing: the points above the segment are at least
+        its last, those below at most its first."""
         predicted = self(size)
         if predicted <= 0 or measured <= 0:
             return
@@ -51,14 +65,15 @@ class Curve(msgspec.Struct):
         sizes, seconds = self.sizes, self.seconds
         i = min(bisect.bisect_left(sizes, size), len(sizes) - 1)
         segment = [0] if size <= sizes[0] else [i - 1, i]
-        for j in segment:
-            seconds[j] *= factor
-        if factor > 1:  # dearer points raise those above them
-            for j in range(segment[0] + 1, len(seconds)):
-                seconds[j] = max(seconds[j], seconds[j - 1])
-        else:  # cheaper ones lower those below them
-            for j in range(segment[-1] - 1, -1, -1):
-                seconds[j] = min(seconds[j], seconds[j + 1])
+        for j in range(len(seconds)):
+            if j in segment:
+                seconds[j] *= factor
+            else:
+                seconds[j] += RELAX * (self.profiled[j] - seconds[j])
+        for j in range(segment[-1] + 1, len(seconds)):
+            seconds[j] = max(seconds[j], seconds[j - 1])
+        for j in range(segment[0] - 1, -1, -1):
+            seconds[j] = min(seconds[j], seconds[j + 1])
 
 
 class CostModel(msgspec.Struct):
