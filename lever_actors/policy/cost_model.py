@@ -21,8 +21,9 @@ IO_BOUND_WAIT = 0.25  # a pass that spent this share of its time waiting for lay
 
 
 # each learned pass moves the points it was not read from this share of the way back to the
-# profile: a point only ever raised (by a slower pass below it, or one dear pass) comes back
-# within some 20 passes to be tried again, where it would stay priced out for good
+# profile at the machine's pace: a point only ever raised (by a slower pass below it, or one
+# dear pass) comes back within some 20 passes to be tried again, where it would stay priced
+# out for good
 RELAX = 0.05
 
 
@@ -32,35 +33,32 @@ class Curve(msgspec.Struct):
     sizes: list[int]
     seconds: list[float]
     profiled: list[float] = msgspec.field(default_factory=list)  # as measured at start
+    # the passes' time against the profile's, learned from every pass: a profile measured
+    # while the machine was busy (or quieter) is wrong by a factor at every size
+    pace: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.profiled:
             self.profiled = list(self.seconds)
 
     def __call__(self, size: float) -> float:
-        sizes, seconds = self.sizes, self.seconds
-        if size <= sizes[0]:
-            return seconds[0] * max(size, 0) / sizes[0] if sizes[0] else seconds[0]
-        i = bisect.bisect_left(sizes, size)
-        if i == len(sizes):  # beyond the last point: extend the last segment's slope
-            i -= 1
-        lo, hi = sizes[i - 1], sizes[i]
-        slope = (seconds[i] - seconds[i - 1]) / (hi - lo)
-        return seconds[i - 1] + slope * (size - lo)
+        return _interpolated(self.sizes, self.seconds, size)
 
     def scale(self, factor: float) -> None:
         self.seconds = [s * factor for s in self.seconds]
-        self.profiled = [s * factor for s in self.profiled]
+        self.pace *= factor
 
     def learn(self, size: float, measured: float, weight: float) -> None:
         """Move the prediction at `size` the `weight` share of the way to `measured`, by
         scaling only the segment it is read from (the first point alone below it), so the
         shape follows the sizes in use; the other points go RELAX of the way back to the
-        profile. The curve stays non-decreasing: the points above the segment are at least
-        its last, those below at most its first."""
-        predicted = self(size)
+        profile at the passes' pace. The curve stays non-decreasing: the points above the
+        segment are at least its last, those below at most its first."""
+        predicted, profiled = self(size), _interpolated(self.sizes, self.profiled, size)
         if predicted <= 0 or measured <= 0:
             return
+        if profiled > 0:
+            self.pace += ONLINE_WEIGHT * (measured / profiled - self.pace)
         factor = 1 + weight * (measured / predicted - 1)
         sizes, seconds = self.sizes, self.seconds
         i = min(bisect.bisect_left(sizes, size), len(sizes) - 1)
@@ -69,11 +67,22 @@ class Curve(msgspec.Struct):
             if j in segment:
                 seconds[j] *= factor
             else:
-                seconds[j] += RELAX * (self.profiled[j] - seconds[j])
+                seconds[j] += RELAX * (self.pace * self.profiled[j] - seconds[j])
         for j in range(segment[-1] + 1, len(seconds)):
             seconds[j] = max(seconds[j], seconds[j - 1])
         for j in range(segment[0] - 1, -1, -1):
             seconds[j] = min(seconds[j], seconds[j + 1])
+
+
+def _interpolated(sizes: list[int], values: list[float], size: float) -> float:
+    if size <= sizes[0]:
+        return values[0] * max(size, 0) / sizes[0] if sizes[0] else values[0]
+    i = bisect.bisect_left(sizes, size)
+    if i == len(sizes):  # beyond the last point: extend the last segment's slope
+        i -= 1
+    lo, hi = sizes[i - 1], sizes[i]
+    slope = (values[i] - values[i - 1]) / (hi - lo)
+    return values[i - 1] + slope * (size - lo)
 
 
 class CostModel(msgspec.Struct):

@@ -94,12 +94,13 @@ def curve() -> Curve:
 
 def test_the_verify_curve_learns_the_sizes_its_passes_have():
     """Passes of 48 nodes computed three times the profile: the points at 32 and 64 learn
-    it, the ones small trees use keep theirs."""
+    it, the ones small trees use follow the machine's pace a few percent a pass."""
     learned = curve()
+    learned.learn(48, 2.1, 0.5)
+    assert learned.seconds[:2] == [pytest.approx(0.1, rel=0.03), pytest.approx(0.3, rel=0.03)]
     for _ in range(30):
         learned.learn(48, 2.1, 0.5)
     assert learned(48) == pytest.approx(2.1, rel=1e-3)
-    assert learned.seconds[:2] == [0.1, 0.3]
     assert learned.seconds == sorted(learned.seconds)
 
 
@@ -109,17 +110,18 @@ def test_a_cheaper_pass_lowers_the_points_below_it():
         learned.learn(64, 0.2, 0.5)
     assert learned(64) == pytest.approx(0.2, rel=1e-3)
     assert learned.seconds == sorted(learned.seconds)
-    assert learned.seconds[0] == 0.1  # below 0.2 already
+    assert learned.seconds[0] <= 0.1  # below 0.2 already, and the pace is faster
 
 
 def test_a_size_outside_the_points_moves_the_nearest_segment():
     learned = curve()
     learned.learn(100, 2 * curve()(100), 0.5)
     assert learned(100) == pytest.approx(1.5 * curve()(100))
-    assert learned.seconds[:2] == [0.1, 0.3]
+    assert learned.seconds[:2] == [pytest.approx(0.1, rel=0.02), pytest.approx(0.3, rel=0.02)]
     learned = curve()
     learned.learn(0.5, 0.1, 0.5)  # measured twice what the first point's line says
-    assert learned.seconds == [pytest.approx(0.15), 0.3, 0.5, 0.9]
+    assert learned.seconds[0] == pytest.approx(0.15)
+    assert learned.seconds[1:] == pytest.approx([0.3, 0.5, 0.9], rel=0.02)
 
 
 def test_a_few_dear_passes_teach_their_size():
@@ -131,7 +133,7 @@ def test_a_few_dear_passes_teach_their_size():
     for _ in range(3):
         cost.observe(step(48, io_wait=0.0, verify=measured, read=(GB, 1.0)))
     assert cost.verify(48) == pytest.approx(measured, rel=0.1)
-    assert cost.verify(1) == 0.1
+    assert cost.verify(1) == pytest.approx(0.1, rel=0.1)
 
 
 def test_a_pass_paced_by_flash_still_pays_a_share_of_its_compute():
@@ -193,6 +195,18 @@ def test_one_dear_pass_prices_its_size_out_for_a_while_only():
     for _ in range(40):
         learned.learn(1, 0.020, 0.5)
     assert learned(2) == pytest.approx(0.024, rel=0.1)
+
+
+def test_a_profile_measured_on_a_busy_machine_is_corrected_at_every_size():
+    """A profile measured beside a compile priced every size at twice its time: passes of
+    one and two rows at their true time bring the eight-row point, read by none, to within
+    a fifth of its true time too, where it stayed dear and kept trees small."""
+    true = [0.020, 0.024, 0.030, 0.045]
+    learned = Curve([1, 2, 4, 8], [2 * t for t in true])
+    for _ in range(40):
+        learned.learn(1, true[0], 0.5)
+        learned.learn(2, true[1], 0.5)
+    assert learned(8) == pytest.approx(true[3], rel=0.2)
 
 
 def test_a_profile_kept_across_runs_relaxes_to_what_was_measured_at_start():
