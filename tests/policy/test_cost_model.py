@@ -209,7 +209,7 @@ def test_a_profile_measured_on_a_busy_machine_is_corrected_at_every_size():
     assert learned(8) == pytest.approx(true[3], rel=0.2)
 
 
-def test_a_profile_kept_across_runs_relaxes_to_what_was_measured_at_start():
+def test_a_profile_cached_before_curves_kept_one_reads_its_points_as_the_profile():
     """The cost model's profile is cached as msgpack: one written before the curve kept
     its profile reads back with its points as the profile."""
     old = msgspec.msgpack.encode({"sizes": [1, 2], "seconds": [0.02, 0.03]})
