@@ -129,8 +129,8 @@ def plan_residency(manifest: Manifest, budget: int, ring_slots: int = 2) -> Resi
     else:
         left -= ring_slots * slot
         streamed = spread_streamed_layers(layers, left)
-        left -= sum(size for i, size in enumerate(layers) if i not in streamed)
         slots = ring_slots
+    left -= sum(size for i, size in enumerate(layers) if i not in streamed)
     resident += [layer_key(i) for i in range(n_layers) if i not in streamed]
     streamed_table = stream_head and head_key(manifest) == "embed"  # a tied head streams
     if "embed" not in resident and manifest.extent("embed").nbytes <= left and not streamed_table:

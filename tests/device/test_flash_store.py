@@ -144,7 +144,11 @@ def test_budget_plans(layout):
     mixed = plan_residency(manifest, minimum_budget(manifest) + manifest.layer(0).nbytes)
     # the streamed layers spread through the pass, each ending an equal run
     assert mixed.streamed_layers == (0, 2, 3) and "layer.1" in mixed.resident
-    for plan in (full, least, mixed):
+    # every layer and the head, not the embedding table: its rows are read as tokens need them
+    embed = manifest.extent("embed").nbytes
+    no_table = plan_residency(manifest, everything - embed)
+    assert no_table.streamed_layers == () and no_table.embed_rows_on_demand
+    for plan in (full, least, mixed, no_table):
         assert plan.used(manifest) <= plan.budget
 
 
