@@ -60,22 +60,46 @@ def memory_limit_bytes(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs
     """What this process may hold in all: the tightest memory limit of its cgroups (v2
     memory.max, v1 memory.limit_in_bytes, each up to the hierarchy's root), and at most
     what the machine has free beside what we hold (MemAvailable + our anonymous RSS)."""
-    limits = [_available_bytes(proc) + anonymous_rss_bytes()]
+    free = _available_bytes(proc) + anonymous_rss_bytes()
+    return min([free, *(limit for limit, _, _ in _cgroup_limits(proc, cgroups))])
+
+
+def charged_file_bytes(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> int:
+    """The file pages this process maps that its memory limit counts: RssFile, or fewer where
+    the cgroup whose limit binds has fewer mapped pages charged to it. A page stays charged to
+    the cgroup that read it first, so libraries another process loaded cost this limit
+    nothing (under a bench's fresh cgroup, 5 of torch's 81 MiB)."""
+    mapped = file_rss_bytes()
+    free = _available_bytes(proc) + anonymous_rss_bytes()
+    binding = min(_cgroup_limits(proc, cgroups), default=None, key=lambda found: found[0])
+    if binding is None or binding[0] >= free:
+        return mapped
+    _, directory, key = binding
+    charged = _stat_field(directory / "memory.stat", key)
+    return mapped if charged is None else min(mapped, charged)
+
+
+def _cgroup_limits(proc: Path, cgroups: Path) -> list[tuple[int, Path, str]]:
+    """Each memory limit set on this process's cgroups and those above them: (the limit, its
+    cgroup's directory, the memory.stat key of the mapped file pages charged there)."""
     try:
         memberships = (proc / "self" / "cgroup").read_text().splitlines()
     except OSError:
         memberships = []
+    limits = []
     for line in memberships:
         _, controllers, path = line.split(":", 2)
         if controllers == "":
-            limits += _limits_up(cgroups / "unified", path, "memory.max")
-            limits += _limits_up(cgroups, path, "memory.max")
+            limits += _limits_up(cgroups / "unified", path, "memory.max", "file_mapped")
+            limits += _limits_up(cgroups, path, "memory.max", "file_mapped")
         elif "memory" in controllers.split(","):
-            limits += _limits_up(cgroups / "memory", path, "memory.limit_in_bytes")
-    return min(limits)
+            limits += _limits_up(
+                cgroups / "memory", path, "memory.limit_in_bytes", "total_mapped_file"
+            )
+    return limits
 
 
-def _limits_up(root: Path, path: str, name: str) -> list[int]:
+def _limits_up(root: Path, path: str, name: str, mapped_key: str) -> list[tuple[int, Path, str]]:
     """The limits `name` sets on cgroup `path` and each cgroup above it under `root`."""
     found = []
     directory = root / path.lstrip("/")
@@ -85,7 +109,7 @@ def _limits_up(root: Path, path: str, name: str) -> list[int]:
         except OSError:
             text = "max"
         if text != "max":
-            found.append(int(text))
+            found.append((int(text), directory, mapped_key))
         if directory == root or root not in directory.parents:
             return found
         directory = directory.parent
@@ -98,6 +122,18 @@ def _available_bytes(proc: Path) -> int:
 
 def _status_field(name: str) -> int:
     return _kib_field(Path("/proc/self/status"), name) or 0
+
+
+def _stat_field(path: Path, key: str) -> int | None:
+    """The value of the "KEY N" line of a cgroup's memory.stat; None where it has none."""
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def _kib_field(path: Path, name: str) -> int | None:

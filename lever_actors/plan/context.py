@@ -4,19 +4,34 @@ what the process may hold (its cgroup's limit, else the machine's free memory)."
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 from lever_actors.errors import ConfigError
 from lever_actors.model.kv_cache import position_bytes
+from lever_actors.model.layers import CHUNK_BYTES
 from lever_actors.model.transformer import Transformer
 from lever_actors.sizes import format_bytes
 from lever_actors.target import FlashTarget
 
-# Of the memory left after loading: the share a request's KV may fill, and the share the
-# prefix cache may hold; the rest is a step's temporaries' (a layer's are bounded:
-# model/layers.py CHUNK_BYTES)
+# Of the memory left after loading, less a step's temporaries (a layer's are bounded by
+# model/layers.py's CHUNK_BYTES; a 318-token prompt's pass took 48 MiB, trimmed after): the
+# share a request's KV may fill, and the share the prefix cache may hold
+TEMPORARY_BYTES = CHUNK_BYTES
 KV_SHARE = 0.5
 CACHE_SHARE = 0.25
+
+
+def room_bytes(kv_bytes_per_token: int, tokens: int) -> int:
+    """The memory to keep after loading for a context of `tokens`: a step's temporaries, and
+    the context's KV as KV_SHARE of the rest."""
+    return TEMPORARY_BYTES + math.ceil(kv_bytes_per_token * tokens / KV_SHARE)
+
+
+def tokens_in(free: int, kv_bytes_per_token: int) -> int:
+    """The context `free` bytes after loading hold: room_bytes' inverse."""
+    return int(max(free - TEMPORARY_BYTES, 0) * KV_SHARE) // max(kv_bytes_per_token, 1)
 
 
 class Context(msgspec.Struct, frozen=True):
@@ -36,9 +51,9 @@ class Context(msgspec.Struct, frozen=True):
 
     @property
     def room_tokens(self) -> int:
-        """The KV the requests decoding at once may hold together, in tokens: KV_SHARE of
-        the memory left after loading, or one whole context where that was asked for."""
-        return max(self.tokens, int(self.free_bytes * KV_SHARE) // self.kv_bytes_per_token)
+        """The KV the requests decoding at once may hold together, in tokens: what the memory
+        left after loading holds, or one whole context where that was asked for."""
+        return max(self.tokens, tokens_in(self.free_bytes, self.kv_bytes_per_token))
 
     @property
     def why(self) -> str:
@@ -67,11 +82,11 @@ class Context(msgspec.Struct, frozen=True):
 def plan_context(
     asked: int | None, model_tokens: int, kv_bytes_per_token: int, limit: int, held: int
 ) -> Context:
-    """`asked` tokens (ctx_size), at most the model's; else the model's, or as many as
-    KV_SHARE of the memory left after loading (`limit` less `held`) holds."""
+    """`asked` tokens (ctx_size), at most the model's; else the model's, or as many as the
+    memory left after loading (`limit` less `held`) holds."""
     free = max(limit - held, 0)
     check_ctx_size(asked, model_tokens)
-    fits = int(free * KV_SHARE) // kv_bytes_per_token
+    fits = tokens_in(free, kv_bytes_per_token)
     tokens = asked if asked is not None else min(model_tokens, fits)
     return Context(tokens, model_tokens, kv_bytes_per_token, limit, free, asked is not None)
 

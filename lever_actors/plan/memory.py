@@ -7,17 +7,19 @@ later (one that fits leaves what room it leaves: the bench's fixed budgets run s
 
 from __future__ import annotations
 
-import math
-
 import msgspec
 
 from lever_actors.config import DramBudget, EngineConfig
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.layout import Manifest
-from lever_actors.device.memory import anonymous_rss_bytes, file_rss_bytes, memory_limit_bytes
+from lever_actors.device.memory import (
+    anonymous_rss_bytes,
+    charged_file_bytes,
+    memory_limit_bytes,
+)
 from lever_actors.errors import ConfigError
 from lever_actors.model.kv_cache import position_bytes
-from lever_actors.plan.context import KV_SHARE
+from lever_actors.plan.context import room_bytes, tokens_in
 from lever_actors.sizes import format_bytes
 
 # the most context an auto budget keeps room for where ctx_size says none, beside the whole
@@ -35,11 +37,11 @@ class Reading(msgspec.Struct, frozen=True):
 
     limit: int  # what the process may hold: its cgroup's limit, else free memory
     process: int  # its anonymous memory
-    libraries: int  # its file pages mapped (RssFile)
+    libraries: int  # its file pages mapped that the limit counts (charged to its cgroup)
 
 
 def read_process() -> Reading:
-    return Reading(memory_limit_bytes(), anonymous_rss_bytes(), file_rss_bytes())
+    return Reading(memory_limit_bytes(), anonymous_rss_bytes(), charged_file_bytes())
 
 
 class MemoryPlan(msgspec.Struct, frozen=True):
@@ -48,7 +50,7 @@ class MemoryPlan(msgspec.Struct, frozen=True):
     limit: int  # what the process may hold: its cgroup's limit, else free memory
     process: int  # anonymous memory before the models loaded (Python, torch, our modules)
     draft: int  # anonymous memory the draft's load added
-    libraries: int  # file pages mapped (RssFile): code the kernel would page in again
+    libraries: int  # file pages mapped that the limit counts: code it would page in again
     context_tokens: int  # the context the room was kept for
     room: int  # after loading: KV of context_tokens, the prefix cache, temporaries
     budget: int  # the target's weights in DRAM
@@ -84,9 +86,9 @@ def plan_memory(
     ConfigError, naming the parts, where it cannot fit."""
     held = process + draft + libraries
     if budget.kind == "auto" and fewest_context_tokens is not None:
-        beside_all = int((limit - held - model_bytes) * KV_SHARE) // max(kv_bytes_per_token, 1)
+        beside_all = tokens_in(limit - held - model_bytes, kv_bytes_per_token)
         context_tokens = max(fewest_context_tokens, min(context_tokens, beside_all))
-    room = math.ceil(kv_bytes_per_token * context_tokens / KV_SHARE)
+    room = room_bytes(kv_bytes_per_token, context_tokens)
     parts = (
         f"the process {format_bytes(process)}, the draft {format_bytes(draft)}, "
         f"its libraries {format_bytes(libraries)}"
@@ -112,7 +114,7 @@ def plan_memory(
                 "which leaves room for the context"
             )
         room = limit - held - chosen
-        context_tokens = int(room * KV_SHARE) // kv_bytes_per_token  # what the rest holds
+        context_tokens = tokens_in(room, kv_bytes_per_token)  # what the rest holds
     return MemoryPlan(
         limit=limit,
         process=process,

@@ -8,12 +8,17 @@ from pathlib import Path
 import pytest
 
 from lever_actors.config import EngineConfig
-from lever_actors.device.memory import anonymous_rss_bytes, memory_limit_bytes
+from lever_actors.device.memory import (
+    anonymous_rss_bytes,
+    charged_file_bytes,
+    file_rss_bytes,
+    memory_limit_bytes,
+)
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError, ContextLengthError
 from lever_actors.model.kv_cache import position_bytes
 from lever_actors.plan import memory as memory_module
-from lever_actors.plan.context import CACHE_SHARE, KV_SHARE, plan_context
+from lever_actors.plan.context import CACHE_SHARE, KV_SHARE, TEMPORARY_BYTES, plan_context
 from lever_actors.testing import TINY_ARGS, model_pair
 
 MiB = 2**20
@@ -23,7 +28,8 @@ def test_the_context_is_the_models_what_was_asked_or_what_the_memory_holds():
     roomy = plan_context(None, 32768, 40 * 1024, limit=24 << 30, held=1 << 30)
     assert roomy.tokens == 32768 and "the model's" in str(roomy)
     tight = plan_context(None, 32768, 40 * 1024, limit=1 << 30, held=(1 << 30) - 100 * MiB)
-    assert tight.tokens == int(100 * MiB * KV_SHARE) // (40 * 1024)  # 1,280
+    assert TEMPORARY_BYTES == 32 * MiB  # a step's, kept apart from the KV's share
+    assert tight.tokens == int(68 * MiB * KV_SHARE) // (40 * 1024)  # 870
     assert "what 100.0 MiB free of 1.00 GiB holds" in str(tight)
     assert "set ctx_size for more" in tight.why
     asked = plan_context(4096, 32768, 40 * 1024, limit=1 << 30, held=(1 << 30) - 100 * MiB)
@@ -60,6 +66,29 @@ def test_the_memory_limit_is_the_tightest_cgroup_limit_above_us(tmp_path):
     assert memory_limit_bytes(*free) == 4000000 * 1024 + anonymous_rss_bytes()
 
 
+def test_libraries_count_only_as_far_as_the_binding_limit_is_charged_for_them(tmp_path):
+    """A page stays charged to the cgroup that read it first: libraries another process
+    loaded cost this limit nothing, and the plan gives their memory to the weights."""
+    v1 = fake_system(
+        tmp_path / "v1",
+        "4:memory:/box\n",
+        {
+            "memory/box/memory.limit_in_bytes": f"{900 * MiB}\n",
+            "memory/box/memory.stat": f"mapped_file 0\ntotal_mapped_file {MiB}\n",
+        },
+    )
+    assert file_rss_bytes() > MiB  # this process's libraries
+    assert charged_file_bytes(*v1) == MiB
+    v2 = fake_system(
+        tmp_path / "v2",
+        "0::/app\n",
+        {"app/memory.max": f"{600 * MiB}\n", "app/memory.stat": "anon 5\nfile_mapped 4096\n"},
+    )
+    assert charged_file_bytes(*v2) == 4096
+    # no limit, or one looser than what the machine has free: every mapped page counts
+    assert charged_file_bytes(*fake_system(tmp_path / "none", "0::/\n", {})) == file_rss_bytes()
+
+
 @pytest.fixture(scope="module")
 def config() -> EngineConfig:
     pair = model_pair(TINY_ARGS, "perturbed", 0)
@@ -79,9 +108,10 @@ async def test_a_request_beyond_ctx_size_is_refused_with_its_sizes(config):
 
 
 async def test_a_context_the_memory_bounds_says_so(config, monkeypatch):
-    room = 100_000  # bytes left after loading: the tiny weights fit, a whole context not
+    # bytes left after loading: the tiny weights fit, a step's temporaries and some context
+    room = TEMPORARY_BYTES + 100_000
     monkeypatch.setattr(memory_module, "anonymous_rss_bytes", lambda: 0)
-    monkeypatch.setattr(memory_module, "file_rss_bytes", lambda: 0)
+    monkeypatch.setattr(memory_module, "charged_file_bytes", lambda: 0)
     monkeypatch.setattr(memory_module, "memory_limit_bytes", lambda: room)
     fixed = EngineConfig(**{**_fields(config), "dram_budget": "all"})  # auto keeps room
     async with Engine.open(fixed) as engine:
@@ -91,7 +121,7 @@ async def test_a_context_the_memory_bounds_says_so(config, monkeypatch):
             draft.args, draft.dtype
         )
         assert engine.context.kv_bytes_per_token == per_token
-        assert engine.context.tokens == int(room * KV_SHARE) // per_token
+        assert engine.context.tokens == int((room - TEMPORARY_BYTES) * KV_SHARE) // per_token
         assert engine.prefixes.capacity_bytes == int(room * CACHE_SHARE)
         with pytest.raises(
             ContextLengthError, match=r"left of a .* memory limit holds; set ctx_size for more"

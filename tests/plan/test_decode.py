@@ -4,8 +4,6 @@ follows the plan (no draft for lookup or ar); where no plan fits, one line says 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from lever_actors.cli import main
@@ -19,7 +17,7 @@ from lever_actors.model.kv_cache import position_bytes
 from lever_actors.paths import path_bytes
 from lever_actors.plan import decode as decode_plan
 from lever_actors.plan import memory as memory_module
-from lever_actors.plan.context import KV_SHARE
+from lever_actors.plan.context import room_bytes
 from lever_actors.plan.decode import DecodePlan, choose_plan, given_plan, planned_config
 from lever_actors.plan.memory import FEWEST_AUTO_CONTEXT
 from lever_actors.testing import TINY_ARGS, assert_matches_sequential, model_pair
@@ -39,7 +37,7 @@ def config_of(pair, **fields) -> EngineConfig:
 def under(monkeypatch, limit: int) -> None:
     """The process holds PROCESS and its libraries LIBRARIES, under `limit`."""
     monkeypatch.setattr(memory_module, "anonymous_rss_bytes", lambda: PROCESS)
-    monkeypatch.setattr(memory_module, "file_rss_bytes", lambda: LIBRARIES)
+    monkeypatch.setattr(memory_module, "charged_file_bytes", lambda: LIBRARIES)
     monkeypatch.setattr(memory_module, "memory_limit_bytes", lambda: limit)
 
 
@@ -47,7 +45,7 @@ def least_limit(pair, draft: int) -> int:
     """The least limit that holds the target's least budget beside `draft` bytes."""
     manifest = read_manifest(pair.target)
     tokens = min(FEWEST_AUTO_CONTEXT, manifest.args.max_seq_len)  # the tiny model's 256
-    room = math.ceil(position_bytes(manifest.args, manifest.torch_dtype) * tokens / KV_SHARE)
+    room = room_bytes(position_bytes(manifest.args, manifest.torch_dtype), tokens)
     return PROCESS + LIBRARIES + draft + room + minimum_budget(manifest)
 
 

@@ -36,24 +36,25 @@ def plan(budget: str, limit: int, tokens: int = 4096, fewest: int | None = None)
 
 
 def test_auto_takes_what_is_left_after_the_room_for_the_context():
-    assert plan("auto", 1024 * MiB).budget == (1024 - 590 - 320) * MiB  # 4,096 x 40 KiB x 2
+    # the room: a step's temporaries (32 MiB) and twice the context's KV (4,096 x 40 KiB)
+    assert plan("auto", 1056 * MiB).budget == (1056 - 590 - 32 - 320) * MiB
     assert plan("auto", 3072 * MiB).budget == 1100 * MiB  # all of it fits
-    assert plan("auto", 1024 * MiB, tokens=1024).budget == (1024 - 590 - 80) * MiB
-    assert "target budget 114.0 MiB (auto)" in str(plan("auto", 1024 * MiB))
+    assert plan("auto", 1024 * MiB, tokens=1024).budget == (1024 - 590 - 32 - 80) * MiB
+    assert "target budget 114.0 MiB (auto)" in str(plan("auto", 1056 * MiB))
 
 
 def test_without_a_ctx_size_auto_gives_the_target_the_memory_beyond_a_smaller_context():
-    # the target streams: room for 1,024 tokens (80 MiB) only, the rest is its budget
+    # the target streams: room for 1,024 tokens (112 MiB) only, the rest is its budget
     streams = plan("auto", 1000 * MiB, fewest=1024)
-    assert (streams.context_tokens, streams.room, streams.budget) == (1024, 80 * MiB, 330 * MiB)
-    # the whole target fits beside room for 2,048 tokens (1,100 + 590 + 160 MiB), not 4,096
-    fits = plan("auto", (1100 + 590 + 160) * MiB, fewest=1024)
+    assert (streams.context_tokens, streams.room, streams.budget) == (1024, 112 * MiB, 298 * MiB)
+    # the whole target fits beside room for 2,048 tokens (1,100 + 590 + 192 MiB), not 4,096
+    fits = plan("auto", (1100 + 590 + 192) * MiB, fewest=1024)
     assert (fits.context_tokens, fits.budget) == (2048, 1100 * MiB)
     assert plan("auto", 3072 * MiB, fewest=1024).context_tokens == 4096  # room for all of it
     with pytest.raises(ConfigError, match="raise the limit or lower ctx_size"):
         plan("auto", 700 * MiB)  # a ctx_size was asked for: refused, as it does not fit
     with pytest.raises(ConfigError, match="room for 1,024 tokens"):
-        plan("auto", (590 + 100 + 79) * MiB, fewest=1024)  # 1,024 tokens need 80 MiB
+        plan("auto", (590 + 100 + 111) * MiB, fewest=1024)  # 1,024 tokens need 112 MiB
 
 
 def test_a_limit_too_small_is_refused_naming_every_part():
@@ -62,7 +63,7 @@ def test_a_limit_too_small_is_refused_naming_every_part():
     assert str(refused.value) == (
         "a memory limit of 600.0 MiB leaves nothing for the target's weights beside the process "
         "160.0 MiB, the draft 330.0 MiB, its libraries 100.0 MiB and room for 4,096 tokens of "
-        "context (320.0 MiB); the target needs at least 100.0 MiB: raise the limit or lower "
+        "context (352.0 MiB); the target needs at least 100.0 MiB: raise the limit or lower "
         "ctx_size"
     )
 
