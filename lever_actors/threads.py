@@ -14,7 +14,7 @@ OpenMP reads them only once, when it loads. Values the user set are kept.
   Figures: `benchmarks/thread_policy.py`, docs/benchmarks.md.
 - A core counts as taken only when at least 3/4 busy in each of three 0.1 s windows, so
   that a process that has just exited (freeing its memory) does not count. The probe is
-  part of every launch's wait: 0.3 s of it.
+  part of every launch's wait, 0.3 s of it, but for a request for help or the version.
 """
 
 from __future__ import annotations
@@ -75,6 +75,12 @@ def thread_policy(
     if added and "OMP_NUM_THREADS" not in policy:
         added[PIPELINE_ONLY] = ",".join(added)
     return added
+
+
+def asks_only_help(argv: list[str]) -> bool:
+    """Whether the command line asks for help or the version (or nothing): no thread of it
+    computes, so the idle cores need no probe."""
+    return not argv or any(arg in ("-h", "--help", "--version") for arg in argv)
 
 
 def runs_two_units(argv: list[str]) -> bool:

@@ -8,18 +8,14 @@ failure prints one line (and its traceback under -v), a bug its traceback."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 from lever_actors import __version__
-from lever_actors.cli.bench import add_bench_command, apply_config
-from lever_actors.cli.check_exact import add_check_exact_command
-from lever_actors.cli.generate import add_generate_command
-from lever_actors.cli.report import add_report_command
-from lever_actors.cli.serve import add_serve_command
-from lever_actors.cli.tools import add_tool_commands
+from lever_actors.cli.commands import command_in, help_of, modules
 from lever_actors.errors import INTERRUPTED, ConfigError, LeverError
 from lever_actors.logs import log_to_stderr
 from lever_actors.paths import default_cache_dir
@@ -38,11 +34,14 @@ _EXPECTED = tuple(kind for kind, _ in EXIT_CODES)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
+    command = command_in(sys.argv[1:] if argv is None else argv)
+    parser = _parser(() if command is None else (command,))
     args = parser.parse_args(argv)
     log_to_stderr(args.verbose)
     try:
         if getattr(args, "config", None) is not None:  # the file's values become defaults
+            from lever_actors.cli.bench import apply_config
+
             apply_config(args.bench_parser, args.config)
             args = parser.parse_args(argv)  # so that flags on the command line still win
         args.cache_dir = args.cache_dir or default_cache_dir()
@@ -94,7 +93,9 @@ def _report(what: str, verbose: bool) -> None:
     print(f"lever-actors: {what}", file=sys.stderr)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or with only `commands` given their arguments (their modules
+    imported) and the others their line in --help."""
     parser = argparse.ArgumentParser(prog="lever-actors", description=__doc__)
     parser.add_argument("--version", action="version", version=f"lever-actors {__version__}")
     parser.add_argument(
@@ -108,13 +109,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    add_generate_command(sub)
-    add_serve_command(sub)
-    add_tool_commands(sub)
-
-    add_bench_command(sub)
-    add_report_command(sub)
-    add_check_exact_command(sub)
+    for module, names in modules().items():
+        if commands is None or not set(names).isdisjoint(commands):
+            importlib.import_module(f"lever_actors.cli.{module}").add_commands(sub)
+        else:
+            for name in names:
+                sub.add_parser(name, help=help_of(name))
 
     for command in sub.choices.values():  # -v after the command too; unset, the top's stands
         command.add_argument(

@@ -26,6 +26,7 @@ from lever_actors.checkpoints import load_tokenizer
 from lever_actors.checkpoints.prompts import PROMPT_SETS, load_prompts
 from lever_actors.checkpoints.real_pair import real_model_path, real_target_layout
 from lever_actors.checkpoints.tokenizer import user_turn
+from lever_actors.cli.commands import help_of
 from lever_actors.cli.engine_options import add_sampling_arguments, sampling_of, split
 from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, DramBudget, choices_of, default_of
 from lever_actors.errors import ConfigError
@@ -39,10 +40,8 @@ PARALLEL_PROMPT_SETS = "humaneval,sharegpt"
 PARALLEL_LIMITS = "1GiB,3GiB"
 
 
-def add_bench_command(sub: argparse._SubParsersAction) -> None:
-    add_bench_arguments(
-        sub.add_parser("bench", help="measure decoding modes on the real model pair")
-    )
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    add_bench_arguments(sub.add_parser("bench", help=help_of("bench")))
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,6 +10,7 @@ from lever_actors.bench.exactness import POLICIES, audit_prompts, check_exact
 from lever_actors.checkpoints import load_tokenizer
 from lever_actors.checkpoints.prompts import PROMPT_SETS, load_prompts
 from lever_actors.checkpoints.real_pair import real_model_path, real_target_layout
+from lever_actors.cli.commands import help_of
 from lever_actors.cli.engine_options import split
 from lever_actors.config import DramBudget, check_max_new_tokens
 from lever_actors.device.layout import read_manifest
@@ -17,12 +18,8 @@ from lever_actors.errors import ConfigError
 from lever_actors.progress import ProgressLine
 
 
-def add_check_exact_command(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
-        "check-exact",
-        help="every speculative policy against one-token greedy of the same layout, on real "
-        "prompts; exits 1 on any divergence",
-    )
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("check-exact", help=help_of("check-exact"))
     parser.add_argument(
         "--target", type=Path, default=None, help="flash layout (default: the real target's)"
     )

@@ -16,6 +16,7 @@ from lever_actors.channels.messages import FinishReason, TokenEvent
 from lever_actors.channels.stats import decode_phase, decode_rate, per_step, prefill_rate
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.tokenizer import Tokenizer, check_messages, user_turn
+from lever_actors.cli.commands import help_of
 from lever_actors.cli.engine_options import (
     add_engine_arguments,
     add_sampling_arguments,
@@ -44,11 +45,8 @@ DTYPES = ("float32", "bfloat16", "float64")  # --model computes in one of these 
 DEFAULT_CHAT = "Write a Python function that returns the n-th Fibonacci number."
 
 
-def add_generate_command(sub: argparse._SubParsersAction) -> None:
-    gen = sub.add_parser(
-        "generate",
-        help="stream text: the pipeline (default: the real pair) or a model in DRAM",
-    )
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    gen = sub.add_parser("generate", help=help_of("generate"))
     add_engine_arguments(gen)
     gen.add_argument(
         "--model",

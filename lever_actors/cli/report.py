@@ -15,13 +15,12 @@ from lever_actors.bench.report import (
     rewrite_readme,
 )
 from lever_actors.bench.results import BenchResults, read_results
+from lever_actors.cli.commands import help_of
 from lever_actors.errors import ConfigError
 
 
-def add_report_command(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
-        "report", help="markdown, plots and the README's Results section from a results JSON"
-    )
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("report", help=help_of("report"))
     parser.add_argument("results", type=Path, help="a results JSON written by `bench`")
     parser.add_argument(
         "--readme",

@@ -8,6 +8,7 @@ from functools import partial
 
 import trio
 
+from lever_actors.cli.commands import help_of
 from lever_actors.cli.engine_options import add_engine_arguments, engine_config
 from lever_actors.engine import Engine
 from lever_actors.progress import ProgressLine
@@ -16,11 +17,8 @@ from lever_actors.serve.options import ServeOptions
 from lever_actors.sizes import compact_bytes, parse_bytes
 
 
-def add_serve_command(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
-        "serve",
-        help="an OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/models",
-    )
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("serve", help=help_of("serve"))
     add_engine_arguments(parser)
     parser.add_argument("--host", default=DEFAULTS.host, help=f"(default: {DEFAULTS.host})")
     parser.add_argument(

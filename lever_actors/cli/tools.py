@@ -15,6 +15,7 @@ from lever_actors.checkpoints.export import export_hf
 from lever_actors.checkpoints.fetch import REAL_MODELS, fetch_model
 from lever_actors.checkpoints.prompts import PROMPT_SETS, load_prompts
 from lever_actors.checkpoints.quantize import WEIGHTS_CHOICES
+from lever_actors.cli.commands import help_of
 from lever_actors.config import Weights
 from lever_actors.device.disk_profile import profile_disk
 from lever_actors.device.layout import DTYPE_NAMES, MANIFEST_NAME, WEIGHTS_NAME, read_manifest
@@ -26,8 +27,8 @@ from lever_actors.sizes import format_bytes, parse_bytes
 STORE_DTYPES = ("bfloat16", "float16", "float32")  # DTYPE_NAMES a layout may store
 
 
-def add_tool_commands(sub: argparse._SubParsersAction) -> None:
-    fetch = sub.add_parser("fetch-models", help="download, assemble and verify the real model pair")
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    fetch = sub.add_parser("fetch-models", help=help_of("fetch-models"))
     fetch.add_argument(
         "--verify",
         action="store_true",
@@ -35,7 +36,7 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     )
     fetch.set_defaults(command=run_fetch_models)
 
-    conv = sub.add_parser("convert", help="write the flash layout of an HF directory or GGUF file")
+    conv = sub.add_parser("convert", help=help_of("convert"))
     conv.add_argument("src", type=Path)
     conv.add_argument("out", type=Path)
     conv.add_argument("--dtype", choices=STORE_DTYPES, default="bfloat16")
@@ -49,15 +50,13 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     )
     conv.set_defaults(command=run_convert)
 
-    prof = sub.add_parser("profile-disk", help="raw O_DIRECT sequential read bandwidth")
+    prof = sub.add_parser("profile-disk", help=help_of("profile-disk"))
     prof.add_argument("path", type=Path, help="a file, or a flash layout (reads its weights)")
     prof.add_argument("--block-size", default=None, help="default: the layout's largest layer")
     prof.add_argument("--max-bytes", default="2GiB", help="stop after this much")
     prof.set_defaults(command=run_profile_disk)
 
-    train = sub.add_parser(
-        "train-exit", help="train the early-exit predictor of a flash layout, saved beside it"
-    )
+    train = sub.add_parser("train-exit", help=help_of("train-exit"))
     train.add_argument("layout", type=Path, help="the target's flash layout (from `convert`)")
     train.add_argument("--prompt-set", choices=sorted(PROMPT_SETS), default="humaneval")
     train.add_argument("--prompts", type=int, default=16, help="how many prompts to train on")
@@ -72,9 +71,7 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--out", type=Path, help="default: LAYOUT/exit_predictor.safetensors")
     train.set_defaults(command=run_train_exit)
 
-    export = sub.add_parser(
-        "export-hf", help="write an HF safetensors directory of a GGUF file or flash layout"
-    )
+    export = sub.add_parser("export-hf", help=help_of("export-hf"))
     export.add_argument("src", type=Path, help="GGUF file, flash layout or HF directory")
     export.add_argument("out", type=Path)
     export.add_argument(
@@ -85,10 +82,7 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     )
     export.set_defaults(command=run_export_hf)
 
-    build = sub.add_parser(
-        "build-llamacpp",
-        help="build llama.cpp once into the cache, for the bench's llamacpp-* modes",
-    )
+    build = sub.add_parser("build-llamacpp", help=help_of("build-llamacpp"))
     build.add_argument("--jobs", type=int, default=2, help="parallel compile jobs (default: 2)")
     build.add_argument(
         "--force", action="store_true", help="rebuild even where a matching build is cached"
