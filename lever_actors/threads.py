@@ -13,8 +13,9 @@ OpenMP reads them only once, when it loads. Values the user set are kept.
   needs, and libgomp sleeps every team after each product anyway once two exist.
   Figures: `benchmarks/thread_policy.py`, docs/benchmarks.md.
 - A core counts as taken only when at least 3/4 busy in each of three 0.1 s windows, so
-  that a process that has just exited (freeing its memory) does not count. The probe is
-  part of every launch's wait, 0.3 s of it, but for a request for help or the version.
+  that a process that has just exited (freeing its memory) does not count. The probe runs
+  beside the imports that start no OpenMP team (launch.py), its own process's time left
+  out, and not at all for a request for help or the version.
 """
 
 from __future__ import annotations
@@ -32,16 +33,18 @@ PIPELINE_ONLY = "LEVER_ACTORS_PIPELINE_ONLY"
 
 
 def idle_cores(windows: int = WINDOWS, seconds: float = WINDOW_SECONDS) -> int | None:
-    """Cores the rest of the machine left idle (we idle meanwhile) in the least busy of
-    `windows` windows of `seconds`, from /proc/stat; None where it cannot be read."""
+    """Cores the rest of the machine left idle in the least busy of `windows` windows of
+    `seconds`, from /proc/stat less this process's own time (it may import meanwhile);
+    None where it cannot be read."""
+    tick = os.sysconf("SC_CLK_TCK")  # /proc/stat's unit
 
-    def totals() -> tuple[int, int]:
+    def totals() -> tuple[int, int, int]:
         with open("/proc/stat") as stat:
             fields = [int(v) for v in stat.readline().split()[1:]]
         idle = fields[3] + fields[4]  # idle + iowait
-        return sum(fields) - idle, sum(fields)
+        ours = os.times()
+        return sum(fields) - idle, sum(fields), round((ours.user + ours.system) * tick)
 
-    cores = os.cpu_count() or 1
     try:
         samples = [totals()]
         for _ in range(windows):
@@ -49,9 +52,15 @@ def idle_cores(windows: int = WINDOWS, seconds: float = WINDOW_SECONDS) -> int |
             samples.append(totals())
     except (OSError, ValueError, IndexError):
         return None
+    return cores_left(samples, os.cpu_count() or 1)
+
+
+def cores_left(samples: list[tuple[int, int, int]], cores: int) -> int | None:
+    """The idle cores `samples` show: each (busy, all, ours) in clock ticks, busy counting
+    every process, ours this one; None when no window had any time."""
     shares = [
-        (busy1 - busy0) / (all1 - all0)
-        for (busy0, all0), (busy1, all1) in zip(samples, samples[1:], strict=False)
+        max(0, (busy1 - busy0) - (ours1 - ours0)) / (all1 - all0)
+        for (busy0, all0, ours0), (busy1, all1, ours1) in zip(samples, samples[1:], strict=False)
         if all1 > all0
     ]
     if not shares:

@@ -7,7 +7,14 @@ import os
 import subprocess
 import sys
 
-from lever_actors.threads import PIPELINE_ONLY, idle_cores, one_stream_environ, thread_policy
+from lever_actors.launch import BEFORE_OPENMP
+from lever_actors.threads import (
+    PIPELINE_ONLY,
+    cores_left,
+    idle_cores,
+    one_stream_environ,
+    thread_policy,
+)
 
 SHOW = (
     "import os, sys; sys.argv = ['lever-actors', *sys.argv[1:]]; import lever_actors.launch; "
@@ -79,6 +86,27 @@ def test_a_busy_neighbour_takes_a_core_from_the_count():
     finally:
         neighbour.kill()
         neighbour.wait()
+
+
+def test_the_probes_own_process_is_not_a_neighbour():
+    # two cores, windows of 10 ticks each: (busy of all processes, all, ours)
+    ours_busy = [(0, 0, 0), (10, 20, 10), (20, 40, 20), (30, 60, 30)]
+    assert cores_left(ours_busy, cores=2) == 2
+    neighbour = [(0, 0, 0), (18, 20, 10), (36, 40, 20), (54, 60, 30)]  # 8 of 10 ticks
+    assert cores_left(neighbour, cores=2) == 1
+    just_exited = [(0, 0, 0), (18, 20, 0), (20, 40, 0), (22, 60, 0)]  # busy in one window
+    assert cores_left(just_exited, cores=2) == 2
+    assert cores_left([(5, 7, 0)], cores=2) is None
+
+
+def test_what_imports_beside_the_probe_loads_no_openmp():
+    code = (
+        f"import importlib, sys; [importlib.import_module(m) for m in {BEFORE_OPENMP!r}]; "
+        "maps = open('/proc/self/maps').read(); "
+        "print('torch' in sys.modules, 'numpy' in sys.modules, 'gomp' in maps or 'libomp' in maps)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["False", "False", "False"]
 
 
 def test_a_one_stream_child_goes_without_what_was_set_for_the_pipeline_only():
