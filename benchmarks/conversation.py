@@ -38,7 +38,7 @@ from lever_actors.checkpoints.real_pair import real_model_path, real_target_layo
 from lever_actors.paths import default_cache_dir
 from lever_actors.sizes import parse_bytes
 
-CLI = [sys.executable, "-c", "import sys; from lever_actors.launch import main; sys.exit(main())"]
+CLI = [sys.executable, "-c", "from lever_actors.launch import console; console()"]
 PORT = 8766
 # held out from every prompt set: the opening of a standard-library module, about 1,400
 # tokens, as a user pastes a file and asks about it

@@ -33,7 +33,7 @@ from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.paths import default_cache_dir
 from lever_actors.sizes import parse_bytes
 
-CLI = [sys.executable, "-c", "import sys; from lever_actors.launch import main; sys.exit(main())"]
+CLI = [sys.executable, "-c", "from lever_actors.launch import console; console()"]
 SOURCE = Path(sys.base_prefix, "lib", "python3.11", "argparse.py")  # held out from the sets
 
 

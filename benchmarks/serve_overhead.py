@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-c", "import sys; from lever_actors.launch import main; sys.exit(main())"]
+CLI = [sys.executable, "-c", "from lever_actors.launch import console; console()"]
 PROMPT = "Write a Python function that checks whether a string is a palindrome."
 BURST_SECONDS = 0.005  # tokens of one step reach the client within this of each other
 

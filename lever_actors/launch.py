@@ -1,10 +1,12 @@
 """The `lever-actors` console entry point: OpenMP's thread policy (threads.py), set before the
 CLI loads torch, because OpenMP reads it only once, when it loads."""
 
+import atexit
 import importlib
 import os
 import sys
 import threading
+from typing import NoReturn
 
 from lever_actors.threads import asks_only_help, idle_cores, thread_policy
 
@@ -33,4 +35,22 @@ os.environ.update(thread_policy(os.environ, _probed, os.cpu_count() or 1, sys.ar
 
 from lever_actors.cli import main  # noqa: E402  (after the thread policy, which torch reads on load)
 
-__all__ = ["main"]
+
+def console() -> NoReturn:
+    """The console script: the CLI, then, its threads joined, atexit's handlers run and its
+    streams flushed, the process ends without the interpreter's teardown (torch's modules
+    take 0.45 s to finalize)."""
+    code = main()
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:  # a closed pipe or a full disk: what was written is lost
+            code = code or 1
+    os._exit(code)
+
+
+__all__ = ["console", "main"]

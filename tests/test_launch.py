@@ -121,3 +121,16 @@ def test_a_one_stream_child_keeps_the_users_policy_and_a_busy_machines():
     assert one_stream_environ(users | thread_policy(users, 2, 2, PIPELINE)) == users
     busy = thread_policy({}, free=1, cores=2, argv=PIPELINE)
     assert one_stream_environ(busy) == {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def test_the_console_script_ends_with_mains_code_its_output_and_atexit_handlers():
+    code = (
+        "import atexit, sys, threading, time; import lever_actors.launch as launch\n"
+        "atexit.register(print, 'atexit ran')\n"
+        "late = threading.Thread(target=lambda: (time.sleep(0.2), print('thread done')))\n"
+        "launch.main = lambda: (late.start(), sys.stdout.write('x' * 100000), 3)[2]\n"
+        "launch.console()"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 3
+    assert done.stdout == "x" * 100000 + "thread done\natexit ran\n"

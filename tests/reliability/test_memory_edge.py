@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
 MIB = 2**20
 TOKENS = 1000
 STEP = 8 * MIB  # the bisection's resolution
-LAUNCH = "import sys; from lever_actors.launch import main; sys.exit(main())"
+LAUNCH = "from lever_actors.launch import console; console()"
 
 
 def generate(target: Path, tokens: int, limit: int | None) -> subprocess.CompletedProcess[str]:

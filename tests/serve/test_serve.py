@@ -509,7 +509,7 @@ async def test_client_errors_are_logged_in_one_line(config, caplog, monkeypatch)
 
 
 DRAINING = "lever_actors.serve: SIGTERM: shutting down"
-LAUNCH = "import sys; from lever_actors.launch import main; sys.exit(main())"
+LAUNCH = "from lever_actors.launch import console; console()"
 
 
 def free_port() -> int:
