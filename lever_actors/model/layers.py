@@ -229,13 +229,15 @@ def batch_layers_forward(
     """Several sequences' pending rows, xs[i]: [n_i, d_model] with blocks[i] (its own KV
     cache and placement) -> each the same after `layers`. Their rows go through each matrix
     product together, which reads a layer's weights once for all and gives each row what it
-    alone would (the kernels are row-invariant); a batch whose temporaries would pass
-    CHUNK_BYTES (a prompt among them) goes a sequence at a time, each as `layers_forward`."""
+    alone would (the kernels are row-invariant, and our fused layer does the same ops);
+    a batch whose temporaries would pass CHUNK_BYTES (a prompt among them) goes a sequence
+    at a time, each as `layers_forward`."""
     sizes = [x.shape[0] for x in xs]
     keys = max(cache.length for cache, _ in blocks) + sum(sizes)
-    # our fused layer (AVX2) takes one cache: its batches share reads, not products
-    alone = len(xs) == 1 or fused.takes(xs[0], layers[0], args, first)
-    if alone or sum(sizes) > rows_per_chunk(args, keys):
+    # several sequences take the ops one by one, their products shared, even where our fused
+    # layer (one cache) would take each alone: it would read and unpack every matrix once per
+    # sequence (8 one-row sequences of the real target: 259 ms a pass against 116)
+    if len(xs) == 1 or sum(sizes) > rows_per_chunk(args, keys):
         return [
             layers_forward(x, layers, args, cache, first, place)
             for x, (cache, place) in zip(xs, blocks, strict=True)

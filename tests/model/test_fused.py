@@ -1,6 +1,7 @@
 """One decoder layer in one call of our kernels (model/fused.py, csrc/layer.h): the same bits
 as model/layers.py's ops one by one, in the hidden states and in the KV cache, for a chain and
-for a tree; and the layers it does not take stay in Python."""
+for a tree; the layers it does not take stay in Python, and a batch of sequences shares its
+products instead."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from lever_actors.checkpoints.hf import load_hf
 from lever_actors.checkpoints.quantize import quantize_checkpoint
 from lever_actors.model import fused, native
-from lever_actors.model.placement import tree_placement
+from lever_actors.model.placement import chain_placement, tree_placement
 from lever_actors.model.transformer import Transformer
 from lever_actors.model.tree import TokenTree
 from lever_actors.testing.checkpoints import bf16_args, tiny_checkpoint
@@ -52,6 +53,27 @@ def test_one_call_gives_the_bits_of_the_ops_one_by_one(weights, monkeypatch):
     ours = decode(model, monkeypatch, one_call=True)
     theirs = decode(model, monkeypatch, one_call=False)
     for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+
+
+@needs_avx2
+def test_a_batch_shares_its_products_and_each_sequence_gets_its_bits_alone(monkeypatch):
+    model = quantized_model("q4k")
+    prompts = [torch.tensor([3, 14, 15, 92, 65]), torch.tensor([35, 89, 79])]
+    alone, caches = [], []
+    for prompt in prompts:
+        cache = model.new_cache(64)
+        model.forward(prompt, cache)
+        cache.commit(len(prompt))
+        alone.append(model.forward(torch.tensor([7]), cache))  # fused, one cache
+        cache.keep([])
+        caches.append(cache)
+    calls = []
+    monkeypatch.setattr(native, "decoder_layer", lambda *args: calls.append(args))
+    blocks = [(c, chain_placement(model.rope, c.length, 1, model.dtype)) for c in caches]
+    together = model.forward_blocks([torch.tensor([7]), torch.tensor([7])], blocks)
+    assert not calls  # the batch took the ops one by one
+    for a, b in zip(alone, together, strict=True):
         assert torch.equal(a, b)
 
 
