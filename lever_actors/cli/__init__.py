@@ -40,9 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     log_to_stderr(args.verbose)
     try:
         if getattr(args, "config", None) is not None:  # the file's values become defaults
-            from lever_actors.cli.bench import apply_config
-
-            apply_config(args.bench_parser, args.config)
+            args.apply_config(args.bench_parser, args.config)
             args = parser.parse_args(argv)  # so that flags on the command line still win
         args.cache_dir = args.cache_dir or default_cache_dir()
         return args.command(args)

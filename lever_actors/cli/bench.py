@@ -212,7 +212,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="results JSON; .md and .png files go beside it (default: "
         "benchmarks/results/latest.json, benchmarks/results/sweep.json with --sweep)",
     )
-    parser.set_defaults(command=run_bench_command, bench_parser=parser)
+    parser.set_defaults(command=run_bench_command, bench_parser=parser, apply_config=apply_config)
 
 
 def apply_config(parser: argparse.ArgumentParser, path: Path) -> None:
