@@ -1,9 +1,10 @@
 """How tokens are proposed, chosen at start for the memory there is (`plan="auto"`): a
 draft model's gain-cost trees, copies from the text alone, or one token a pass. Each
 candidate gets its own memory plan (a draft in DRAM leaves the target less), hence its own
-streamed bytes; the cost model (policy/cost_model.py) prices a step of the shape that
-candidate's trees take, with this machine's figures (policy/figures.py); the most tokens per
-second wins. A candidate whose memory plan is refused is not a candidate; where none fits,
+streamed bytes; the cost model (policy/cost_model.py) prices a pass of the shape that
+candidate's trees take, for as many requests at once as `parallel` gives (one where it is
+automatic), with this machine's figures (policy/figures.py); the most tokens per second
+wins. A candidate whose memory plan is refused is not a candidate; where none fits,
 the refusal of the one that needs least is the engine's."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Literal
 
 import msgspec
 
+from lever_actors.channels.messages import Beside
 from lever_actors.config import DEFAULT_TREE, EngineConfig, TreeSpec
 from lever_actors.device.budget import head_key, plan_residency
 from lever_actors.device.layout import Manifest
@@ -156,6 +158,9 @@ def _predicted_rate(
     )
     if drafts:
         cost.draft = draft_curve(config, figures)
-    paced = cost.io_bound(SHAPES[config.plan, True].nodes)
+    together = config.parallel or 1  # as many requests as the config asks for, else one
+    paced = cost.io_bound(together * SHAPES[config.plan, True].nodes)
     shape = SHAPES[config.plan, paced]
-    return shape.tokens / cost.step_seconds(shape.nodes, list(shape.rounds), shape.tokens)
+    others = together - 1
+    beside = Beside(others, others * shape.nodes, others * shape.tokens)
+    return cost.pass_rate(shape.nodes, list(shape.rounds), shape.tokens, beside)

@@ -134,17 +134,11 @@ class CostModel(msgspec.Struct):
         most = (self.pass_compute_seconds(nodes) - self.pass_compute_seconds(1)) * share_after_exit
         return most > self.probe_seconds
 
-    def step_seconds(
-        self,
-        nodes: int,
-        draft_rounds: list[int],
-        expected_tokens: float,
-        drafting_together: int = 1,
-    ) -> float:
-        """Predicted step time: drafting (its rounds shared by `drafting_together` trees),
-        then verification overlapped with its flash reads, then projection along the
-        expected accepted path (or, with a streamed head, of every node in one pass over it)."""
-        drafting = sum(self.draft(width) for width in draft_rounds) / drafting_together
+    def step_seconds(self, nodes: int, draft_rounds: list[int], expected_tokens: float) -> float:
+        """Predicted step time: drafting, then verification overlapped with its flash reads,
+        then projection along the expected accepted path (or, with a streamed head, of every
+        node in one pass over it)."""
+        drafting = sum(self.draft(width) for width in draft_rounds)
         compute, io = self.pass_compute_seconds(nodes), self.io_seconds
         verifying = max(io, compute) + self.overlap * min(io, compute)
         projecting = self.head_read_seconds + self.project_seconds * (
@@ -158,11 +152,11 @@ class CostModel(msgspec.Struct):
         """Predicted tokens per second of a pass: a tree of `nodes` that gives
         `expected_tokens`, verified with the rows of the requests `beside` it, whose tokens
         count too (a node slows every request in the pass). Their draft rounds run with
-        ours, a forward for all (a few rows cost about what one does): a round's time is
-        shared among them."""
-        rows = nodes + beside.rows
-        seconds = self.step_seconds(rows, draft_rounds, expected_tokens, 1 + beside.requests)
-        return (expected_tokens + beside.tokens) / seconds
+        ours, a forward for all, each as wide as ours is taken to be: a batch's round costs
+        what its rows together do (8 requests' rounds of 2 nodes: a forward of 16)."""
+        rounds = [width * (1 + beside.requests) for width in draft_rounds]
+        tokens = expected_tokens + beside.tokens  # each request projects its own path
+        return tokens / self.step_seconds(nodes + beside.rows, rounds, tokens)
 
     def observe(self, step: StepStats) -> None:
         """Correct the beliefs with one finished step: its drafting and compute times, its

@@ -1,7 +1,7 @@
 import msgspec
 import pytest
 
-from lever_actors.channels.messages import StepStats
+from lever_actors.channels.messages import Beside, StepStats
 from lever_actors.policy.cost_model import CostModel, Curve
 
 GB = 10**9
@@ -216,3 +216,15 @@ def test_a_profile_cached_before_curves_kept_one_reads_its_points_as_the_profile
     read = msgspec.msgpack.decode(old, type=Curve)
     assert read.profiled == [0.02, 0.03]
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(read), type=Curve) == read
+
+
+def test_a_batchs_draft_rounds_cost_what_their_rows_together_do():
+    """Eight requests drafting rounds of two nodes run one forward of 16 a round: a pass
+    beside seven others prices its rounds at the draft curve's 16, not one forward of 2
+    shared eight ways."""
+    cost = model(streamed=0, head=0)
+    beside = Beside(requests=7, rows=7 * 3, tokens=7 * 2.0)
+    seconds = cost.draft(16) + cost.draft(8) + cost.pass_compute_seconds(24) + 8 * 2.0 * 0.001
+    assert cost.pass_rate(3, [2, 1], 2.0, beside) == pytest.approx(16.0 / seconds)
+    alone = cost.draft(2) + cost.draft(1) + cost.pass_compute_seconds(3) + 2.0 * 0.001
+    assert cost.pass_rate(3, [2, 1], 2.0) == pytest.approx(2.0 / alone)
