@@ -143,6 +143,8 @@ def concurrency_summary(runs: Sequence[ConcurrencyRun]) -> ConcurrencySummary:
         aggregate_4_over_1_at_1gib=ratio(rate([OURS], 1, 4), rate([OURS], 1, 1)),
         aggregate_4_vs_llamacpp_server_1gib=ratio(rate([OURS], 1, 4), rate(SERVERS, 1, 4)),
         aggregate_4_vs_llamacpp_server_3gib=ratio(rate([OURS], 3, 4), rate(SERVERS, 3, 4)),
+        aggregate_1_vs_llamacpp_server_3gib=ratio(rate([OURS], 3, 1), rate(SERVERS, 3, 1)),
+        aggregate_8_vs_llamacpp_server_3gib=ratio(rate([OURS], 3, 8), rate(SERVERS, 3, 8)),
         min_agreement=min(agreements) if agreements else None,
         aggregates=aggregates,
     )

@@ -438,7 +438,9 @@ def concurrency_markdown(results: ConcurrencyResults) -> str:
         "Lever's aggregate with 4 at once over 1, under 1 GiB: "
         f"{_times(s.aggregate_4_over_1_at_1gib)}; over the better llama-server's with 4 "
         f"slots: {_times(s.aggregate_4_vs_llamacpp_server_1gib)} under 1 GiB, "
-        f"{_times(s.aggregate_4_vs_llamacpp_server_3gib)} under 3 GiB; lowest agreement of "
+        f"{_times(s.aggregate_4_vs_llamacpp_server_3gib)} under 3 GiB (with 1 and 8: "
+        f"{_times(s.aggregate_1_vs_llamacpp_server_3gib)}, "
+        f"{_times(s.aggregate_8_vs_llamacpp_server_3gib)}); lowest agreement of "
         f"Lever's concurrent requests with their sequential runs: {_pct(s.min_agreement)}.",
     ]
     failed = [

@@ -275,8 +275,9 @@ class ConcurrencySummary(msgspec.Struct, frozen=True):
     """The issue's figures (None where a run they need is absent or failed): Lever's
     aggregate with 4 requests over its aggregate with 1 under 1 GiB; Lever's aggregate with
     4 over the better llama-server's (with or without its draft) with 4 slots, under 1 and
-    3 GiB; the lowest agreement of our concurrent requests with their sequential runs; and
-    every aggregate tok/s, limit -> engine -> requests at once."""
+    3 GiB, and with 1 and 8 under 3 GiB; the lowest agreement of our concurrent requests
+    with their sequential runs; and every aggregate tok/s, limit -> engine -> requests at
+    once."""
 
     aggregate_4_over_1_at_1gib: float | None = msgspec.field(
         default=None, name="aggregate_4_over_1_at_1GiB"
@@ -286,6 +287,12 @@ class ConcurrencySummary(msgspec.Struct, frozen=True):
     )
     aggregate_4_vs_llamacpp_server_3gib: float | None = msgspec.field(
         default=None, name="aggregate_4_vs_llamacpp_server_3GiB"
+    )
+    aggregate_1_vs_llamacpp_server_3gib: float | None = msgspec.field(
+        default=None, name="aggregate_1_vs_llamacpp_server_3GiB"
+    )
+    aggregate_8_vs_llamacpp_server_3gib: float | None = msgspec.field(
+        default=None, name="aggregate_8_vs_llamacpp_server_3GiB"
     )
     min_agreement: float | None = None
     aggregates: dict[str, dict[str, dict[str, float | None]]] = {}

@@ -108,21 +108,28 @@ def test_summary_ratios_take_the_better_server_at_four_slots():
         _run("llama-server", "1GiB", 4, 2.0),
         _run("llama-server-draft", "1GiB", 4, 3.0),
         _run("lever", "3GiB", 1, 20.0),
+        _run("llama-server", "3GiB", 1, 16.0),
         _run("lever", "3GiB", 4, 30.0),
         _run("llama-server", "3GiB", 4, 40.0),
         _run("llama-server-draft", "3GiB", 4, None, failed="killed by the memory limit"),
+        _run("lever", "3GiB", 8, 45.0),
+        _run("llama-server-draft", "3GiB", 8, 30.0),
     ]
     s = concurrency_summary(runs)
     assert s.aggregate_4_over_1_at_1gib == pytest.approx(3.0)
     assert s.aggregate_4_vs_llamacpp_server_1gib == pytest.approx(8.0)
     assert s.aggregate_4_vs_llamacpp_server_3gib == pytest.approx(0.75)
+    assert s.aggregate_1_vs_llamacpp_server_3gib == pytest.approx(1.25)
+    assert s.aggregate_8_vs_llamacpp_server_3gib == pytest.approx(1.5)
     assert s.aggregates["1GiB"]["lever"] == {"1": 8.0, "4": 24.0}
-    assert s.aggregates["3GiB"]["llama-server-draft"] == {"4": None}
+    assert s.aggregates["3GiB"]["llama-server-draft"] == {"4": None, "8": 30.0}
     names = msgspec.to_builtins(s)
     assert {
         "aggregate_4_over_1_at_1GiB",
         "aggregate_4_vs_llamacpp_server_1GiB",
         "aggregate_4_vs_llamacpp_server_3GiB",
+        "aggregate_1_vs_llamacpp_server_3GiB",
+        "aggregate_8_vs_llamacpp_server_3GiB",
         "min_agreement",
     } <= set(names)
     # without a 4 or a 1 GiB run the ratios are absent, not guessed
