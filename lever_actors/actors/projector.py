@@ -112,6 +112,7 @@ class Projector:
             project_seconds=time.perf_counter() - started,
             pass_rows=final.pass_rows,
             parallel=final.parallel,
+            passes=final.passes,
         )
         emitted = torch.stack([logits[n] for n in path])
         return Verdict(

@@ -1,8 +1,9 @@
 """The verifier actor: runs the flash-resident target over the trees of every request in
 the batch, layer by layer, each arriving layer applied to all their rows in one job; and,
 between passes, the draft forwards of the requests still drafting, together. When a pass
-or a job of draft rounds is ready is the scheduler's decision (policy/schedule.py Passes);
-the verifier runs what it is given."""
+or a job of draft rounds is ready, and how much of a joining request's prompt a pass takes
+beside the requests already decoding, are the scheduler's decisions (policy/schedule.py
+Passes, PrefillChunks); the verifier runs what it is given."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from lever_actors.model.layers import Block, batch_layers_forward
 from lever_actors.model.placement import Placement, tree_placement
 from lever_actors.model.tree import TokenTree
 from lever_actors.policy.pruning import ProbeWhen, always
-from lever_actors.policy.schedule import Passes
+from lever_actors.policy.schedule import Passes, PrefillChunks, chunk_end
 from lever_actors.policy.trees import run_rounds
 from lever_actors.progress import Progress
 from lever_actors.target import FlashTarget
@@ -99,20 +100,35 @@ def _has_left(occupant: Occupant) -> bool:
 
 @dataclass
 class _Tree:
-    """One request's tree in a pass, and where the pass has taken it."""
+    """One request's tree in a pass, and where the pass has taken it. A joining request's
+    prompt may take several passes, a chunk of its nodes each (start to end), their KV
+    written to the cache's pending block; the last one takes the rest of the tree."""
 
     seat: int
     occupant: Occupant
     message: DraftTree
     tree: TokenTree
+    start: int = 0  # its first node in this pass: those before it went through earlier ones
+    end: int = 0  # one past its last node in this pass
+    passes: int = 0  # the passes it has been in
     probes: bool = False  # whether the pass probes it at the exit layer
     live: list[int] = field(default_factory=list)  # its nodes still going through the layers
-    x: torch.Tensor | None = None  # [len(tree), d_model]: set by the pass's first job
-    place: Placement | None = None
+    x: torch.Tensor | None = None  # [end - start, d_model]: set by the pass's first job
+    whole: Placement | None = None  # the whole tree's, set by its first pass's first job
+    place: Placement | None = None  # this pass's nodes'
     context: int = 0  # the cache's length before the tree: its first node's position
     audit: bool = False
     would_drop: tuple[int, ...] = ()
     probe_seconds: float = 0.0
+
+    @property
+    def finishing(self) -> bool:
+        """Whether this pass takes the tree to its end: its verdict can be made."""
+        return self.end == len(self.tree)
+
+    def rows_of(self, nodes: list[int]) -> torch.Tensor:
+        """x's rows of `nodes`."""
+        return torch.tensor(nodes) - self.start
 
 
 class Verifier:
@@ -122,7 +138,9 @@ class Verifier:
     soon as it is applied, so each layer is read once for the whole batch. At the exit
     layer the pruner may drop nodes of each tree; they and their descendants skip the
     remaining layers. A request's target cache (which may start from a reused prefix)
-    keeps its accepted path; a request joins and leaves between passes."""
+    keeps its accepted path; a request joins and leaves between passes. A request's first
+    tree (its prompt) beside requests already decoding goes in chunks, one a pass, as
+    `chunks` sizes them."""
 
     def __init__(
         self,
@@ -133,8 +151,13 @@ class Verifier:
         audit_every: int = 0,
         probe_when: ProbeWhen = always,
         project_chains: bool = False,
+        chunks: PrefillChunks | None = None,
     ) -> None:
         self.target = target
+        self.chunks = chunks or PrefillChunks(verify=None)
+        self.carried: dict[int, _Tree] = {}  # by seat: the prompts part-way through
+        # the last pass's start, and whether only decoding requests were in it
+        self.last_pass: tuple[float, bool] | None = None
         # project each tree's predicted chain at the pass's end, all trees' in one read of
         # the LM head (not where the head streams: the projector reads it once a step)
         self.project_chains = project_chains
@@ -175,7 +198,7 @@ class Verifier:
             del message  # no request's cache outlives its request here (its KV is large)
             if rounds := passes.rounds_ready():
                 await self._draft(rounds)
-            if trees := passes.pass_ready():
+            while trees := passes.pass_ready():  # a prompt part-way through may go on alone
                 await self._pass(trees, passes, inbox, outbox)
 
     async def _arrived(
@@ -185,6 +208,7 @@ class Verifier:
             case TakeSeat():
                 passes.seat(message.seat, Occupant.taken(message))
             case LeaveSeat():
+                self.carried.pop(message.seat, None)
                 await self._let_go(passes.unseat(message.seat))
                 message.done.set()
             case StepAside():
@@ -206,13 +230,43 @@ class Verifier:
         inbox: VerifierInbox,
         outbox: VerifierOutbox,
     ) -> None:
-        """One pass over the trees sent; the requests found gone leave their seats."""
+        """One pass over the trees sent, and the prompts part-way through; the requests
+        found gone leave their seats, and the prompts not through yet wait for the next."""
         await self.jitter()
-        batch = [_Tree(s, o, tree, _token_tree(tree)) for s, o, tree in trees]
-        for gone in await self._verify(batch, inbox, outbox):
-            occupant = passes.unseat(gone)
+        batch = [
+            self.carried.pop(s) if s in self.carried else _Tree(s, o, tree, _token_tree(tree))
+            for s, o, tree in trees
+        ]
+        self._share_rows(batch)
+        gone = await self._verify([t for t in batch if t.end > t.start], inbox, outbox)
+        for seat in gone:
+            occupant = passes.unseat(seat)
             assert occupant is not None  # it was in the pass
             occupant.close()
+        for t in batch:
+            if not t.finishing and t.seat not in gone:
+                t.start, t.x, t.place = t.end, None, None
+                self.carried[t.seat] = t
+                passes.add_tree(t.seat, t.message)
+
+    def _share_rows(self, batch: list[_Tree]) -> None:
+        """Each tree's nodes in this pass: the decoding requests' whole, the prompts' within
+        the rows the scheduler gives them beside those, in seat order; and the decoding
+        requests' step, learned from the passes with only them in."""
+        joining = [t for t in batch if t.message.step == 0]
+        decoding = sum(len(t.tree) for t in batch if t.message.step > 0)
+        started = time.perf_counter()
+        if self.last_pass is not None and self.last_pass[1] and not joining:
+            self.chunks.observe(started - self.last_pass[0])
+        self.last_pass = (started, not joining)
+        rows = self.chunks.rows(decoding, sum(len(t.tree) - t.start for t in joining))
+        for t in batch:
+            if t.message.step > 0:
+                t.end = len(t.tree)
+                continue
+            t.end = chunk_end(t.start, len(t.tree), t.message.n_committed, rows)
+            if rows is not None:
+                rows = max(0, rows - (t.end - t.start))
 
     async def _let_go(self, occupant: Occupant | None) -> None:
         """A request that left: its last accepted path kept, for the prefix cache."""
@@ -250,14 +304,16 @@ class Verifier:
         step, self.passes = self.passes, self.passes + 1
         n_layers = self.target.args.n_layers
         for t in batch:
-            t.live = list(range(len(t.tree)))
+            t.live = list(range(t.start, t.end))
+            t.passes += 1
             t.probes = (
                 self.exit_layer is not None
+                and t.finishing
                 and len(t.tree) > t.message.n_committed
                 and self.probe_when(len(t.tree))
             )
         probe_at = self.exit_layer if any(t.probes for t in batch) else None
-        layer_a_job = sum(len(t.tree) for t in batch) > LAYER_A_JOB_ROWS
+        layer_a_job = sum(t.end - t.start for t in batch) > LAYER_A_JOB_ROWS
         io_wait = compute = 0.0
         layer = 0
         left: list[int] = []  # the seats whose requests ended during the pass
@@ -281,8 +337,9 @@ class Verifier:
                 firsts, seconds = await self.unit.run_timed(
                     _first_layers, self.target, batch, tensors
                 )
-                for t, (x, place, context) in zip(batch, firsts, strict=True):
-                    t.x, t.place, t.context, t.occupant.kept = x, place, context, None
+                for t, (x, whole, place, context) in zip(batch, firsts, strict=True):
+                    t.x, t.whole, t.place, t.context = x, whole, place, context
+                    t.occupant.kept = None
             else:
                 xs, seconds = await self.unit.run_timed(
                     _apply_layers, batch, tensors, self.target.args, layer
@@ -298,18 +355,22 @@ class Verifier:
             for t in batch:
                 committed = t.message.n_committed
                 if t.occupant.progress is not None and committed >= PREFILL_SHOWN:
-                    t.occupant.progress(committed * layer // n_layers, committed, "prefill")
+                    done = t.start + (min(t.end, committed) - t.start) * layer // n_layers
+                    t.occupant.progress(done, committed, "prefill")
             if layer - 1 == probe_at:
                 for t in batch:
                     if t.probes:
                         await self._prune(t, layer - 1, inbox, outbox)
-        projected: list[dict[int, torch.Tensor]] = [{} for _ in batch]
-        if self.project_chains and batch:
-            projected, seconds = await self.unit.run_timed(_chains_projected, self.target, batch)
+        rows = sum(t.end - t.start for t in batch)
+        finishing = [t for t in batch if t.finishing]
+        projected: list[dict[int, torch.Tensor]] = [{} for _ in finishing]
+        if self.project_chains and finishing:
+            projected, seconds = await self.unit.run_timed(
+                _chains_projected, self.target, finishing
+            )
             compute += seconds
         gone = left
-        rows = sum(len(t.tree) for t in batch)
-        for t, logits in zip(batch, projected, strict=True):
+        for t, logits in zip(finishing, projected, strict=True):
             final = await self._final(t, io_wait, compute, rows, len(batch), logits)
             try:
                 await t.occupant.finals.send(final)
@@ -329,14 +390,13 @@ class Verifier:
         logits: dict[int, torch.Tensor],
     ) -> FinalHidden:
         """A tree's last-layer hidden states with the pass's figures."""
-        assert t.x is not None  # set by the pass's first job
-        pruned = len(t.tree) - len(t.live)
+        pruned = t.end - t.start - len(t.live)
         return FinalHidden(
             step=t.message.step,
             tree=t.message,
             position=t.context,
             nodes=tuple(t.live),
-            hidden=await self._rows(t.x, t.live),
+            hidden=await self._rows(t, t.live),
             io_wait_seconds=io_wait,
             verify_seconds=compute,
             pruned=pruned,
@@ -347,13 +407,16 @@ class Verifier:
             pass_rows=rows,
             parallel=requests,
             logits=logits,
+            passes=t.passes,
         )
 
-    async def _rows(self, x: torch.Tensor, live: list[int]) -> torch.Tensor:
-        """x's rows `live`: all of x as it is, a subset gathered on the unit (units.py)."""
-        if live == list(range(x.shape[0])):
-            return x
-        return await self.unit.run(x.__getitem__, torch.tensor(live))
+    async def _rows(self, t: _Tree, nodes: list[int]) -> torch.Tensor:
+        """The tree's hidden states of `nodes`: all of x as it is, a subset gathered on the
+        unit (units.py)."""
+        assert t.x is not None  # set by the pass's first job
+        if nodes == list(range(t.start, t.end)):
+            return t.x
+        return await self.unit.run(t.x.__getitem__, t.rows_of(nodes))
 
     @staticmethod
     async def _layers_arrived(
@@ -386,7 +449,7 @@ class Verifier:
         assert t.x is not None  # the pass's first job has run
         asked = time.perf_counter()
         message = t.message
-        hidden = await self._rows(t.x, t.live)
+        hidden = await self._rows(t, t.live)
         await outbox.probes.send(
             ExitProbe(
                 step=message.step, tree=message, layer=layer, nodes=tuple(t.live), hidden=hidden
@@ -411,21 +474,31 @@ def _token_tree(message: DraftTree) -> TokenTree:
 
 def _first_layers(
     target: FlashTarget, batch: list[_Tree], layers: list
-) -> list[tuple[torch.Tensor, Placement, int]]:
-    """A pass's first job: each request's last accepted path kept in its KV cache, its tree
-    embedded and placed after it (the masks on the unit too: a prompt's are large), and the
-    first `layers` applied to all. Returns per tree x [n, d_model], its placement and its
+) -> list[tuple[torch.Tensor, Placement, Placement, int]]:
+    """A pass's first job: for a tree's first pass, its request's last accepted path kept
+    in its KV cache and the tree placed after it (the masks on the unit too: a prompt's are
+    large); the pass's nodes embedded and the first `layers` applied to all. Returns per
+    tree x [end - start, d_model], the whole tree's placement, this pass's nodes' and the
     context length."""
-    xs, blocks, contexts = [], [], []
+    xs, wholes, blocks, contexts = [], [], [], []
     for t in batch:
-        cache = t.occupant.cache
-        if t.occupant.kept is not None:
-            cache.keep(t.occupant.kept)
-        contexts.append(cache.length)
-        xs.append(target.embed(list(t.tree.tokens)))
-        blocks.append((cache, tree_placement(target.rope, cache.length, t.tree, target.dtype)))
+        cache, whole, context = t.occupant.cache, t.whole, t.context
+        if whole is None:  # its first pass
+            if t.occupant.kept is not None:
+                cache.keep(t.occupant.kept)
+            context = cache.length
+            whole = tree_placement(target.rope, context, t.tree, target.dtype)
+        # a chunk sees the earlier chunks' KV in the pending block, and none after it
+        place = whole if (t.start, t.end) == (0, len(t.tree)) else whole.chunk(t.start, t.end)
+        xs.append(target.embed(list(t.tree.tokens[t.start : t.end])))
+        wholes.append(whole)
+        blocks.append((cache, place))
+        contexts.append(context)
     out = batch_layers_forward(xs, layers, target.args, blocks, 0)
-    return [(x, place, n) for x, (_, place), n in zip(out, blocks, contexts, strict=True)]
+    return [
+        (x, whole, place, n)
+        for x, whole, (_, place), n in zip(out, wholes, blocks, contexts, strict=True)
+    ]
 
 
 def _chains_projected(target: FlashTarget, batch: list[_Tree]) -> list[dict[int, torch.Tensor]]:
@@ -437,7 +510,7 @@ def _chains_projected(target: FlashTarget, batch: list[_Tree]) -> list[dict[int,
         live = set(t.live)
         chain = t.tree.predicted_chain(t.message.n_committed - 1, t.message.draft_ranks, live)
         chains.append(chain)
-        rows.append(t.x[chain])
+        rows.append(t.x[t.rows_of(chain)])
     logits = target.logits(torch.cat(rows)).split([len(c) for c in chains])
     return [dict(zip(c, lg, strict=True)) for c, lg in zip(chains, logits, strict=True)]
 
@@ -450,7 +523,7 @@ def _apply_layers(batch: list[_Tree], layers: list, args, first: int) -> list[to
     for t in batch:
         assert t.x is not None and t.place is not None  # set by the pass's first job
         everyone = len(t.live) == t.x.shape[0]
-        index = torch.tensor(t.live)
+        index = t.rows_of(t.live)
         rows.append(t.x if everyone else t.x[index])
         # the whole tree keeps its placement: cache writes stay slices
         blocks.append((t.occupant.cache, t.place if everyone else t.place.rows(index)))
@@ -462,6 +535,6 @@ def _apply_layers(batch: list[_Tree], layers: list, args, first: int) -> list[to
             xs.append(advanced)
         else:
             x = t.x.clone()
-            x[torch.tensor(t.live)] = advanced
+            x[t.rows_of(t.live)] = advanced
             xs.append(x)
     return xs

@@ -134,6 +134,7 @@ class FinalHidden(Message, frozen=True):
     would_drop: tuple[int, ...]  # on an audit step: the nodes the pruner dropped
     pass_rows: int = 0  # every request's tree nodes in the pass
     parallel: int = 1  # requests whose trees the pass verified
+    passes: int = 1  # the passes the tree took: more where its prompt came in chunks
     # node -> its logits [vocab], for the predicted chain from the last committed node
     # (the drafter's first-ranked live children), where the pass projected it
     logits: dict[int, Any] = {}
@@ -165,6 +166,7 @@ class StepStats(msgspec.Struct, frozen=True):
     copied: int = 0  # tree nodes copied from the committed text, not drafted (policy/lookup.py)
     pass_rows: int = 0  # every request's tree nodes in the pass (0: this tree's alone)
     parallel: int = 1  # requests whose trees the pass verified
+    passes: int = 1  # the passes the tree took: more where its prompt came in chunks
 
 
 class Verdict(Message, frozen=True):

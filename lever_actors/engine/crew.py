@@ -27,6 +27,7 @@ from lever_actors.config import EngineConfig
 from lever_actors.device.units import ComputeUnit
 from lever_actors.engine.batch import Batch, Place
 from lever_actors.engine.switching import PlanSwitch
+from lever_actors.policy.schedule import PrefillChunks
 from lever_actors.policy.setup import Policies
 from lever_actors.target import FlashTarget
 
@@ -133,6 +134,7 @@ class Crew:
             config.audit_every,
             p.probe_when,
             project_chains=not p.eager_projection,
+            chunks=PrefillChunks(_pass_seconds(p)),
         )
         # the verifier's unit, idle while it awaits the verdict; the policy is looked up at
         # each probe, since the crew outlives a swap (the engine's close lets go of the lens)
@@ -146,6 +148,12 @@ class Crew:
         )
         await nursery.start(self._guard, pruner.run, probes.receive, prune_verdicts.send)
         return arrivals.send
+
+
+def _pass_seconds(p: Policies) -> Callable[[int], float] | None:
+    """A pass's compute by its rows, as the cost model prices it (None without one)."""
+    cost = p.cost
+    return None if cost is None else cost.pass_compute_seconds
 
 
 def jitters(config: EngineConfig, stream: int = 0) -> Iterator[Jitter]:

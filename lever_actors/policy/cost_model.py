@@ -165,7 +165,10 @@ class CostModel(msgspec.Struct):
         stretches (taught as bandwidth, that stretch let trees grow, stretching it further).
         A pass that hardly waited was compute-bound: its waits, per second of compute,
         teach `contention`; one that waited longer took its reads' time plus a share of its
-        compute, which teaches `overlap`."""
+        compute, which teaches `overlap`. A step whose prompt came in chunks beside other
+        requests' passes teaches nothing: its time is theirs too."""
+        if step.passes > 1:
+            return
         rounds = list(step.draft_rounds)
         rows = step.pass_rows or step.tree_nodes  # the pass's compute: all its requests' nodes
         self.verify.learn(rows, step.verify_seconds, VERIFY_WEIGHT)

@@ -6,12 +6,16 @@ and the verifier tell these what arrived and do what they answer.
   fill fits beside the placed ones' in the room (a request alone always fits: its size
   was checked against the context).
 - `Passes`: when the verifier's arrivals make a job of draft rounds (every seat still
-  drafting has sent its round) and when they make a pass (every seat has sent its tree)."""
+  drafting has sent its round) and when they make a pass (every seat has sent its tree).
+- `PrefillChunks`, `chunk_end`: how much of a joining request's prompt a pass takes beside
+  the requests already decoding (a newcomer's prompt comes in a chunk a pass, so that their
+  next tokens keep coming)."""
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -117,3 +121,62 @@ class Passes(Generic[Seated, Tree, Round]):
         ready = [(seat, self.seated[seat], self.trees[seat]) for seat in sorted(self.trees)]
         self.trees = {}
         return ready
+
+
+# a joining prompt takes at least this many rows a pass, so that it gets on even beside
+# requests whose steps are short
+LEAST_CHUNK_ROWS = 16
+# ... and this many a pass where no cost model prices the rows (a static tree's engine)
+UNPRICED_CHUNK_ROWS = 64
+# the step's time learned from each pass of decoding requests alone: recent ones count
+STEP_WEIGHT = 0.3
+
+
+@dataclass
+class PrefillChunks:
+    """How much of joining requests' prompts rides along each pass of the requests already
+    decoding: rows whose compute costs about one of their steps, so that none of them waits
+    more than twice its step for its next token while a long prompt comes in. Prompts with
+    nobody decoding beside them go whole, in one pass."""
+
+    verify: Callable[[int], float] | None  # seconds of a pass's compute, by its rows
+    # the decoding requests' step: seconds from the start of one of their passes to the
+    # next, learned from passes with no prompt in them
+    step_seconds: float = 0.0
+
+    def rows(self, decoding_rows: int, wanted: int) -> int | None:
+        """The prompts' rows this pass may take beside `decoding_rows` of decoding
+        requests, of `wanted`; None: no bound (nobody is decoding)."""
+        if decoding_rows == 0:
+            return None
+        if self.verify is None:
+            return UNPRICED_CHUNK_ROWS
+        verify = self.verify
+        # no step seen yet: the pass's own compute is the least a step takes
+        step = self.step_seconds or verify(decoding_rows)
+        base = verify(decoding_rows)
+        lo, hi = LEAST_CHUNK_ROWS, max(LEAST_CHUNK_ROWS, wanted)
+        while lo < hi:  # the most rows whose compute stays within a step (the curve rises)
+            mid = (lo + hi + 1) // 2
+            if verify(decoding_rows + mid) - base <= step:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def observe(self, seconds: float) -> None:
+        """A step of the decoding requests with no prompt beside them took `seconds`."""
+        if self.step_seconds == 0:
+            self.step_seconds = seconds
+        else:
+            self.step_seconds += STEP_WEIGHT * (seconds - self.step_seconds)
+
+
+def chunk_end(start: int, size: int, committed: int, rows: int | None) -> int:
+    """Where a pass's share of a tree of `size` nodes, `committed` of them its prompt's
+    (or the last step's) tokens, ends when it starts at `start` and may take `rows`: the
+    tree's end once the rows reach its last committed node, since that node and the drafts
+    below it are what its verdict is made of; else `rows` further (None: no bound)."""
+    if rows is None or start + rows >= committed - 1:
+        return size
+    return start + rows

@@ -1,17 +1,21 @@
 """Several requests at once (EngineConfig.parallel): each request's tokens are its own
 sequential decoding, greedy or sampled with its seed, whatever runs beside it: arrival
-times, the other requests' lengths, prompts and sampling, cancellations and the batch's
-size. Float64 tiny models (lever_actors.testing); example counts scale with the hypothesis
-profile (tests/conftest.py)."""
+times, the other requests' lengths, prompts and sampling, cancellations, the batch's size
+and how many rows of a joining prompt each pass takes. Float64 tiny models
+(lever_actors.testing); example counts scale with the hypothesis profile
+(tests/conftest.py)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from functools import partial
+from unittest import mock
 
 import msgspec
+import pytest
 import trio
 from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
@@ -21,6 +25,7 @@ from lever_actors.config import EngineConfig
 from lever_actors.engine import Engine
 from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.options import GenerationOptions
+from lever_actors.policy.schedule import PrefillChunks
 from lever_actors.policy.trees import Round
 from lever_actors.testing import (
     bf16_engine_cases,
@@ -72,6 +77,18 @@ def schedules(
     )
 
 
+def prompts_in_chunks(rows: int | None) -> contextlib.AbstractContextManager:
+    """A joining prompt `rows` rows a pass beside requests decoding (None: as priced)."""
+    if rows is None:
+        return contextlib.nullcontext()
+    return mock.patch.object(
+        PrefillChunks, "rows", lambda self, decoding, wanted: rows if decoding else None
+    )
+
+
+CHUNK_ROWS = st.sampled_from([None, 1, 3])
+
+
 def options(arrival: Arrival) -> GenerationOptions:
     return GenerationOptions(max_new_tokens=arrival.max_new_tokens, sampling=arrival.sampling)
 
@@ -113,15 +130,17 @@ def assert_each_sequential(target, schedule: list[Arrival], seen: dict[int, list
 @given(
     case=engine_cases(tree_shapes=trees(kinds=("none", "chain", "static", "gaincost", "lookup"))),
     parallel=st.integers(1, 4),
+    chunk=CHUNK_ROWS,
     data=st.data(),
 )
 async def test_each_request_equals_its_sequential_decoding_whatever_runs_beside_it(
-    case, parallel, data
+    case, parallel, chunk, data
 ):
     schedule = data.draw(schedules(case.args.vocab_size), label="schedule")
     config = msgspec.structs.replace(case.engine_config(), parallel=parallel)
-    async with Engine.open(config) as engine:
-        seen = await run_schedule(engine, schedule)
+    with prompts_in_chunks(chunk):
+        async with Engine.open(config) as engine:
+            seen = await run_schedule(engine, schedule)
     most = max((e.parallel for events in seen.values() for e in events), default=1)
     note(f"most requests in one pass: {most}")
     event(f"most requests in one pass: {min(most, parallel)}")
@@ -130,9 +149,9 @@ async def test_each_request_equals_its_sequential_decoding_whatever_runs_beside_
 
 
 @settings(max_examples=max(1, settings.default.max_examples // 15))  # ci: 8
-@given(case=bf16_engine_cases(), parallel=st.integers(2, 4), data=st.data())
+@given(case=bf16_engine_cases(), parallel=st.integers(2, 4), chunk=CHUNK_ROWS, data=st.data())
 async def test_in_bf16_and_quantized_each_request_equals_its_sequential_decoding(
-    case, parallel, data
+    case, parallel, chunk, data
 ):
     """bf16 targets with near-tied twin tokens, dense or quantized, whose trees mostly pass
     32 rows, so that a pass of several trees runs the products where a kernel that is not
@@ -143,8 +162,9 @@ async def test_in_bf16_and_quantized_each_request_equals_its_sequential_decoding
         label="schedule",
     )
     config = msgspec.structs.replace(case.engine_config(), parallel=parallel)
-    async with Engine.open(config) as engine:
-        seen = await run_schedule(engine, schedule)
+    with prompts_in_chunks(chunk):
+        async with Engine.open(config) as engine:
+            seen = await run_schedule(engine, schedule)
     most = max((e.parallel for events in seen.values() for e in events), default=1)
     event(f"most requests in one pass: {most}")
     assert_each_sequential(config.target, schedule, seen)
@@ -183,6 +203,36 @@ async def test_requests_that_arrive_together_share_passes_and_stay_exact():
             config.target, arrival.prompt, arrival.max_new_tokens, sampling=arrival.sampling
         )
         assert results[index].tokens == expected, index
+
+
+@pytest.mark.parametrize("tree", ["gaincost", "lookup"])
+async def test_a_prompt_joining_a_decoding_batch_comes_in_chunks_and_stalls_nobody(tree):
+    """A 40-token prompt joins a request already decoding, 4 rows a pass: its first token
+    comes after ten passes, each of which gave the running request its next tokens; both
+    texts are their sequential decodings."""
+    pair = model_pair(TINY_ARGS, "perturbed", 0)
+    config = EngineConfig(target=str(pair.target), draft=str(pair.draft), tree=tree, parallel=2)
+    running, joining = [5, 6, 7, 8], [(3 * i) % 29 + 1 for i in range(40)]
+    seen: list = []
+    decoding = trio.Event()
+    with prompts_in_chunks(4), trio.fail_after(TIMEOUT):
+        async with Engine.open(config) as engine:
+
+            async def run() -> None:
+                async for event in engine.stream(running, max_new_tokens=60):
+                    seen.append(event)
+                    decoding.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run)
+                await decoding.wait()
+                joined = await engine.generate(joining, max_new_tokens=8)
+    first = joined.steps[0]
+    assert first.passes == 10  # 40 rows, 4 a pass (the last with the drafts below)
+    # a pass of the prompt was a step of the running request too
+    assert len({e.step for e in seen if e.parallel == 2}) >= first.passes
+    assert [e.token for e in seen] == reference_tokens(config.target, running, 60)
+    assert joined.tokens == reference_tokens(config.target, joining, 8)
 
 
 async def test_a_failing_draft_forward_fails_its_own_request_and_no_other(monkeypatch):

@@ -1,10 +1,18 @@
 """The scheduler decides alone, without trio or tensors: places in arrival order within
 `parallel` and the KV room, a job of draft rounds once no other round is coming, a pass
-once every seat not aside (waiting for its consumer) has sent its tree."""
+once every seat not aside (waiting for its consumer) has sent its tree, and a joining
+prompt's rows beside the requests decoding within about one of their steps."""
 
 from __future__ import annotations
 
-from lever_actors.policy.schedule import Passes, Places
+from lever_actors.policy.schedule import (
+    LEAST_CHUNK_ROWS,
+    UNPRICED_CHUNK_ROWS,
+    Passes,
+    Places,
+    PrefillChunks,
+    chunk_end,
+)
 
 
 def test_places_go_in_arrival_order_within_parallel():
@@ -103,3 +111,40 @@ def test_a_seat_aside_holds_up_no_pass_or_round_until_its_next_tree():
     passes.step_aside(0)
     passes.unseat(0)
     assert passes.aside == set()  # gone with its request
+
+
+MS = 1 / 1024  # about a millisecond: a binary fraction, so that the sums here are exact
+
+
+def linear(rows: float) -> float:
+    """A pass: 8 ms, and 1 ms a row."""
+    return 8 * MS + rows * MS
+
+
+def test_a_prompt_with_nobody_decoding_beside_it_goes_whole():
+    assert PrefillChunks(linear).rows(decoding_rows=0, wanted=5000) is None
+    assert chunk_end(0, size=5000, committed=4990, rows=None) == 5000
+
+
+def test_a_prompt_beside_decoding_requests_takes_rows_costing_about_their_step():
+    chunks = PrefillChunks(linear)
+    # no step seen yet: the decoding rows' own pass (28 ms: 28 rows more)
+    assert chunks.rows(decoding_rows=20, wanted=5000) == 28
+    chunks.observe(64 * MS)
+    assert chunks.rows(decoding_rows=20, wanted=5000) == 64
+    chunks.observe(224 * MS)  # steps slowed: 30% of the way there
+    assert chunks.rows(decoding_rows=20, wanted=5000) == 112
+    assert chunks.rows(decoding_rows=20, wanted=30) == 30  # no more than wanted ...
+    assert chunks.rows(decoding_rows=1, wanted=3) == LEAST_CHUNK_ROWS  # ... but some
+    assert PrefillChunks(None).rows(decoding_rows=4, wanted=5000) == UNPRICED_CHUNK_ROWS
+
+
+def test_a_tree_goes_in_chunks_until_they_reach_its_last_committed_node():
+    # a 100-token prompt and 8 drafts below it, 30 rows a pass
+    assert chunk_end(0, size=108, committed=100, rows=30) == 30
+    assert chunk_end(30, size=108, committed=100, rows=30) == 60
+    assert chunk_end(60, size=108, committed=100, rows=30) == 90
+    # the last committed node (99) and the drafts below it go together
+    assert chunk_end(90, size=108, committed=100, rows=30) == 108
+    assert chunk_end(60, size=108, committed=100, rows=39) == 108
+    assert chunk_end(60, size=108, committed=100, rows=0) == 60  # none this pass
