@@ -12,7 +12,7 @@ import torch
 import trio
 
 from lever_actors.actors.jitter import Jitter
-from lever_actors.channels.messages import Commit, DraftRequest, DraftTree, Then
+from lever_actors.channels.messages import Beside, Commit, DraftRequest, DraftTree, Then
 from lever_actors.config import TreeSpec
 from lever_actors.device.units import Abandoned, ComputeUnit
 from lever_actors.model.grammar import Matcher
@@ -23,6 +23,7 @@ from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.copies import copied_chain
 from lever_actors.policy.cost_model import CostModel
 from lever_actors.policy.lookup import LOOKUP_RANK, ContextIndex
+from lever_actors.policy.schedule import UNPRICED_CHUNK_ROWS, rows_within
 from lever_actors.policy.trees import (
     GainCostGrowth,
     Round,
@@ -69,7 +70,12 @@ class Drafter:
     is one of them, below the accepted path's end, the subtree below it is the next tree
     already (its children known, no forward needed to start it), and only what still pays
     is added to it. With `ahead`, it also keeps growing the tree after sending it, until the
-    commit comes, so that more of the target's next tokens are found run."""
+    commit comes, so that more of the target's next tokens are found run.
+
+    Beside other requests, a long text the draft has not seen (a joining prompt) is not
+    run in one forward, which would hold up theirs: the step sends the chain alone (one
+    token) and, until its commit comes, the draft catches up a chunk a round, each beside
+    the others' rounds."""
 
     def __init__(
         self,
@@ -112,6 +118,7 @@ class Drafter:
         # the committed text, where copies are proposed or may be from a later step on
         self.context = ContextIndex(prompt) if self._copies_possible else None
         self.matcher = matcher
+        self.catch_up = 0  # rows a round while the draft catches up with the text (0: it has)
 
     async def run(
         self,
@@ -126,7 +133,10 @@ class Drafter:
                 await self.jitter()
                 tree = await self.draft(request)
                 await outbox.send(tree)
-                commit = await self._commit_drafting_ahead(inbox.commits, request.max_nodes)
+                if self.catch_up:
+                    commit = await self._commit_catching_up(inbox.commits)
+                else:
+                    commit = await self._commit_drafting_ahead(inbox.commits, request.max_nodes)
                 if commit is None:  # no more steps
                     return
                 await self.commit(commit, tree, request.max_nodes)
@@ -153,6 +163,40 @@ class Drafter:
             finally:
                 committed.set()
 
+    async def _commit_catching_up(
+        self, commits: trio.MemoryReceiveChannel[Commit]
+    ) -> Commit | None:
+        """The step's commit (None once they end); until it comes, the text the draft has
+        not seen, `catch_up` tokens a round, until what is left goes with the next chain."""
+        assert self.model is not None and self.cache is not None  # only a draft catches up
+        rows, got = self.catch_up, []
+        async with trio.open_nursery() as nursery:
+
+            async def take() -> None:
+                got.append(await _next(commits))
+
+            nursery.start_soon(take)
+            while not got and len(self.backlog) >= rows:
+                chunk, self.backlog = self.backlog[:rows], self.backlog[rows:]
+                builder = TreeBuilder(self.model, self.cache, [], self.chooser)
+                await self._forward(builder, None, chunk)
+        self.catch_up = 0
+        return got[0]
+
+    def _catch_up_rows(self, beside: Beside) -> int:
+        """Tokens a round while the draft catches up with the text beside other requests:
+        about one pass of theirs; 0 where what it has not seen fits one (or none of them
+        decodes yet)."""
+        unseen = len(self.backlog) + len(self.chain) - self.unviewed
+        if beside.rows == 0:  # alone, or beside requests that came with it: none decodes yet
+            return 0
+        cost = self.policy.cost
+        if cost is None:
+            rows = UNPRICED_CHUNK_ROWS
+        else:
+            rows = rows_within(cost.pass_compute_seconds(beside.rows), cost.draft, unseen)
+        return rows if unseen > rows else 0
+
     async def _draft_ahead(self, growth: GainCostGrowth, cap: int, until: threading.Event) -> None:
         """Rounds below the sent tree until there is nothing worth a round or `until` is set;
         a round abandoned midway leaves its nodes unrun (TreeBuilder.run)."""
@@ -171,13 +215,15 @@ class Drafter:
         assert self.builder is not None  # the tree being drafted
         await self._forward(self.builder, nodes)
 
-    async def _forward(self, builder: TreeBuilder, nodes: list[int] | None) -> None:
-        """A draft forward: a round of `nodes`, or (None) the step's first, of the backlog
-        and the chain; with the batch's others where `rounds` runs them."""
+    async def _forward(
+        self, builder: TreeBuilder, nodes: list[int] | None, unseen: list[int] | None = None
+    ) -> None:
+        """A draft forward: a round of `nodes`, or (None) the step's first, of `unseen`
+        committed tokens and the chain; with the batch's others where `rounds` runs them."""
         if self.rounds is not None:
-            await self.rounds(Round(builder, nodes, self.backlog if nodes is None else []))
+            await self.rounds(Round(builder, nodes, unseen or []))
         elif nodes is None:
-            await self.npu.run(builder.run_chain, self.backlog)
+            await self.npu.run(builder.run_chain, unseen or [])
         else:
             unit = self.cpu if len(nodes) <= SMALL_BATCH else self.npu
             await unit.run(builder.run, nodes)
@@ -196,6 +242,13 @@ class Drafter:
             return self._chain_tree(request, copies, started)
         builder = self.carried
         self.carried = None
+        if builder is None and (rows := self._catch_up_rows(request.beside)):
+            # one token this step; the draft catches up while the target takes the chain
+            self.backlog += self.chain[self.unviewed :]
+            self.unviewed = 0
+            self.builder = self.growth = None
+            self.catch_up = rows
+            return self._chain_tree(request, [], started)
         if builder is None:
             assert self.model is not None and self.cache is not None
             builder = TreeBuilder(
@@ -206,7 +259,7 @@ class Drafter:
                 unviewed=self.unviewed,
                 matcher=self.matcher,
             )
-            await self._forward(builder, None)
+            await self._forward(builder, None, self.backlog)
             self.backlog, self.unviewed = [], 0
         carried = len(builder.tokens) - builder.n_chain
         self.builder = builder

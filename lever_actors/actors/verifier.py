@@ -156,8 +156,8 @@ class Verifier:
         self.target = target
         self.chunks = chunks or PrefillChunks(verify=None)
         self.carried: dict[int, _Tree] = {}  # by seat: the prompts part-way through
-        # the last pass's start, and whether only decoding requests were in it
-        self.last_pass: tuple[float, bool] | None = None
+        # the last pass's start, its decoding requests' rows and its prompts' rows
+        self.last_pass: tuple[float, int, int] | None = None
         # project each tree's predicted chain at the pass's end, all trees' in one read of
         # the LM head (not where the head streams: the projector reads it once a step)
         self.project_chains = project_chains
@@ -252,13 +252,19 @@ class Verifier:
     def _share_rows(self, batch: list[_Tree]) -> None:
         """Each tree's nodes in this pass: the decoding requests' whole, the prompts' within
         the rows the scheduler gives them beside those, in seat order; and the decoding
-        requests' step, learned from the passes with only them in."""
+        requests' step (with and without prompts beside them), learned from each pass up
+        to the next."""
         joining = [t for t in batch if t.message.step == 0]
         decoding = sum(len(t.tree) for t in batch if t.message.step > 0)
         started = time.perf_counter()
-        if self.last_pass is not None and self.last_pass[1] and not joining:
-            self.chunks.observe(started - self.last_pass[0])
-        self.last_pass = (started, not joining)
+        if not decoding:  # the next requests to decode will have a step of their own
+            self.chunks.forget()
+        elif self.last_pass is not None:
+            last, last_decoding, last_prompts = self.last_pass
+            if not last_prompts:
+                self.chunks.observe(started - last)
+            elif last_decoding:
+                self.chunks.observe_chunk(started - last, last_decoding, last_prompts)
         rows = self.chunks.rows(decoding, sum(len(t.tree) - t.start for t in joining))
         for t in batch:
             if t.message.step > 0:
@@ -267,6 +273,7 @@ class Verifier:
             t.end = chunk_end(t.start, len(t.tree), t.message.n_committed, rows)
             if rows is not None:
                 rows = max(0, rows - (t.end - t.start))
+        self.last_pass = (started, decoding, sum(t.end - t.start for t in joining))
 
     async def _let_go(self, occupant: Occupant | None) -> None:
         """A request that left: its last accepted path kept, for the prefix cache."""

@@ -136,33 +136,32 @@ STEP_WEIGHT = 0.3
 class PrefillChunks:
     """How much of joining requests' prompts rides along each pass of the requests already
     decoding: rows whose compute costs about one of their steps, so that none of them waits
-    more than twice its step for its next token while a long prompt comes in. Prompts with
-    nobody decoding beside them go whole, in one pass."""
+    more than twice its step for its next token while a long prompt comes in. Prompts go
+    whole, in one pass, where nobody decodes beside them, and where those decoding have
+    not yet made a step with no prompt beside them (requests that came at once: the
+    first to start would only slow the others' start)."""
 
     verify: Callable[[int], float] | None  # seconds of a pass's compute, by its rows
     # the decoding requests' step: seconds from the start of one of their passes to the
-    # next, learned from passes with no prompt in them
+    # next, learned from passes with no prompt in them (0: none yet)
     step_seconds: float = 0.0
+    # what a prompt's rows added to the step, against what `verify` prices them at: their
+    # draft's catching up and a pass's narrow products cost more than a pass's share
+    pace: float = 1.0
 
     def rows(self, decoding_rows: int, wanted: int) -> int | None:
         """The prompts' rows this pass may take beside `decoding_rows` of decoding
-        requests, of `wanted`; None: no bound (nobody is decoding)."""
-        if decoding_rows == 0:
+        requests, of `wanted`; None: no bound."""
+        if decoding_rows == 0 or self.step_seconds == 0:
             return None
         if self.verify is None:
             return UNPRICED_CHUNK_ROWS
-        verify = self.verify
-        # no step seen yet: the pass's own compute is the least a step takes
-        step = self.step_seconds or verify(decoding_rows)
-        base = verify(decoding_rows)
-        lo, hi = LEAST_CHUNK_ROWS, max(LEAST_CHUNK_ROWS, wanted)
-        while lo < hi:  # the most rows whose compute stays within a step (the curve rises)
-            mid = (lo + hi + 1) // 2
-            if verify(decoding_rows + mid) - base <= step:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        verify, base = self.verify, self.verify(decoding_rows)
+
+        def added(rows: int) -> float:  # what the prompt's rows add to the step
+            return self.pace * (verify(decoding_rows + rows) - base)
+
+        return rows_within(self.step_seconds, added, wanted)
 
     def observe(self, seconds: float) -> None:
         """A step of the decoding requests with no prompt beside them took `seconds`."""
@@ -170,6 +169,33 @@ class PrefillChunks:
             self.step_seconds = seconds
         else:
             self.step_seconds += STEP_WEIGHT * (seconds - self.step_seconds)
+
+    def observe_chunk(self, seconds: float, decoding_rows: int, rows: int) -> None:
+        """A step of the decoding requests with `rows` of a prompt beside their
+        `decoding_rows` took `seconds`: what the rows added teaches `pace`."""
+        if self.verify is None or self.step_seconds == 0:
+            return
+        priced = self.verify(decoding_rows + rows) - self.verify(decoding_rows)
+        if priced > 0:
+            seen = max(seconds - self.step_seconds, 0.0) / priced
+            self.pace += STEP_WEIGHT * (seen - self.pace)
+
+    def forget(self) -> None:
+        """Nobody decodes: the next requests' step is their own."""
+        self.step_seconds = 0.0
+
+
+def rows_within(seconds: float, cost: Callable[[int], float], wanted: int) -> int:
+    """The most rows, up to `wanted` but at least LEAST_CHUNK_ROWS, whose `cost` (rising
+    with the rows) stays within `seconds`."""
+    lo, hi = LEAST_CHUNK_ROWS, max(LEAST_CHUNK_ROWS, wanted)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost(mid) <= seconds:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def chunk_end(start: int, size: int, committed: int, rows: int | None) -> int:

@@ -180,8 +180,9 @@ class TreeBuilder:
         self.rounds.append(len(unseen) + len(chain))
         self.cache.commit(len(unseen))  # the chain's entries now open the pending block
         self.offsets = {node: slot for slot, node in enumerate(chain)}
-        last = torch.tensor([self.cache.length + len(chain) - 1])  # its position
-        self._rank_children(chain[-1:], hidden[-1:], last)
+        if chain:  # else a round that only catches the draft up with the text
+            last = torch.tensor([self.cache.length + len(chain) - 1])  # its position
+            self._rank_children(chain[-1:], hidden[-1:], last)
 
     def _rank_children(
         self, nodes: list[int], hidden: torch.Tensor, positions: torch.Tensor

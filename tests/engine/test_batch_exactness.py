@@ -20,6 +20,7 @@ import trio
 from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
 
+import lever_actors.actors.drafter as drafter_module
 import lever_actors.actors.verifier as verifier_module
 from lever_actors.config import EngineConfig
 from lever_actors.engine import Engine
@@ -206,13 +207,27 @@ async def test_requests_that_arrive_together_share_passes_and_stay_exact():
 
 
 @pytest.mark.parametrize("tree", ["gaincost", "lookup"])
-async def test_a_prompt_joining_a_decoding_batch_comes_in_chunks_and_stalls_nobody(tree):
+async def test_a_prompt_joining_a_decoding_batch_comes_in_chunks_and_stalls_nobody(
+    tree, monkeypatch
+):
     """A 40-token prompt joins a request already decoding, 4 rows a pass: its first token
-    comes after ten passes, each of which gave the running request its next tokens; both
+    comes after ten passes, each of which gave the running request its next tokens; the
+    draft, where there is one, catches up with the prompt 4 tokens a round meanwhile; both
     texts are their sequential decodings."""
     pair = model_pair(TINY_ARGS, "perturbed", 0)
     config = EngineConfig(target=str(pair.target), draft=str(pair.draft), tree=tree, parallel=2)
     running, joining = [5, 6, 7, 8], [(3 * i) % 29 + 1 for i in range(40)]
+    monkeypatch.setattr(drafter_module, "rows_within", lambda seconds, cost, wanted: 4)
+    first_forwards: list[int] = []  # the rows of each draft forward that runs committed text
+    placed = Round.placed
+
+    def recorded(self):
+        tokens, place = placed(self)
+        if self.nodes is None:
+            first_forwards.append(len(tokens))
+        return tokens, place
+
+    monkeypatch.setattr(Round, "placed", recorded)
     seen: list = []
     decoding = trio.Event()
     with prompts_in_chunks(4), trio.fail_after(TIMEOUT):
@@ -231,6 +246,9 @@ async def test_a_prompt_joining_a_decoding_batch_comes_in_chunks_and_stalls_nobo
     assert first.passes == 10  # 40 rows, 4 a pass (the last with the drafts below)
     # a pass of the prompt was a step of the running request too
     assert len({e.step for e in seen if e.parallel == 2}) >= first.passes
+    if tree == "gaincost":  # one token first, the prompt into the draft a chunk a round
+        assert first.tree_nodes == 40 and first.draft_rounds == ()
+        assert first_forwards and max(first_forwards) <= 5
     assert [e.token for e in seen] == reference_tokens(config.target, running, 60)
     assert joined.tokens == reference_tokens(config.target, joining, 8)
 

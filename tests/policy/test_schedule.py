@@ -121,22 +121,40 @@ def linear(rows: float) -> float:
     return 8 * MS + rows * MS
 
 
-def test_a_prompt_with_nobody_decoding_beside_it_goes_whole():
-    assert PrefillChunks(linear).rows(decoding_rows=0, wanted=5000) is None
+def test_a_prompt_goes_whole_beside_nobody_decoding_or_requests_not_yet_stepping():
+    chunks = PrefillChunks(linear)
+    assert chunks.rows(decoding_rows=0, wanted=5000) is None
     assert chunk_end(0, size=5000, committed=4990, rows=None) == 5000
+    # requests that came together: the first to decode has made no step alone yet
+    assert chunks.rows(decoding_rows=1, wanted=5000) is None
 
 
 def test_a_prompt_beside_decoding_requests_takes_rows_costing_about_their_step():
     chunks = PrefillChunks(linear)
-    # no step seen yet: the decoding rows' own pass (28 ms: 28 rows more)
-    assert chunks.rows(decoding_rows=20, wanted=5000) == 28
     chunks.observe(64 * MS)
     assert chunks.rows(decoding_rows=20, wanted=5000) == 64
     chunks.observe(224 * MS)  # steps slowed: 30% of the way there
     assert chunks.rows(decoding_rows=20, wanted=5000) == 112
     assert chunks.rows(decoding_rows=20, wanted=30) == 30  # no more than wanted ...
+    chunks.observe(0.0)
     assert chunks.rows(decoding_rows=1, wanted=3) == LEAST_CHUNK_ROWS  # ... but some
-    assert PrefillChunks(None).rows(decoding_rows=4, wanted=5000) == UNPRICED_CHUNK_ROWS
+
+
+def test_what_a_prompts_rows_added_to_the_step_corrects_their_price():
+    chunks = PrefillChunks(linear)
+    chunks.observe(64 * MS)
+    assert chunks.rows(decoding_rows=20, wanted=5000) == 64
+    chunks.observe_chunk(128 * MS, decoding_rows=20, rows=32)  # twice their price: 30% there
+    assert chunks.pace == 1.3
+    assert chunks.rows(decoding_rows=20, wanted=5000) == 49
+
+
+def test_a_batch_that_empties_forgets_its_step():
+    unpriced = PrefillChunks(None)
+    unpriced.observe(0.1)
+    assert unpriced.rows(decoding_rows=4, wanted=5000) == UNPRICED_CHUNK_ROWS
+    unpriced.forget()  # the batch emptied
+    assert unpriced.rows(decoding_rows=4, wanted=5000) is None
 
 
 def test_a_tree_goes_in_chunks_until_they_reach_its_last_committed_node():
