@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import BinaryIO
@@ -70,12 +71,14 @@ class Decode(msgspec.Struct, frozen=True, tag="decode"):
 
 
 class DecodeTogether(msgspec.Struct, frozen=True, tag="decode-together"):
-    """harness -> child: decode these prompts at once, a stream each (bench/together.py)."""
+    """harness -> child: decode these prompts at once, a stream each (bench/together.py),
+    each after its delay in seconds where `delays` gives one."""
 
     prompts: list[list[int]]
     max_new_tokens: int
     stop_ids: list[int]
     sampling: Sampling
+    delays: list[float] = []
 
 
 class Opened(msgspec.Struct, frozen=True, tag="opened"):
@@ -147,7 +150,12 @@ async def _answer(mode: Mode, request: Decode | DecodeTogether) -> Result | Toge
     stop_ids = frozenset(request.stop_ids)
     if isinstance(request, DecodeTogether):
         together = await decode_together(
-            mode, request.prompts, request.max_new_tokens, stop_ids, request.sampling
+            mode,
+            request.prompts,
+            request.max_new_tokens,
+            stop_ids,
+            request.sampling,
+            request.delays,
         )
         return msgspec.structs.replace(together, peak_rss_bytes=peak_rss_bytes())
     started = time.perf_counter()
@@ -246,9 +254,11 @@ class ChildMode:
         max_new_tokens: int,
         stop_ids: frozenset[int],
         sampling: Sampling,
+        delays: Sequence[float] = (),
     ) -> Together:
-        """The prompts decoded at once in the child; times on the child's clock."""
-        request = DecodeTogether(prompts, max_new_tokens, sorted(stop_ids), sampling)
+        """The prompts decoded at once in the child (each after its delay); times on the
+        child's clock."""
+        request = DecodeTogether(prompts, max_new_tokens, sorted(stop_ids), sampling, list(delays))
         response = await self._request(request)
         if isinstance(response, Failure):
             raise ModeFailed(response.error)

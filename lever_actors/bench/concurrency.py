@@ -10,6 +10,7 @@ evicted from the page cache first, and stopped after it.
 
 Each N decodes the same prompts, in rounds of N different ones (every prompt at least
 once), so that every N does the same work; the figures are bench/concurrency_summary.py's.
+Ours with N > 1 then takes the longest prompt while N-1 others decode (bench/joining.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from lever_actors.bench.concurrency_summary import (
 )
 from lever_actors.bench.harness import PromptSet, Workload
 from lever_actors.bench.isolation import CgroupSupport, MemoryCgroup, evict_from_page_cache
+from lever_actors.bench.joining import joining_figures, run_joining
 from lever_actors.bench.llamacpp import LlamaCppSpec, context_size, gguf_eos_id, process_peak_rss
 from lever_actors.bench.llamacpp_build import SERVER
 from lever_actors.bench.llamaserver import (
@@ -49,7 +51,13 @@ from lever_actors.bench.llamaserver import (
 )
 from lever_actors.bench.modes import EngineSpec, describe
 from lever_actors.bench.plan import BenchOptions, PlannedMode, plan_llamacpp, plan_modes
-from lever_actors.bench.results import ConcurrencyResults, ConcurrencyRun, Machine, Round
+from lever_actors.bench.results import (
+    ConcurrencyResults,
+    ConcurrencyRun,
+    Joining,
+    Machine,
+    Round,
+)
 from lever_actors.bench.together import DecodesTogether, Together
 from lever_actors.sizes import compact_bytes, parse_bytes
 
@@ -155,8 +163,10 @@ async def run_ours(
     options: BenchOptions,
     workload: Workload,
 ) -> ConcurrencyRun:
-    """Our engine opened by `mode`, then each round's prompts decoded at once."""
+    """Our engine opened by `mode`, then each round's prompts decoded at once; with several
+    at once, the longest prompt then joins the first round's others while they decode."""
     done: list[Together] = []
+    joining: Joining | None = None
     failed = None
     async with AsyncExitStack() as stack:
         try:
@@ -169,6 +179,8 @@ async def run_ours(
                     options.sampling,
                 )
                 done.append(together)
+            if parallel > 1:
+                joining = await _joining(mode, rounds, done[0], options, workload)
         except Exception as e:  # the run is recorded as failed with this text
             failed = describe(e)
     info = mode.info
@@ -183,8 +195,31 @@ async def run_ours(
         limit_enforced=info.limit_enforced,
         plan=info.plan,
         budget_bytes=info.budget_bytes,
+        joining=joining,
         failed=failed,
     )
+
+
+async def _joining(
+    mode: DecodesTogether,
+    rounds: list[list[Prompt]],
+    first_round: Together,
+    options: BenchOptions,
+    workload: Workload,
+) -> Joining:
+    """The longest prompt joining the first round's others (bench/joining.py)."""
+    prompt = max((p for prompts in rounds for p in prompts), key=lambda p: len(p.tokens))
+    running = [p.tokens for p in rounds[0][:-1]]
+    alone_s, busy = await run_joining(
+        mode,
+        running,
+        first_round,
+        prompt.tokens,
+        options.max_new_tokens,
+        workload.stop_ids,
+        options.sampling,
+    )
+    return joining_figures(prompt.prompt_set, prompt.index, len(prompt.tokens) - 2, alone_s, busy)
 
 
 def _our_round(prompts: list[Prompt], together: Together) -> Round:

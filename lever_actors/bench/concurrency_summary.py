@@ -139,12 +139,17 @@ def concurrency_summary(runs: Sequence[ConcurrencyRun]) -> ConcurrencySummary:
         for r in round_.requests
         if r.agreement is not None
     ]
+    joined = [run.joining for run in runs if run.engine == OURS and run.joining is not None]
     return ConcurrencySummary(
         aggregate_4_over_1_at_1gib=ratio(rate([OURS], 1, 4), rate([OURS], 1, 1)),
         aggregate_4_vs_llamacpp_server_1gib=ratio(rate([OURS], 1, 4), rate(SERVERS, 1, 4)),
         aggregate_4_vs_llamacpp_server_3gib=ratio(rate([OURS], 3, 4), rate(SERVERS, 3, 4)),
         aggregate_1_vs_llamacpp_server_3gib=ratio(rate([OURS], 3, 1), rate(SERVERS, 3, 1)),
         aggregate_8_vs_llamacpp_server_3gib=ratio(rate([OURS], 3, 8), rate(SERVERS, 3, 8)),
+        ttft_joining_busy_over_alone=max(
+            (j.first_token_busy_s / j.first_token_alone_s for j in joined), default=None
+        ),
+        joining_gap_over_step=max((j.gap_s / j.step_s for j in joined if j.step_s), default=None),
         min_agreement=min(agreements) if agreements else None,
         aggregates=aggregates,
     )

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from lever_actors.bench.concurrency_summary import OURS, SERVERS
+from lever_actors.bench.joining import JOIN_AFTER_TOKENS
 from lever_actors.bench.results import (
     AnyResults,
     BenchResults,
@@ -443,6 +444,27 @@ def concurrency_markdown(results: ConcurrencyResults) -> str:
         f"{_times(s.aggregate_8_vs_llamacpp_server_3gib)}); lowest agreement of "
         f"Lever's concurrent requests with their sequential runs: {_pct(s.min_agreement)}.",
     ]
+    joined = [r for r in results.runs if r.joining is not None]
+    if joined:
+        lines += [
+            "",
+            "A prompt joining Lever's requests already decoding (the longest, "
+            f"{JOIN_AFTER_TOKENS} tokens into their answers): its first token's time beside "
+            "them over alone, and their longest gap meanwhile over their step before "
+            f"(worst: {_times(s.ttft_joining_busy_over_alone)}, "
+            f"{_times(s.joining_gap_over_step)}).",
+            "",
+            "| limit | decoding | prompt tokens | first token alone s | beside them s | "
+            "their step s | their longest gap s |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in joined:
+            j = r.joining
+            assert j is not None
+            lines.append(
+                f"| {r.limit} | {j.running} | {j.prompt_tokens} | {j.first_token_alone_s:.2f} "
+                f"| {j.first_token_busy_s:.2f} | {j.step_s:.3f} | {j.gap_s:.3f} |"
+            )
     failed = [
         f"- {r.engine} under {r.limit}, {r.parallel} at once: {_cell(r.failed)}"
         for r in results.runs

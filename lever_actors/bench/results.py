@@ -250,6 +250,19 @@ class Round(msgspec.Struct, frozen=True):
     wall_s: float
 
 
+class Joining(msgspec.Struct, frozen=True):
+    """A prompt joining requests already decoding (bench/joining.py); times in seconds."""
+
+    prompt_set: str
+    prompt_index: int
+    prompt_tokens: int
+    first_token_alone_s: float  # the same engine, nobody else decoding
+    first_token_busy_s: float  # with the others decoding beside it
+    running: int  # the requests decoding when it came
+    step_s: float  # their median time between steps before it came
+    gap_s: float  # the longest of theirs while it came in (to its first token)
+
+
 class ConcurrencyRun(msgspec.Struct, frozen=True, omit_defaults=True):
     """One server (ours, or llama-server with or without its draft) under one memory limit,
     taking `parallel` requests at once, over rounds of that many."""
@@ -268,6 +281,7 @@ class ConcurrencyRun(msgspec.Struct, frozen=True, omit_defaults=True):
     plan: str | None = None  # ours: the decode plan the engine chose
     budget_bytes: int | None = None  # ours: the DRAM budget its memory plan gave the target
     command: str | None = None  # llama-server's command line
+    joining: Joining | None = None  # ours with several at once: a prompt joining them
     failed: str | None = None
 
 
@@ -275,9 +289,9 @@ class ConcurrencySummary(msgspec.Struct, frozen=True):
     """The issue's figures (None where a run they need is absent or failed): Lever's
     aggregate with 4 requests over its aggregate with 1 under 1 GiB; Lever's aggregate with
     4 over the better llama-server's (with or without its draft) with 4 slots, under 1 and
-    3 GiB, and with 1 and 8 under 3 GiB; the lowest agreement of our concurrent requests
-    with their sequential runs; and every aggregate tok/s, limit -> engine -> requests at
-    once."""
+    3 GiB, and with 1 and 8 under 3 GiB; a prompt joining our requests already decoding;
+    the lowest agreement of our concurrent requests with their sequential runs; and every
+    aggregate tok/s, limit -> engine -> requests at once."""
 
     aggregate_4_over_1_at_1gib: float | None = msgspec.field(
         default=None, name="aggregate_4_over_1_at_1GiB"
@@ -294,6 +308,10 @@ class ConcurrencySummary(msgspec.Struct, frozen=True):
     aggregate_8_vs_llamacpp_server_3gib: float | None = msgspec.field(
         default=None, name="aggregate_8_vs_llamacpp_server_3GiB"
     )
+    # a prompt joining requests already decoding (the worst run): its first token's time
+    # over its time alone, and their longest gap meanwhile over their step before it came
+    ttft_joining_busy_over_alone: float | None = None
+    joining_gap_over_step: float | None = None
     min_agreement: float | None = None
     aggregates: dict[str, dict[str, dict[str, float | None]]] = {}
 

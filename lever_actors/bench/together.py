@@ -1,6 +1,7 @@
-"""Several prompts decoded at once by one mode: a stream each, all started together in one
-trio nursery, as concurrent clients would send them. With an engine mode, how many of them
-decode together is the engine's `EngineConfig.parallel`; the rest wait for a place."""
+"""Several prompts decoded at once by one mode: a stream each, started together in one
+trio nursery, as concurrent clients would send them (or each after its delay). With an
+engine mode, how many of them decode together is the engine's `EngineConfig.parallel`;
+the rest wait for a place."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class DecodesTogether(Protocol):
         max_new_tokens: int,
         stop_ids: frozenset[int],
         sampling: Sampling,
+        delays: Sequence[float] = (),
     ) -> Together: ...
 
 
@@ -50,13 +52,17 @@ async def decode_together(
     max_new_tokens: int,
     stop_ids: frozenset[int],
     sampling: Sampling,
+    delays: Sequence[float] = (),
 ) -> Together:
-    """Every prompt through `mode.decode` at once (`at_once`)."""
+    """Every prompt through `mode.decode` at once (`at_once`), each after its delay in
+    seconds where `delays` gives one."""
     decoded = [Decoded() for _ in prompts]
     started = [0.0] * len(prompts)
     ended = [0.0] * len(prompts)
 
     async def one(i: int) -> None:
+        if i < len(delays):
+            await trio.sleep(delays[i])
         started[i] = time.perf_counter()
         decoded[i] = await mode.decode(prompts[i], max_new_tokens, stop_ids, sampling)
         ended[i] = time.perf_counter()

@@ -46,6 +46,7 @@ from lever_actors.bench.report import output_paths, render_markdown
 from lever_actors.bench.results import (
     ConcurrencyResults,
     ConcurrencyRun,
+    Joining,
     Machine,
     ModeInfo,
     RequestRun,
@@ -353,7 +354,7 @@ class SleepyMode(FakeMode):
         decoded = await super().decode(prompt, max_new_tokens, stop_ids, sampling)
         await trio.sleep(SLEEP_S)
         now, n = time.perf_counter(), len(decoded.tokens)
-        decoded.stamps = [now - SLEEP_S / 2 * (1 - i / (n - 1)) for i in range(n)]
+        decoded.stamps = [now - SLEEP_S / 2 * (1 - i / max(n - 1, 1)) for i in range(n)]
         return decoded
 
 
@@ -367,8 +368,12 @@ class TogetherMode:
     async def open(self, stack: AsyncExitStack) -> None:
         await self.mode.open(stack)
 
-    async def decode_together(self, prompts, max_new_tokens, stop_ids, sampling) -> Together:
-        return await decode_together(self.mode, prompts, max_new_tokens, stop_ids, sampling)
+    async def decode_together(
+        self, prompts, max_new_tokens, stop_ids, sampling, delays=()
+    ) -> Together:
+        return await decode_together(
+            self.mode, prompts, max_new_tokens, stop_ids, sampling, delays
+        )
 
 
 async def test_ours_decodes_each_round_at_once():
@@ -385,6 +390,15 @@ async def test_ours_decodes_each_round_at_once():
         assert request.decode_tok_s == pytest.approx(4 / (SLEEP_S / 2))
     # both started together: the round lasts about one request's time, not two
     assert SLEEP_S <= round_.wall_s < 1.75 * SLEEP_S
+    # then the longer prompt joined the first while it decoded: once it had given its
+    # tokens (fewer than JOIN_AFTER_TOKENS: its end), so that it came beside nobody
+    joining = run.joining
+    assert joining is not None and joining.running == 1
+    longest = max(PROMPTS, key=lambda p: len(p.tokens))
+    assert (joining.prompt_set, joining.prompt_index) == (longest.prompt_set, longest.index)
+    assert joining.prompt_tokens == len(longest.tokens) - 2
+    assert joining.first_token_alone_s == pytest.approx(SLEEP_S / 2, abs=0.05)
+    assert joining.first_token_busy_s == pytest.approx(SLEEP_S / 2, abs=0.05)
     broken = TogetherMode(FakeMode(info, rate=10.0, fail_at=2), info)
     run = await run_ours(broken, "1GiB", 2, rounds_of(PROMPTS, 2), options, workload)
     assert run.failed == "NotImplementedError: Cannot copy out of meta tensor; no data!"
@@ -426,7 +440,9 @@ def test_results_to_json_markdown_and_plot(tmp_path, monkeypatch):
         run("lever", "1GiB", 1, 2.0),
         run("llama-server", "1GiB", 1, 8.0),
         run("llama-server-draft", "1GiB", 1, 6.0, failed="unavailable: not built"),
-        run("lever", "1GiB", 4, 4.0),
+        msgspec.structs.replace(
+            run("lever", "1GiB", 4, 4.0), joining=Joining("prose", 2, 400, 2.0, 3.0, 3, 0.1, 0.25)
+        ),
         run("llama-server", "1GiB", 4, 16.0),
     ]
     results = ConcurrencyResults(
@@ -450,6 +466,9 @@ def test_results_to_json_markdown_and_plot(tmp_path, monkeypatch):
     assert "| 1GiB | 4 | 8.00 | 2.00 | — | 4.00x |" in markdown
     assert "| 1GiB | 1 | 4.00 | 1.00 | unavailable | 4.00x |" in markdown
     assert "over 1, under 1 GiB: 2.00x" in markdown
+    assert results.summary.ttft_joining_busy_over_alone == pytest.approx(1.5)
+    assert results.summary.joining_gap_over_step == pytest.approx(2.5)
+    assert "| 1GiB | 3 | 400 | 2.00 | 3.00 | 0.100 | 0.250 |" in markdown
     assert output_paths(out)["concurrency"] in written
     assert drawn["1GiB"]["lever"] == [(1, 4.0), (4, 8.0)]
     assert drawn["1GiB"]["llama-server-draft"] == []

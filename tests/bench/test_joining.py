@@ -1,0 +1,45 @@
+"""A prompt joining requests already decoding (bench/joining.py): when it comes, and its
+figures from the stamps of a run, without a model."""
+
+from __future__ import annotations
+
+import pytest
+
+from lever_actors.bench.joining import (
+    JOIN_AFTER_TOKENS,
+    join_delay,
+    joining_figures,
+    step_times,
+)
+from lever_actors.bench.modes import Decoded
+from lever_actors.bench.together import Together
+
+
+def test_a_steps_tokens_count_once():
+    assert step_times([1.0, 1.00001, 1.2, 1.2, 1.5]) == [1.0, 1.2, 1.5]
+
+
+def test_it_comes_once_the_running_requests_are_some_tokens_into_their_answers():
+    slow = Decoded(list(range(40)), [10.0 + 0.1 * i for i in range(40)])
+    fast = Decoded(list(range(40)), [10.0 + 0.05 * i for i in range(40)])
+    short = Decoded([1, 2], [10.5, 10.6])  # it ended first: its end counts
+    round_ = Together([slow, fast, short], started=[9.0, 9.0, 9.0], ended=[14, 12, 10.7])
+    assert join_delay(round_, 2) == pytest.approx(1.0 + 0.1 * (JOIN_AFTER_TOKENS - 1))
+    assert join_delay(round_, 3) == pytest.approx(1.0 + 0.1 * (JOIN_AFTER_TOKENS - 1))
+    assert join_delay(Together([short], [9.0], [10.7]), 1) == pytest.approx(1.7)
+
+
+def test_its_figures_are_its_first_tokens_time_and_the_others_gaps_meanwhile():
+    # the running request: a step every 0.1 s (two tokens each) until it came at 2.02,
+    # then one of 0.4 s and 0.1 s again; the joining one's first token at 2.55
+    steps = [1.0 + 0.1 * i for i in range(11)] + [2.4, 2.5, 2.6, 2.7]
+    stamps = [t + d for t in steps for d in (0.0, 0.00001)]
+    running = Decoded(list(range(len(stamps))), stamps)
+    joined = Decoded([7], [2.55])
+    busy = Together([running, joined], started=[0.5, 2.02], ended=[2.7, 2.6])
+    j = joining_figures("prose", 3, 420, alone_s=0.25, busy=busy)
+    assert (j.prompt_set, j.prompt_index, j.prompt_tokens, j.running) == ("prose", 3, 420, 1)
+    assert j.first_token_alone_s == 0.25
+    assert j.first_token_busy_s == pytest.approx(0.53)
+    assert j.step_s == pytest.approx(0.1)  # their median before it
+    assert j.gap_s == pytest.approx(0.4)  # 2.0 to 2.4: the step it came in
