@@ -49,15 +49,19 @@ HUGE_PAGE = 2 << 20  # x86's transparent huge page
 
 
 class AlignedBuffer:
-    """Page-aligned private anonymous memory (mmap), reused across reads, viewed as torch
-    tensors. Huge pages where the kernel allows them: an O_DIRECT read pins its buffer page
-    by page, and into 4 KiB pages of shared memory the real target's layers came at 1.3 GB/s
-    on the Zen 4 VM against 2.6 into huge pages; the one-row products ran 3% faster too."""
+    """Page-aligned private anonymous memory (mmap), viewed as torch tensors. With `huge`,
+    huge pages where the kernel allows them, for a buffer reused across reads: an O_DIRECT
+    read pins its buffer page by page, and into 4 KiB pages of shared memory the real
+    target's layers came at 1.3 GB/s on the Zen 4 VM against 2.6 into huge pages. A buffer
+    read once (resident weights) takes 4 KiB pages: the kernel compacts memory for each huge
+    page as it first faults in, and the real target's 1.06 GiB then loaded in 2.3-3.0 s
+    against 0.9 (2-core EPYC VM, warm page cache), its decode no faster (25.0 and 22.9 tok/s
+    against 25.1 and 24.8)."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, *, huge: bool = True) -> None:
         self.nbytes = align_up(max(nbytes, 1))
         self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if self.nbytes >= HUGE_PAGE:
+        if huge and self.nbytes >= HUGE_PAGE:
             with contextlib.suppress(OSError):  # a kernel without huge pages: 4 KiB ones
                 self._map.madvise(mmap.MADV_HUGEPAGE)
         self.view = memoryview(self._map)
@@ -153,7 +157,7 @@ class FlashStore:
 
     def load_extent(self, extent: Extent) -> dict[str, Weight]:
         """Read an extent into its own new buffer, for weights that stay resident."""
-        return self.read_extent(extent, AlignedBuffer(extent.nbytes))
+        return self.read_extent(extent, AlignedBuffer(extent.nbytes, huge=False))
 
     def read_rows(self, extent: Extent, rows: list[int]) -> torch.Tensor:
         """Rows of a 2-D single-tensor extent (the embedding table), each by its own small read
