@@ -59,6 +59,9 @@ class DraftPolicy:
     ahead: bool = False  # gain-cost only: draft the next tree while flash paces this one's pass
     lookup: bool = False  # gain-cost: nodes not yet run also offer copies of the text
     sampling: Sampling = GREEDY  # the request's: the draft draws with the target's noise
+    # the fewest requests in a pass from which a step of trees copies the text instead
+    # (the plan's `copies_from`), the draft kept
+    copies_from: int | None = None
 
 
 class Drafter:
@@ -115,6 +118,7 @@ class Drafter:
         self.carried: TreeBuilder | None = None  # the next tree, when the commit hit a run node
         self.chooser = Chooser(policy.sampling, noise_dtype=torch.float32)  # ranks only
         self.drafting = policy.spec  # how the draft proposes, where a trial of copies ends
+        self.step_spec = policy.spec  # how the last tree was proposed
         # the committed text, where copies are proposed or may be from a later step on
         self.context = ContextIndex(prompt) if self._copies_possible else None
         self.matcher = matcher
@@ -230,7 +234,7 @@ class Drafter:
 
     async def draft(self, request: DraftRequest) -> DraftTree:
         started = time.perf_counter()
-        spec = self.policy.spec
+        spec = self.step_spec = self._spec_beside(request.beside)
         if spec.kind == "none":  # autoregressive: the tree is the committed chain
             return self._chain_tree(request, [], started)
         if spec.kind == "lookup":  # the chain, then copies of the text below it
@@ -239,6 +243,7 @@ class Drafter:
             copies = copied_chain(
                 context, len(self.chain), cost, calibrator, request.max_nodes, request.beside
             )
+            self.builder = self.growth = self.carried = None  # the draft's next tree starts anew
             return self._chain_tree(request, copies, started)
         builder = self.carried
         self.carried = None
@@ -291,6 +296,14 @@ class Drafter:
             seat=self.seat,
         )
 
+    def _spec_beside(self, beside: Beside) -> TreeSpec:
+        """How this step proposes: the draft's trees copy the text instead in a pass of at
+        least `copies_from` requests, where the plan priced copies faster."""
+        spec, most = self.policy.spec, self.policy.copies_from
+        if spec is self.drafting and most is not None and beside.requests + 1 >= most:
+            return TreeSpec("lookup", cap=spec.cap)
+        return spec
+
     def _chain_tree(self, request: DraftRequest, copies: list[int], started: float) -> DraftTree:
         """The committed chain the target has not seen, then `copies` of the text below it:
         one path, no draft forward."""
@@ -333,7 +346,7 @@ class Drafter:
         backlog (all of them, after a step of copies), for its next forward."""
         if self.model is None or self.cache is None:  # no draft model: nothing to keep
             return
-        if self.policy.spec.kind == "lookup":  # a trial of copies: the draft saw none
+        if self.step_spec.kind == "lookup":  # a step of copies: the draft saw none
             self.backlog += [tree.tokens[n] for n in commit.accepted]
             return
         builder, gain_cost = self.builder, self.growth is not None

@@ -46,6 +46,8 @@ class PlanSwitch:
         nursery: trio.Nursery,
     ) -> None:
         self.draft = draft  # None once let go (or never loaded)
+        # from this many requests decoding together, each step of theirs copies the text
+        self.copies_from = plan.decode.copies_from
         self.forced_at = config.switch_at
         # only a plan auto chose may change, and only gain-cost trees have the prices
         self.allowed = policies.spec.kind == "gaincost" and (

@@ -136,6 +136,7 @@ def _own_actors(
         ahead=config.draft_ahead,
         lookup=config.lookup,
         sampling=request.options.sampling,
+        copies_from=crew.switch.copies_from,
     )
     drafter = Drafter(
         draft,

@@ -22,6 +22,7 @@ from lever_actors.device.memory import return_freed_heap
 from lever_actors.errors import ConfigError
 from lever_actors.paths import path_bytes
 from lever_actors.plan.memory import Reading, memory_plan, read_process
+from lever_actors.plan.parallel import MAX_AUTO_PARALLEL
 from lever_actors.policy.cost_model import CostModel
 from lever_actors.policy.figures import draft_curve, target_figures
 
@@ -60,12 +61,16 @@ class DecodePlan(msgspec.Struct, frozen=True):
     name: PlanName
     auto: bool  # chosen by the cost model, not given
     predicted: dict[str, float] = {}  # tokens per second each candidate was predicted
+    # trees chosen: the fewest requests decoding together whose pass copies of the text
+    # (the draft kept) are priced faster in, from which each step of theirs copies
+    copies_from: int | None = None
 
     def __str__(self) -> str:
         if not self.auto:
             return f"plan: {self.name}"
         figures = ", ".join(f"{name} {rate:.1f}" for name, rate in self.predicted.items())
-        return f"plan: {self.name} (auto; predicted tok/s: {figures})"
+        batch = f"; copies from {self.copies_from} at once" if self.copies_from else ""
+        return f"plan: {self.name} (auto; predicted tok/s: {figures}{batch})"
 
 
 def given_plan(config: EngineConfig) -> DecodePlan:
@@ -132,7 +137,16 @@ def choose_plan(
         assert refusal is not None
         raise refusal
     best = max((name for name in names if name in predicted), key=predicted.__getitem__)
-    return planned_config(config, best, draft_loaded), DecodePlan(best, True, predicted)
+    chosen = planned_config(config, best, draft_loaded)
+    copies_from = None
+    if best == "trees":
+        cost = _cost(chosen, manifest, reading, figures, draft_loaded)
+        most = config.parallel or MAX_AUTO_PARALLEL
+        faster = (
+            n for n in range(2, most + 1) if _rate(cost, "lookup", n) > _rate(cost, "trees", n)
+        )
+        copies_from = next(faster, None)
+    return chosen, DecodePlan(best, True, predicted, copies_from)
 
 
 def _predicted_rate(
@@ -142,9 +156,22 @@ def _predicted_rate(
     figures: CostModel,
     draft_loaded: bool,
 ) -> float:
-    """Tokens per second for `config`'s plan, under its memory plan; ConfigError where the
-    limit cannot hold it."""
+    """Tokens per second for `config`'s plan, under its memory plan, for as many requests
+    at once as the config asks for, else one; ConfigError where the limit cannot hold it."""
     assert config.plan is not None and config.plan != "auto"
+    cost = _cost(config, manifest, reading, figures, draft_loaded)
+    return _rate(cost, config.plan, config.parallel or 1)
+
+
+def _cost(
+    config: EngineConfig,
+    manifest: Manifest,
+    reading: Reading,
+    figures: CostModel,
+    draft_loaded: bool,
+) -> CostModel:
+    """The cost model of `config`'s plan: this machine's figures, the flash reads its memory
+    plan leaves, its draft's rounds."""
     drafts = config.tree.needs_draft
     held = path_bytes(Path(config.draft)) if drafts and config.draft and not draft_loaded else 0
     memory = memory_plan(config, manifest, reading, draft=held)
@@ -158,9 +185,13 @@ def _predicted_rate(
     )
     if drafts:
         cost.draft = draft_curve(config, figures)
-    together = config.parallel or 1  # as many requests as the config asks for, else one
-    paced = cost.io_bound(together * SHAPES[config.plan, True].nodes)
-    shape = SHAPES[config.plan, paced]
+    return cost
+
+
+def _rate(cost: CostModel, plan: PlanName, together: int) -> float:
+    """Tokens per second of a pass of `together` requests whose steps take `plan`'s shape."""
+    paced = cost.io_bound(together * SHAPES[plan, True].nodes)
+    shape = SHAPES[plan, paced]
     others = together - 1
     beside = Beside(others, others * shape.nodes, others * shape.tokens)
     return cost.pass_rate(shape.nodes, list(shape.rounds), shape.tokens, beside)

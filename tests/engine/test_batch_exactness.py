@@ -253,6 +253,33 @@ async def test_a_prompt_joining_a_decoding_batch_comes_in_chunks_and_stalls_nobo
     assert joined.tokens == reference_tokens(config.target, joining, 8)
 
 
+async def test_trees_copy_the_text_while_the_pass_has_as_many_requests_as_the_plan_says():
+    """With `copies_from` 2 (the plan's price), each request's steps copy the text while
+    both decode, with the draft kept; the longer one's draft then catches up and drafts
+    again alone; both texts are their sequential decodings."""
+    pair = model_pair(TINY_ARGS, "perturbed", 0)
+    config = EngineConfig(
+        target=str(pair.target), draft=str(pair.draft), tree="gaincost", parallel=2
+    )
+    results: dict[str, object] = {}
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(config) as engine:
+            engine.switch.copies_from = 2
+
+            async def run(name: str, prompt: list[int], tokens: int) -> None:
+                results[name] = await engine.generate(prompt, max_new_tokens=tokens)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run, "long", [5, 6, 7, 8], 40)
+                nursery.start_soon(run, "short", [1, 2, 3], 6)
+    long_ = results["long"]
+    together = [s for s in long_.steps[1:] if s.parallel == 2]
+    assert together and all(s.draft_rounds == () for s in together)  # copies, no draft
+    assert any(s.draft_rounds for s in long_.steps if s.parallel == 1)  # trees again
+    assert long_.tokens == reference_tokens(config.target, [5, 6, 7, 8], 40)
+    assert results["short"].tokens == reference_tokens(config.target, [1, 2, 3], 6)
+
+
 async def test_a_failing_draft_forward_fails_its_own_request_and_no_other(monkeypatch):
     """Draft forwards of several requests run as one job; where it fails, each runs again
     alone, so that only the request whose forward fails raises, and the others stay exact."""

@@ -131,3 +131,21 @@ def test_generate_prints_the_plan_and_refuses_a_limit_too_small_in_one_line(
     err = capsys.readouterr().err
     assert err.startswith("lever-actors: error: a memory limit of 64.0 MiB leaves nothing")
     assert err.count("\n") == 1
+
+
+def test_trees_chosen_copy_from_the_fewest_requests_at_once_whose_copies_are_priced_faster(
+    pair, monkeypatch
+):
+    under(monkeypatch, 8 << 30)
+    rates = {"trees": lambda n: 10.0, "lookup": lambda n: 4.0 * n, "ar": lambda n: 1.0}
+    monkeypatch.setattr(decode_plan, "_rate", lambda cost, plan, together: rates[plan](together))
+    manifest = read_manifest(pair.target)
+    _, plan = choose_plan(config_of(pair, plan="auto"), manifest, False)
+    assert plan.name == "trees" and plan.copies_from == 3  # 12 tok/s against 10
+    assert str(plan).endswith("; copies from 3 at once)")
+    # two at most: copies are never faster, the trees stay
+    _, plan = choose_plan(config_of(pair, plan="auto", parallel=2), manifest, False)
+    assert plan.name == "trees" and plan.copies_from is None
+    rates["trees"] = lambda n: 1.0  # copies chosen: nothing to switch
+    _, plan = choose_plan(config_of(pair, plan="auto"), manifest, False)
+    assert plan.name == "lookup" and plan.copies_from is None
