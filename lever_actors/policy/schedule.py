@@ -128,7 +128,7 @@ class Passes(Generic[Seated, Tree, Round]):
 LEAST_CHUNK_ROWS = 16
 # ... and this many a pass where no cost model prices the rows (a static tree's engine)
 UNPRICED_CHUNK_ROWS = 64
-# the step's time learned from each pass of decoding requests alone: recent ones count
+# the step's time and the chunks' pace move this share toward each pass: recent ones count
 STEP_WEIGHT = 0.3
 
 
