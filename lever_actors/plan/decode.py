@@ -124,43 +124,33 @@ def choose_plan(
     reading = read_process()  # once, for every candidate
     drafts = config.draft is not None or draft_loaded
     names: list[PlanName] = ["trees", "lookup", "ar"] if drafts else ["lookup", "ar"]
-    predicted: dict[str, float] = {}
+    together = config.parallel or 1  # as many requests as the config asks for, else one
+    costs: dict[PlanName, CostModel] = {}
     refusal: ConfigError | None = None
     for name in names:
         try:
-            predicted[name] = _predicted_rate(
+            costs[name] = _cost(
                 planned_config(config, name, draft_loaded), manifest, reading, figures, draft_loaded
             )
         except ConfigError as error:
             refusal = error  # the last is the one that needs least memory
-    if not predicted:
+    if not costs:
         assert refusal is not None
         raise refusal
-    best = max((name for name in names if name in predicted), key=predicted.__getitem__)
-    chosen = planned_config(config, best, draft_loaded)
+    predicted: dict[str, float] = {
+        name: _rate(cost, name, together) for name, cost in costs.items()
+    }
+    best = max(costs, key=predicted.__getitem__)
     copies_from = None
-    if best == "trees":
-        cost = _cost(chosen, manifest, reading, figures, draft_loaded)
+    if best == "trees":  # priced under the trees' memory plan: the draft stays
         most = config.parallel or MAX_AUTO_PARALLEL
+        trees = costs["trees"]
         faster = (
-            n for n in range(2, most + 1) if _rate(cost, "lookup", n) > _rate(cost, "trees", n)
+            n for n in range(2, most + 1) if _rate(trees, "lookup", n) > _rate(trees, "trees", n)
         )
         copies_from = next(faster, None)
+    chosen = planned_config(config, best, draft_loaded)
     return chosen, DecodePlan(best, True, predicted, copies_from)
-
-
-def _predicted_rate(
-    config: EngineConfig,
-    manifest: Manifest,
-    reading: Reading,
-    figures: CostModel,
-    draft_loaded: bool,
-) -> float:
-    """Tokens per second for `config`'s plan, under its memory plan, for as many requests
-    at once as the config asks for, else one; ConfigError where the limit cannot hold it."""
-    assert config.plan is not None and config.plan != "auto"
-    cost = _cost(config, manifest, reading, figures, draft_loaded)
-    return _rate(cost, config.plan, config.parallel or 1)
 
 
 def _cost(
@@ -171,7 +161,7 @@ def _cost(
     draft_loaded: bool,
 ) -> CostModel:
     """The cost model of `config`'s plan: this machine's figures, the flash reads its memory
-    plan leaves, its draft's rounds."""
+    plan leaves, its draft's rounds; ConfigError where the limit cannot hold it."""
     drafts = config.tree.needs_draft
     held = path_bytes(Path(config.draft)) if drafts and config.draft and not draft_loaded else 0
     memory = memory_plan(config, manifest, reading, draft=held)
