@@ -22,7 +22,7 @@ from enum import Enum
 import torch
 
 from lever_actors.logs import get_logger
-from lever_actors.model.native_build import AMX, Isa, loaded
+from lever_actors.model.native_build import AMX, Isa, loaded, ops
 
 log = get_logger(__name__)
 
@@ -70,7 +70,7 @@ def int4_linear(
     x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, bias=None
 ) -> torch.Tensor:
     """x [n, in] bf16 times an int4 matrix in the layout's packing -> [n, out] bf16."""
-    return _isa().ops.int4_linear(x.contiguous(), data, scales, bias)
+    return _ops().int4_linear(x.contiguous(), data, scales, bias)
 
 
 def int8_linear(
@@ -80,18 +80,18 @@ def int8_linear(
     isa = _isa()
     if isa is AMX:
         pairs = x.contiguous().view(torch.int32).T.contiguous()  # [in / 2, n]: the tiles' layout
-        return isa.ops.int8_linear(pairs, x.shape[0], data, scales, bias)
-    return isa.ops.int8_linear(x.contiguous(), data, scales, bias)
+        return ops(isa).int8_linear(pairs, x.shape[0], data, scales, bias)
+    return ops(isa).int8_linear(x.contiguous(), data, scales, bias)
 
 
 def q6k_linear(x: torch.Tensor, data: torch.Tensor, d: torch.Tensor, bias=None) -> torch.Tensor:
     """x [n, in] bf16 times a q6k matrix (GGUF's Q6_K blocks) -> [n, out] bf16."""
-    return _isa().ops.q6k_linear(x.contiguous(), data, d, bias)
+    return _ops().q6k_linear(x.contiguous(), data, d, bias)
 
 
 def q4k_linear(x: torch.Tensor, records: torch.Tensor, ds: torch.Tensor, bias=None) -> torch.Tensor:
     """x [n, in] bf16 times a q4k matrix (GGUF's Q4_K values in our records) -> [n, out] bf16."""
-    return _isa().ops.q4k_linear(x.contiguous(), records, ds, bias)
+    return _ops().q4k_linear(x.contiguous(), records, ds, bias)
 
 
 ATTEND_GROUP = 8  # the most query heads per kv head our attention takes
@@ -116,7 +116,7 @@ def attend(
     """q [H, n, hd] bf16, keys/values [KV, T, hd] bf16, mask [n, T] (True: attend) or None
     -> [n, H, hd] bf16, each row from its own query and visible keys alone, in float32."""
     mask = mask.contiguous() if mask is not None else None
-    return _isa().ops.attend(q.contiguous(), keys, values, mask, scale, softcap or 0.0)
+    return _ops().attend(q.contiguous(), keys, values, mask, scale, softcap or 0.0)
 
 
 def normalizes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -126,7 +126,7 @@ def normalizes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., d] bf16 -> weight * x / sqrt(mean(x^2) + eps), each row alone (csrc/norm.h)."""
-    return _isa().ops.rms_norm(x.contiguous(), weight.contiguous(), eps)
+    return _ops().rms_norm(x.contiguous(), weight.contiguous(), eps)
 
 
 def rotates(x: torch.Tensor, cos: torch.Tensor) -> bool:
@@ -137,7 +137,7 @@ def rotates(x: torch.Tensor, cos: torch.Tensor) -> bool:
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [H, n, hd] bf16 (strided in H and n) -> the same rotated, contiguous, rounded as
     model/rope.py's torch code rounds it (csrc/rope.h)."""
-    return _isa().ops.rope(x, cos.contiguous(), sin.contiguous())
+    return _ops().rope(x, cos.contiguous(), sin.contiguous())
 
 
 def decoder_layer(x, norms, matrices, formats, biases, cache, at, place, shape, softcap):
@@ -146,7 +146,7 @@ def decoder_layer(x, norms, matrices, formats, biases, cache, at, place, shape, 
     shape: (heads, head dim, norm eps, attention scale) -> x after the layer."""
     layer, length, span = at
     heads, head_dim, eps, scale = shape
-    return _isa().ops.decoder_layer(
+    return _ops().decoder_layer(
         x, norms, matrices, formats, *biases, *cache, layer, length, span,
         place.offsets, place.positions, place.cos.contiguous(), place.sin.contiguous(), place.mask,
         heads, head_dim, eps, scale, softcap,
@@ -161,6 +161,10 @@ def requested() -> Kernels:
         choices = ", ".join(k.value for k in Kernels)
         log.warning("unknown LEVER_ACTORS_KERNELS; using ours", value=value, choices=choices)
         return Kernels.NATIVE
+
+
+def _ops():
+    return ops(_isa())
 
 
 def _isa() -> Isa:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lever_actors.model import native_build
+from lever_actors.model import kernel_build, native_build
 from lever_actors.model.native_build import AVX2
 from lever_actors.paths import exclusive
 
@@ -36,6 +36,9 @@ class Cache:
     def _compile(self, isa, out: Path) -> None:
         self.builds.append(out)
         out.write_bytes(LIBRARY)
+
+    def compile_avx2(self, out: Path) -> None:
+        self._compile(AVX2, out)
 
     def _load(self, path: str) -> None:
         self.loaded.append(Path(path).read_bytes())
@@ -86,7 +89,7 @@ def test_a_process_waits_for_anothers_build_and_takes_its_library(cache, caplog)
             if "waiting for another process's build" in caplog.text:
                 break
             time.sleep(0.01)
-        native_build._rebuild(AVX2, cache.library)
+        kernel_build.rebuild(cache.library, cache.compile_avx2, "avx2")
     waiter.join(timeout=10)
     assert took == [cache.library]
     assert len(cache.builds) == 1

@@ -17,9 +17,9 @@
 #include <unistd.h>
 #include <vector>
 
+#include "aten.h"
 #include "common.h"
 #include "integer_rows.h"
-#include "ops.h"
 #include "q4k.h"
 #include "q4k_tiles.h"
 

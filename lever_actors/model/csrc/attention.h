@@ -7,18 +7,14 @@
 // attention gives the same guarantee for three to seven times the time (docs/design.md, "Kernels").
 #pragma once
 
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-
 #include <cmath>
 #include <cstdint>
 #include <immintrin.h>
 #include <limits>
-#include <optional>
 #include <vector>
 
 #include "common.h"
+#include "parallel.h"
 
 namespace lever {
 
@@ -127,34 +123,14 @@ void attend_heads(int64_t group, Args... args) {
   }
 }
 
-// q [H, n, hd] bf16 contiguous; keys, values [KV, T, hd] bf16, each head's [T, hd] contiguous;
-// mask [n, T] bool (True: attend) or none. -> [n, H, hd] bf16
-inline at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                         const std::optional<at::Tensor>& mask, double scale, double softcap) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(), "q: [H, n, hd] bf16");
-  int64_t H = q.size(0), n = q.size(1), hd = q.size(2), KV = keys.size(0), T = keys.size(1);
-  for (const at::Tensor* t : {&keys, &values}) {
-    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kBFloat16 && t->size(0) == KV && t->size(1) == T &&
-                    t->size(2) == hd && t->stride(2) == 1 && t->stride(1) == hd,
-                "keys, values: [KV, T, hd] bf16, each head's rows contiguous");
-  }
-  TORCH_CHECK(T > 0 && hd % 8 == 0 && KV > 0 && H % KV == 0, "attend: shapes");
-  TORCH_CHECK(keys.stride(0) == values.stride(0), "keys and values: one head stride");
-  const bool* mp = nullptr;
-  if (mask.has_value()) {
-    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->is_contiguous() && mask->size(0) == n && mask->size(1) == T,
-                "mask: [n, T] bool");
-    mp = mask->data_ptr<bool>();
-  }
-  auto out = at::empty({n, H, hd}, q.options());
-  const uint16_t* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
-  const uint16_t* kp = reinterpret_cast<const uint16_t*>(keys.data_ptr());
-  const uint16_t* vp = reinterpret_cast<const uint16_t*>(values.data_ptr());
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  int64_t stride = keys.stride(0), group = H / KV, width = (T + 7) / 8 * 8;
-  TORCH_CHECK(group <= 8, "attend: at most 8 query heads per kv head");
+// qp [H, n, hd] bf16 contiguous; kp, vp [KV, T, hd] bf16, head h's rows at h * stride, each
+// head's [T, hd] contiguous; mp [n, T] (true: attend) or null -> op [n, H, hd] bf16
+inline void attend_rows(const uint16_t* qp, int64_t H, int64_t n, int64_t hd, const uint16_t* kp, const uint16_t* vp,
+                        int64_t KV, int64_t T, int64_t stride, const bool* mp, double scale, double softcap,
+                        uint16_t* op) {
+  int64_t group = H / KV, width = (T + 7) / 8 * 8;
   int64_t tasks = n * KV, grain = H * n * T * hd < ATTEND_ALONE ? tasks + 1 : 1;
-  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> q32(group * hd), weights(group * width, 0.0f);
     for (int64_t task = begin; task < end; ++task) {
       int64_t i = task / KV, kv = task % KV, h = kv * group;
@@ -162,7 +138,6 @@ inline at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::
                    T, hd, float(scale), float(softcap), q32.data(), weights.data(), op + (i * H + h) * hd);
     }
   });
-  return out;
 }
 
 }  // namespace lever

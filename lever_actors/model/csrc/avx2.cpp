@@ -18,10 +18,10 @@
 #include <immintrin.h>
 #include <vector>
 
+#include "aten.h"
 #include "common.h"
 #include "integer_rows.h"
 #include "layer.h"
-#include "ops.h"
 #include "q4k.h"
 
 namespace {

@@ -1,15 +1,12 @@
 // What both kernels' sources share: bf16 conversions, a vector's sum in one fixed order, byte
-// products summed in integers, and the checks of a call's tensors (AVX2 and FMA, which every
-// CPU with our kernels has; AVX512-VNNI where the build has it).
+// products summed in integers (AVX2 and FMA, which every CPU with our kernels has;
+// AVX512-VNNI where the build has it). No torch: model/plain.py builds them without it.
 #pragma once
-
-#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
 #include <new>
-#include <optional>
 
 namespace lever {
 
@@ -86,37 +83,11 @@ inline __m256i add_pair_products(__m256i acc, __m256i a, __m256i b) {
 #endif
 }
 
-// out [m, n] bf16 plus bias [n] bf16 where there is one, each sum rounded as torch's bf16 add
-// rounds it: in the product's call, where a separate add cost a small op per biased matrix
-inline at::Tensor biased(at::Tensor out, const std::optional<at::Tensor>& bias) {
-  if (!bias) return out;
-  int64_t rows = out.size(0), n = out.size(1);
-  TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n, "bias: [n] bf16");
-  const uint16_t* bp = reinterpret_cast<const uint16_t*>(bias->data_ptr());
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+// out [m, n] bf16 plus bias [n] bf16, each sum rounded as torch's bf16 add rounds it: in the
+// product's call, where a separate add cost a small op per biased matrix
+inline void add_bias(uint16_t* out, int64_t rows, int64_t n, const uint16_t* bias) {
   for (int64_t m = 0; m < rows; ++m)
-    for (int64_t j = 0; j < n; ++j) op[m * n + j] = to_bf16(from_bf16(op[m * n + j]) + from_bf16(bp[j]));
-  return out;
-}
-
-// x [m, k] bf16, the rows a kernel multiplies
-inline void check_rows(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: [m, k] bf16");
-}
-
-// x as above; packed [n, k / 2] uint8 in the packing; scales [k / 32, n, 2] bf16 (scale, zero)
-inline void check_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
-  check_rows(x);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed: uint8");
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(), "scales: bf16");
-  int64_t k = x.size(1), n = packed.size(0);
-  TORCH_CHECK(n % BLOCK_N == 0 && k % GROUP == 0 && packed.size(1) * 2 == k, "int4 shape");
-}
-
-// weight [n, k] int8; scales [n] bf16
-inline void check_int8(const at::Tensor& weight, const at::Tensor& scales) {
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(), "weight: int8");
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(), "scales: bf16");
+    for (int64_t j = 0; j < n; ++j) out[m * n + j] = to_bf16(from_bf16(out[m * n + j]) + from_bf16(bias[j]));
 }
 
 }  // namespace lever

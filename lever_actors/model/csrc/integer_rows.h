@@ -11,10 +11,6 @@
 // sums, so its result is the same alone or as one of 64.
 #pragma once
 
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -22,6 +18,7 @@
 #include <vector>
 
 #include "common.h"
+#include "parallel.h"
 
 namespace lever {
 
@@ -43,13 +40,12 @@ struct RoundedRows {
   std::vector<float> sum;       // [m, k / 32]: sum of the 32 inputs' q, exact
 };
 
-inline RoundedRows rounded_rows(const at::Tensor& x, int64_t group = GROUP, int64_t k = 0) {
+// x [rows, width] bf16
+inline RoundedRows rounded_rows(const uint16_t* xp, int64_t rows, int64_t width, int64_t group = GROUP, int64_t k = 0) {
   constexpr int64_t LANES = 8;
-  int64_t rows = x.size(0), width = x.size(1);
   k = std::max(k, width);
   int64_t groups = k / group, parts = group / GROUP;
   RoundedRows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * groups), std::vector<float>(rows * k / GROUP)};
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   std::vector<uint16_t> padded;  // zeros past each row's end (bf16 +0)
   if (k > width) {
     padded.assign(rows * k, 0);
@@ -60,7 +56,7 @@ inline RoundedRows rounded_rows(const at::Tensor& x, int64_t group = GROUP, int6
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
   // each group alone, so the threads' shares change nothing; a long prompt's rows took 15% of
   // a tiled product's time on one thread
-  at::parallel_for(0, rows * groups, 256, [&](int64_t first, int64_t last) {
+  parallel_for(0, rows * groups, 256, [&](int64_t first, int64_t last) {
     for (int64_t g = first; g < last; ++g) {
       const uint16_t* values = xp + g * group;
       __m256 top = _mm256_setzero_ps();
@@ -282,15 +278,12 @@ inline void integer_rows(const RoundedRows& xq, int64_t m, int64_t rows_left, co
   }
 }
 
-// x [m, k] bf16 times the n rows of w -> [m, n] bf16
+// x [rows, w.k] bf16 times the n rows of w -> op [rows, n] bf16
 template <typename W>
-at::Tensor integer_linear(const at::Tensor& x, const W& w, int64_t n) {
-  int64_t rows = x.size(0);
-  auto out = at::empty({rows, n}, x.options());
-  if (rows == 0) return out;
-  RoundedRows xq = rounded_rows(x, W::GROUPS * GROUP);
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, n / ROWS8, 1, [&](int64_t begin, int64_t end) {
+void integer_product(const uint16_t* x, int64_t rows, const W& w, int64_t n, uint16_t* op) {
+  if (rows == 0) return;
+  RoundedRows xq = rounded_rows(x, rows, w.k, W::GROUPS * GROUP);
+  parallel_for(0, n / ROWS8, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> sums(rows * ROWS8);  // the block's: [rows][8 outputs]
     auto all_rows = [&](const auto& weights, int64_t j0) {  // the block's weight rows stay in cache meanwhile
       for (int64_t m = 0; m < rows; m += 4) integer_rows(xq, m, rows - m, weights, j0, sums.data() + m * ROWS8);
@@ -311,20 +304,6 @@ at::Tensor integer_linear(const at::Tensor& x, const W& w, int64_t n) {
       }
     }
   });
-  return out;
-}
-
-// x [m, k] bf16; data [n, k / 256 * 208] uint8, the Q6_K blocks less d; d [n, k / 256] float16
-inline at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& d,
-                             const std::optional<at::Tensor>& bias) {
-  check_rows(x);
-  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous(), "data: uint8");
-  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous(), "d: float16");
-  int64_t k = x.size(1), n = data.size(0);
-  TORCH_CHECK(n % ROWS8 == 0 && k % K_INPUTS == 0, "q6k shape");
-  TORCH_CHECK(data.size(1) == k / K_INPUTS * Q6K_BYTES && d.numel() == n * (k / K_INPUTS), "q6k shape");
-  Q6KRows w{data.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr()), k};
-  return biased(integer_linear(x, w, n), bias);
 }
 
 }  // namespace lever

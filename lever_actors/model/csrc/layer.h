@@ -9,9 +9,7 @@
 #include <cstdint>
 #include <optional>
 
-#include "attention.h"
-#include "norm.h"
-#include "rope.h"
+#include "aten.h"
 
 namespace lever {
 

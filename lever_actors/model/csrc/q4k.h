@@ -14,10 +14,6 @@
 // same alone or as one of 64.
 #pragma once
 
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -27,6 +23,7 @@
 
 #include "common.h"
 #include "integer_rows.h"
+#include "parallel.h"
 
 namespace lever {
 
@@ -105,32 +102,18 @@ inline void q4k_tile(const RoundedRows& xq, const int32_t* sum_pairs, int64_t m0
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * 8, out[r]);
 }
 
-// x [m, in] bf16; records [n / 8, k / 256 * 1152] uint8; ds [n / 8, k / 256 * 16] float16 -> [m, n]
-// bf16, where k is `in` rounded up to whole blocks: a last block's inputs past `in` (a matrix
-// of 896 inputs has 128) multiply zeros in x, so their weights never count.
-inline void check_q4k(const at::Tensor& x, const at::Tensor& records, const at::Tensor& ds) {
-  check_rows(x);
-  TORCH_CHECK(records.scalar_type() == at::kByte && records.is_contiguous(), "records: uint8");
-  TORCH_CHECK(ds.scalar_type() == at::kHalf && ds.is_contiguous(), "ds: float16");
-  int64_t k = records.size(1) / Q4K_RECORD * K_INPUTS, padding = k - x.size(1);
-  TORCH_CHECK(records.size(1) % Q4K_RECORD == 0 && padding >= 0 && padding < K_INPUTS && padding % GROUP == 0, "q4k shape");
-  TORCH_CHECK(ds.numel() == records.size(0) * (k / K_INPUTS) * 16, "q4k shape");
-}
-
-inline at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& records, const at::Tensor& ds,
-                             const std::optional<at::Tensor>& bias) {
-  check_q4k(x, records, ds);
-  int64_t rows = x.size(0), tasks = records.size(0), n = tasks * Q4K_OUTPUTS;
-  int64_t k = records.size(1) / Q4K_RECORD * K_INPUTS;
-  auto out = at::empty({rows, n}, x.options());
-  if (rows == 0) return out;
-  RoundedRows xq = rounded_rows(x, K_INPUTS, k);
+// x [rows, width] bf16 times a q4k matrix: records [tasks, k / 256 * 1152] uint8, ds [tasks,
+// k / 256 * 16] float16, where k is `width` rounded up to whole blocks (a last block's inputs
+// past `width`, 128 of a matrix of 896 inputs, multiply zeros in x, so their weights never
+// count) -> op [rows, tasks * 8] bf16
+inline void q4k_product(const uint16_t* x, int64_t rows, int64_t width, const uint8_t* rp, const uint16_t* dp,
+                        int64_t tasks, int64_t k, uint16_t* op) {
+  if (rows == 0) return;
+  int64_t n = tasks * Q4K_OUTPUTS;
+  RoundedRows xq = rounded_rows(x, rows, width, K_INPUTS, k);
   std::vector<int32_t> sum_pairs = group_sum_pairs(xq);
-  const uint8_t* rp = records.data_ptr<uint8_t>();
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(ds.data_ptr());
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   int64_t record_bytes = k / K_INPUTS * Q4K_RECORD, ds_count = k / K_INPUTS * 16;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     float y[Q4K_TILE_ROWS * Q4K_OUTPUTS];
     for (int64_t task = begin; task < end; ++task) {
       const uint8_t* record = rp + task * record_bytes;
@@ -145,7 +128,6 @@ inline at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& records, con
       }
     }
   });
-  return biased(out, bias);
 }
 
 }  // namespace lever

@@ -21,6 +21,7 @@
 #include <immintrin.h>
 #include <vector>
 
+#include "aten.h"
 #include "common.h"
 #include "integer_rows.h"
 #include "q4k.h"
