@@ -141,8 +141,13 @@ def feed_forward(x: torch.Tensor, w: LayerTensors, args: ModelArgs) -> torch.Ten
         gate, up = linear(x, w["w_gate_up"]).chunk(2, dim=-1)
     else:
         gate, up = linear(x, w["w_gate"]), linear(x, w["w_up"])
-    gated = F.gelu(gate, approximate="tanh") if args.gemma else F.silu(gate)
-    return linear(gated * up, w["w_down"])
+    if args.gemma:
+        gated = F.gelu(gate, approximate="tanh") * up
+    elif native.gates(gate):
+        gated = native.swiglu(gate, up)  # as our fused layer and the plain kernels round it
+    else:
+        gated = F.silu(gate) * up
+    return linear(gated, w["w_down"])
 
 
 def layer_forward(

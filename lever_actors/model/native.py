@@ -140,6 +140,24 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return _ops().rope(x, cos.contiguous(), sin.contiguous())
 
 
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [n] int64, inv_freq [hd / 2] float32 -> cos, sin [n, hd] bf16 (csrc/rope.h)."""
+    return _ops().rope_tables(positions, inv_freq)
+
+
+def gates(gate: torch.Tensor) -> bool:
+    """Whether our SwiGLU takes this gate: bf16."""
+    return gate.dtype == torch.bfloat16 and in_use() is not None
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up [..., f] bf16 -> bf16(bf16(silu(gate)) * up), element by element in one fixed
+    sequence (csrc/activation.h), which the plain kernels repeat without torch."""
+    return _ops().swiglu(gate, up)
+
+
 def decoder_layer(x, norms, matrices, formats, biases, cache, at, place, shape, softcap):
     """One decoder layer in one call (csrc/layer.h; model/fused.py builds the arguments):
     x [n, d] bf16; cache: (keys, values, slot positions); at: (layer, committed length, span);

@@ -13,7 +13,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -22,20 +24,21 @@ from lever_actors.model import kernel_build
 from lever_actors.model.kernel_build import AVX2, AVX512_VNNI, CSRC
 
 SOURCE = CSRC / "plain.cpp"
-ABI = 1  # csrc/plain.cpp's lever_plain_abi()
-Q4K_OUTPUTS, Q4K_RECORD, K_INPUTS = 8, 1152, 256  # csrc/q4k.h
+ABI = 4  # csrc/plain.cpp's lever_plain_abi()
+Q4K_OUTPUTS, Q4K_RECORD, K_INPUTS, Q6K_BYTES = 8, 1152, 256, 208  # csrc/q4k.h, integer_rows.h
 
 _BF16 = np.uint16  # numpy's stand-in for bf16 and float16: their bits
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
 _f64 = ctypes.c_double
 _SIGNATURES = {  # name -> argument types (csrc/plain.cpp)
-    "lever_q4k": (_p, _i64, _i64, _p, _p, _i64, _i64, _p, _p),
-    "lever_q6k": (_p, _i64, _i64, _p, _p, _i64, _p, _p),
-    "lever_int8": (_p, _i64, _i64, _p, _p, _i64, _p, _p),
+    "lever_linear": (_p, _p, _i64, _p, _p),
     "lever_rms_norm": (_p, _i64, _i64, _p, _f64, _p),
     "lever_rope": (_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p),
     "lever_attend": (_p, _i64, _i64, _i64, _p, _p, _i64, _i64, _i64, _p, _f64, _f64, _p),
+    "lever_swiglu": (_p, _p, _i64, _p),
+    "lever_rope_tables": (_p, _i64, _p, _i64, _p, _p),
+    "lever_decoder_layer": (_p, _i64, _i64, _p, _p, _p, _p, _p),
 }
 
 
@@ -84,47 +87,52 @@ def _rows(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x)
 
 
-def q4k_linear(
-    x: np.ndarray, records: np.ndarray, ds: np.ndarray, bias: np.ndarray | None = None
-) -> np.ndarray:
-    """x [m, in] bf16 times a q4k matrix: records [n / 8, k / 256 * 1152] uint8, ds [n / 8,
-    k / 256 * 16] float16, k being `in` rounded up to whole blocks -> [m, n] bf16."""
+FORMAT_CODES = {"int4": 0, "int8": 1, "q6k": 2, "q4k": 3}  # csrc/products.h's Format
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """A quantized [out, in] matrix as model/quantized.py keeps it, in numpy arrays: int4
+    [out, in / 2] uint8 and [in / 32, out, 2] bf16; int8 [out, in] int8 and [out] bf16; q6k
+    [out, in / 256 * 208] uint8 and [out, in / 256] float16; q4k [out / 8, blocks * 1152]
+    uint8 and [out / 8, blocks * 16] float16."""
+
+    fmt: str  # a key of FORMAT_CODES
+    shape: tuple[int, int]
+    data: np.ndarray
+    scales: np.ndarray
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("fmt", _i64), ("data", _p), ("scales", _p), ("out", _i64), ("in_", _i64)]
+
+
+def linear(x: np.ndarray, m: Matrix, bias: np.ndarray | None = None) -> np.ndarray:
+    """x [rows, in] bf16 times the quantized matrix m [out, in] (+ bias [out] bf16) -> [rows,
+    out] bf16 (csrc/products.h)."""
     x = _rows(x)
-    tasks, k = records.shape[0], records.shape[1] // Q4K_RECORD * K_INPUTS
-    if not 0 <= k - x.shape[1] < K_INPUTS or ds.size != tasks * k // K_INPUTS * 16:
-        raise ValueError(f"q4k shapes: x {x.shape}, records {records.shape}, ds {ds.shape}")
-    out = np.empty((x.shape[0], tasks * Q4K_OUTPUTS), _BF16)
-    library().lever_q4k(
-        _at(x), x.shape[0], x.shape[1], _at(records), _at(ds), tasks, k, _at(bias), _at(out)
-    )
+    out_features, inputs = m.shape
+    if x.shape[1] != inputs or m.fmt not in FORMAT_CODES or out_features % 8:
+        raise ValueError(f"{m.fmt} {m.shape} cannot multiply x {x.shape}")
+    _check_matrix(m)
+    out = np.empty((x.shape[0], out_features), _BF16)
+    matrix = _Matrix(FORMAT_CODES[m.fmt], _at(m.data), _at(m.scales), out_features, inputs)
+    library().lever_linear(ctypes.byref(matrix), _at(x), x.shape[0], _at(bias), _at(out))
     return out
 
 
-def q6k_linear(
-    x: np.ndarray, data: np.ndarray, d: np.ndarray, bias: np.ndarray | None = None
-) -> np.ndarray:
-    """x [m, k] bf16 times a q6k matrix: data [n, k / 256 * 208] uint8, d [n, k / 256]
-    float16 -> [m, n] bf16."""
-    x = _rows(x)
-    (n, _), k = data.shape, x.shape[1]
-    if k % K_INPUTS or data.shape[1] != k // K_INPUTS * 208 or d.size != n * (k // K_INPUTS):
-        raise ValueError(f"q6k shapes: x {x.shape}, data {data.shape}, d {d.shape}")
-    out = np.empty((x.shape[0], n), _BF16)
-    library().lever_q6k(_at(x), x.shape[0], k, _at(data), _at(d), n, _at(bias), _at(out))
-    return out
-
-
-def int8_linear(
-    x: np.ndarray, weight: np.ndarray, scales: np.ndarray, bias: np.ndarray | None = None
-) -> np.ndarray:
-    """x [m, k] bf16 times an int8 matrix [n, k] with row scales [n] bf16 -> [m, n] bf16."""
-    x = _rows(x)
-    n, k = weight.shape
-    if k != x.shape[1] or k % 32 or n % 8 or scales.size != n:
-        raise ValueError(f"int8 shapes: x {x.shape}, weight {weight.shape}, scales {scales.shape}")
-    out = np.empty((x.shape[0], n), _BF16)
-    library().lever_int8(_at(x), x.shape[0], k, _at(weight), _at(scales), n, _at(bias), _at(out))
-    return out
+def _check_matrix(m: Matrix) -> None:
+    """ValueError unless m's arrays have its format's sizes (model/quantized.py's layouts)."""
+    out, inputs = m.shape
+    blocks = -(-inputs // K_INPUTS)  # q4k pads a last block
+    data, scales = {
+        "int4": ((out, inputs // 2), (inputs // 32, out, 2)),
+        "int8": ((out, inputs), (out,)),
+        "q6k": ((out, inputs // K_INPUTS * Q6K_BYTES), (out, inputs // K_INPUTS)),
+        "q4k": ((out // Q4K_OUTPUTS, blocks * Q4K_RECORD), (out // Q4K_OUTPUTS, blocks * 16)),
+    }[m.fmt]
+    if m.data.size != np.prod(data) or m.scales.size != np.prod(scales):
+        raise ValueError(f"{m.fmt} {m.shape}: data {m.data.shape}, scales {m.scales.shape}")
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -175,5 +183,144 @@ def attend(
     library().lever_attend(
         _at(q), heads, n, hd, keys.ctypes.data, values.ctypes.data, kv, length,
         keys.strides[0] // item, _at(mask), scale, softcap or 0.0, _at(out),
+    )  # fmt: skip
+    return out
+
+
+def rope_tables(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """positions [n] int64, inv_freq [hd / 2] float32 (model/frequencies.py) -> cos, sin
+    [n, hd] bf16 (csrc/rope.h)."""
+    positions = np.ascontiguousarray(positions, np.int64)
+    inv_freq = np.ascontiguousarray(inv_freq, np.float32)
+    n, half = positions.shape[0], inv_freq.shape[0]
+    cos, sin = np.empty((n, 2 * half), _BF16), np.empty((n, 2 * half), _BF16)
+    library().lever_rope_tables(_at(positions), n, _at(inv_freq), half, _at(cos), _at(sin))
+    return cos, sin
+
+
+def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gate, up [..., f] bf16 -> bf16(bf16(silu(gate)) * up) (csrc/activation.h)."""
+    gate, up = np.ascontiguousarray(gate), np.ascontiguousarray(up)
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate {gate.shape} and up {up.shape} differ")
+    out = np.empty_like(gate)
+    library().lever_swiglu(_at(gate), _at(up), gate.size, _at(out))
+    return out
+
+
+# ---- one decoder layer in one call (csrc/layer.h) ----
+
+MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # csrc/layer.h's order
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A plain pre-norm layer's weights: norms [d] bf16, the MATRICES in order, biases or None."""
+
+    attn_norm: np.ndarray
+    ffn_norm: np.ndarray
+    matrices: tuple[Matrix, ...]
+    bq: np.ndarray | None = None
+    bk: np.ndarray | None = None
+    bv: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Where a call's n rows go (model/placement.py's Placement, in numpy): each row's position
+    [n] int64, cos and sin [n, hd] bf16, its pending slot [n] int64 (None: 0..n-1), the mask
+    [n, length + span] bool (None: all), and how many pending slots attention sees."""
+
+    positions: np.ndarray
+    cos: np.ndarray
+    sin: np.ndarray
+    offsets: np.ndarray | None
+    mask: np.ndarray | None
+    span: int
+
+
+@dataclass(frozen=True)
+class Shape:
+    heads: int
+    head_dim: int
+    eps: float
+    scale: float
+    softcap: float
+
+
+class _LayerWeights(ctypes.Structure):
+    _fields_ = [
+        ("attn_norm", _p),
+        ("ffn_norm", _p),
+        ("matrices", _Matrix * len(MATRICES)),
+        ("bq", _p),
+        ("bk", _p),
+        ("bv", _p),
+    ]
+
+
+class _LayerCache(ctypes.Structure):
+    _fields_ = [
+        ("keys", _p),
+        ("values", _p),
+        ("slot_positions", _p),
+        ("kv_heads", _i64),
+        ("capacity", _i64),
+    ]
+
+
+class _LayerPlace(ctypes.Structure):
+    _fields_ = [
+        ("layer", _i64),
+        ("length", _i64),
+        ("span", _i64),
+        ("offsets", _p),
+        ("positions", _p),
+        ("cos", _p),
+        ("sin", _p),
+        ("mask", _p),
+    ]
+
+
+class _LayerShape(ctypes.Structure):
+    _fields_ = [("heads", _i64), ("hd", _i64), ("eps", _f64), ("scale", _f64), ("softcap", _f64)]
+
+
+class Cache(Protocol):
+    """A KV cache as the layer writes it: keys, values [L, KV, capacity, hd] bf16, each slot's
+    position [capacity] int64 (model/plain_model.py's KVCache)."""
+
+    keys: np.ndarray
+    values: np.ndarray
+    positions: np.ndarray
+
+
+def decoder_layer(
+    x: np.ndarray, w: Layer, cache: Cache, layer: int, length: int, rows: Rows, shape: Shape
+) -> np.ndarray:
+    """x [n, d] bf16 -> the same after layer `layer`, its k and v written into the cache's
+    pending slots after the committed `length` (csrc/layer.h)."""
+    x = _rows(x)
+    for m in w.matrices:
+        _check_matrix(m)
+    matrices = (_Matrix * len(MATRICES))(
+        *(_Matrix(FORMAT_CODES[m.fmt], _at(m.data), _at(m.scales), *m.shape) for m in w.matrices)
+    )
+    weights = _LayerWeights(
+        _at(w.attn_norm), _at(w.ffn_norm), matrices, _at(w.bq), _at(w.bk), _at(w.bv)
+    )
+    _, kv, capacity, _ = cache.keys.shape
+    if length + rows.span > capacity:
+        raise ValueError(f"the cache holds {capacity} slots, not {length + rows.span}")
+    room = _LayerCache(_at(cache.keys), _at(cache.values), _at(cache.positions), kv, capacity)
+    place = _LayerPlace(
+        layer, length, rows.span, _at(rows.offsets), _at(rows.positions),
+        _at(rows.cos), _at(rows.sin), _at(rows.mask),
+    )  # fmt: skip
+    dims = _LayerShape(shape.heads, shape.head_dim, shape.eps, shape.scale, shape.softcap)
+    out = np.empty_like(x)
+    library().lever_decoder_layer(
+        _at(x), x.shape[0], x.shape[1], ctypes.byref(weights), ctypes.byref(room),
+        ctypes.byref(place), ctypes.byref(dims), _at(out),
     )  # fmt: skip
     return out

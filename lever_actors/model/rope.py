@@ -12,6 +12,7 @@ import torch
 
 from lever_actors.model import native
 from lever_actors.model.args import ModelArgs, RopeScaling
+from lever_actors.model.frequencies import shared_inverse_frequencies
 
 
 def inverse_frequencies(args: ModelArgs) -> torch.Tensor:
@@ -46,11 +47,16 @@ class Rope:
 
     def __init__(self, args: ModelArgs) -> None:
         self.inv_freq = inverse_frequencies(args)
+        shared = shared_inverse_frequencies(args)
+        self.shared_inv_freq = None if shared is None else torch.from_numpy(shared)
 
     def tables(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [n] int64 -> cos, sin: [n, head_dim] in `dtype`"""
+        """positions: [n] int64 -> cos, sin: [n, head_dim] in `dtype`. bf16 on our kernels
+        from the speeds the plain kernels share (model/frequencies.py), as they compute them."""
+        if dtype == torch.bfloat16 and self.shared_inv_freq is not None and native.in_use():
+            return native.rope_tables(positions, self.shared_inv_freq)
         angles = positions[:, None].float() * self.inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)

@@ -10,9 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from lever_actors.checkpoints.quantize import quantize_int8, quantize_q4k
-from lever_actors.model import native, plain
+from lever_actors.checkpoints.quantize import quantize_int8, quantize_q4k, quantize_tensor
+from lever_actors.errors import ConfigError
+from lever_actors.model import fused, native, plain, plain_from_torch, plain_model
+from lever_actors.model.frequencies import shared_inverse_frequencies
+from lever_actors.model.placement import chain_placement, tree_placement
+from lever_actors.model.rope import Rope
+from lever_actors.model.sequential import sequential_cached
+from lever_actors.model.tree import TokenTree
+from lever_actors.testing.checkpoints import bf16_args
 from tests.model import test_q4k, test_q6k
+from tests.model.test_fused import needs_avx2, quantized_model
 from tests.model.test_native import int8_meaning, needs_native, weight
 
 ROWS = (1, 2, 3, 5, 8, 17, 33)  # one-token decoding, tiles of 4 and 8 and what is left
@@ -21,6 +29,11 @@ ROWS = (1, 2, 3, 5, 8, 17, 33)  # one-token decoding, tiles of 4 and 8 and what 
 def bits(t: torch.Tensor) -> np.ndarray:
     """A bf16 or float16 tensor as the numpy uint16 array of its bits."""
     return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def matrix(q) -> plain.Matrix:
+    """A QuantizedWeight as the plain kernels take it (every format's scales are 16-bit)."""
+    return plain.Matrix(q.fmt, q.shape, q.data.numpy(), bits(q.scales))
 
 
 def bf16(shape: tuple[int, ...], seed: int, spread: float = 1.0) -> torch.Tensor:
@@ -33,16 +46,16 @@ def bf16(shape: tuple[int, ...], seed: int, spread: float = 1.0) -> torch.Tensor
 @pytest.mark.parametrize("fmt", ["q4k", "q6k"])
 @pytest.mark.parametrize("biased", [False, True])
 def test_the_k_quant_products_give_the_torch_ops_bits(fmt, rows, biased):
-    from_gguf, ours, theirs = {
-        "q4k": (test_q4k.from_gguf, plain.q4k_linear, native.q4k_linear),
-        "q6k": (test_q6k.from_gguf, plain.q6k_linear, native.q6k_linear),
+    from_gguf, theirs = {
+        "q4k": (test_q4k.from_gguf, native.q4k_linear),
+        "q6k": (test_q6k.from_gguf, native.q6k_linear),
     }[fmt]
     inputs = 768
     q, _ = from_gguf((64, inputs))
     x = bf16((rows, inputs), rows, spread=3.0)
     bias = bf16((64,), 7) if biased else None
     expected = theirs(x, q.data, q.scales, bias)
-    got = ours(bits(x), q.data.numpy(), bits(q.scales), None if bias is None else bits(bias))
+    got = plain.linear(bits(x), matrix(q), None if bias is None else bits(bias))
     np.testing.assert_array_equal(got, bits(expected))
 
 
@@ -52,9 +65,7 @@ def test_a_q4k_matrix_with_a_padded_last_block_gives_the_torch_ops_bits(rows):
     q = quantize_q4k(weight((64, 896)))  # 896 inputs: the last block's last 128 are padding
     x = bf16((rows, 896), rows)
     expected = native.q4k_linear(x, q.data, q.scales)
-    np.testing.assert_array_equal(
-        plain.q4k_linear(bits(x), q.data.numpy(), bits(q.scales)), bits(expected)
-    )
+    np.testing.assert_array_equal(plain.linear(bits(x), matrix(q)), bits(expected))
 
 
 @needs_native
@@ -62,7 +73,7 @@ def test_a_q4k_matrix_with_a_padded_last_block_gives_the_torch_ops_bits(rows):
 def test_the_int8_product_gives_the_vector_kernels_bits(rows):
     q = quantize_int8(weight((128, 256)))
     x = bf16((rows, 256), rows)
-    got = plain.int8_linear(bits(x), q.data.numpy(), bits(q.scales))
+    got = plain.linear(bits(x), matrix(q))
     if native.loaded().stem == "avx2":
         np.testing.assert_array_equal(got, bits(native.int8_linear(x, q.data, q.scales)))
     else:  # AMX's tiles multiply x unrounded: ours round it per 32 inputs, as the vectors do
@@ -111,10 +122,13 @@ def test_attention_gives_the_torch_ops_bits(masked, group):
 @needs_native
 def test_bad_shapes_are_refused_before_the_kernel_runs():
     q, _ = test_q6k.from_gguf((64, 256))
-    with pytest.raises(ValueError, match="q6k shapes"):
-        plain.q6k_linear(np.zeros((1, 512), np.uint16), q.data.numpy(), bits(q.scales))
+    with pytest.raises(ValueError, match="q6k \\(64, 256\\) cannot multiply x \\(1, 512\\)"):
+        plain.linear(np.zeros((1, 512), np.uint16), matrix(q))
     with pytest.raises(ValueError, match="x: \\[rows, inputs\\] bf16 bits"):
-        plain.q6k_linear(np.zeros((1, 256), np.float32), q.data.numpy(), bits(q.scales))
+        plain.linear(np.zeros((1, 256), np.float32), matrix(q))
+    cut = plain.Matrix("q6k", (64, 256), q.data.numpy()[:32], bits(q.scales))
+    with pytest.raises(ValueError, match="q6k \\(64, 256\\): data \\(32, 208\\)"):
+        plain.linear(np.zeros((1, 256), np.uint16), cut)
 
 
 def test_the_plain_kernels_import_no_torch():
@@ -126,3 +140,124 @@ def test_the_plain_kernels_import_no_torch():
     if "KernelsUnavailable" in result.stderr:
         pytest.skip("this CPU cannot run our kernels")
     assert result.stdout.strip() == "False", result.stderr
+
+
+@needs_native
+def test_swiglu_gives_the_torch_ops_bits_within_a_rounding_of_torchs_silu():
+    gate, up = bf16((7, 99), 1, spread=4.0), bf16((7, 99), 2)  # 99: a tail past whole vectors
+    ours = native.swiglu(gate, up)
+    np.testing.assert_array_equal(plain.swiglu(bits(gate), bits(up)), bits(ours))
+    torchs = (torch.nn.functional.silu(gate) * up).float()
+    assert ((ours.float() - torchs).abs() <= 2**-7 * torchs.abs() + 1e-30).all()
+
+
+def plain_rows(place, n: int) -> plain.Rows:
+    return plain.Rows(
+        place.positions.numpy(), bits(place.cos), bits(place.sin),
+        None if place.offsets is None else place.offsets.numpy(),
+        None if place.mask is None else place.mask.numpy(),
+        place.span if place.span is not None else n,
+    )  # fmt: skip
+
+
+@needs_avx2
+@pytest.mark.parametrize("weights", ["q4", "q4k", "q6", "q8"])
+def test_a_whole_layer_gives_the_torch_ops_bits_for_a_chain_and_a_tree(weights):
+    model = quantized_model(weights)
+    args = model.args
+    shape = plain.Shape(args.n_heads, args.head_dim, args.norm_eps, args.head_dim**-0.5, 0.0)
+    layers = [plain_from_torch.layer(w) for w in model.weights.layers]
+    theirs = model.new_cache(64)
+    ours = plain_model.KVCache(args, 64)
+    x = bf16((8, args.d_model), 9)
+    tree = TokenTree((5, 6, 7, 8, 9, 10), (-1, 0, 0, 1, 1, 2))
+    for step, place in enumerate([None, "tree"]):
+        if place is None:
+            place = chain_placement(model.rope, theirs.length, 8, model.dtype)
+        else:
+            theirs.commit(8)
+            place = tree_placement(model.rope, theirs.length, tree, model.dtype)
+            x = x[:6]
+        n = x.shape[0]
+        expected, got = x, bits(x)
+        for i, w in enumerate(model.weights.layers):
+            expected = fused.layer_forward(expected, w, args, theirs, i, place)
+            got = plain.decoder_layer(
+                got, layers[i], ours, i, theirs.length, plain_rows(place, n), shape
+            )
+            np.testing.assert_array_equal(got, bits(expected), err_msg=f"step {step}, layer {i}")
+    np.testing.assert_array_equal(ours.keys, bits(theirs.keys))
+    np.testing.assert_array_equal(ours.values, bits(theirs.values))
+    np.testing.assert_array_equal(ours.positions, theirs.positions.numpy())
+
+
+@needs_native
+def test_rope_tables_give_the_torch_paths_bits_and_stay_within_a_rounding_of_torchs():
+    args = quantized_model("q4k").args
+    rope = Rope(args)
+    positions = torch.arange(0, 40_000, 97)
+    cos, sin = rope.tables(positions, torch.bfloat16)  # bf16 on our kernels: the shared speeds
+    ours = plain.rope_tables(positions.numpy(), shared_inverse_frequencies(args))
+    np.testing.assert_array_equal(ours[0], bits(cos))
+    np.testing.assert_array_equal(ours[1], bits(sin))
+    angles = positions[:, None].double() * rope.inv_freq.double()
+    assert (cos[:, : args.head_dim // 2].double() - angles.cos()).abs().max() <= 2**-8
+
+
+def plain_of(model) -> plain_model.Model:
+    w = model.weights
+    return plain_model.Model(
+        model.args, plain_from_torch.weights(w.embed, w.layers, w.final_norm, w.lm_head)
+    )
+
+
+@needs_avx2
+@pytest.mark.parametrize("weights", ["q4", "q4k", "q6", "q8"])
+def test_the_plain_model_gives_the_torch_models_bits_through_a_prompt_a_tree_and_a_token(weights):
+    theirs = quantized_model(weights)
+    ours = plain_of(theirs)
+    cache, room = theirs.new_cache(64), ours.new_cache(64)
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79]
+    expected, got = theirs.forward(torch.tensor(prompt), cache), ours.forward(prompt, room)
+    np.testing.assert_array_equal(got, bits(expected))
+    np.testing.assert_array_equal(ours.logits(got), bits(theirs.logits(expected)))
+    cache.commit(8), room.commit(8)
+    tree = TokenTree((5, 6, 7, 8, 9, 10), (-1, 0, 0, 1, 1, 2))
+    place = tree_placement(theirs.rope, cache.length, tree, theirs.dtype)
+    rows = ours.rows(place.positions.numpy(), place.mask.numpy())
+    expected = theirs.forward(torch.tensor(tree.tokens), cache, place)
+    np.testing.assert_array_equal(ours.forward(list(tree.tokens), room, rows), bits(expected))
+    cache.keep([0, 1, 3]), room.keep([0, 1, 3])
+    expected = theirs.logits(theirs.forward(torch.tensor([11]), cache))
+    np.testing.assert_array_equal(ours.logits(ours.forward([11], room)), bits(expected))
+    np.testing.assert_array_equal(room.keys, bits(cache.keys))
+    np.testing.assert_array_equal(room.positions, cache.positions.numpy())
+
+
+@needs_avx2
+def test_plain_greedy_decoding_gives_the_torch_models_tokens():
+    theirs = quantized_model("q4k")
+    ours, prompt = plain_of(theirs), [3, 14, 15, 92, 65]
+    room, tokens = ours.new_cache(64), []
+    pending = prompt
+    for _ in range(24):
+        hidden = ours.forward(pending, room)
+        room.commit(len(pending))
+        [token] = plain_model.greedy(ours.logits(hidden[-1:]))
+        tokens.append(token)
+        pending = [token]
+    assert tokens == sequential_cached(theirs, prompt, 24)
+
+
+def test_int4_rows_decode_as_torchs_decode_rows():
+    table = torch.randn(40, 96) * torch.logspace(-3, 1, 96)
+    rows = quantize_tensor(table, "int4rows", torch.bfloat16)
+    ids = [0, 39, 7, 7, 12]
+    ours = plain_model.Int4Rows(rows.records.numpy(), 96).rows(ids)
+    np.testing.assert_array_equal(ours, bits(rows[torch.tensor(ids)]))
+
+
+def test_a_model_the_plain_path_cannot_run_is_refused_in_one_line():
+    args = bf16_args("gemma2")
+    with pytest.raises(ConfigError, match="^the plain path cannot run this model: Gemma's"):
+        plain_model.Model(args, None)  # type: ignore[arg-type]

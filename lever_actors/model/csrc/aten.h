@@ -6,11 +6,14 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <optional>
+#include <tuple>
 
+#include "activation.h"
 #include "attention.h"
 #include "common.h"
 #include "integer_rows.h"
@@ -149,11 +152,34 @@ inline at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::
   return out;
 }
 
+// positions [n] int64, inv_freq [hd / 2] float32 -> (cos, sin) [n, hd] bf16 (rope.h)
+inline std::tuple<at::Tensor, at::Tensor> rope_tables_op(const at::Tensor& positions, const at::Tensor& inv_freq) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1, "positions: [n] int64");
+  TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.dim() == 1, "inv_freq: [hd / 2] float32");
+  at::Tensor p = positions.contiguous(), f = inv_freq.contiguous();
+  int64_t n = p.size(0), half = f.size(0);
+  auto cos = at::empty({n, 2 * half}, p.options().dtype(at::kBFloat16)), sin = at::empty_like(cos);
+  rope_tables(p.data_ptr<int64_t>(), n, f.data_ptr<float>(), half, u16(cos), u16(sin));
+  return {cos, sin};
+}
+
+// gate, up [..., f] bf16 -> bf16(bf16(silu(gate)) * up) (activation.h)
+inline at::Tensor swiglu_op(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.scalar_type() == at::kBFloat16 && up.scalar_type() == at::kBFloat16 && gate.sizes() == up.sizes(),
+              "gate, up: bf16 of one shape");
+  at::Tensor g = gate.contiguous(), u = up.contiguous();
+  auto out = at::empty(g.sizes(), g.options());
+  swiglu(u16(g), u16(u), g.numel(), u16(out));
+  return out;
+}
+
 template <typename Int4, typename Int8, typename Q4k>
 void define_ops(torch::Library& m, Int4* int4, Int8* int8, Q4k* q4k) {
   m.def("attend", &attend);
   m.def("rms_norm", &rms_norm);
   m.def("rope", &rope);
+  m.def("swiglu", &swiglu_op);
+  m.def("rope_tables", &rope_tables_op);
   m.def("int4_linear", int4);
   m.def("int8_linear", int8);
   m.def("q6k_linear", &q6k_linear);

@@ -21,19 +21,6 @@ namespace lever {
 // below this many multiply-adds a call runs on the calling thread: waking the team costs more
 constexpr int64_t ATTEND_ALONE = int64_t(1) << 21;
 
-// e^x for x <= 0 to about 1 ulp, lane by lane (so a value's result never depends on its
-// neighbours); x below -87 counts as -87, whose e^x no softmax sum can notice
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // x - n ln 2, in two parts
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040);  // Taylor's series to r^7: |r| <= ln 2 / 2
-  for (float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
-}
-
 // out lanes [l, l + chunk) of the `group` heads: sum over visible keys of weight * value, over
 // the total, in bf16
 template <int64_t group, int64_t chunk>

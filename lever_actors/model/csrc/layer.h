@@ -1,67 +1,100 @@
 // One decoder layer in one call (model/layers.py's `layer_forward`, for the layers model/fused.py
-// hands over): the same kernels and ATen ops in the same order, so the same bits, without a
-// Python call per op, about 1.3 ms of a one-row draft forward's 10 (Zen 4). Included by the
-// AVX2 source, whose products it takes through `Product`.
+// hands over): the same kernels and bf16 roundings in the same order, so the same bits, without
+// a Python call per op (about 1.3 ms of a one-row draft forward's 10, Zen 4). On plain buffers:
+// the AVX2 source's torch op and the plain library (plain.cpp) both call it.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <cstdint>
-#include <optional>
+#include <cstring>
+#include <vector>
 
-#include "aten.h"
+#include "activation.h"
+#include "attention.h"
+#include "common.h"
+#include "norm.h"
+#include "products.h"
+#include "rope.h"
 
 namespace lever {
 
-// matrices in this order, each as (data, scales) in `matrices` and a format code in `formats`
+// the matrices in this order in LayerWeights
 enum Matrix { WQ, WK, WV, WO, W_GATE, W_UP, W_DOWN, MATRICES };
 
-// a product of the format `fmt` (model/fused.py's codes): x [n, in] -> [n, out] bf16
-using Product = at::Tensor (*)(int64_t fmt, const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
-                               const std::optional<at::Tensor>& bias);
+struct LayerWeights {
+  const uint16_t* attn_norm;  // [d] bf16
+  const uint16_t* ffn_norm;   // [d] bf16
+  MatrixRef matrices[MATRICES];
+  const uint16_t *bq, *bk, *bv;  // [out] bf16 or null
+};
 
-// x [n, d] bf16 -> the same after the layer. norms: attn_norm, ffn_norm [d] bf16; keys, values
-// [L, KV, capacity, hd] and slot_positions [capacity] int64: the KV cache, this layer's k and
-// v written at `length` + offsets (or + 0..n-1), which attention then sees up to `length` +
-// span; positions [n] int64, cos, sin [n, hd], mask [n, length + span] or none: the placement
-template <Product product>
-at::Tensor decoder_layer(const at::Tensor& x, at::TensorList norms, at::TensorList matrices, at::IntArrayRef formats,
-                         const std::optional<at::Tensor>& bq, const std::optional<at::Tensor>& bk,
-                         const std::optional<at::Tensor>& bv, const at::Tensor& keys, const at::Tensor& values,
-                         const at::Tensor& slot_positions, int64_t layer, int64_t length, int64_t span,
-                         const std::optional<at::Tensor>& offsets, const at::Tensor& positions, const at::Tensor& cos,
-                         const at::Tensor& sin, const std::optional<at::Tensor>& mask, int64_t n_heads, int64_t hd,
-                         double eps, double scale, double softcap) {
-  TORCH_CHECK(norms.size() == 2 && matrices.size() == 2 * MATRICES && formats.size() == MATRICES, "decoder_layer: weights");
-  auto linear = [&](Matrix m, const at::Tensor& in, const std::optional<at::Tensor>& bias = std::nullopt) {
-    return product(formats[m], in, matrices[2 * m], matrices[2 * m + 1], bias);
-  };
-  int64_t n = x.size(0), n_kv = keys.size(1);
+// the KV cache: keys, values [L, KV, capacity, hd] bf16 and slot_positions [capacity]
+struct LayerCache {
+  uint16_t* keys;
+  uint16_t* values;
+  int64_t* slot_positions;
+  int64_t kv_heads, capacity;
+};
+
+// where the n rows go: k and v written at `length` + offsets[i] (or + i where offsets is null),
+// attention then seeing slots [0, length + span); positions [n], cos, sin [n, hd] bf16, mask
+// [n, length + span] (true: attend) or null
+struct LayerPlace {
+  int64_t layer, length, span;
+  const int64_t* offsets;
+  const int64_t* positions;
+  const uint16_t *cos, *sin;
+  const bool* mask;
+};
+
+struct LayerShape {
+  int64_t heads, hd;
+  double eps, scale, softcap;
+};
+
+// bf16(a + b), element by element, as torch's bf16 add rounds it
+inline void add_rows(const uint16_t* a, const uint16_t* b, int64_t count, uint16_t* out) {
+  for (int64_t i = 0; i < count; ++i) out[i] = to_bf16(from_bf16(a[i]) + from_bf16(b[i]));
+}
+
+// x [n, d] bf16 -> out [n, d] bf16, the rows after the layer; this layer's k and v into the cache
+inline void decoder_layer_rows(const uint16_t* x, int64_t n, int64_t d, const LayerWeights& w, const LayerCache& cache,
+                               const LayerPlace& at, const LayerShape& shape, uint16_t* out) {
+  const MatrixRef* m = w.matrices;
+  int64_t heads = shape.heads, hd = shape.hd, kv = cache.kv_heads, ffn = m[W_GATE].out;
+  std::vector<uint16_t> h(n * d), q(n * heads * hd), k(n * kv * hd), v(n * kv * hd);
   // attention: q, k, v by head, rotated; k and v into the cache; each row's heads attend
-  at::Tensor h = rms_norm(x, norms[0], eps);
-  at::Tensor q = rope(linear(WQ, h, bq).view({n, n_heads, hd}).transpose(0, 1), cos, sin);
-  at::Tensor k = rope(linear(WK, h, bk).view({n, n_kv, hd}).transpose(0, 1), cos, sin);
-  at::Tensor v = linear(WV, h, bv).view({n, n_kv, hd}).transpose(0, 1);
-  at::Tensor layer_keys = keys.select(0, layer), layer_values = values.select(0, layer);
-  if (offsets.has_value()) {
-    at::Tensor slots = *offsets + length;
-    layer_keys.index_copy_(1, slots, k);
-    layer_values.index_copy_(1, slots, v);
-    slot_positions.index_copy_(0, slots, positions);
-  } else {
-    layer_keys.narrow(1, length, n).copy_(k);
-    layer_values.narrow(1, length, n).copy_(v);
-    slot_positions.narrow(0, length, n).copy_(positions);
+  rms_norm_rows(x, n, d, w.attn_norm, shape.eps, h.data());
+  product(m[WQ], h.data(), n, w.bq, q.data());
+  product(m[WK], h.data(), n, w.bk, k.data());
+  product(m[WV], h.data(), n, w.bv, v.data());
+  std::vector<uint16_t> q_heads(heads * n * hd), k_heads(kv * n * hd);  // [H, n, hd]
+  rope_heads(q.data(), heads, n, hd, hd, heads * hd, at.cos, at.sin, q_heads.data());
+  rope_heads(k.data(), kv, n, hd, hd, kv * hd, at.cos, at.sin, k_heads.data());
+  int64_t head_stride = cache.capacity * hd, layer_at = at.layer * kv * head_stride;
+  uint16_t* keys = cache.keys + layer_at;
+  uint16_t* values = cache.values + layer_at;
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t slot = at.length + (at.offsets ? at.offsets[i] : i);
+    for (int64_t head = 0; head < kv; ++head) {
+      std::memcpy(keys + head * head_stride + slot * hd, k_heads.data() + (head * n + i) * hd, hd * sizeof(uint16_t));
+      std::memcpy(values + head * head_stride + slot * hd, v.data() + (i * kv + head) * hd, hd * sizeof(uint16_t));
+    }
+    cache.slot_positions[slot] = at.positions[i];
   }
-  int64_t seen = length + span;
-  at::Tensor attended = attend(q, layer_keys.narrow(1, 0, seen), layer_values.narrow(1, 0, seen),
-                               mask.has_value() ? std::optional<at::Tensor>(mask->contiguous()) : std::nullopt, scale,
-                               softcap);  // [n, H, hd]
-  at::Tensor out = at::add(x, linear(WO, attended.view({n, n_heads * hd})));
+  std::vector<uint16_t> attended(n * heads * hd);  // [n, H, hd]
+  attend_rows(q_heads.data(), heads, n, hd, keys, values, kv, at.length + at.span, head_stride, at.mask, shape.scale,
+              shape.softcap, attended.data());
+  std::vector<uint16_t> o(n * d), mid(n * d);
+  product(m[WO], attended.data(), n, nullptr, o.data());
+  add_rows(x, o.data(), n * d, mid.data());
   // the gated MLP
-  h = rms_norm(out, norms[1], eps);
-  at::Tensor gated = at::mul(at::silu(linear(W_GATE, h)), linear(W_UP, h));
-  return at::add(out, linear(W_DOWN, gated));
+  rms_norm_rows(mid.data(), n, d, w.ffn_norm, shape.eps, h.data());
+  std::vector<uint16_t> gate(n * ffn), up(n * ffn);
+  product(m[W_GATE], h.data(), n, nullptr, gate.data());
+  product(m[W_UP], h.data(), n, nullptr, up.data());
+  swiglu(gate.data(), up.data(), n * ffn, gate.data());
+  product(m[W_DOWN], gate.data(), n, nullptr, o.data());
+  add_rows(mid.data(), o.data(), n * d, out);
 }
 
 }  // namespace lever

@@ -6,8 +6,11 @@
 
 #include "attention.h"
 #include "common.h"
+#include "activation.h"
 #include "integer_rows.h"
+#include "layer.h"
 #include "norm.h"
+#include "products.h"
 #include "q4k.h"
 #include "rope.h"
 
@@ -16,29 +19,12 @@ using namespace lever;
 extern "C" {
 
 // bumped when a signature below changes, so that a stale library is never called
-int lever_plain_abi(void) { return 1; }
+int lever_plain_abi(void) { return 4; }
 
-// x [rows, width] bf16 times a q4k matrix: records [tasks, k / 256 * 1152] uint8, ds [tasks,
-// k / 256 * 16] float16 (q4k.h) -> out [rows, tasks * 8] bf16 (+ bias [tasks * 8])
-void lever_q4k(const uint16_t* x, int64_t rows, int64_t width, const uint8_t* records, const uint16_t* ds,
-               int64_t tasks, int64_t k, const uint16_t* bias, uint16_t* out) {
-  q4k_product(x, rows, width, records, ds, tasks, k, out);
-  if (bias) add_bias(out, rows, tasks * Q4K_OUTPUTS, bias);
-}
-
-// x [rows, k] bf16 times a q6k matrix: data [n, k / 256 * 208] uint8, d [n, k / 256] float16
-// -> out [rows, n] bf16 (+ bias [n])
-void lever_q6k(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* data, const uint16_t* d, int64_t n,
-               const uint16_t* bias, uint16_t* out) {
-  integer_product(x, rows, Q6KRows{data, d, k}, n, out);
-  if (bias) add_bias(out, rows, n, bias);
-}
-
-// x [rows, k] bf16 times an int8 matrix [n, k] with row scales [n] bf16 -> out [rows, n] bf16
-void lever_int8(const uint16_t* x, int64_t rows, int64_t k, const int8_t* weight, const uint16_t* scales, int64_t n,
-                const uint16_t* bias, uint16_t* out) {
-  integer_product(x, rows, Int8Rows{weight, scales, k}, n, out);
-  if (bias) add_bias(out, rows, n, bias);
+// x [rows, m.in] bf16 times the matrix m (+ bias [m.out] bf16, or null) -> out [rows, m.out]
+// bf16 (products.h)
+void lever_linear(const MatrixRef* m, const uint16_t* x, int64_t rows, const uint16_t* bias, uint16_t* out) {
+  product(*m, x, rows, bias, out);
 }
 
 // x [rows, d] bf16, weight [d] bf16 -> out [rows, d] bf16 (norm.h)
@@ -58,6 +44,24 @@ void lever_attend(const uint16_t* q, int64_t heads, int64_t n, int64_t hd, const
                   const uint16_t* values, int64_t kv_heads, int64_t length, int64_t stride, const bool* mask,
                   double scale, double softcap, uint16_t* out) {
   attend_rows(q, heads, n, hd, keys, values, kv_heads, length, stride, mask, scale, softcap, out);
+}
+
+// positions [n] int64, inv_freq [hd / 2] float32 -> cos, sin [n, hd] bf16 (rope.h)
+void lever_rope_tables(const int64_t* positions, int64_t n, const float* inv_freq, int64_t half, uint16_t* cos,
+                       uint16_t* sin) {
+  rope_tables(positions, n, inv_freq, half, cos, sin);
+}
+
+// gate, up [count] bf16 -> out bf16(bf16(silu(gate)) * up) (activation.h)
+void lever_swiglu(const uint16_t* gate, const uint16_t* up, int64_t count, uint16_t* out) {
+  swiglu(gate, up, count, out);
+}
+
+// x [n, d] bf16 -> out [n, d] after one decoder layer (layer.h): the weights, cache, placement
+// and shape as layer.h's structs
+void lever_decoder_layer(const uint16_t* x, int64_t n, int64_t d, const LayerWeights* weights, const LayerCache* cache,
+                         const LayerPlace* place, const LayerShape* shape, uint16_t* out) {
+  decoder_layer_rows(x, n, d, *weights, *cache, *place, *shape, out);
 }
 
 }  // extern "C"
