@@ -16,8 +16,8 @@ import torch
 
 from lever_actors.checkpoints.quantize import quantize_q4k, quantize_q6k
 from lever_actors.model import native
+from lever_actors.model.formats import GROUP
 from lever_actors.model.quantized import (
-    GROUP,
     QuantizedWeight,
     quantize_int4,
     quantize_int8,

@@ -9,7 +9,8 @@ import torch
 from lever_actors.checkpoints.flash_layout import layout_tokenizer
 from lever_actors.device.budget import ResidencyPlan, head_key
 from lever_actors.device.flash import AlignedBuffer, FlashStore
-from lever_actors.device.layout import layer_key
+from lever_actors.device.layout import torch_dtype
+from lever_actors.device.manifest import layer_key
 from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.layers import (
     capped_logits,
@@ -47,7 +48,7 @@ class FlashTarget:
         self.store = FlashStore(directory, throttle=throttle, verify=verify)
         self.manifest = self.store.manifest
         self.args = self.manifest.args
-        self.dtype = self.manifest.torch_dtype
+        self.dtype = torch_dtype(self.manifest)
         self.plan = plan
         if resident is None:
             resident = read_resident(self.store, plan)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from lever_actors.config import EngineConfig, TreeSpec
 from lever_actors.device.budget import minimum_budget
-from lever_actors.device.layout import read_manifest
+from lever_actors.device.manifest import read_manifest
 from lever_actors.engine import Engine
 from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.policy import setup as policy_setup

@@ -20,7 +20,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from lever_actors.config import EngineConfig
-from lever_actors.device.layout import read_manifest
+from lever_actors.device.manifest import read_manifest
 from lever_actors.draft import load_draft
 from lever_actors.model.sampling import GREEDY
 from lever_actors.model.spilled import SpilledTable

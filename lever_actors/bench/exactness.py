@@ -17,7 +17,8 @@ import trio
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.tokenizer import Tokenizer, user_turn
 from lever_actors.config import DraftDtype, DramBudget, EngineConfig
-from lever_actors.device.layout import read_manifest
+from lever_actors.device.layout import torch_dtype
+from lever_actors.device.manifest import read_manifest
 from lever_actors.draft import DraftModel, load_draft
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError
@@ -98,7 +99,7 @@ def check_exact(
     unknown = set(policies) - set(POLICIES)
     if unknown:
         raise ConfigError(f"unknown policies {sorted(unknown)}; known: {', '.join(POLICIES)}")
-    checkpoint = load_checkpoint(layout, read_manifest(layout).torch_dtype)
+    checkpoint = load_checkpoint(layout, torch_dtype(read_manifest(layout)))
     stop_ids = checkpoint.tokenizer.eos_ids if checkpoint.tokenizer else frozenset()
     reference = Transformer(checkpoint.args, checkpoint.weights)
     expected = {}

@@ -28,7 +28,8 @@ from lever_actors.bench.isolation import evict_from_page_cache, storage_read_byt
 from lever_actors.bench.modes import Decoded, ModeFailed
 from lever_actors.bench.results import ModeInfo
 from lever_actors.checkpoints.export import export_hf
-from lever_actors.device.layout import DTYPE_NAMES, MANIFEST_NAME
+from lever_actors.device.layout import DTYPE_NAMES
+from lever_actors.device.manifest import MANIFEST_NAME
 from lever_actors.model.sampling import Sampling
 from lever_actors.progress import ProgressLine
 

@@ -34,7 +34,8 @@ from lever_actors.config import (
     Throttle,
     TreeSpec,
 )
-from lever_actors.device.layout import DTYPE_NAMES, MANIFEST_NAME, Manifest, read_manifest
+from lever_actors.device.layout import DTYPE_NAMES
+from lever_actors.device.manifest import MANIFEST_NAME, Manifest, read_manifest
 from lever_actors.draft import DraftModel, load_draft
 from lever_actors.errors import ConfigError
 from lever_actors.model.sampling import GREEDY, Sampling

@@ -41,7 +41,7 @@ from lever_actors.bench.results import (
 )
 from lever_actors.config import DramBudget
 from lever_actors.device.disk_profile import DiskProfile, profile_disk
-from lever_actors.device.layout import MANIFEST_NAME, WEIGHTS_NAME, read_manifest
+from lever_actors.device.manifest import MANIFEST_NAME, WEIGHTS_NAME, read_manifest
 from lever_actors.draft import DraftModel
 from lever_actors.model import native
 

@@ -13,7 +13,7 @@ from lever_actors.checkpoints.hf import load_hf
 from lever_actors.checkpoints.quantize import check_choice, quantize_checkpoint
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.config import Weights
-from lever_actors.device.layout import MANIFEST_NAME, read_manifest
+from lever_actors.device.manifest import MANIFEST_NAME, read_manifest
 from lever_actors.device.memory import return_freed_heap
 from lever_actors.errors import CheckpointError
 

@@ -14,8 +14,8 @@ from lever_actors.checkpoints.checkpoint import Checkpoint
 from lever_actors.checkpoints.new_directory import new_directory
 from lever_actors.config import Weights
 from lever_actors.device.checksums import checksum, chunk_checksums
-from lever_actors.device.layout import (
-    DTYPE_NAMES,
+from lever_actors.device.layout import DTYPE_NAMES
+from lever_actors.device.manifest import (
     MANIFEST_NAME,
     MANIFEST_VERSION,
     ROW_READ_EXTENTS,
@@ -28,8 +28,10 @@ from lever_actors.device.layout import (
     layer_key,
 )
 from lever_actors.errors import CheckpointError
-from lever_actors.model.quantized import Format, QuantizedRows, QuantizedWeight
-from lever_actors.model.weights import StoredWeight, Weight, layer_tensor_names, stored
+from lever_actors.model.formats import Format
+from lever_actors.model.quantized import QuantizedRows, QuantizedWeight
+from lever_actors.model.shapes import layer_tensor_names
+from lever_actors.model.weights import StoredWeight, Weight, stored
 from lever_actors.progress import Progress
 
 TENSOR_ALIGNMENT = 64  # tensors inside an extent start on cache-line boundaries

@@ -25,7 +25,8 @@ from lever_actors.device.layout import DTYPE_NAMES
 from lever_actors.errors import CheckpointError
 from lever_actors.model.args import ModelArgs
 from lever_actors.model.quantized import dense_values
-from lever_actors.model.weights import is_norm, stored, stored_tensors
+from lever_actors.model.shapes import is_norm
+from lever_actors.model.weights import stored, stored_tensors
 from lever_actors.progress import Progress
 
 DEFAULT_SHARD_BYTES = 2 * 10**9  # one model.safetensors up to this size, shards above it

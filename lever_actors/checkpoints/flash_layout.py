@@ -9,7 +9,7 @@ import torch
 from lever_actors.checkpoints.checkpoint import Checkpoint, file_inside
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.device.flash import FlashStore
-from lever_actors.device.layout import Manifest, layer_key
+from lever_actors.device.manifest import Manifest, layer_key
 from lever_actors.model.weights import ModelWeights, dense
 
 

@@ -30,14 +30,8 @@ from lever_actors.device.memory import return_freed_heap
 from lever_actors.errors import CheckpointError
 from lever_actors.model.args import ModelArgs, RopeScaling, check_args
 from lever_actors.model.quantized import from_q4k_blocks, from_q6k_blocks
-from lever_actors.model.weights import (
-    ModelWeights,
-    Weight,
-    dense,
-    expected_shapes,
-    layer_tensor_names,
-    stored_tensors,
-)
+from lever_actors.model.shapes import expected_shapes, layer_tensor_names
+from lever_actors.model.weights import ModelWeights, Weight, dense, stored_tensors
 
 # our per-layer tensor name -> GGUF's (after "blk.N.")
 _LAYER_NAMES = {

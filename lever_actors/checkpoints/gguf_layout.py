@@ -12,7 +12,7 @@ import torch
 
 from lever_actors.checkpoints.convert import convert
 from lever_actors.config import Weights
-from lever_actors.device.layout import MANIFEST_VERSION, manifest_version
+from lever_actors.device.manifest import MANIFEST_VERSION, manifest_version
 from lever_actors.paths import cache_key, exclusive, file_identity
 from lever_actors.progress import Progress
 

@@ -27,22 +27,19 @@ from lever_actors.checkpoints.checkpoint import Checkpoint
 from lever_actors.config import Weights
 from lever_actors.errors import ConfigError
 from lever_actors.model.args import ModelArgs
+from lever_actors.model.formats import GROUP, K_INPUTS, Format, check_quantizable, q4k_blocks_of
 from lever_actors.model.quantized import (
     COMPUTE_DTYPE,
-    GROUP,
-    K_INPUTS,
-    Format,
     QuantizedRows,
     QuantizedWeight,
-    check_quantizable,
     from_groups,
     pack_q4k,
     q4k_blocks,
-    q4k_blocks_of,
     quantize_int4,
     quantize_int8,
 )
-from lever_actors.model.weights import ModelWeights, Weight, dense, is_norm
+from lever_actors.model.shapes import is_norm
+from lever_actors.model.weights import ModelWeights, Weight, dense
 
 SAMPLED_ROWS = 64  # of an embedding table, compared with an LM head's
 

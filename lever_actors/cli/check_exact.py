@@ -13,7 +13,7 @@ from lever_actors.checkpoints.real_pair import real_model_path, real_target_layo
 from lever_actors.cli.commands import help_of
 from lever_actors.cli.engine_options import split
 from lever_actors.config import DramBudget, check_max_new_tokens
-from lever_actors.device.layout import read_manifest
+from lever_actors.device.manifest import read_manifest
 from lever_actors.errors import ConfigError
 from lever_actors.progress import ProgressLine
 

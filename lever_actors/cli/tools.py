@@ -18,7 +18,8 @@ from lever_actors.checkpoints.quantize import WEIGHTS_CHOICES
 from lever_actors.cli.commands import help_of
 from lever_actors.config import Weights
 from lever_actors.device.disk_profile import profile_disk
-from lever_actors.device.layout import DTYPE_NAMES, MANIFEST_NAME, WEIGHTS_NAME, read_manifest
+from lever_actors.device.layout import DTYPE_NAMES, torch_dtype
+from lever_actors.device.manifest import MANIFEST_NAME, WEIGHTS_NAME, read_manifest
 from lever_actors.errors import ConfigError
 from lever_actors.policy import exit_training as et
 from lever_actors.progress import ProgressLine
@@ -109,7 +110,7 @@ def run_export_hf(args: argparse.Namespace) -> int:
     if args.dtype is not None:
         dtype = DTYPE_NAMES[args.dtype]
     elif (args.src / MANIFEST_NAME).is_file():
-        dtype = read_manifest(args.src).torch_dtype
+        dtype = torch_dtype(read_manifest(args.src))
     else:
         dtype = torch.bfloat16
     out = export_hf(args.src, args.out, dtype, progress=ProgressLine())

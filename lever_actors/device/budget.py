@@ -14,7 +14,7 @@ import sys
 
 import msgspec
 
-from lever_actors.device.layout import (
+from lever_actors.device.manifest import (
     ROW_STREAMED_FORMATS,
     Manifest,
     layer_key,

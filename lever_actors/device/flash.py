@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from lever_actors.device.checksums import CHUNK_BYTES, checksum, running_checksum
-from lever_actors.device.layout import (
+from lever_actors.device.layout import DTYPE_NAMES, weight_of
+from lever_actors.device.manifest import (
     ALIGNMENT,
-    DTYPE_NAMES,
     ROW_STREAMED_FORMATS,
     WEIGHTS_NAME,
     Extent,
@@ -70,7 +70,7 @@ class AlignedBuffer:
     def tensor(self, entry: TensorEntry, base: int = 0) -> Weight:
         """A zero-copy view of one tensor stored at `base + entry.offset` in this buffer."""
         start = base + entry.offset
-        return entry.from_bytes(self.bytes[start : start + entry.nbytes])
+        return weight_of(entry, self.bytes[start : start + entry.nbytes])
 
 
 @dataclass

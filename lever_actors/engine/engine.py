@@ -25,7 +25,7 @@ from lever_actors.checkpoints.flash_layout import layout_tokenizer
 from lever_actors.checkpoints.gguf_layout import gguf_layout, is_gguf
 from lever_actors.checkpoints.tokenizer import Message, Tokenizer
 from lever_actors.config import EngineConfig
-from lever_actors.device.layout import Manifest, read_manifest
+from lever_actors.device.manifest import Manifest, read_manifest
 from lever_actors.device.memory import return_freed_heap
 from lever_actors.device.units import ComputeUnit
 from lever_actors.draft import DraftModel

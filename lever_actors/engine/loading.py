@@ -19,7 +19,7 @@ from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.config import EngineConfig
 from lever_actors.device.budget import ResidencyPlan
 from lever_actors.device.flash import FlashStore
-from lever_actors.device.layout import Manifest
+from lever_actors.device.manifest import Manifest
 from lever_actors.device.memory import anonymous_rss_bytes, map_large_blocks, return_freed_heap
 from lever_actors.device.units import ComputeUnit
 from lever_actors.draft import DraftModel, load_draft

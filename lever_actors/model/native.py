@@ -22,15 +22,13 @@ from enum import Enum
 import torch
 
 from lever_actors.logs import get_logger
+from lever_actors.model.formats import K_FORMATS, K_INPUTS
 from lever_actors.model.native_build import AMX, Isa, loaded, ops
 
 log = get_logger(__name__)
 
 BLOCK_N = 64  # outputs per block of the kernels (the int4 packing's blocks)
 DEPTH = 32  # inputs per step of the kernels (AMX: one tile product)
-K_INPUTS = 256  # inputs per block of GGUF's k-quants (Q4_K, Q6_K)
-Q4K_OUTPUTS = 8  # outputs per record of the q4k packing
-K_FORMATS = ("q4k", "q6k")  # GGUF's Q4_K and Q6_K values as we keep them: torch has no kernel
 
 
 class Kernels(Enum):

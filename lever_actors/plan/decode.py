@@ -17,7 +17,7 @@ import msgspec
 from lever_actors.channels.messages import Beside
 from lever_actors.config import DEFAULT_TREE, EngineConfig, TreeSpec
 from lever_actors.device.budget import head_key, plan_residency
-from lever_actors.device.layout import Manifest
+from lever_actors.device.manifest import Manifest
 from lever_actors.device.memory import return_freed_heap
 from lever_actors.errors import ConfigError
 from lever_actors.paths import path_bytes

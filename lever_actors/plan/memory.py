@@ -11,7 +11,8 @@ import msgspec
 
 from lever_actors.config import DramBudget, EngineConfig
 from lever_actors.device.budget import minimum_budget
-from lever_actors.device.layout import Manifest
+from lever_actors.device.layout import torch_dtype
+from lever_actors.device.manifest import Manifest
 from lever_actors.device.memory import (
     anonymous_rss_bytes,
     charged_file_bytes,
@@ -156,7 +157,7 @@ def memory_plan(
         process=reading.process,
         draft=draft,
         libraries=reading.libraries,
-        kv_bytes_per_token=position_bytes(manifest.args, manifest.torch_dtype)
+        kv_bytes_per_token=position_bytes(manifest.args, torch_dtype(manifest))
         + draft_kv_bytes_per_token,
         context_tokens=context_tokens,
         fewest_context_tokens=fewest,

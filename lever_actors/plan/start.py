@@ -14,7 +14,7 @@ import msgspec
 
 from lever_actors.config import DramBudget, EngineConfig
 from lever_actors.device.budget import ResidencyPlan, plan_residency
-from lever_actors.device.layout import Manifest
+from lever_actors.device.manifest import Manifest
 from lever_actors.errors import ConfigError
 from lever_actors.model.kv_cache import position_bytes
 from lever_actors.model.transformer import Transformer

@@ -21,7 +21,7 @@ import msgspec
 
 from lever_actors.channels.messages import StepStats
 from lever_actors.device.budget import ResidencyPlan, grown_residency
-from lever_actors.device.layout import Manifest
+from lever_actors.device.manifest import Manifest
 from lever_actors.policy.cost_model import CostModel
 from lever_actors.policy.lookup import copied_tokens_per_step
 

@@ -46,7 +46,8 @@ from lever_actors.checkpoints.checkpoint import Checkpoint
 from lever_actors.checkpoints.flash_layout import layout_tokenizer
 from lever_actors.checkpoints.tokenizer import user_turn
 from lever_actors.config import default_exit_layer
-from lever_actors.device.layout import MANIFEST_NAME, read_manifest
+from lever_actors.device.layout import torch_dtype
+from lever_actors.device.manifest import MANIFEST_NAME, read_manifest
 from lever_actors.errors import ConfigError
 from lever_actors.model.args import ModelArgs
 from lever_actors.model.kv_cache import KVCache
@@ -258,7 +259,7 @@ def _load(checkpoint: Checkpoint | str | Path, dtype: torch.dtype | None) -> Che
     path = Path(checkpoint)
     if dtype is None:
         is_layout = (path / MANIFEST_NAME).is_file()
-        dtype = read_manifest(path).torch_dtype if is_layout else torch.float32
+        dtype = torch_dtype(read_manifest(path)) if is_layout else torch.float32
     return load_checkpoint(path, dtype)
 
 

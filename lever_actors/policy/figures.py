@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lever_actors.config import EngineConfig
 from lever_actors.device.budget import head_resident_budget, plan_residency
-from lever_actors.device.layout import Manifest
+from lever_actors.device.manifest import Manifest
 from lever_actors.model.native import requested
 from lever_actors.paths import cache_key, default_cache_dir, file_identity
 from lever_actors.policy.cost_model import CostModel, Curve

@@ -26,9 +26,10 @@ from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.hf import hf_name
 from lever_actors.config import Weights
 from lever_actors.device.budget import minimum_budget
-from lever_actors.device.layout import read_manifest
+from lever_actors.device.manifest import read_manifest
 from lever_actors.model.args import Architecture, ModelArgs
-from lever_actors.model.weights import expected_shapes, is_norm, stored_tensors
+from lever_actors.model.shapes import expected_shapes, is_norm
+from lever_actors.model.weights import stored_tensors
 from lever_actors.policy.exit_predictor import LowRankAdapter
 
 Relation = Literal["identical", "perturbed", "independent"]

@@ -13,7 +13,8 @@ import msgspec
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.config import EngineConfig
-from lever_actors.device.layout import read_manifest
+from lever_actors.device.layout import torch_dtype
+from lever_actors.device.manifest import read_manifest
 from lever_actors.draft import DraftModel
 from lever_actors.engine import Engine
 from lever_actors.engine.results import GenerationResult
@@ -31,7 +32,7 @@ def _reference_model(layout: Path) -> tuple[Transformer, Tokenizer | None]:
     and its tokenizer, cached per layout."""
     layout = Path(layout)
     if layout not in _references:
-        checkpoint = load_checkpoint(layout, read_manifest(layout).torch_dtype)
+        checkpoint = load_checkpoint(layout, torch_dtype(read_manifest(layout)))
         model = Transformer(checkpoint.args, checkpoint.weights)
         _references[layout] = (model, checkpoint.tokenizer)
         while len(_references) > 16:

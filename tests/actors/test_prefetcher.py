@@ -10,7 +10,7 @@ from lever_actors.actors.prefetcher import Prefetcher
 from lever_actors.channels.messages import LayerWeights, SlotRelease
 from lever_actors.checkpoints.convert import convert
 from lever_actors.device.budget import minimum_budget, plan_residency
-from lever_actors.device.layout import read_manifest
+from lever_actors.device.manifest import read_manifest
 from lever_actors.target import FlashTarget
 from tests.tiny_hf import save_tiny, tiny_model
 

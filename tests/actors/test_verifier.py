@@ -30,7 +30,7 @@ from lever_actors.channels.messages import (
 from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.convert import convert
 from lever_actors.device.budget import plan_residency
-from lever_actors.device.layout import read_manifest
+from lever_actors.device.manifest import read_manifest
 from lever_actors.device.units import ComputeUnit
 from lever_actors.model.placement import tree_placement
 from lever_actors.model.transformer import Transformer

@@ -371,9 +371,7 @@ class TogetherMode:
     async def decode_together(
         self, prompts, max_new_tokens, stop_ids, sampling, delays=()
     ) -> Together:
-        return await decode_together(
-            self.mode, prompts, max_new_tokens, stop_ids, sampling, delays
-        )
+        return await decode_together(self.mode, prompts, max_new_tokens, stop_ids, sampling, delays)
 
 
 async def test_ours_decodes_each_round_at_once():

@@ -24,7 +24,7 @@ from lever_actors.bench.isolation import (
 from lever_actors.bench.plan import BenchOptions, open_in_process, plan_modes
 from lever_actors.bench.report import limits_lines, memory_note
 from lever_actors.bench.run import bench
-from lever_actors.device.layout import read_manifest
+from lever_actors.device.manifest import read_manifest
 from lever_actors.draft import load_draft
 from lever_actors.errors import ConfigError
 from lever_actors.model import native

@@ -16,7 +16,12 @@ from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.hf import load_hf
 from lever_actors.device.budget import minimum_budget, plan_residency, spread_streamed_layers
 from lever_actors.device.flash import AlignedBuffer, FlashStore
-from lever_actors.device.layout import MANIFEST_NAME, MANIFEST_VERSION, WEIGHTS_NAME, read_manifest
+from lever_actors.device.manifest import (
+    MANIFEST_NAME,
+    MANIFEST_VERSION,
+    WEIGHTS_NAME,
+    read_manifest,
+)
 from lever_actors.errors import CheckpointError, ConfigError
 from lever_actors.sizes import parse_bytes
 from tests.tiny_hf import save_tiny, tiny_model

@@ -44,7 +44,7 @@ from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.hf import load_hf
 from lever_actors.config import DEFAULT_TREE, ChannelSizes, EngineConfig, TreeSpec
 from lever_actors.device.budget import minimum_budget
-from lever_actors.device.layout import read_manifest
+from lever_actors.device.manifest import read_manifest
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError, ConsumerStalledError, DeadlineError
 from lever_actors.model.sampling import Sampling

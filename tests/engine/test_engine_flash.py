@@ -15,7 +15,7 @@ from lever_actors.checkpoints.hf import load_hf
 from lever_actors.config import EngineConfig
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.checksums import CHUNK_BYTES
-from lever_actors.device.layout import read_manifest
+from lever_actors.device.manifest import read_manifest
 from lever_actors.engine import Engine
 from lever_actors.model.sequential import sequential_reference
 from lever_actors.model.transformer import Transformer

@@ -9,7 +9,8 @@ import gguf
 import numpy as np
 import torch
 
-from lever_actors.model.quantized import K_INPUTS, QuantizedWeight
+from lever_actors.model.formats import K_INPUTS
+from lever_actors.model.quantized import QuantizedWeight
 
 
 def random_blocks(

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from lever_actors.checkpoints.quantize import quantize_q4k
 from lever_actors.model import native, row_blocks
-from lever_actors.model.quantized import K_INPUTS, QuantizedWeight, bf16_values
+from lever_actors.model.formats import K_INPUTS
+from lever_actors.model.quantized import QuantizedWeight, bf16_values
 from tests.model import test_q4k, test_q6k
 from tests.model.test_native import needs_native, rounded_as_int8
 

@@ -12,13 +12,8 @@ import torch
 
 from lever_actors.checkpoints.quantize import quantize_q4k, quantize_q6k
 from lever_actors.model import native, native_build, row_blocks
-from lever_actors.model.quantized import (
-    GROUP,
-    quantize_int4,
-    quantize_int8,
-    torch_packing,
-    unpack_int4,
-)
+from lever_actors.model.formats import GROUP
+from lever_actors.model.quantized import quantize_int4, quantize_int8, torch_packing, unpack_int4
 from lever_actors.model.weights import ModelWeights
 
 needs_native = pytest.mark.skipif(native.loaded() is None, reason="this CPU cannot run our kernels")

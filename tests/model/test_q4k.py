@@ -10,13 +10,8 @@ import pytest
 import torch
 
 from lever_actors.checkpoints.quantize import quantize_q4k
-from lever_actors.model.quantized import (
-    QuantizedWeight,
-    check_quantizable,
-    from_q4k_blocks,
-    q4k_blocks,
-    storage_bytes,
-)
+from lever_actors.model.formats import check_quantizable, storage_bytes
+from lever_actors.model.quantized import QuantizedWeight, from_q4k_blocks, q4k_blocks
 from tests.model import k_blocks
 from tests.model.test_native import weight
 

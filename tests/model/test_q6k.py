@@ -10,12 +10,8 @@ import pytest
 import torch
 
 from lever_actors.checkpoints.quantize import quantize_q6k
-from lever_actors.model.quantized import (
-    Q6K_BYTES,
-    QuantizedWeight,
-    from_q6k_blocks,
-    storage_bytes,
-)
+from lever_actors.model.formats import Q6K_BYTES, storage_bytes
+from lever_actors.model.quantized import QuantizedWeight, from_q6k_blocks
 from lever_actors.model.weights import row_range
 from tests.model import k_blocks
 from tests.model.test_native import weight

@@ -6,15 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lever_actors.model.formats import GROUP, check_quantizable, storage_bytes
 from lever_actors.model.quantized import (
-    GROUP,
     QuantizedRows,
     QuantizedWeight,
-    check_quantizable,
     pack_int4,
     quantize_int4,
     quantize_int8,
-    storage_bytes,
     unpack_int4,
 )
 from lever_actors.model.row_blocks import dense_probe

@@ -9,7 +9,8 @@ import pytest
 from lever_actors.cli import main
 from lever_actors.config import EngineConfig
 from lever_actors.device.budget import minimum_budget
-from lever_actors.device.layout import read_manifest
+from lever_actors.device.layout import torch_dtype
+from lever_actors.device.manifest import read_manifest
 from lever_actors.draft import load_draft
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError
@@ -45,7 +46,7 @@ def least_limit(pair, draft: int) -> int:
     """The least limit that holds the target's least budget beside `draft` bytes."""
     manifest = read_manifest(pair.target)
     tokens = min(FEWEST_AUTO_CONTEXT, manifest.args.max_seq_len)  # the tiny model's 256
-    room = room_bytes(position_bytes(manifest.args, manifest.torch_dtype), tokens)
+    room = room_bytes(position_bytes(manifest.args, torch_dtype(manifest)), tokens)
     return PROCESS + LIBRARIES + draft + room + minimum_budget(manifest)
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from lever_actors.channels.messages import StepStats
 from lever_actors.device.budget import minimum_budget, plan_residency
-from lever_actors.device.layout import read_manifest
+from lever_actors.device.manifest import read_manifest
 from lever_actors.plan.switch import MARGIN, SURE, TRIAL_BAR, due, predicted, tried
 from lever_actors.policy.cost_model import CostModel, Curve
 from lever_actors.policy.lookup import copied_tokens_per_step

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lever_actors.device.disk_profile import profile_disk
-from lever_actors.device.layout import ALIGNMENT
+from lever_actors.device.manifest import ALIGNMENT
 from lever_actors.errors import ConfigError
 
 

@@ -17,7 +17,7 @@ from lever_actors.config import EngineConfig
 from lever_actors.device.budget import minimum_budget
 from lever_actors.device.checksums import CHUNK_BYTES
 from lever_actors.device.flash import FlashStore
-from lever_actors.device.layout import WEIGHTS_NAME, read_manifest
+from lever_actors.device.manifest import WEIGHTS_NAME, read_manifest
 from lever_actors.engine import Engine
 from lever_actors.errors import CorruptLayoutError
 from lever_actors.testing.checkpoints import TINY_ARGS, flash_layout, tiny_checkpoint

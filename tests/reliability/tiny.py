@@ -16,7 +16,8 @@ from gguf import GGUFValueType as V
 from lever_actors.checkpoints.checkpoint import Checkpoint
 from lever_actors.checkpoints.gguf_file import gguf_name
 from lever_actors.model.args import ModelArgs, check_args
-from lever_actors.model.weights import expected_shapes, layer_tensor_names, stored_tensors
+from lever_actors.model.shapes import expected_shapes, layer_tensor_names
+from lever_actors.model.weights import stored_tensors
 from lever_actors.testing.checkpoints import TINY_ARGS, write_tiny_checkpoint
 
 # qwen2: q/k/v biases too; 4 query heads over 2 key/value heads, so head counts can disagree
