@@ -15,8 +15,8 @@ import msgspec
 import torch
 import trio
 
-from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.convert import convert
+from lever_actors.checkpoints.load import load_checkpoint
 from lever_actors.config import EngineConfig
 from lever_actors.engine import Engine
 from lever_actors.model.sequential import sequential_cached

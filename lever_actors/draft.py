@@ -6,8 +6,8 @@ from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
-from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.checkpoint import Checkpoint
+from lever_actors.checkpoints.load import load_checkpoint
 from lever_actors.checkpoints.snapshot import load_via_snapshot, snapshot_key
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.config import Weights

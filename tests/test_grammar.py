@@ -17,8 +17,10 @@ from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.config import EngineConfig
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError
-from lever_actors.model.grammar import Grammar, Matcher
-from lever_actors.model.sampling import GREEDY, Chooser
+from lever_actors.model.choosing import Chooser
+from lever_actors.model.grammar import Grammar
+from lever_actors.model.matcher import Matcher
+from lever_actors.model.sampling import GREEDY
 from lever_actors.model.transformer import Transformer
 from lever_actors.options import GenerationOptions
 from lever_actors.policy.trees import TreeBuilder, grow_static

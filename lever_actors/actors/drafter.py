@@ -15,9 +15,10 @@ from lever_actors.actors.jitter import Jitter
 from lever_actors.channels.messages import Beside, Commit, DraftRequest, DraftTree, Then
 from lever_actors.config import TreeSpec
 from lever_actors.device.units import Abandoned, ComputeUnit
-from lever_actors.model.grammar import Matcher
+from lever_actors.model.choosing import Chooser
 from lever_actors.model.kv_cache import KVCache
-from lever_actors.model.sampling import GREEDY, Chooser, Sampling
+from lever_actors.model.matcher import Matcher
+from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.copies import copied_chain

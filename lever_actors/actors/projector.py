@@ -11,8 +11,9 @@ import trio
 from lever_actors.actors.jitter import Jitter
 from lever_actors.channels.messages import FinalHidden, StepStats, Verdict
 from lever_actors.device.units import ComputeUnit
-from lever_actors.model.grammar import Matcher, masked
-from lever_actors.model.sampling import GREEDY, Chooser, Sampling, logprobs, top_logprobs
+from lever_actors.model.choosing import Chooser, logprobs, top_logprobs
+from lever_actors.model.matcher import Matcher, masked
+from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.model.tree import TokenTree
 from lever_actors.policy.lookup import LOOKUP_RANK
 

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 import trio
 
-from lever_actors.checkpoints import load_checkpoint
+from lever_actors.checkpoints.load import load_checkpoint
 from lever_actors.checkpoints.tokenizer import Tokenizer, user_turn
 from lever_actors.config import DraftDtype, DramBudget, EngineConfig
 from lever_actors.device.layout import torch_dtype

@@ -15,7 +15,7 @@ import msgspec
 import trio
 
 from lever_actors.bench.results import ModeInfo
-from lever_actors.checkpoints import load_checkpoint
+from lever_actors.checkpoints.load import load_checkpoint
 from lever_actors.config import EngineConfig
 from lever_actors.device.layout import DTYPE_NAMES
 from lever_actors.draft import DraftModel

@@ -9,8 +9,8 @@ from pathlib import Path
 import msgspec
 import torch
 
-from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.checkpoint import Checkpoint
+from lever_actors.checkpoints.load import load_checkpoint
 from lever_actors.checkpoints.new_directory import new_directory
 from lever_actors.config import Weights
 from lever_actors.device.checksums import checksum, chunk_checksums

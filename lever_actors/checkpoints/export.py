@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.checkpoint import Checkpoint
 from lever_actors.checkpoints.hf import hf_name
+from lever_actors.checkpoints.load import load_checkpoint
 from lever_actors.checkpoints.new_directory import new_directory
 from lever_actors.device.layout import DTYPE_NAMES
 from lever_actors.errors import CheckpointError

@@ -11,23 +11,15 @@ from pathlib import Path
 import torch
 
 from lever_actors.checkpoints.convert import convert
+from lever_actors.checkpoints.layout_cache import (
+    GGUF_WEIGHTS,
+    is_current,
+    layout_path,
+    weights_suffix,
+)
 from lever_actors.config import Weights
-from lever_actors.device.manifest import MANIFEST_VERSION, manifest_version
-from lever_actors.paths import cache_key, exclusive, file_identity
+from lever_actors.paths import exclusive
 from lever_actors.progress import Progress
-
-GGUF_MAGIC = b"GGUF"
-# a layout's matrices where none is asked: as the GGUF keeps them
-GGUF_WEIGHTS: Weights = "auto"
-
-
-def is_gguf(path: Path) -> bool:
-    """Whether `path` is a file that starts as a GGUF does."""
-    try:
-        with path.open("rb") as f:
-            return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
-    except OSError:  # a directory (a layout), or nothing there
-        return False
 
 
 def gguf_layout(
@@ -41,13 +33,12 @@ def gguf_layout(
     or its matrices in the file's own 4- and 8-bit classes ("auto"), or q4, q8. `name`:
     the layout's, where the file is ours (the real pair's); else the file's with its
     identity."""
-    suffix = {"dense": "bf16", "auto": "quantized"}.get(weights, weights)
-    name = name or f"{gguf_path.stem}-{cache_key(file_identity(gguf_path))[:12]}"
-    layout = cache_dir / "flash" / f"{name}-{suffix}"
+    suffix = weights_suffix(weights)
+    layout = layout_path(gguf_path, cache_dir, weights, name)
     waiting = f"waiting for another process converting {gguf_path.name}"
     # one conversion at a time: a second would convert it all again, then fail to rename
     with exclusive(layout.parent, lambda: print(waiting, file=sys.stderr)):
-        if layout.is_dir() and manifest_version(layout) != MANIFEST_VERSION:
+        if layout.is_dir() and not is_current(layout):
             print(f"{layout.name} was written by another lever_actors version", file=sys.stderr)
             shutil.rmtree(layout)  # ours to replace: the cache is ours, the GGUF stays
         if not layout.is_dir():

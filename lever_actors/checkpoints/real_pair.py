@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from lever_actors.checkpoints.fetch import REAL_MODELS, fetch_model
-from lever_actors.checkpoints.gguf_layout import GGUF_WEIGHTS, gguf_layout
+from lever_actors.checkpoints.gguf_layout import gguf_layout
+from lever_actors.checkpoints.layout_cache import GGUF_WEIGHTS
 from lever_actors.config import EngineConfig, Weights
 from lever_actors.paths import default_cache_dir
 from lever_actors.progress import Progress, ProgressLine

@@ -22,7 +22,7 @@ from lever_actors.bench.run import (
     bench,
     sweep,
 )
-from lever_actors.checkpoints import load_tokenizer
+from lever_actors.checkpoints.load import load_tokenizer
 from lever_actors.checkpoints.prompts import PROMPT_SETS, load_prompts
 from lever_actors.checkpoints.real_pair import real_model_path, real_target_layout
 from lever_actors.checkpoints.tokenizer import user_turn

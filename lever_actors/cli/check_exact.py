@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from lever_actors.bench.exactness import POLICIES, audit_prompts, check_exact
-from lever_actors.checkpoints import load_tokenizer
+from lever_actors.checkpoints.load import load_tokenizer
 from lever_actors.checkpoints.prompts import PROMPT_SETS, load_prompts
 from lever_actors.checkpoints.real_pair import real_model_path, real_target_layout
 from lever_actors.cli.commands import help_of

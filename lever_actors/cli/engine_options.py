@@ -10,7 +10,8 @@ from typing import Any
 
 import msgspec
 
-from lever_actors.checkpoints.gguf_layout import gguf_layout, is_gguf
+from lever_actors.checkpoints.gguf_layout import gguf_layout
+from lever_actors.checkpoints.layout_cache import is_gguf
 from lever_actors.checkpoints.quantize import WEIGHTS_CHOICES
 from lever_actors.checkpoints.real_pair import REAL_TARGET_WEIGHTS, real_pair
 from lever_actors.config import (

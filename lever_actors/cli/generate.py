@@ -14,7 +14,7 @@ import trio
 
 from lever_actors.channels.messages import FinishReason, TokenEvent
 from lever_actors.channels.stats import decode_phase, decode_rate, per_step, prefill_rate
-from lever_actors.checkpoints import load_checkpoint
+from lever_actors.checkpoints.load import load_checkpoint
 from lever_actors.checkpoints.tokenizer import Tokenizer, check_messages, user_turn
 from lever_actors.cli.commands import help_of
 from lever_actors.cli.engine_options import (

@@ -21,7 +21,7 @@ from lever_actors.device.manifest import (
     stream_buffer_bytes,
 )
 from lever_actors.errors import ConfigError
-from lever_actors.model.layers import HEAD_ROWS
+from lever_actors.model.shapes import HEAD_ROWS
 from lever_actors.sizes import format_bytes
 
 

@@ -13,7 +13,8 @@ from lever_actors.checkpoints.tokenizer import Message, Tokenizer
 from lever_actors.config import check_request_size
 from lever_actors.engine.state import RequestState
 from lever_actors.errors import ConfigError, ContextLengthError
-from lever_actors.model.grammar import Grammar, Matcher
+from lever_actors.model.grammar import Grammar
+from lever_actors.model.matcher import Matcher
 from lever_actors.options import GenerationOptions
 from lever_actors.plan.context import Context
 from lever_actors.progress import Progress

@@ -18,8 +18,8 @@ import trio
 from lever_actors.channels.messages import StepStats
 from lever_actors.config import EngineConfig
 from lever_actors.engine.prefix_cache import NO_REUSE, PrefixCache, Reuse
-from lever_actors.model.grammar import Matcher
 from lever_actors.model.kv_cache import KVCache
+from lever_actors.model.matcher import Matcher
 from lever_actors.model.transformer import Transformer
 from lever_actors.options import GenerationOptions
 from lever_actors.progress import Progress

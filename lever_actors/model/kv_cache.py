@@ -11,12 +11,6 @@ from lever_actors.errors import ConfigError
 from lever_actors.model.args import ModelArgs
 
 
-def position_bytes(args: ModelArgs, dtype: torch.dtype) -> int:
-    """What a KVCache holds per position: keys and values of every layer, and the position."""
-    per_layer = 2 * args.n_kv_heads * args.head_dim * dtype.itemsize
-    return args.n_layers * per_layer + torch.int64.itemsize
-
-
 class KVCache:
     """Keys/values for every layer: [n_layers, n_kv_heads, capacity, head_dim], and the
     sequence position of each slot's token: [capacity] (sliding windows are judged on it).

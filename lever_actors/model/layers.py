@@ -14,6 +14,7 @@ from lever_actors.model.masks import within_window
 from lever_actors.model.placement import Placement
 from lever_actors.model.rope import apply_rope
 from lever_actors.model.row_blocks import linear
+from lever_actors.model.shapes import CHUNK_BYTES, HEAD_ROWS
 from lever_actors.model.weights import LayerTensors, Weight, cuts_into_rows, dense, row_range
 
 # one sequence's pending block in a pass: its KV cache and where its rows sit
@@ -180,12 +181,6 @@ def blocks_layer_forward(
     return x + h
 
 
-# A layer runs a long block (a prompt) this many bytes of temporaries at a time: its MLP's
-# hidden activations and one attention score per head and key for a chunk of rows. A
-# 1,500-token prompt whole held about 270 MB of them per layer, past a 1 GiB limit.
-CHUNK_BYTES = 32 << 20
-
-
 def rows_per_chunk(args: ModelArgs, keys: int) -> int:
     """Rows of a block whose temporaries in one layer stay within CHUNK_BYTES (float32 each),
     when attention sees `keys` positions; at least one."""
@@ -259,11 +254,6 @@ def embedding(rows: torch.Tensor, args: ModelArgs) -> torch.Tensor:
     if args.gemma:
         return rows * torch.tensor(args.d_model**0.5, dtype=rows.dtype)
     return rows
-
-
-# The LM head multiplies in blocks of this many vocabulary rows, resident or streamed from
-# flash a few blocks at a time alike, so both give the same logits bit for bit.
-HEAD_ROWS = 4096
 
 
 def output_logits(

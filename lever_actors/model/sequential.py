@@ -8,8 +8,9 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from lever_actors.model.grammar import Matcher, masked
-from lever_actors.model.sampling import GREEDY, Chooser, Sampling
+from lever_actors.model.choosing import Chooser
+from lever_actors.model.matcher import Matcher, masked
+from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.model.transformer import Transformer
 
 

@@ -1,5 +1,6 @@
 """The tensors a model's args imply, by our names, and their shapes, without torch: what
-every reader of weights (HF, GGUF, a flash layout) checks against."""
+every reader of weights (HF, GGUF, a flash layout) checks against; and the sizes a pass and
+its KV cache take, which the plans count."""
 
 from __future__ import annotations
 
@@ -54,3 +55,20 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     if not args.tie_embeddings:
         shapes["lm_head"] = (args.vocab_size, args.d_model)
     return shapes | {name: layer[name] for name in layer_tensor_names(args)}
+
+
+# A layer runs a long block (a prompt) this many bytes of temporaries at a time: its MLP's
+# hidden activations and one attention score per head and key for a chunk of rows. A
+# 1,500-token prompt whole held about 270 MB of them per layer, past a 1 GiB limit.
+CHUNK_BYTES = 32 << 20
+
+
+# The LM head multiplies in blocks of this many vocabulary rows, resident or streamed from
+# flash a few blocks at a time alike, so both give the same logits bit for bit.
+HEAD_ROWS = 4096
+
+
+def position_bytes(args: ModelArgs, itemsize: int) -> int:
+    """What a KV cache holds per position: keys and values of every layer, in elements of
+    `itemsize` bytes, and the position (int64)."""
+    return args.n_layers * 2 * args.n_kv_heads * args.head_dim * itemsize + 8

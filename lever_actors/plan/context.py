@@ -9,14 +9,11 @@ import math
 import msgspec
 
 from lever_actors.errors import ConfigError
-from lever_actors.model.kv_cache import position_bytes
-from lever_actors.model.layers import CHUNK_BYTES
-from lever_actors.model.transformer import Transformer
+from lever_actors.model.shapes import CHUNK_BYTES
 from lever_actors.sizes import format_bytes
-from lever_actors.target import FlashTarget
 
 # Of the memory left after loading, less a step's temporaries (a layer's are bounded by
-# model/layers.py's CHUNK_BYTES; a 318-token prompt's pass took 48 MiB, trimmed after): the
+# model/shapes.py's CHUNK_BYTES; a 318-token prompt's pass took 48 MiB, trimmed after): the
 # share a request's KV may fill, and the share the prefix cache may hold
 TEMPORARY_BYTES = CHUNK_BYTES
 KV_SHARE = 0.5
@@ -97,9 +94,3 @@ def check_ctx_size(asked: int | None, model_tokens: int) -> None:
         raise ConfigError(
             f"ctx_size {asked:,} exceeds the model's context of {model_tokens:,} tokens"
         )
-
-
-def kv_bytes_per_token(target: FlashTarget, draft: Transformer | None) -> int:
-    """What a token costs in a request's KV caches, target's and draft's."""
-    draft_bytes = position_bytes(draft.args, draft.dtype) if draft is not None else 0
-    return position_bytes(target.args, target.dtype) + draft_bytes

@@ -11,15 +11,14 @@ import msgspec
 
 from lever_actors.config import DramBudget, EngineConfig
 from lever_actors.device.budget import minimum_budget
-from lever_actors.device.layout import torch_dtype
-from lever_actors.device.manifest import Manifest
+from lever_actors.device.manifest import DTYPE_SIZES, Manifest
 from lever_actors.device.memory import (
     anonymous_rss_bytes,
     charged_file_bytes,
     memory_limit_bytes,
 )
 from lever_actors.errors import ConfigError
-from lever_actors.model.kv_cache import position_bytes
+from lever_actors.model.shapes import position_bytes
 from lever_actors.plan.context import room_bytes, tokens_in
 from lever_actors.sizes import format_bytes
 
@@ -157,7 +156,7 @@ def memory_plan(
         process=reading.process,
         draft=draft,
         libraries=reading.libraries,
-        kv_bytes_per_token=position_bytes(manifest.args, torch_dtype(manifest))
+        kv_bytes_per_token=position_bytes(manifest.args, DTYPE_SIZES[manifest.dtype])
         + draft_kv_bytes_per_token,
         context_tokens=context_tokens,
         fewest_context_tokens=fewest,

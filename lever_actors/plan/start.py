@@ -16,10 +16,10 @@ from lever_actors.config import DramBudget, EngineConfig
 from lever_actors.device.budget import ResidencyPlan, plan_residency
 from lever_actors.device.manifest import Manifest
 from lever_actors.errors import ConfigError
-from lever_actors.model.kv_cache import position_bytes
+from lever_actors.model.shapes import position_bytes
 from lever_actors.model.transformer import Transformer
 from lever_actors.paths import path_bytes
-from lever_actors.plan.context import Context, check_ctx_size, kv_bytes_per_token, plan_context
+from lever_actors.plan.context import Context, check_ctx_size, plan_context
 from lever_actors.plan.decode import DecodePlan, choose_plan
 from lever_actors.plan.memory import AUTO_CONTEXT, MemoryPlan, Reading, memory_plan, read_process
 from lever_actors.plan.parallel import parallel_of
@@ -112,7 +112,7 @@ def plan_memory_after_draft(
         manifest,
         msgspec.structs.replace(reading, process=before_draft),
         draft=reading.process - before_draft - read_beside,
-        draft_kv_bytes_per_token=position_bytes(draft.args, draft.dtype) if draft else 0,
+        draft_kv_bytes_per_token=position_bytes(draft.args, draft.dtype.itemsize) if draft else 0,
     )
     return memory, beside or plan_residency(manifest, memory.budget, config.ring_slots)
 
@@ -135,3 +135,9 @@ def finish(
         reading.process,
     )
     return StartPlan(decode, memory, target.plan, context, parallel_of(config, context))
+
+
+def kv_bytes_per_token(target: FlashTarget, draft: Transformer | None) -> int:
+    """What a token costs in a request's KV caches, target's and draft's."""
+    draft_bytes = position_bytes(draft.args, draft.dtype.itemsize) if draft is not None else 0
+    return position_bytes(target.args, target.dtype.itemsize) + draft_bytes

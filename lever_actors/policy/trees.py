@@ -15,10 +15,10 @@ import torch
 
 from lever_actors.channels.messages import ALONE, Beside
 from lever_actors.config import MAX_STATIC_WIDTH
-from lever_actors.model.grammar import Matcher, masked
+from lever_actors.model.choosing import Chooser
 from lever_actors.model.kv_cache import KVCache
+from lever_actors.model.matcher import Matcher, masked
 from lever_actors.model.placement import Placement, chain_placement
-from lever_actors.model.sampling import Chooser
 from lever_actors.model.transformer import Transformer
 from lever_actors.model.tree import TokenTree
 from lever_actors.policy.calibration import AcceptanceCalibrator

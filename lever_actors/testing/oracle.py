@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgspec
 
-from lever_actors.checkpoints import load_checkpoint
+from lever_actors.checkpoints.load import load_checkpoint
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.config import EngineConfig
 from lever_actors.device.layout import torch_dtype
@@ -18,7 +18,8 @@ from lever_actors.device.manifest import read_manifest
 from lever_actors.draft import DraftModel
 from lever_actors.engine import Engine
 from lever_actors.engine.results import GenerationResult
-from lever_actors.model.grammar import Grammar, Matcher
+from lever_actors.model.grammar import Grammar
+from lever_actors.model.matcher import Matcher
 from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.model.sequential import sequential_reference
 from lever_actors.model.transformer import Transformer

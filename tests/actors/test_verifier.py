@@ -27,8 +27,8 @@ from lever_actors.channels.messages import (
     SlotRelease,
     TakeSeat,
 )
-from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.convert import convert
+from lever_actors.checkpoints.load import load_checkpoint
 from lever_actors.device.budget import plan_residency
 from lever_actors.device.manifest import read_manifest
 from lever_actors.device.units import ComputeUnit

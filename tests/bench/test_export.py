@@ -11,11 +11,11 @@ import transformers
 from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
-from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.checkpoint import Checkpoint
 from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.export import INDEX_NAME, export_hf, write_hf
 from lever_actors.checkpoints.hf import load_hf
+from lever_actors.checkpoints.load import load_checkpoint
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.cli import main
 from lever_actors.errors import CheckpointError

@@ -10,9 +10,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.gguf_file import load_gguf
+from lever_actors.checkpoints.load import load_checkpoint
 from lever_actors.checkpoints.quantize import quantize_by_rows, quantize_tensor, tensor_format
 from lever_actors.device.flash import FlashStore
 from lever_actors.errors import ConfigError

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import lever_actors.checkpoints as checkpoints
+import lever_actors.checkpoints.load as checkpoints
 from lever_actors.checkpoints.snapshot import KEPT
 from lever_actors.draft import load_draft
 from tests.checkpoints.test_gguf import write_gguf

@@ -11,9 +11,9 @@ import msgspec
 import pytest
 import torch
 
-from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.hf import load_hf
+from lever_actors.checkpoints.load import load_checkpoint
 from lever_actors.device.budget import minimum_budget, plan_residency, spread_streamed_layers
 from lever_actors.device.flash import AlignedBuffer, FlashStore
 from lever_actors.device.manifest import (

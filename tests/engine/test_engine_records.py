@@ -16,7 +16,7 @@ import torch
 import trio
 
 from lever_actors.actors import verifier as verifier_module
-from lever_actors.checkpoints import load_checkpoint
+from lever_actors.checkpoints.load import load_checkpoint
 from lever_actors.config import EngineConfig
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError, EngineClosedError

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lever_actors.checkpoints import load_checkpoint
+from lever_actors.checkpoints.load import load_checkpoint
 from lever_actors.engine import Engine
 from lever_actors.model import layers
 from lever_actors.model.layers import rows_per_chunk

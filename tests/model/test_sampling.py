@@ -13,17 +13,8 @@ import torch
 
 from lever_actors.checkpoints.hf import load_hf
 from lever_actors.errors import ConfigError
-from lever_actors.model.sampling import (
-    GREEDY,
-    MIN_TEMPERATURE,
-    NUCLEUS_HEAD,
-    Chooser,
-    Sampling,
-    filtered,
-    gumbel,
-    logprobs,
-    seed_or_drawn,
-)
+from lever_actors.model.choosing import NUCLEUS_HEAD, Chooser, filtered, gumbel, logprobs
+from lever_actors.model.sampling import GREEDY, MIN_TEMPERATURE, Sampling, seed_or_drawn
 from lever_actors.model.sequential import sequential_cached, sequential_reference
 from lever_actors.model.transformer import Transformer
 from tests.tiny_hf import save_tiny, tiny_model

@@ -16,7 +16,7 @@ from lever_actors.device.memory import (
 )
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError, ContextLengthError
-from lever_actors.model.kv_cache import position_bytes
+from lever_actors.model.shapes import position_bytes
 from lever_actors.plan import memory as memory_module
 from lever_actors.plan.context import CACHE_SHARE, KV_SHARE, TEMPORARY_BYTES, plan_context
 from lever_actors.testing import TINY_ARGS, model_pair
@@ -117,8 +117,8 @@ async def test_a_context_the_memory_bounds_says_so(config, monkeypatch):
     async with Engine.open(fixed) as engine:
         target, draft = engine.target, engine.draft
         assert draft is not None
-        per_token = position_bytes(target.args, target.dtype) + position_bytes(
-            draft.args, draft.dtype
+        per_token = position_bytes(target.args, target.dtype.itemsize) + position_bytes(
+            draft.args, draft.dtype.itemsize
         )
         assert engine.context.kv_bytes_per_token == per_token
         assert engine.context.tokens == int((room - TEMPORARY_BYTES) * KV_SHARE) // per_token

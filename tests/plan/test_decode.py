@@ -9,12 +9,11 @@ import pytest
 from lever_actors.cli import main
 from lever_actors.config import EngineConfig
 from lever_actors.device.budget import minimum_budget
-from lever_actors.device.layout import torch_dtype
-from lever_actors.device.manifest import read_manifest
+from lever_actors.device.manifest import DTYPE_SIZES, read_manifest
 from lever_actors.draft import load_draft
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError
-from lever_actors.model.kv_cache import position_bytes
+from lever_actors.model.shapes import position_bytes
 from lever_actors.paths import path_bytes
 from lever_actors.plan import decode as decode_plan
 from lever_actors.plan import memory as memory_module
@@ -46,7 +45,7 @@ def least_limit(pair, draft: int) -> int:
     """The least limit that holds the target's least budget beside `draft` bytes."""
     manifest = read_manifest(pair.target)
     tokens = min(FEWEST_AUTO_CONTEXT, manifest.args.max_seq_len)  # the tiny model's 256
-    room = room_bytes(position_bytes(manifest.args, torch_dtype(manifest)), tokens)
+    room = room_bytes(position_bytes(manifest.args, DTYPE_SIZES[manifest.dtype]), tokens)
     return PROCESS + LIBRARIES + draft + room + minimum_budget(manifest)
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.convert import convert
+from lever_actors.checkpoints.load import load_checkpoint
 from lever_actors.cli import main
 from lever_actors.config import EngineConfig
 from lever_actors.engine import Engine

@@ -9,7 +9,8 @@ import trio
 
 from lever_actors.checkpoints.hf import load_hf
 from lever_actors.device.units import Abandoned
-from lever_actors.model.sampling import GREEDY, Chooser
+from lever_actors.model.choosing import Chooser
+from lever_actors.model.sampling import GREEDY
 from lever_actors.model.transformer import Transformer
 from lever_actors.policy.calibration import AcceptanceCalibrator
 from lever_actors.policy.cost_model import CostModel, Curve

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lever_actors.checkpoints import gguf_layout, load_checkpoint, real_pair
+from lever_actors.checkpoints import gguf_layout, real_pair
 from lever_actors.checkpoints.fetch import fetch_model
+from lever_actors.checkpoints.load import load_checkpoint
 from lever_actors.cli import main
 from lever_actors.testing import TINY_ARGS, tiny_checkpoint
 from tests.checkpoints.test_fetch import EXPECTED, FakeDownload, make_model

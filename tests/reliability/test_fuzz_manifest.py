@@ -12,8 +12,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.convert import convert
+from lever_actors.checkpoints.load import load_checkpoint
 from lever_actors.device.manifest import MANIFEST_NAME
 from tests.reliability.fuzz import DELETE, edited, examples, json_values, load_or_refuse, paths
 from tests.reliability.tiny import write_hf

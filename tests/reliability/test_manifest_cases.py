@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from lever_actors.checkpoints import load_checkpoint
 from lever_actors.checkpoints.convert import convert
+from lever_actors.checkpoints.load import load_checkpoint
 from lever_actors.device.manifest import MANIFEST_NAME
 from lever_actors.errors import CheckpointError
 from tests.reliability.tiny import assert_consistent, edit_json, write_hf

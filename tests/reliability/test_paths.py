@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from lever_actors.checkpoints import load_checkpoint
+from lever_actors.checkpoints.load import load_checkpoint
 from lever_actors.errors import CheckpointError
 from lever_actors.testing import TINY_ARGS, flash_layout, tiny_checkpoint
 
