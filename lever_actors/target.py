@@ -8,9 +8,10 @@ import torch
 
 from lever_actors.checkpoints.flash_layout import layout_tokenizer
 from lever_actors.device.budget import ResidencyPlan, head_key
-from lever_actors.device.flash import AlignedBuffer, FlashStore
+from lever_actors.device.flash import FlashStore
 from lever_actors.device.layout import torch_dtype
 from lever_actors.device.manifest import layer_key
+from lever_actors.device.reads import AlignedBuffer
 from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.layers import (
     capped_logits,

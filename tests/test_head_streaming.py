@@ -14,8 +14,9 @@ import torch
 
 from lever_actors.config import EngineConfig
 from lever_actors.device.budget import head_resident_budget, minimum_budget, plan_residency
-from lever_actors.device.flash import AlignedBuffer, FlashStore
+from lever_actors.device.flash import FlashStore
 from lever_actors.device.manifest import read_manifest
+from lever_actors.device.reads import AlignedBuffer
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError, CorruptLayoutError
 from lever_actors.model.layers import HEAD_ROWS

@@ -11,8 +11,9 @@ import trio
 
 from lever_actors.channels.messages import LayerWeights, SlotRelease
 from lever_actors.device.budget import ResidencyPlan
-from lever_actors.device.flash import AlignedBuffer, FlashStore
+from lever_actors.device.flash import FlashStore
 from lever_actors.device.manifest import layer_key
+from lever_actors.device.reads import AlignedBuffer
 from lever_actors.model.weights import LayerTensors
 
 

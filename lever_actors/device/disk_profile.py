@@ -8,8 +8,8 @@ from pathlib import Path
 
 import msgspec
 
-from lever_actors.device.flash import AlignedBuffer, open_for_reads, pread_exact, read_mode
 from lever_actors.device.manifest import ALIGNMENT
+from lever_actors.device.reads import AlignedBuffer, open_for_reads, pread_exact, read_mode
 from lever_actors.errors import ConfigError
 
 

@@ -9,8 +9,8 @@ from functools import partial
 import torch
 
 from lever_actors.device.budget import head_key
-from lever_actors.device.flash import AlignedBuffer
 from lever_actors.device.manifest import layer_key
+from lever_actors.device.reads import AlignedBuffer
 from lever_actors.model.layers import layer_forward
 from lever_actors.model.placement import chain_placement
 from lever_actors.model.transformer import Transformer

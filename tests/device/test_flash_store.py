@@ -15,13 +15,14 @@ from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.hf import load_hf
 from lever_actors.checkpoints.load import load_checkpoint
 from lever_actors.device.budget import minimum_budget, plan_residency, spread_streamed_layers
-from lever_actors.device.flash import AlignedBuffer, FlashStore
+from lever_actors.device.flash import FlashStore
 from lever_actors.device.manifest import (
     MANIFEST_NAME,
     MANIFEST_VERSION,
     WEIGHTS_NAME,
     read_manifest,
 )
+from lever_actors.device.reads import AlignedBuffer
 from lever_actors.errors import CheckpointError, ConfigError
 from lever_actors.sizes import parse_bytes
 from tests.tiny_hf import save_tiny, tiny_model
@@ -204,7 +205,7 @@ def _vm_flags(address: int) -> set[str]:
 
 def test_a_read_buffer_is_private_memory_advised_for_huge_pages():
     big, small = AlignedBuffer(8 << 20), AlignedBuffer(4096)
-    big.bytes[::4096] = 1  # touched, as a read would
-    flags = _vm_flags(big.bytes.data_ptr())
+    big.array[::4096] = 1  # touched, as a read would
+    flags = _vm_flags(big.array.ctypes.data)
     assert "sh" not in flags and "hg" in flags  # an O_DIRECT read pins huge pages, not 4 KiB
-    assert "hg" not in _vm_flags(small.bytes.data_ptr())  # below one huge page: no advice
+    assert "hg" not in _vm_flags(small.array.ctypes.data)  # below one huge page: no advice
