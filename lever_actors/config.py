@@ -36,6 +36,7 @@ DraftDtype = Literal["bfloat16", "float32", "float64"]
 # matrices: dense, auto (a GGUF's own precision class), or quantized to 4 bits (int4, or q4k:
 # Q4_K's values), 6 (q6k: Q6_K's) or 8
 Weights = Literal["dense", "auto", "q4", "q4k", "q6", "q8"]
+WEIGHTS_CHOICES: tuple[str, ...] = typing.get_args(Weights)
 Throttle = Literal["none", "ufs3.1", "ufs4.0"]
 # how tokens are proposed: trees (a draft model's gain-cost trees), lookup (copies from the
 # text alone: no draft model in memory), ar (one token a pass); auto: the one the cost model

@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from lever_actors.errors import CheckpointError
+
 
 def cache_key(parts: object) -> str:
     """A short name for what `parts` (JSON-able) identify, for a cache's files."""
@@ -59,3 +61,14 @@ def file_identity(path: Path) -> list[str | int]:
     except OSError:
         return [str(path)]
     return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+
+
+def file_inside(directory: Path, name: object, what: str) -> Path:
+    """`directory / name` for a file name read from the checkpoint's own metadata, which
+    must name a file inside the directory: no absolute path, no way out through '..'.
+    (Links the user placed in the directory are the user's to make.)"""
+    if not isinstance(name, str) or not name or Path(name).is_absolute():
+        raise CheckpointError(f"{directory}: {what} {name!r} is not a file name in it")
+    if os.path.normpath(name).split(os.sep)[0] == "..":
+        raise CheckpointError(f"{directory}: {what} {name!r} points outside the directory")
+    return directory / name

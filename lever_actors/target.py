@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from lever_actors.checkpoints.flash_layout import layout_tokenizer
+from lever_actors.checkpoints.tokenizer import layout_tokenizer
 from lever_actors.device.budget import ResidencyPlan, head_key
 from lever_actors.device.flash import FlashStore
 from lever_actors.device.layout import torch_dtype

@@ -12,7 +12,7 @@ PACKAGE = Path(lever_actors.__file__).parent
 
 # top to bottom; a unit is a subpackage or a top-level module of lever_actors. The line in
 # docs/design.md: cli -> serve/bench/testing -> engine -> actors/plan -> policy ->
-# target/draft -> checkpoints -> device -> text/options -> model/channels/config ->
+# target/draft/plain_target -> checkpoints -> device -> text/options -> model/channels/config ->
 # plumbing -> errors/logs
 LAYERS = (
     ("launch",),
@@ -21,7 +21,7 @@ LAYERS = (
     ("engine",),
     ("actors", "plan"),
     ("policy",),
-    ("target", "draft"),
+    ("target", "draft", "plain_target"),
     ("checkpoints",),
     ("device",),
     ("text", "options"),

@@ -57,8 +57,7 @@ from lever_actors.bench.llamacpp_output import (
 )
 from lever_actors.bench.modes import Decoded, ModeFailed
 from lever_actors.bench.results import ModeInfo
-from lever_actors.checkpoints.flash_layout import layout_tokenizer
-from lever_actors.checkpoints.tokenizer import Tokenizer
+from lever_actors.checkpoints.tokenizer import Tokenizer, layout_tokenizer
 from lever_actors.device.manifest import MANIFEST_NAME, read_manifest
 from lever_actors.model.sampling import Sampling
 from lever_actors.sizes import format_bytes

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,17 +18,6 @@ class Checkpoint:
     weights: ModelWeights
     tokenizer: Tokenizer | None
     source: Path
-
-
-def file_inside(directory: Path, name: object, what: str) -> Path:
-    """`directory / name` for a file name read from the checkpoint's own metadata, which
-    must name a file inside the directory: no absolute path, no way out through '..'.
-    (Links the user placed in the directory are the user's to make.)"""
-    if not isinstance(name, str) or not name or Path(name).is_absolute():
-        raise CheckpointError(f"{directory}: {what} {name!r} is not a file name in it")
-    if os.path.normpath(name).split(os.sep)[0] == "..":
-        raise CheckpointError(f"{directory}: {what} {name!r} points outside the directory")
-    return directory / name
 
 
 def check_layer_count(

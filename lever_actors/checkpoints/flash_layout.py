@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from lever_actors.checkpoints.checkpoint import Checkpoint, file_inside
-from lever_actors.checkpoints.tokenizer import Tokenizer
+from lever_actors.checkpoints.checkpoint import Checkpoint
+from lever_actors.checkpoints.tokenizer import layout_tokenizer
 from lever_actors.device.flash import FlashStore
-from lever_actors.device.manifest import Manifest, layer_key
+from lever_actors.device.manifest import layer_key
 from lever_actors.model.weights import ModelWeights, dense
 
 
@@ -33,10 +33,3 @@ def load_flash_layout(directory: Path, dtype: torch.dtype) -> Checkpoint:
         tokenizer=layout_tokenizer(directory, manifest),
         source=directory,
     )
-
-
-def layout_tokenizer(directory: Path, manifest: Manifest) -> Tokenizer | None:
-    """The tokenizer the manifest names, read from inside the layout; None without one."""
-    if manifest.tokenizer is None:
-        return None
-    return Tokenizer.from_file(file_inside(directory, manifest.tokenizer, "manifest tokenizer"))

@@ -9,12 +9,13 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from lever_actors.checkpoints.checkpoint import Checkpoint, check_layer_count, file_inside
+from lever_actors.checkpoints.checkpoint import Checkpoint, check_layer_count
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.errors import CheckpointError
 from lever_actors.model.args import ModelArgs, args_from_hf_config
 from lever_actors.model.shapes import expected_shapes, is_norm, layer_tensor_names
 from lever_actors.model.weights import ModelWeights, stored_tensors
+from lever_actors.paths import file_inside
 
 GLOBAL_NAMES = {
     "embed": "model.embed_tokens.weight",

@@ -13,6 +13,8 @@ from lever_actors.paths import cache_key, file_identity
 GGUF_MAGIC = b"GGUF"
 # a layout's matrices where none is asked: as the GGUF keeps them
 GGUF_WEIGHTS: Weights = "auto"
+# the real target's layout when none is named: its matrices as the GGUF keeps them
+REAL_TARGET_WEIGHTS: Weights = GGUF_WEIGHTS
 
 
 def is_gguf(path: Path) -> bool:

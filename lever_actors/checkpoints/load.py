@@ -7,11 +7,11 @@ from pathlib import Path
 import torch
 
 from lever_actors.checkpoints.checkpoint import Checkpoint
-from lever_actors.checkpoints.flash_layout import layout_tokenizer, load_flash_layout
+from lever_actors.checkpoints.flash_layout import load_flash_layout
 from lever_actors.checkpoints.gguf_file import load_gguf
 from lever_actors.checkpoints.hf import load_hf
 from lever_actors.checkpoints.quantize import check_choice, quantize_checkpoint
-from lever_actors.checkpoints.tokenizer import Tokenizer
+from lever_actors.checkpoints.tokenizer import Tokenizer, layout_tokenizer
 from lever_actors.config import Weights
 from lever_actors.device.manifest import MANIFEST_NAME, read_manifest
 from lever_actors.device.memory import return_freed_heap

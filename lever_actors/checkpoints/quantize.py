@@ -16,7 +16,6 @@ for big trees, which `--weights q4` keeps.
 
 from __future__ import annotations
 
-import typing
 from collections.abc import Callable, Iterable
 
 import msgspec
@@ -24,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from lever_actors.checkpoints.checkpoint import Checkpoint
-from lever_actors.config import Weights
+from lever_actors.config import WEIGHTS_CHOICES, Weights
 from lever_actors.errors import ConfigError
 from lever_actors.model.args import ModelArgs
 from lever_actors.model.formats import GROUP, K_INPUTS, Format, check_quantizable, q4k_blocks_of
@@ -43,7 +42,6 @@ from lever_actors.model.weights import ModelWeights, Weight, dense
 
 SAMPLED_ROWS = 64  # of an embedding table, compared with an LM head's
 
-WEIGHTS_CHOICES: tuple[str, ...] = typing.get_args(Weights)
 _FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS")
 _EIGHT_BIT = ("Q8_0", "Q8_1", "Q8_K")
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from lever_actors.checkpoints.fetch import REAL_MODELS, fetch_model
 from lever_actors.checkpoints.gguf_layout import gguf_layout
-from lever_actors.checkpoints.layout_cache import GGUF_WEIGHTS
+from lever_actors.checkpoints.layout_cache import REAL_TARGET_WEIGHTS
 from lever_actors.config import EngineConfig, Weights
 from lever_actors.paths import default_cache_dir
 from lever_actors.progress import Progress, ProgressLine
@@ -17,10 +17,6 @@ from lever_actors.progress import Progress, ProgressLine
 def real_model_path(cache_dir: Path, key: str, progress: Progress | None = None) -> Path:
     """The assembled GGUF of the real "draft" or "target", fetched if absent."""
     return fetch_model(REAL_MODELS[key], cache_dir, progress=progress)
-
-
-# the real target's layout when none is named: its matrices as the GGUF keeps them
-REAL_TARGET_WEIGHTS: Weights = GGUF_WEIGHTS
 
 
 def real_target_layout(

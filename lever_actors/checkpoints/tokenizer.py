@@ -19,8 +19,10 @@ from jinja2 import TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from lever_actors.checkpoints.gguf_tokenizer import read_gguf_tokenizer
+from lever_actors.device.manifest import Manifest
 from lever_actors.errors import CheckpointError, ConfigError, LeverError
 from lever_actors.logs import get_logger
+from lever_actors.paths import file_inside
 
 log = get_logger(__name__)
 
@@ -334,3 +336,10 @@ def _parsed(text: bytes) -> tokenizers.Tokenizer:
             del _PARSED[next(iter(_PARSED))]  # the first parsed goes first
         _PARSED[key] = backend
     return backend
+
+
+def layout_tokenizer(directory: Path, manifest: Manifest) -> Tokenizer | None:
+    """The tokenizer the manifest names, read from inside the layout; None without one."""
+    if manifest.tokenizer is None:
+        return None
+    return Tokenizer.from_file(file_inside(directory, manifest.tokenizer, "manifest tokenizer"))

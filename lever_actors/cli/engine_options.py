@@ -10,20 +10,16 @@ from typing import Any
 
 import msgspec
 
-from lever_actors.checkpoints.gguf_layout import gguf_layout
-from lever_actors.checkpoints.layout_cache import is_gguf
-from lever_actors.checkpoints.quantize import WEIGHTS_CHOICES
-from lever_actors.checkpoints.real_pair import REAL_TARGET_WEIGHTS, real_pair
+from lever_actors.checkpoints.layout_cache import REAL_TARGET_WEIGHTS
 from lever_actors.config import (
     DEFAULT_PROMPT_CACHE,
     SPILLED_PROMPT_CACHE,
-    EngineConfig,
+    WEIGHTS_CHOICES,
     Plan,
     choices_of,
     default_of,
 )
 from lever_actors.model.sampling import Sampling
-from lever_actors.progress import ProgressLine
 from lever_actors.sizes import compact_bytes
 
 
@@ -146,9 +142,8 @@ def add_engine_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--trace", type=Path, help="write every message between actors to FILE")
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The config the flags ask for. Without --target, the real pair (fetched and converted
-    on first use)."""
+def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields the flags ask for, but the models (cli/engine_config.py)."""
     flags: dict[str, Any] = dict(
         throttle=args.throttle,
         verify_checksums=args.verify,
@@ -176,13 +171,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     flags |= {name: value for name, value in given.items() if value is not None}
     # a tree given is followed as given, unless a plan is asked for too
     flags["plan"] = args.plan or (None if args.tree else "auto")
-    if args.target is None:
-        return real_pair(args.cache_dir, args.target_weights, **flags)
-    target = args.target
-    if is_gguf(target):  # as it is: converted once into the cache
-        target = gguf_layout(target, args.cache_dir, ProgressLine(), args.target_weights)
-    draft = str(args.draft) if args.draft else None
-    return EngineConfig(target=str(target), draft=draft, **flags)
+    return flags
 
 
 def _count_or_all(text: str) -> int | None:

@@ -9,7 +9,8 @@ from functools import partial
 import trio
 
 from lever_actors.cli.commands import help_of
-from lever_actors.cli.engine_options import add_engine_arguments, engine_config
+from lever_actors.cli.engine_config import engine_config
+from lever_actors.cli.engine_options import add_engine_arguments
 from lever_actors.engine import Engine
 from lever_actors.progress import ProgressLine
 from lever_actors.serve import DEFAULTS, check_address, serve

@@ -14,9 +14,8 @@ from lever_actors.checkpoints.convert import convert
 from lever_actors.checkpoints.export import export_hf
 from lever_actors.checkpoints.fetch import REAL_MODELS, fetch_model
 from lever_actors.checkpoints.prompts import PROMPT_SETS, load_prompts
-from lever_actors.checkpoints.quantize import WEIGHTS_CHOICES
 from lever_actors.cli.commands import help_of
-from lever_actors.config import Weights
+from lever_actors.config import WEIGHTS_CHOICES, Weights
 from lever_actors.device.disk_profile import profile_disk
 from lever_actors.device.layout import DTYPE_NAMES, torch_dtype
 from lever_actors.device.manifest import MANIFEST_NAME, WEIGHTS_NAME, read_manifest

@@ -21,10 +21,9 @@ import trio
 from lever_actors.channels.bounded import ChannelSet
 from lever_actors.channels.messages import TokenEvent
 from lever_actors.channels.trace import Tracer
-from lever_actors.checkpoints.flash_layout import layout_tokenizer
 from lever_actors.checkpoints.gguf_layout import gguf_layout
 from lever_actors.checkpoints.layout_cache import is_gguf
-from lever_actors.checkpoints.tokenizer import Message, Tokenizer
+from lever_actors.checkpoints.tokenizer import Message, Tokenizer, layout_tokenizer
 from lever_actors.config import EngineConfig
 from lever_actors.device.manifest import Manifest, read_manifest
 from lever_actors.device.memory import return_freed_heap

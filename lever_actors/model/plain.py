@@ -69,6 +69,15 @@ def library() -> ctypes.CDLL:
     return lib
 
 
+def available() -> bool:
+    """Whether this machine runs the plain kernels (building them once if need be)."""
+    try:
+        library()
+    except KernelsUnavailable:
+        return False
+    return True
+
+
 def _compile(flags: tuple[str, ...], out: Path) -> None:
     kernel_build.run(["g++", *flags, "-fopenmp", "-shared", str(SOURCE), "-o", str(out)])
 

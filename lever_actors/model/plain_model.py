@@ -109,7 +109,7 @@ class Model:
     """A quantized model held in numpy arrays, run on the plain kernels."""
 
     def __init__(self, args: ModelArgs, weights: Weights) -> None:
-        why = _unsupported(args)
+        why = unsupported(args)
         if why:
             raise ConfigError(f"the plain path cannot run this model: {why}")
         self.args = args
@@ -165,7 +165,7 @@ def greedy(logits: np.ndarray) -> list[int]:
     return float32_of(logits).argmax(-1).tolist()
 
 
-def _unsupported(args: ModelArgs) -> str:
+def unsupported(args: ModelArgs) -> str:
     """Why the plain path cannot run a model of these args, or ''."""
     if args.gemma or args.qk_norm or args.fused_projections or args.final_softcap:
         return "Gemma's norms and caps, qk norms and fused projections run on torch"

@@ -42,9 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from lever_actors.checkpoints.checkpoint import Checkpoint
-from lever_actors.checkpoints.flash_layout import layout_tokenizer
 from lever_actors.checkpoints.load import load_checkpoint
-from lever_actors.checkpoints.tokenizer import user_turn
+from lever_actors.checkpoints.tokenizer import layout_tokenizer, user_turn
 from lever_actors.config import default_exit_layer
 from lever_actors.device.layout import torch_dtype
 from lever_actors.device.manifest import MANIFEST_NAME, read_manifest

@@ -1,0 +1,73 @@
+"""What `generate` writes as it goes: each token's text to stdout, and the figures to
+stderr at the end (`Summary`), whichever path decoded."""
+
+from __future__ import annotations
+
+import sys
+
+import msgspec
+
+from lever_actors.channels.messages import FinishReason
+from lever_actors.checkpoints.tokenizer import Tokenizer
+from lever_actors.sizes import format_bytes
+
+
+class Summary(msgspec.Struct, omit_defaults=True):
+    """What `--stats` reports after a generation."""
+
+    prompt_tokens: int
+    generated_tokens: int
+    finish_reason: FinishReason | None
+    first_token_seconds: float
+    prefill_tokens_per_second: float | None  # the prompt's tokens over first_token_seconds
+    decode_tokens_per_second: float | None
+    peak_rss_bytes: int
+    seed: int | None
+    steps: int | None = None  # the pipeline's figures
+    tokens_per_step: float | None = None
+    from_draft: int | None = None
+    bytes_read_per_token: int | None = None
+    load_seconds: float | None = None  # the engine's start, models and policies
+    cached_tokens: int | None = None  # the prompt's, whose KV the prompt cache held
+
+    def line(self) -> str:
+        rate = self.decode_tokens_per_second
+        parts = [
+            f"{self.generated_tokens} tokens ({self.finish_reason})",
+            f"prompt {self.prompt_tokens} tokens"
+            + (f" ({self.cached_tokens} cached)" if self.cached_tokens else ""),
+        ]
+        if self.steps is not None:
+            parts.append(
+                f"{self.steps} steps ({self.tokens_per_step:.2f} per step, "
+                f"{self.from_draft} from the draft)"
+            )
+        parts += [
+            f"first token after {self.first_token_seconds:.2f} s"
+            + _rate_of(self.prefill_tokens_per_second, " (prefill {:.1f} tok/s)"),
+            "decode " + ("-" if rate is None else f"{rate:.2f} tok/s"),
+        ]
+        if self.bytes_read_per_token is not None:
+            parts.append(f"{format_bytes(self.bytes_read_per_token)} read per token")
+        parts.append(f"peak RSS {format_bytes(self.peak_rss_bytes)}")
+        if self.seed is not None:
+            parts.append(f"seed {self.seed}")
+        return "; ".join(parts)
+
+
+def _rate_of(rate: float | None, template: str) -> str:
+    return "" if rate is None else template.format(rate)
+
+
+class TextPrinter:
+    """Writes each token's text to stdout as it comes, special tokens left out."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt: list[int]) -> None:
+        self.decoder = tokenizer.stream_decoder(skip_special=True, context=prompt[-1:])
+
+    def push(self, token: int) -> None:
+        sys.stdout.write(self.decoder.push(token))
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        sys.stdout.write(self.decoder.flush() + "\n")

@@ -1,0 +1,115 @@
+"""The target held whole in DRAM without torch (#63): its layout's extents read (and checked)
+into aligned buffers with O_DIRECT, viewed as numpy arrays in place and run by
+model/plain_model.py on our plain kernels. What the plain path computes equals what
+target.py's FlashTarget computes on torch, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from lever_actors.checkpoints.tokenizer import Tokenizer, layout_tokenizer
+from lever_actors.device.manifest import Extent, Manifest, TensorEntry, layer_key
+from lever_actors.device.reads import AlignedBuffer, LayoutReader
+from lever_actors.model import plain
+from lever_actors.model.formats import K_INPUTS, Q4K_OUTPUTS, Q4K_RECORD, Q6K_BYTES
+from lever_actors.model.plain_model import DenseRows, Int4Rows, Model, Weights
+
+Array = np.ndarray | plain.Matrix | Int4Rows  # a tensor as the plain path holds it
+
+
+class PlainTarget:
+    """A flash layout's model, every extent resident, and its tokenizer."""
+
+    def __init__(self, directory: Path, *, throttle: str = "none", verify: bool = True) -> None:
+        reader = LayoutReader(directory, throttle=throttle, verify=verify)
+        try:
+            self.manifest: Manifest = reader.manifest
+            extents = {e.key: _load(reader, e) for e in self.manifest.extents}
+            self.bytes_read = reader.stats.bytes_read
+            self.mode = reader.mode
+        finally:
+            reader.close()
+        args = self.manifest.args
+        embed = extents["embed"]["embed"]
+        head = embed if args.tie_embeddings else extents["lm_head"]["lm_head"]
+        layers = [_layer(extents[layer_key(i)]) for i in range(args.n_layers)]
+        final_norm = extents["final_norm"]["final_norm"]
+        assert isinstance(head, plain.Matrix) and isinstance(final_norm, np.ndarray)
+        self.model = Model(args, Weights(_embedding(embed), layers, final_norm, head))
+        self.tokenizer: Tokenizer | None = layout_tokenizer(directory, self.manifest)
+
+
+def plain_formats(manifest: Manifest) -> str:
+    """Why the plain path cannot hold this layout's tensors, or '': it computes in bf16 and
+    multiplies quantized matrices only."""
+    if manifest.dtype != "bfloat16":
+        return f"the plain path computes in bf16, not {manifest.dtype}"
+    for extent in manifest.extents:
+        for entry in extent.tensors:
+            if entry.format == "dense" and len(entry.shape) == 2 and entry.name != "embed":
+                where = f"{entry.name} of {extent.key}"
+                return f"{where} is a dense matrix: the plain path multiplies quantized ones"
+    return ""
+
+
+def _load(reader: LayoutReader, extent: Extent) -> dict[str, Array]:
+    """One extent read into its own buffer (4 KiB pages: see AlignedBuffer) and checked."""
+    buffer = AlignedBuffer(extent.nbytes, huge=False)
+    reader.read_bytes(extent, buffer)
+    return {
+        t.name: _tensor(t, buffer.array[t.offset : t.offset + t.nbytes]) for t in extent.tensors
+    }
+
+
+def _tensor(entry: TensorEntry, raw: np.ndarray) -> Array:
+    """A stored tensor's bytes as the plain path takes them (views, as device/layout.py's
+    weight_of makes torch's): a dense one its bf16 bits, a quantized matrix a plain.Matrix,
+    the int4rows table an Int4Rows."""
+    if entry.format == "dense":
+        if entry.dtype != "bfloat16":
+            raise ValueError(f"the plain path computes in bf16, not {entry.dtype}")
+        return raw.view(np.uint16).reshape(entry.shape)
+    if entry.format == "int4rows":
+        return Int4Rows(raw.reshape(entry.shape[0], -1), entry.shape[1])
+    out, inputs = entry.shape
+    if entry.format in ("int8", "q6k"):  # rows of values, then rows of scales
+        values = inputs if entry.format == "int8" else inputs // K_INPUTS * Q6K_BYTES
+        data: np.ndarray = raw[: out * values].reshape(out, values)
+        scales: np.ndarray = raw[out * values :].view(np.uint16).reshape(out, -1)
+        if entry.format == "int8":
+            data, scales = data.view(np.int8), scales.reshape(out)
+        return plain.Matrix(entry.format, (out, inputs), data, scales)
+    if entry.format == "q4k":
+        records = out // Q4K_OUTPUTS
+        split = records * -(-inputs // K_INPUTS) * Q4K_RECORD
+        data = raw[:split].reshape(records, -1)
+        return plain.Matrix(
+            "q4k", (out, inputs), data, raw[split:].view(np.uint16).reshape(records, -1)
+        )
+    split = out * inputs // 2  # int4: the packing, then (scale, zero) per group
+    pairs = raw[split:].view(np.uint16).reshape(inputs // 32, out, 2)
+    return plain.Matrix("int4", (out, inputs), raw[:split].reshape(out, -1), pairs)
+
+
+def _layer(tensors: dict[str, Array]) -> plain.Layer:
+    def vector(name: str) -> np.ndarray:
+        value = tensors[name]
+        assert isinstance(value, np.ndarray)  # a norm or a bias: dense
+        return value
+
+    matrices = [tensors[name] for name in plain.MATRICES]
+    quantized = [m for m in matrices if isinstance(m, plain.Matrix)]
+    if len(quantized) < len(matrices):
+        raise ValueError("the plain path multiplies quantized matrices only")
+    bq, bk, bv = (vector(b) if b in tensors else None for b in ("bq", "bk", "bv"))
+    return plain.Layer(vector("attn_norm"), vector("ffn_norm"), tuple(quantized), bq, bk, bv)
+
+
+def _embedding(table: Array) -> DenseRows | Int4Rows:
+    if isinstance(table, Int4Rows):
+        return table
+    if isinstance(table, np.ndarray):
+        return DenseRows(table)
+    raise ValueError("the plain path embeds from a bf16 or int4rows table")

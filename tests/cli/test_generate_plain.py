@@ -1,0 +1,93 @@
+"""`generate --plan ar` without torch (cli/generate_plain.py): on a tiny quantized layout it
+streams the tokens the engine's `ar` streams, in a process that never imports torch; where
+the plain path cannot run a request, the engine does, and says why under -v."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lever_actors.cli import generate_plain, main
+from lever_actors.model import plain
+from lever_actors.testing import model_pair, reference_tokens
+from lever_actors.testing.checkpoints import bf16_args
+from tests.cli.test_generate import stats, text_of
+
+NEW = 8
+PROMPT = [3, 1, 4, 1, 5]
+
+needs_plain = pytest.mark.skipif(
+    not plain.available(), reason="this CPU cannot run the plain kernels"
+)
+
+
+@pytest.fixture(scope="module")
+def layout():
+    pair = model_pair(
+        bf16_args(), "identical", tokenizer="words", dtype=torch.bfloat16, weights="q4k"
+    )
+    return pair.target
+
+
+def run(capsys, layout, *flags: str) -> tuple[str, str]:
+    prompt = " ".join(f"t{t}" for t in PROMPT)
+    code = main(
+        ["-v", "generate", "--target", str(layout), "--plan", "ar", "--prompt", prompt]
+        + ["--max-new-tokens", str(NEW), "--stats", "json", *flags]
+    )
+    assert code == 0
+    out, err = capsys.readouterr()
+    return out, err
+
+
+@needs_plain
+def test_the_plain_path_streams_the_engines_tokens(capsys, layout, monkeypatch):
+    out, err = run(capsys, layout)
+    assert "plan: ar on the plain kernels (no torch)" in err
+    assert out == text_of(reference_tokens(layout, PROMPT, NEW)) + "\n"
+    figures = stats(err)
+    assert figures["generated_tokens"] == NEW and figures["tokens_per_step"] == 1.0
+    monkeypatch.setattr(generate_plain, "_plan_and_why", lambda *a: (None, "asked for"))
+    on_engine, err = run(capsys, layout)
+    assert "generate runs on the engine: asked for" in err
+    assert on_engine == out
+
+
+@needs_plain
+def test_the_plain_path_imports_no_torch(layout):
+    code = (
+        "import sys; from lever_actors.cli import main; "
+        f"main(['generate', '--target', {str(layout)!r}, '--plan', 'ar', '--prompt', 't3 t1', "
+        "'--max-new-tokens', '3']); print('torch' in sys.modules, file=sys.stderr)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "plan: ar on the plain kernels" in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.parametrize(
+    ("flags", "why"),
+    [
+        (["--temperature", "0.7", "--seed", "1"], "seeded sampling draws torch's noise"),
+        (["--plan", "lookup"], "only --plan ar runs without torch"),
+        (["--dram-budget", "all"], "--throttle or --dram-budget asks for the engine"),
+    ],
+)
+def test_what_the_plain_path_cannot_run_goes_to_the_engine_saying_why(
+    capsys, layout, flags, why
+):
+    out, err = run(capsys, layout, *flags)
+    assert f"generate runs on the engine: {why}" in err
+    assert "plan: ar on the plain kernels" not in err and out.endswith("\n")
+
+
+def test_a_layout_of_dense_matrices_goes_to_the_engine(capsys):
+    dense = model_pair(bf16_args(), "identical", tokenizer="words", dtype=torch.bfloat16)
+    _, err = run(capsys, dense.target)
+    assert "is a dense matrix: the plain path multiplies quantized ones" in err
+    assert json.loads(err.strip().splitlines()[-1])["generated_tokens"] == NEW
