@@ -1,44 +1,77 @@
-"""The target held whole in DRAM without torch (#63): its layout's extents read (and checked)
-into aligned buffers with O_DIRECT, viewed as numpy arrays in place and run by
-model/plain_model.py on our plain kernels. What the plain path computes equals what
+"""The target held in DRAM without torch (#63): its layout's extents read (and checked) into
+aligned buffers with O_DIRECT, viewed as numpy arrays in place and run by
+model/plain_model.py on our plain kernels; the embedding table resident, or its rows read
+from flash as tokens need them. What the plain path computes equals what
 target.py's FlashTarget computes on torch, bit for bit."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from lever_actors.checkpoints.tokenizer import Tokenizer, layout_tokenizer
 from lever_actors.device.manifest import Extent, Manifest, TensorEntry, layer_key
 from lever_actors.device.reads import AlignedBuffer, LayoutReader
 from lever_actors.model import plain
 from lever_actors.model.formats import K_INPUTS, Q4K_OUTPUTS, Q4K_RECORD, Q6K_BYTES
-from lever_actors.model.plain_model import DenseRows, Int4Rows, Model, Weights
+from lever_actors.model.plain_model import DenseRows, Int4Rows, Model, Weights, decode_int4_rows
 
 Array = np.ndarray | plain.Matrix | Int4Rows  # a tensor as the plain path holds it
 
 
 class PlainTarget:
-    """A flash layout's model, every extent resident, and its tokenizer."""
+    """A flash layout's model, every extent resident but, with `embed_resident` False, the
+    embedding table, whose rows are then read from flash as tokens need them."""
 
-    def __init__(self, directory: Path, *, throttle: str = "none", verify: bool = True) -> None:
-        reader = LayoutReader(directory, throttle=throttle, verify=verify)
-        try:
-            self.manifest: Manifest = reader.manifest
-            extents = {e.key: _load(reader, e) for e in self.manifest.extents}
-            self.bytes_read = reader.stats.bytes_read
-            self.mode = reader.mode
-        finally:
-            reader.close()
+    def __init__(
+        self, directory: Path, *, embed_resident: bool = True, verify: bool = True
+    ) -> None:
+        self.reader = LayoutReader(directory, verify=verify)
+        self.manifest: Manifest = self.reader.manifest
         args = self.manifest.args
-        embed = extents["embed"]["embed"]
-        head = embed if args.tie_embeddings else extents["lm_head"]["lm_head"]
+        keys = [e.key for e in self.manifest.extents if embed_resident or e.key != "embed"]
+        try:
+            extents = {key: _load(self.reader, self.manifest.extent(key)) for key in keys}
+        except BaseException:
+            self.reader.close()
+            raise
+        self.bytes_read = self.reader.stats.bytes_read
+        embed = _embedding(extents["embed"]["embed"]) if embed_resident else self._streamed()
+        head = extents["embed" if args.tie_embeddings else "lm_head"]
+        head_matrix = head["embed" if args.tie_embeddings else "lm_head"]
         layers = [_layer(extents[layer_key(i)]) for i in range(args.n_layers)]
         final_norm = extents["final_norm"]["final_norm"]
-        assert isinstance(head, plain.Matrix) and isinstance(final_norm, np.ndarray)
-        self.model = Model(args, Weights(_embedding(embed), layers, final_norm, head))
-        self.tokenizer: Tokenizer | None = layout_tokenizer(directory, self.manifest)
+        assert isinstance(head_matrix, plain.Matrix) and isinstance(final_norm, np.ndarray)
+        self.model = Model(args, Weights(embed, layers, final_norm, head_matrix))
+
+    def _streamed(self) -> StreamedRows:
+        extent = self.manifest.extent("embed")
+        if extent.tensors[0].format not in ("dense", "int4rows"):
+            raise ValueError("the plain path embeds from a bf16 or int4rows table")
+        return StreamedRows(self.reader, extent)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+class StreamedRows:
+    """The embedding table's rows read from flash as tokens need them, each checked."""
+
+    def __init__(self, reader: LayoutReader, extent: Extent) -> None:
+        self.reader, self.extent = reader, extent
+        self.entry = extent.tensors[0]
+
+    def rows(self, ids: Sequence[int]) -> np.ndarray:
+        records = self.reader.row_records(self.extent, list(ids))
+        if self.entry.format == "int4rows":
+            return decode_int4_rows(records, self.entry.shape[1])
+        return records.view(np.uint16).reshape(len(records), -1)
+
+
+def embed_bytes(manifest: Manifest) -> int:
+    """What the embedding table takes resident, which StreamedRows leave on flash."""
+    return manifest.extent("embed").nbytes
 
 
 def plain_formats(manifest: Manifest) -> str:

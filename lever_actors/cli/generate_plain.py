@@ -1,7 +1,8 @@
 """`generate --plan ar` without torch (#63): where the target's layout is converted, its
-model one the plain path runs (model/plain_model.py), the request greedy, and the whole
-target fits in DRAM beside its context under the memory plan, the command reads the
-target and decodes one token a pass on our plain kernels, the same tokens the engine's
+model one the plain path runs (model/plain_model.py), the request greedy, and the target
+fits in DRAM beside its context under the memory plan (its embedding table's rows read from
+flash where the table does not), the command reads the target and decodes one token a
+pass on our plain kernels, the same tokens the engine's
 `ar` gives, and never imports torch. Anything else goes to the engine (`plain_layout` says
 why, under -v)."""
 
@@ -16,18 +17,19 @@ from typing import NamedTuple
 from lever_actors.channels.stats import decode_rate
 from lever_actors.checkpoints.fetch import REAL_MODELS
 from lever_actors.checkpoints.layout_cache import is_current, is_gguf, layout_path
+from lever_actors.checkpoints.tokenizer import Tokenizer, layout_tokenizer
 from lever_actors.cli.engine_options import engine_flags
 from lever_actors.cli.generate_output import Summary, TextPrinter
 from lever_actors.config import EngineConfig, check_request_size
 from lever_actors.device.manifest import DTYPE_SIZES, Manifest, read_manifest
-from lever_actors.device.memory import peak_rss_bytes
+from lever_actors.device.memory import peak_rss_bytes, return_freed_heap
 from lever_actors.errors import ConfigError
 from lever_actors.logs import get_logger
 from lever_actors.model import kernel_build
 from lever_actors.model.plain_model import greedy, unsupported
 from lever_actors.model.shapes import position_bytes
 from lever_actors.options import GenerationOptions
-from lever_actors.plain_target import PlainTarget, plain_formats
+from lever_actors.plain_target import PlainTarget, embed_bytes, plain_formats
 from lever_actors.plan.context import plan_context
 from lever_actors.plan.memory import MemoryPlan, memory_plan, read_process
 from lever_actors.sizes import format_bytes
@@ -41,7 +43,10 @@ ENGINE_ONLY = ("trace", "prompt_cache_dir", "model")
 
 class PlainPlan(NamedTuple):
     layout: Path
-    memory: MemoryPlan  # the whole target resident, room for a context beside it
+    manifest: Manifest
+    tokenizer: Tokenizer
+    memory: MemoryPlan  # room for a context beside the target
+    embed_resident: bool  # else the embedding table's rows are read from flash
 
 
 def plain_plan(args: argparse.Namespace, options: GenerationOptions) -> PlainPlan | None:
@@ -49,6 +54,7 @@ def plain_plan(args: argparse.Namespace, options: GenerationOptions) -> PlainPla
     engine must run it."""
     plan, why = _plan_and_why(args, options)
     if plan is None:
+        return_freed_heap()  # a tokenizer read for the plan: the engine reads its own
         log.info(f"generate runs on the engine: {why}")
     return plan
 
@@ -75,14 +81,19 @@ def _plan_and_why(
         return None, why
     if kernel_build.supported()[0] is kernel_build.AMX and _has_integer_matrices(manifest):
         return None, "AMX's tiles multiply int4 and int8 matrices by x unrounded, as ours do not"
+    tokenizer = layout_tokenizer(layout, manifest)  # before the plan, which counts it
+    if tokenizer is None:
+        return None, "the layout has no tokenizer"
+    return_freed_heap()  # the parse's temporaries: 100 MiB of the real target's 146
     config = EngineConfig(target=str(layout), draft=None, **engine_flags(args))
-    try:  # room for the context the request may fill beside the whole target
+    try:  # room for the context the request may fill beside the target
         memory = memory_plan(config, manifest, read_process(), draft=0)
     except ConfigError as error:
         return None, str(error)
-    if memory.budget < manifest.file_bytes:
-        return None, f"{memory} streams part of the target"
-    return PlainPlan(layout, memory), ""
+    if memory.budget < manifest.file_bytes - embed_bytes(manifest):
+        return None, f"{memory}: the layers and the LM head would stream"
+    embed_resident = memory.budget >= manifest.file_bytes
+    return PlainPlan(layout, manifest, tokenizer, memory, embed_resident), ""
 
 
 def _has_integer_matrices(manifest: Manifest) -> bool:
@@ -111,12 +122,25 @@ def generate_plain(
 ) -> Summary:
     """The request decoded greedily on the plain path, streamed to stdout."""
     started = time.perf_counter()
-    target = PlainTarget(plan.layout, verify=args.verify)
-    tokenizer, model = target.tokenizer, target.model
-    if tokenizer is None:
-        raise ConfigError(f"{plan.layout} has no tokenizer; generate needs one")
+    target = PlainTarget(plan.layout, embed_resident=plan.embed_resident, verify=args.verify)
+    try:
+        return _decode(target, plan, args, prompt, messages, options, started)
+    finally:
+        target.close()
+
+
+def _decode(
+    target: PlainTarget,
+    plan: PlainPlan,
+    args: argparse.Namespace,
+    prompt: str | None,
+    messages: list[dict] | None,
+    options: GenerationOptions,
+    started: float,
+) -> Summary:
+    tokenizer, model = plan.tokenizer, target.model
     reading = read_process()
-    kv_bytes = position_bytes(model.args, DTYPE_SIZES[target.manifest.dtype])
+    kv_bytes = position_bytes(model.args, DTYPE_SIZES[plan.manifest.dtype])
     context = plan_context(
         args.ctx_size, model.args.max_seq_len, kv_bytes, reading.limit, reading.process
     )
@@ -125,9 +149,11 @@ def generate_plain(
     ids = tokenizer.encode(text)
     check_request_size(len(ids), options.max_new_tokens, context.tokens, context.why)
     loaded = time.perf_counter() - started
+    rows = "" if plan.embed_resident else ", the embedding's rows read from flash"
     print(
         f"loaded in {loaded:.1f} s, without torch; {context}; "
-        f"{format_bytes(target.bytes_read)} of target weights in DRAM ({target.mode})",
+        f"{format_bytes(target.bytes_read)} of target weights in DRAM "
+        f"({target.reader.mode}{rows})",
         file=sys.stderr,
     )
     print(plan.memory, file=sys.stderr)

@@ -10,14 +10,12 @@ from pathlib import Path
 
 import torch
 
-from lever_actors.device.checksums import CHUNK_BYTES, running_checksum
+from lever_actors.device.checksums import running_checksum
 from lever_actors.device.layout import DTYPE_NAMES, weight_of
 from lever_actors.device.manifest import (
-    ALIGNMENT,
     ROW_STREAMED_FORMATS,
     Extent,
     TensorEntry,
-    align_up,
     stored_row_bytes,
 )
 from lever_actors.device.reads import AlignedBuffer, LayoutReader
@@ -61,19 +59,10 @@ class FlashStore(LayoutReader):
 
     def read_rows(self, extent: Extent, rows: list[int]) -> torch.Tensor:
         """Rows of a 2-D single-tensor extent (the embedding table), each by its own small read
-        of the aligned span around it; verified reads widen the span to whole checksum chunks.
-        -> [len(rows), row_width] in the table's dtype (a quantized table's rows decoded)"""
+        (`row_records`) -> [len(rows), row_width] in the table's dtype (a quantized table's
+        rows decoded)"""
         (entry,) = extent.tensors
-        row_bytes = entry.nbytes // entry.shape[0]
-        buffer = AlignedBuffer(self.span_buffer_bytes(row_bytes))
-        records = torch.stack(
-            [
-                self.read_span(
-                    extent, entry, row * row_bytes, (row + 1) * row_bytes, buffer
-                ).clone()
-                for row in rows
-            ]
-        )  # [len(rows), row_bytes] uint8
+        records = torch.from_numpy(self.row_records(extent, rows))  # [len(rows), row_bytes]
         if entry.format == "int4rows":
             return decode_rows(records, entry.shape[1])
         return records.view(DTYPE_NAMES[entry.dtype]).view(len(rows), entry.shape[1])
@@ -95,13 +84,17 @@ class FlashStore(LayoutReader):
         row_bytes, scale_bytes = stored_row_bytes(entry)
         half = buffer.nbytes // 2
         # a quantized tensor's scales follow all the rows: one small read of them first
-        scales = self._read_exact(extent, entry, out * row_bytes, entry.nbytes, buffer).clone()
+        scales = torch.from_numpy(
+            self._read_exact(extent, entry, out * row_bytes, entry.nbytes, buffer).copy()
+        )
         scales = scales.view(out, scale_bytes)
         hasher = running_checksum() if self.verify else None
 
         def read(lo: int, at: int) -> torch.Tensor:  # on the reader thread, parts in order
             hi = min(lo + rows_per_read, out)
-            part = self._read_exact(extent, entry, lo * row_bytes, hi * row_bytes, buffer, at)
+            part = torch.from_numpy(
+                self._read_exact(extent, entry, lo * row_bytes, hi * row_bytes, buffer, at)
+            )
             if hasher is not None:
                 hasher.update(part.numpy().data)  # .data: the array's memoryview
             return part
@@ -132,48 +125,6 @@ class FlashStore(LayoutReader):
                     f"bytes at byte {extent.offset + entry.offset} (the file is corrupt; "
                     "convert again)"
                 )
-
-    def span_buffer_bytes(self, nbytes: int) -> int:
-        """A buffer that holds any span of `nbytes` of a tensor as `read_span` reads it:
-        widened to whole checksum chunks when verifying, and to alignment either side."""
-        unit = CHUNK_BYTES if self.verify else ALIGNMENT
-        return align_up(nbytes) + 2 * unit + 2 * ALIGNMENT
-
-    def read_span(
-        self, extent: Extent, entry: TensorEntry, lo: int, hi: int, buffer: AlignedBuffer
-    ) -> torch.Tensor:
-        """Blocking: bytes lo:hi of a tensor stored with chunk checksums (a table read by
-        rows), by one read widened to whole checksum chunks when verifying, each checked.
-        -> [hi - lo] uint8, a view into `buffer`"""
-        if not self.verify:
-            return self._read_exact(extent, entry, lo, hi, buffer)
-        first = lo - lo % CHUNK_BYTES
-        end = min(-(-hi // CHUNK_BYTES) * CHUNK_BYTES, entry.nbytes)
-        chunks = self._read_exact(extent, entry, first, end, buffer)
-        tensor_start = extent.offset + entry.offset
-        for at in range(first, end, CHUNK_BYTES):
-            chunk = chunks[at - first : min(at + CHUNK_BYTES, entry.nbytes) - first]
-            expected = entry.chunk_checksums[at // CHUNK_BYTES]
-            self._check(chunk.numpy().data, expected, entry, tensor_start + at)
-        return chunks[lo - first : hi - first]
-
-    def _read_exact(
-        self,
-        extent: Extent,
-        entry: TensorEntry,
-        lo: int,
-        hi: int,
-        buffer: AlignedBuffer,
-        at: int = 0,
-    ) -> torch.Tensor:
-        """Bytes lo:hi of a tensor of `extent` by one read of the aligned span around them,
-        into `buffer` from its aligned byte `at`. -> [hi - lo] uint8, a view into `buffer`"""
-        tensor_start = extent.offset + entry.offset
-        read_from = tensor_start + lo
-        read_from -= read_from % ALIGNMENT
-        self._read_into(buffer, at, read_from, align_up(tensor_start + hi) - read_from)
-        skip = at + tensor_start - read_from  # tensor byte b sits at buffer index skip + b
-        return torch.from_numpy(buffer.array)[skip + lo : skip + hi]
 
 
 def tensor_of(buffer: AlignedBuffer, entry: TensorEntry, base: int = 0) -> Weight:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lever_actors.device.checksums import checksum
+from lever_actors.device.checksums import CHUNK_BYTES, checksum
 from lever_actors.device.manifest import (
     ALIGNMENT,
     WEIGHTS_NAME,
@@ -138,6 +138,59 @@ class LayoutReader:
             for t in extent.tensors:
                 data = buffer.view[t.offset : t.offset + t.nbytes]
                 self._check(data, t.checksum, t, extent.offset + t.offset)
+
+    def row_records(self, extent: Extent, rows: list[int]) -> np.ndarray:
+        """Rows of a 2-D single-tensor extent (the embedding table) as stored, each by its own
+        small read of the aligned span around it (`read_span`) -> [len(rows), row bytes]"""
+        (entry,) = extent.tensors
+        row_bytes = entry.nbytes // entry.shape[0]
+        buffer = AlignedBuffer(self.span_buffer_bytes(row_bytes))
+        out = np.empty((len(rows), row_bytes), np.uint8)
+        for i, row in enumerate(rows):
+            out[i] = self.read_span(extent, entry, row * row_bytes, (row + 1) * row_bytes, buffer)
+        return out
+
+    def span_buffer_bytes(self, nbytes: int) -> int:
+        """A buffer that holds any span of `nbytes` of a tensor as `read_span` reads it:
+        widened to whole checksum chunks when verifying, and to alignment either side."""
+        unit = CHUNK_BYTES if self.verify else ALIGNMENT
+        return align_up(nbytes) + 2 * unit + 2 * ALIGNMENT
+
+    def read_span(
+        self, extent: Extent, entry: TensorEntry, lo: int, hi: int, buffer: AlignedBuffer
+    ) -> np.ndarray:
+        """Blocking: bytes lo:hi of a tensor stored with chunk checksums (a table read by
+        rows), by one read widened to whole checksum chunks when verifying, each checked.
+        -> [hi - lo] uint8, a view into `buffer`"""
+        if not self.verify:
+            return self._read_exact(extent, entry, lo, hi, buffer)
+        first = lo - lo % CHUNK_BYTES
+        end = min(-(-hi // CHUNK_BYTES) * CHUNK_BYTES, entry.nbytes)
+        chunks = self._read_exact(extent, entry, first, end, buffer)
+        tensor_start = extent.offset + entry.offset
+        for at in range(first, end, CHUNK_BYTES):
+            chunk = chunks[at - first : min(at + CHUNK_BYTES, entry.nbytes) - first]
+            expected = entry.chunk_checksums[at // CHUNK_BYTES]
+            self._check(chunk.data, expected, entry, tensor_start + at)
+        return chunks[lo - first : hi - first]
+
+    def _read_exact(
+        self,
+        extent: Extent,
+        entry: TensorEntry,
+        lo: int,
+        hi: int,
+        buffer: AlignedBuffer,
+        at: int = 0,
+    ) -> np.ndarray:
+        """Bytes lo:hi of a tensor of `extent` by one read of the aligned span around them,
+        into `buffer` from its aligned byte `at`. -> [hi - lo] uint8, a view into `buffer`"""
+        tensor_start = extent.offset + entry.offset
+        read_from = tensor_start + lo
+        read_from -= read_from % ALIGNMENT
+        self._read_into(buffer, at, read_from, align_up(tensor_start + hi) - read_from)
+        skip = at + tensor_start - read_from  # tensor byte b sits at buffer index skip + b
+        return buffer.array[skip + lo : skip + hi]
 
     def _read_into(self, buffer: AlignedBuffer, at: int, offset: int, nbytes: int) -> None:
         started = time.perf_counter()

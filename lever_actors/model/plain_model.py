@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -54,21 +55,30 @@ class Int4Rows:
     inputs: int
 
     def rows(self, ids: Sequence[int]) -> np.ndarray:
-        """[n] -> [n, inputs] bf16: (q - 8) * scale + zero in float32, each op rounded as
-        torch's, then to bf16."""
-        records = self.records[list(ids)]
-        n, half = len(records), self.inputs // 2
-        nibbles = records[:, :half]
-        q = np.stack((nibbles & 15, nibbles >> 4), axis=-1).reshape(n, -1, GROUP)
-        pairs = float32_of(np.ascontiguousarray(records[:, half:]).view(np.uint16))
-        pairs = pairs.reshape(n, -1, 2)
-        values = (q.astype(np.float32) - np.float32(8)) * pairs[..., :1] + pairs[..., 1:]
-        return bf16_bits(values.reshape(n, self.inputs))
+        """[n] -> [n, inputs] bf16"""
+        return decode_int4_rows(self.records[list(ids)], self.inputs)
+
+
+def decode_int4_rows(records: np.ndarray, inputs: int) -> np.ndarray:
+    """int4rows records [n, inputs / 2 + inputs / 8] uint8 -> their values [n, inputs] bf16:
+    (q - 8) * scale + zero in float32, each op rounded as torch's, then to bf16."""
+    n, half = len(records), inputs // 2
+    nibbles = records[:, :half]
+    q = np.stack((nibbles & 15, nibbles >> 4), axis=-1).reshape(n, -1, GROUP)
+    pairs = float32_of(np.ascontiguousarray(records[:, half:]).view(np.uint16)).reshape(n, -1, 2)
+    values = (q.astype(np.float32) - np.float32(8)) * pairs[..., :1] + pairs[..., 1:]
+    return bf16_bits(values.reshape(n, inputs))
+
+
+class Embedding(Protocol):
+    """Where a model's embedding rows come from: a table in DRAM, or flash."""
+
+    def rows(self, ids: Sequence[int]) -> np.ndarray: ...  # [n] -> [n, d] bf16
 
 
 @dataclass(frozen=True)
 class Weights:
-    embed: DenseRows | Int4Rows
+    embed: Embedding
     layers: list[plain.Layer]
     final_norm: np.ndarray  # [d] bf16
     lm_head: plain.Matrix

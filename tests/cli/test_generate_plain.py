@@ -8,11 +8,13 @@ import json
 import subprocess
 import sys
 
+import msgspec
 import pytest
 import torch
 
 from lever_actors.cli import generate_plain, main
 from lever_actors.model import plain
+from lever_actors.plain_target import embed_bytes
 from lever_actors.testing import model_pair, reference_tokens
 from lever_actors.testing.checkpoints import bf16_args
 from tests.cli.test_generate import stats, text_of
@@ -78,9 +80,7 @@ def test_the_plain_path_imports_no_torch(layout):
         (["--dram-budget", "all"], "--throttle or --dram-budget asks for the engine"),
     ],
 )
-def test_what_the_plain_path_cannot_run_goes_to_the_engine_saying_why(
-    capsys, layout, flags, why
-):
+def test_what_the_plain_path_cannot_run_goes_to_the_engine_saying_why(capsys, layout, flags, why):
     out, err = run(capsys, layout, *flags)
     assert f"generate runs on the engine: {why}" in err
     assert "plan: ar on the plain kernels" not in err and out.endswith("\n")
@@ -91,3 +91,28 @@ def test_a_layout_of_dense_matrices_goes_to_the_engine(capsys):
     _, err = run(capsys, dense.target)
     assert "is a dense matrix: the plain path multiplies quantized ones" in err
     assert json.loads(err.strip().splitlines()[-1])["generated_tokens"] == NEW
+
+
+@needs_plain
+def test_where_the_table_does_not_fit_its_rows_come_from_flash_and_the_tokens_stay(
+    capsys, layout, monkeypatch
+):
+    resident, _ = run(capsys, layout)
+    plan = generate_plain.memory_plan
+
+    def tight(config, manifest, *args, **kwargs):  # the layers and head fit, the table not
+        memory = plan(config, manifest, *args, **kwargs)
+        budget = manifest.file_bytes - embed_bytes(manifest)
+        return msgspec.structs.replace(memory, budget=budget)
+
+    monkeypatch.setattr(generate_plain, "memory_plan", tight)
+    streamed, err = run(capsys, layout)
+    assert "the embedding's rows read from flash" in err
+    assert streamed == resident
+    monkeypatch.setattr(  # less than the layers and head: the engine's
+        generate_plain,
+        "memory_plan",
+        lambda *a, **k: msgspec.structs.replace(plan(*a, **k), budget=0),
+    )
+    _, err = run(capsys, layout)
+    assert "the layers and the LM head would stream" in err
