@@ -14,7 +14,7 @@ import numpy as np
 from lever_actors.device.manifest import Extent, Manifest, TensorEntry, layer_key
 from lever_actors.device.reads import AlignedBuffer, LayoutReader
 from lever_actors.model import plain
-from lever_actors.model.formats import K_INPUTS, Q4K_OUTPUTS, Q4K_RECORD, Q6K_BYTES
+from lever_actors.model.formats import K_INPUTS, LAYER_MATRICES, Q4K_OUTPUTS, Q4K_RECORD, Q6K_BYTES
 from lever_actors.model.plain_model import DenseRows, Int4Rows, Model, Weights, decode_int4_rows
 
 Array = np.ndarray | plain.Matrix | Int4Rows  # a tensor as the plain path holds it
@@ -132,7 +132,7 @@ def _layer(tensors: dict[str, Array]) -> plain.Layer:
         assert isinstance(value, np.ndarray)  # a norm or a bias: dense
         return value
 
-    matrices = [tensors[name] for name in plain.MATRICES]
+    matrices = [tensors[name] for name in LAYER_MATRICES]
     quantized = [m for m in matrices if isinstance(m, plain.Matrix)]
     if len(quantized) < len(matrices):
         raise ValueError("the plain path multiplies quantized matrices only")

@@ -20,7 +20,7 @@ from lever_actors.cli.engine_options import (
     add_sampling_arguments,
     sampling_of,
 )
-from lever_actors.cli.generate_plain import generate_plain, plain_plan
+from lever_actors.cli.generate_plain import generate_plain, plain_run
 from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, check_prompt
 from lever_actors.errors import ConfigError
 from lever_actors.model.sampling import seed_or_drawn
@@ -87,7 +87,7 @@ def run_generate(args: argparse.Namespace) -> int:
         check_prompt(len(prompt))
     if args.model is not None and (args.target or args.draft):
         raise ConfigError("--model runs a model held in DRAM; --target/--draft run the pipeline")
-    plain = plain_plan(args, options)
+    plain = plain_run(args, options)
     if plain is not None:
         summary = generate_plain(plain, args, prompt, messages, options)
     else:  # torch's paths, loaded only here: the plain one never imports torch

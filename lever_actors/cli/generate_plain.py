@@ -2,9 +2,8 @@
 model one the plain path runs (model/plain_model.py), the request greedy, and the target
 fits in DRAM beside its context under the memory plan (its embedding table's rows read from
 flash where the table does not), the command reads the target and decodes one token a
-pass on our plain kernels, the same tokens the engine's
-`ar` gives, and never imports torch. Anything else goes to the engine (`plain_layout` says
-why, under -v)."""
+pass on our plain kernels, the same tokens the engine's `ar` gives, and never imports
+torch. Anything else goes to the engine; plan/plain.py decides, and -v says why."""
 
 from __future__ import annotations
 
@@ -25,79 +24,60 @@ from lever_actors.device.manifest import DTYPE_SIZES, Manifest, read_manifest
 from lever_actors.device.memory import peak_rss_bytes, return_freed_heap
 from lever_actors.errors import ConfigError
 from lever_actors.logs import get_logger
-from lever_actors.model import kernel_build
-from lever_actors.model.plain_model import greedy, unsupported
+from lever_actors.model.plain_model import greedy
 from lever_actors.model.shapes import position_bytes
 from lever_actors.options import GenerationOptions
-from lever_actors.plain_target import PlainTarget, embed_bytes, plain_formats
+from lever_actors.plain_target import PlainTarget
 from lever_actors.plan.context import plan_context
-from lever_actors.plan.memory import MemoryPlan, memory_plan, read_process
+from lever_actors.plan.memory import read_process
+from lever_actors.plan.plain import PlainPlan, plain_memory, refusal
 from lever_actors.sizes import format_bytes
 from lever_actors.text.finish import finish_reason
 
 log = get_logger(__name__)
 
-# flags whose work only the engine does: a plain run would ignore them
-ENGINE_ONLY = ("trace", "prompt_cache_dir", "model")
 
+class PlainRun(NamedTuple):
+    """What the plain path runs: the layout, its manifest and tokenizer, and the plan."""
 
-class PlainPlan(NamedTuple):
     layout: Path
     manifest: Manifest
     tokenizer: Tokenizer
-    memory: MemoryPlan  # room for a context beside the target
-    embed_resident: bool  # else the embedding table's rows are read from flash
+    plan: PlainPlan
 
 
-def plain_plan(args: argparse.Namespace, options: GenerationOptions) -> PlainPlan | None:
+def plain_run(args: argparse.Namespace, options: GenerationOptions) -> PlainRun | None:
     """What `generate` runs without torch, or None (and why, logged under -v) where the
-    engine must run it."""
-    plan, why = _plan_and_why(args, options)
-    if plan is None:
+    engine must run it (plan/plain.py decides)."""
+    run, why = _run_and_why(args, options)
+    if run is None:
         return_freed_heap()  # a tokenizer read for the plan: the engine reads its own
         log.info(f"generate runs on the engine: {why}")
-    return plan
+    return run
 
 
-def _plan_and_why(
+def _run_and_why(
     args: argparse.Namespace, options: GenerationOptions
-) -> tuple[PlainPlan | None, str]:
-    if args.plan != "ar":
-        return None, "only --plan ar runs without torch"
-    if not options.sampling.greedy:
-        return None, "seeded sampling draws torch's noise"
-    given = [f"--{name.replace('_', '-')}" for name in ENGINE_ONLY if getattr(args, name, None)]
-    if given or args.throttle != "none" or args.dram_budget is not None:
-        return None, f"{', '.join(given) or '--throttle or --dram-budget'} asks for the engine"
+) -> tuple[PlainRun | None, str]:
+    if args.model is not None:
+        return None, "--model holds a model in DRAM on torch"
     layout = _converted(args)
     if layout is None:
         return None, "the target is not converted yet"
     manifest = read_manifest(layout)
-    why = unsupported(manifest.args) or plain_formats(manifest)
+    try:
+        config = EngineConfig(target=str(layout), draft=None, **engine_flags(args))
+    except ConfigError as error:  # the engine's config (the draft's flags) says what is wrong
+        return None, str(error)
+    why = refusal(config, manifest, options.sampling)
     if why:
         return None, why
-    isa, why = kernel_build.supported((kernel_build.AVX512_VNNI, kernel_build.AVX2))
-    if isa is None:
-        return None, why
-    if kernel_build.supported()[0] is kernel_build.AMX and _has_integer_matrices(manifest):
-        return None, "AMX's tiles multiply int4 and int8 matrices by x unrounded, as ours do not"
-    tokenizer = layout_tokenizer(layout, manifest)  # before the plan, which counts it
+    tokenizer = layout_tokenizer(layout, manifest)  # before the memory plan, which counts it
     if tokenizer is None:
         return None, "the layout has no tokenizer"
     return_freed_heap()  # the parse's temporaries: 100 MiB of the real target's 146
-    config = EngineConfig(target=str(layout), draft=None, **engine_flags(args))
-    try:  # room for the context the request may fill beside the target
-        memory = memory_plan(config, manifest, read_process(), draft=0)
-    except ConfigError as error:
-        return None, str(error)
-    if memory.budget < manifest.file_bytes - embed_bytes(manifest):
-        return None, f"{memory}: the layers and the LM head would stream"
-    embed_resident = memory.budget >= manifest.file_bytes
-    return PlainPlan(layout, manifest, tokenizer, memory, embed_resident), ""
-
-
-def _has_integer_matrices(manifest: Manifest) -> bool:
-    return any(t.format in ("int4", "int8") for e in manifest.extents for t in e.tensors)
+    plan, why = plain_memory(config, manifest, read_process())
+    return (None, why) if plan is None else (PlainRun(layout, manifest, tokenizer, plan), "")
 
 
 def _converted(args: argparse.Namespace) -> Path | None:
@@ -114,7 +94,7 @@ def _converted(args: argparse.Namespace) -> Path | None:
 
 
 def generate_plain(
-    plan: PlainPlan,
+    run: PlainRun,
     args: argparse.Namespace,
     prompt: str | None,
     messages: list[dict] | None,
@@ -122,25 +102,26 @@ def generate_plain(
 ) -> Summary:
     """The request decoded greedily on the plain path, streamed to stdout."""
     started = time.perf_counter()
-    target = PlainTarget(plan.layout, embed_resident=plan.embed_resident, verify=args.verify)
+    resident = run.plan.embed_resident
+    target = PlainTarget(run.layout, embed_resident=resident, verify=args.verify)
     try:
-        return _decode(target, plan, args, prompt, messages, options, started)
+        return _decode(target, run, args, prompt, messages, options, started)
     finally:
         target.close()
 
 
 def _decode(
     target: PlainTarget,
-    plan: PlainPlan,
+    run: PlainRun,
     args: argparse.Namespace,
     prompt: str | None,
     messages: list[dict] | None,
     options: GenerationOptions,
     started: float,
 ) -> Summary:
-    tokenizer, model = plan.tokenizer, target.model
+    tokenizer, model = run.tokenizer, target.model
     reading = read_process()
-    kv_bytes = position_bytes(model.args, DTYPE_SIZES[plan.manifest.dtype])
+    kv_bytes = position_bytes(model.args, DTYPE_SIZES[run.manifest.dtype])
     context = plan_context(
         args.ctx_size, model.args.max_seq_len, kv_bytes, reading.limit, reading.process
     )
@@ -149,14 +130,14 @@ def _decode(
     ids = tokenizer.encode(text)
     check_request_size(len(ids), options.max_new_tokens, context.tokens, context.why)
     loaded = time.perf_counter() - started
-    rows = "" if plan.embed_resident else ", the embedding's rows read from flash"
+    rows = "" if run.plan.embed_resident else ", the embedding's rows read from flash"
     print(
         f"loaded in {loaded:.1f} s, without torch; {context}; "
         f"{format_bytes(target.bytes_read)} of target weights in DRAM "
         f"({target.reader.mode}{rows})",
         file=sys.stderr,
     )
-    print(plan.memory, file=sys.stderr)
+    print(run.plan.memory, file=sys.stderr)
     print("plan: ar on the plain kernels (no torch)", file=sys.stderr)
     printer = TextPrinter(tokenizer, ids)
     cache = model.new_cache(len(ids) + options.max_new_tokens)

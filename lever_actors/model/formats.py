@@ -67,3 +67,9 @@ def check_quantizable(shape: tuple[int, ...], fmt: str) -> str | None:
     if fmt == "int4" and (out % 16 or inputs % (16 * PACK_TILES)):
         return f"int4 packing needs outputs in 16s and inputs in {16 * PACK_TILES}s, not {shape}"
     return None
+
+
+# our kernels' code for each matrix format (csrc/products.h's Format)
+FORMAT_CODES = {"int4": 0, "int8": 1, "q6k": 2, "q4k": 3}
+# a plain pre-norm layer's matrices in the order a whole layer's call takes them (csrc/layer.h)
+LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")

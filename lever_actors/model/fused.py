@@ -15,13 +15,11 @@ import torch
 
 from lever_actors.model import native
 from lever_actors.model.args import ModelArgs
+from lever_actors.model.formats import FORMAT_CODES, LAYER_MATRICES
 from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.placement import Placement
 from lever_actors.model.quantized import QuantizedWeight
 from lever_actors.model.weights import LayerTensors
-
-MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # csrc/layer.h's order
-FORMAT_CODES = {"int4": 0, "int8": 1, "q6k": 2, "q4k": 3}  # csrc/avx2.cpp's `product`
 
 
 def takes(x: torch.Tensor, w: LayerTensors, args: ModelArgs, layer: int) -> bool:
@@ -35,8 +33,9 @@ def takes(x: torch.Tensor, w: LayerTensors, args: ModelArgs, layer: int) -> bool
         return False
     rows = x.shape[0]
     return all(
-        isinstance(m := w[name], QuantizedWeight) and m.on_our_kernels(rows) for name in MATRICES
-    ) and all(t.dtype == torch.bfloat16 for name, t in w.items() if name not in MATRICES)
+        isinstance(m := w[name], QuantizedWeight) and m.on_our_kernels(rows)
+        for name in LAYER_MATRICES
+    ) and all(t.dtype == torch.bfloat16 for name, t in w.items() if name not in LAYER_MATRICES)
 
 
 def layer_forward(
@@ -47,7 +46,9 @@ def layer_forward(
     n = x.shape[0]
     span = place.span if place.span is not None else n
     cache.room_for(span)
-    matrices = cast(list[QuantizedWeight], [w[name] for name in MATRICES])  # `takes` checked each
+    matrices = cast(
+        list[QuantizedWeight], [w[name] for name in LAYER_MATRICES]
+    )  # `takes` checked each
     return native.decoder_layer(
         x.contiguous(),
         [w["attn_norm"], w["ffn_norm"]],

@@ -14,7 +14,7 @@ from lever_actors.model.masks import within_window
 from lever_actors.model.placement import Placement
 from lever_actors.model.rope import apply_rope
 from lever_actors.model.row_blocks import linear
-from lever_actors.model.shapes import CHUNK_BYTES, HEAD_ROWS
+from lever_actors.model.shapes import HEAD_ROWS, rows_per_chunk
 from lever_actors.model.weights import LayerTensors, Weight, cuts_into_rows, dense, row_range
 
 # one sequence's pending block in a pass: its KV cache and where its rows sit
@@ -179,13 +179,6 @@ def blocks_layer_forward(
     if args.gemma:
         h = rms_norm(h, dense(w["post_ffn_norm"]), eps)
     return x + h
-
-
-def rows_per_chunk(args: ModelArgs, keys: int) -> int:
-    """Rows of a block whose temporaries in one layer stay within CHUNK_BYTES (float32 each),
-    when attention sees `keys` positions; at least one."""
-    per_row = 4 * (3 * args.ffn_dim + args.n_heads * keys)
-    return max(1, CHUNK_BYTES // per_row)
 
 
 def layers_forward(

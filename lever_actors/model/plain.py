@@ -1,7 +1,7 @@
 """Our kernels without torch: csrc/plain.cpp, the same headers as the torch ops of
 model/native.py built as a plain C library (OpenMP for threads, no torch headers) and called
-through ctypes on numpy arrays, so they give the same bits. The first step of the native decode
-path (#63): a process that imports this imports numpy, not torch.
+through ctypes on numpy arrays, so they give the same bits: the plain path's arithmetic
+(#63). A process that imports this imports numpy, not torch.
 
 bf16 and float16 arrays are numpy uint16 arrays of their bits (numpy has no bf16). The library
 builds once per machine into the cache (model/kernel_build.py) for AVX512-VNNI or AVX2; on a
@@ -21,11 +21,19 @@ import numpy as np
 
 from lever_actors.errors import LeverError
 from lever_actors.model import kernel_build
+from lever_actors.model.formats import (
+    FORMAT_CODES,
+    GROUP,
+    K_INPUTS,
+    LAYER_MATRICES,
+    Q4K_OUTPUTS,
+    Q4K_RECORD,
+    Q6K_BYTES,
+)
 from lever_actors.model.kernel_build import AVX2, AVX512_VNNI, CSRC
 
 SOURCE = CSRC / "plain.cpp"
 ABI = 4  # csrc/plain.cpp's lever_plain_abi()
-Q4K_OUTPUTS, Q4K_RECORD, K_INPUTS, Q6K_BYTES = 8, 1152, 256, 208  # csrc/q4k.h, integer_rows.h
 
 _BF16 = np.uint16  # numpy's stand-in for bf16 and float16: their bits
 _p = ctypes.c_void_p
@@ -96,9 +104,6 @@ def _rows(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x)
 
 
-FORMAT_CODES = {"int4": 0, "int8": 1, "q6k": 2, "q4k": 3}  # csrc/products.h's Format
-
-
 @dataclass(frozen=True)
 class Matrix:
     """A quantized [out, in] matrix as model/quantized.py keeps it, in numpy arrays: int4
@@ -121,7 +126,7 @@ def linear(x: np.ndarray, m: Matrix, bias: np.ndarray | None = None) -> np.ndarr
     out] bf16 (csrc/products.h)."""
     x = _rows(x)
     out_features, inputs = m.shape
-    if x.shape[1] != inputs or m.fmt not in FORMAT_CODES or out_features % 8:
+    if x.shape[1] != inputs:
         raise ValueError(f"{m.fmt} {m.shape} cannot multiply x {x.shape}")
     _check_matrix(m)
     out = np.empty((x.shape[0], out_features), _BF16)
@@ -130,12 +135,22 @@ def linear(x: np.ndarray, m: Matrix, bias: np.ndarray | None = None) -> np.ndarr
     return out
 
 
+# each format's (outputs, inputs) multiples the kernels take (csrc/products.h)
+_MULTIPLES = {"int4": (64, GROUP), "int8": (8, GROUP), "q6k": (8, K_INPUTS), "q4k": (8, GROUP)}
+
+
 def _check_matrix(m: Matrix) -> None:
-    """ValueError unless m's arrays have its format's sizes (model/quantized.py's layouts)."""
+    """ValueError unless the kernels take m's format and shape and its arrays have the
+    format's sizes (model/quantized.py's layouts)."""
     out, inputs = m.shape
+    if m.fmt not in _MULTIPLES:
+        raise ValueError(f"the plain kernels multiply {', '.join(_MULTIPLES)}, not {m.fmt}")
+    outputs, grouped = _MULTIPLES[m.fmt]
+    if out % outputs or inputs % grouped:
+        raise ValueError(f"{m.fmt} needs outputs in {outputs}s and inputs in {grouped}s: {m.shape}")
     blocks = -(-inputs // K_INPUTS)  # q4k pads a last block
     data, scales = {
-        "int4": ((out, inputs // 2), (inputs // 32, out, 2)),
+        "int4": ((out, inputs // 2), (inputs // GROUP, out, 2)),
         "int8": ((out, inputs), (out,)),
         "q6k": ((out, inputs // K_INPUTS * Q6K_BYTES), (out, inputs // K_INPUTS)),
         "q4k": ((out // Q4K_OUTPUTS, blocks * Q4K_RECORD), (out // Q4K_OUTPUTS, blocks * 16)),
@@ -219,12 +234,11 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 # ---- one decoder layer in one call (csrc/layer.h) ----
 
-MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # csrc/layer.h's order
-
 
 @dataclass(frozen=True)
 class Layer:
-    """A plain pre-norm layer's weights: norms [d] bf16, the MATRICES in order, biases or None."""
+    """A plain pre-norm layer's weights: norms [d] bf16, the LAYER_MATRICES in order, and
+    the biases or None."""
 
     attn_norm: np.ndarray
     ffn_norm: np.ndarray
@@ -261,7 +275,7 @@ class _LayerWeights(ctypes.Structure):
     _fields_ = [
         ("attn_norm", _p),
         ("ffn_norm", _p),
-        ("matrices", _Matrix * len(MATRICES)),
+        ("matrices", _Matrix * len(LAYER_MATRICES)),
         ("bq", _p),
         ("bk", _p),
         ("bv", _p),
@@ -312,7 +326,7 @@ def decoder_layer(
     x = _rows(x)
     for m in w.matrices:
         _check_matrix(m)
-    matrices = (_Matrix * len(MATRICES))(
+    matrices = (_Matrix * len(LAYER_MATRICES))(
         *(_Matrix(FORMAT_CODES[m.fmt], _at(m.data), _at(m.scales), *m.shape) for m in w.matrices)
     )
     weights = _LayerWeights(

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from lever_actors.model import plain
+from lever_actors.model.formats import LAYER_MATRICES
 from lever_actors.model.plain_model import DenseRows, Int4Rows, Weights
 from lever_actors.model.quantized import QuantizedRows, QuantizedWeight
 from lever_actors.model.weights import LayerTensors, Weight, dense
@@ -30,7 +31,7 @@ def layer(w: LayerTensors) -> plain.Layer:
     return plain.Layer(
         bits(dense(w["attn_norm"])),
         bits(dense(w["ffn_norm"])),
-        tuple(matrix(w[name]) for name in plain.MATRICES),
+        tuple(matrix(w[name]) for name in LAYER_MATRICES),
         bq,
         bk,
         bv,

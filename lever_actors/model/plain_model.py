@@ -20,6 +20,7 @@ from lever_actors.errors import ConfigError
 from lever_actors.model import plain
 from lever_actors.model.args import ModelArgs
 from lever_actors.model.frequencies import shared_inverse_frequencies
+from lever_actors.model.shapes import rows_per_chunk
 
 GROUP = 32  # inputs per int4rows scale and zero (model/quantized.py)
 
@@ -154,14 +155,27 @@ class Model:
     def forward(
         self, tokens: Sequence[int], cache: KVCache, rows: plain.Rows | None = None
     ) -> np.ndarray:
-        """tokens [n] -> final hidden states [n, d] bf16, leaving n pending slots in `cache`
-        (without `rows`: a chain after its committed length)."""
-        if rows is None:
-            rows = self.chain(cache.length, len(tokens))
-        cache.room_for(rows.span)
+        """tokens [n] -> final hidden states [n, d] bf16, leaving n pending slots in `cache`.
+        Without `rows`, a chain after the committed length, `rows_per_chunk` rows at a time
+        through every layer (a long prompt's temporaries stay within CHUNK_BYTES a layer):
+        each row's bits are the same, the kernels computing each row on its own."""
+        cache.room_for(rows.span if rows is not None else len(tokens))
+        if rows is not None:
+            return self._layers(tokens, cache, cache.length, rows)
+        step = rows_per_chunk(self.args, cache.length + len(tokens))
+        chunks = []
+        for lo in range(0, len(tokens), step):
+            part = tokens[lo : lo + step]
+            at = cache.length + lo  # the chunks before it are pending: this one sees them
+            chunks.append(self._layers(part, cache, at, self.chain(at, len(part))))
+        return chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+
+    def _layers(
+        self, tokens: Sequence[int], cache: KVCache, length: int, rows: plain.Rows
+    ) -> np.ndarray:
         x = self.weights.embed.rows(tokens)
         for i, layer in enumerate(self.weights.layers):
-            x = plain.decoder_layer(x, layer, cache, i, cache.length, rows, self.shape)
+            x = plain.decoder_layer(x, layer, cache, i, length, rows, self.shape)
         return x
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:

@@ -68,6 +68,13 @@ CHUNK_BYTES = 32 << 20
 HEAD_ROWS = 4096
 
 
+def rows_per_chunk(args: ModelArgs, keys: int) -> int:
+    """Rows of a block whose temporaries in one layer stay within CHUNK_BYTES (float32 each),
+    when attention sees `keys` positions; at least one."""
+    per_row = 4 * (3 * args.ffn_dim + args.n_heads * keys)
+    return max(1, CHUNK_BYTES // per_row)
+
+
 def position_bytes(args: ModelArgs, itemsize: int) -> int:
     """What a KV cache holds per position: keys and values of every layer, in elements of
     `itemsize` bytes, and the position (int64)."""

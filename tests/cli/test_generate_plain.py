@@ -15,6 +15,7 @@ import torch
 from lever_actors.cli import generate_plain, main
 from lever_actors.model import plain
 from lever_actors.plain_target import embed_bytes
+from lever_actors.plan import plain as plain_module
 from lever_actors.testing import model_pair, reference_tokens
 from lever_actors.testing.checkpoints import bf16_args
 from tests.cli.test_generate import stats, text_of
@@ -53,7 +54,7 @@ def test_the_plain_path_streams_the_engines_tokens(capsys, layout, monkeypatch):
     assert out == text_of(reference_tokens(layout, PROMPT, NEW)) + "\n"
     figures = stats(err)
     assert figures["generated_tokens"] == NEW and figures["tokens_per_step"] == 1.0
-    monkeypatch.setattr(generate_plain, "_plan_and_why", lambda *a: (None, "asked for"))
+    monkeypatch.setattr(generate_plain, "_run_and_why", lambda *a: (None, "asked for"))
     on_engine, err = run(capsys, layout)
     assert "generate runs on the engine: asked for" in err
     assert on_engine == out
@@ -76,8 +77,8 @@ def test_the_plain_path_imports_no_torch(layout):
     ("flags", "why"),
     [
         (["--temperature", "0.7", "--seed", "1"], "seeded sampling draws torch's noise"),
-        (["--plan", "lookup"], "only --plan ar runs without torch"),
-        (["--dram-budget", "all"], "--throttle or --dram-budget asks for the engine"),
+        (["--plan", "lookup"], "only the plan ar runs without torch"),
+        (["--dram-budget", "all"], "dram_budget asks for the engine"),
     ],
 )
 def test_what_the_plain_path_cannot_run_goes_to_the_engine_saying_why(capsys, layout, flags, why):
@@ -98,19 +99,19 @@ def test_where_the_table_does_not_fit_its_rows_come_from_flash_and_the_tokens_st
     capsys, layout, monkeypatch
 ):
     resident, _ = run(capsys, layout)
-    plan = generate_plain.memory_plan
+    plan = plain_module.memory_plan
 
     def tight(config, manifest, *args, **kwargs):  # the layers and head fit, the table not
         memory = plan(config, manifest, *args, **kwargs)
         budget = manifest.file_bytes - embed_bytes(manifest)
         return msgspec.structs.replace(memory, budget=budget)
 
-    monkeypatch.setattr(generate_plain, "memory_plan", tight)
+    monkeypatch.setattr(plain_module, "memory_plan", tight)
     streamed, err = run(capsys, layout)
     assert "the embedding's rows read from flash" in err
     assert streamed == resident
     monkeypatch.setattr(  # less than the layers and head: the engine's
-        generate_plain,
+        plain_module,
         "memory_plan",
         lambda *a, **k: msgspec.structs.replace(plan(*a, **k), budget=0),
     )

@@ -261,3 +261,16 @@ def test_a_model_the_plain_path_cannot_run_is_refused_in_one_line():
     args = bf16_args("gemma2")
     with pytest.raises(ConfigError, match="^the plain path cannot run this model: Gemma's"):
         plain_model.Model(args, None)  # type: ignore[arg-type]
+
+
+@needs_avx2
+def test_a_long_prompt_goes_through_in_chunks_of_rows_with_the_same_bits(monkeypatch):
+    ours = plain_of(quantized_model("q4k"))
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
+    whole_cache, chunked_cache = ours.new_cache(16), ours.new_cache(16)
+    whole = ours.forward(prompt, whole_cache)
+    monkeypatch.setattr(plain_model, "rows_per_chunk", lambda args, keys: 3)
+    chunked = ours.forward(prompt, chunked_cache)
+    np.testing.assert_array_equal(chunked, whole)
+    np.testing.assert_array_equal(chunked_cache.keys, whole_cache.keys)
+    assert chunked_cache.length == 0  # all ten pending, as one forward leaves them
