@@ -20,17 +20,14 @@ from lever_actors.checkpoints.tokenizer import Tokenizer, layout_tokenizer
 from lever_actors.cli.engine_options import engine_flags
 from lever_actors.cli.generate_output import Summary, TextPrinter
 from lever_actors.config import EngineConfig, check_request_size
-from lever_actors.device.manifest import DTYPE_SIZES, Manifest, read_manifest
+from lever_actors.device.manifest import Manifest, read_manifest
 from lever_actors.device.memory import peak_rss_bytes, return_freed_heap
 from lever_actors.errors import ConfigError
 from lever_actors.logs import get_logger
 from lever_actors.model.plain_model import greedy
-from lever_actors.model.shapes import position_bytes
 from lever_actors.options import GenerationOptions
 from lever_actors.plain_target import PlainTarget
-from lever_actors.plan.context import plan_context
-from lever_actors.plan.memory import read_process
-from lever_actors.plan.plain import PlainPlan, plain_memory, refusal
+from lever_actors.plan.plain import PlainPlan, plain_context, plain_memory, refusal
 from lever_actors.sizes import format_bytes
 from lever_actors.text.finish import finish_reason
 
@@ -42,6 +39,7 @@ class PlainRun(NamedTuple):
 
     layout: Path
     manifest: Manifest
+    config: EngineConfig
     tokenizer: Tokenizer
     plan: PlainPlan
 
@@ -76,8 +74,10 @@ def _run_and_why(
     if tokenizer is None:
         return None, "the layout has no tokenizer"
     return_freed_heap()  # the parse's temporaries: 100 MiB of the real target's 146
-    plan, why = plain_memory(config, manifest, read_process())
-    return (None, why) if plan is None else (PlainRun(layout, manifest, tokenizer, plan), "")
+    plan, why = plain_memory(config, manifest)
+    if plan is None:
+        return None, why
+    return PlainRun(layout, manifest, config, tokenizer, plan), ""
 
 
 def _converted(args: argparse.Namespace) -> Path | None:
@@ -120,11 +120,7 @@ def _decode(
     started: float,
 ) -> Summary:
     tokenizer, model = run.tokenizer, target.model
-    reading = read_process()
-    kv_bytes = position_bytes(model.args, DTYPE_SIZES[run.manifest.dtype])
-    context = plan_context(
-        args.ctx_size, model.args.max_seq_len, kv_bytes, reading.limit, reading.process
-    )
+    context = plain_context(run.config, run.manifest)
     text = prompt if messages is None else tokenizer.apply_chat_template(messages)
     assert text is not None  # a prompt or messages
     ids = tokenizer.encode(text)

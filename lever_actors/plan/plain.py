@@ -6,20 +6,22 @@ sampling (greedy: seeded sampling draws torch's noise), the config's engine-only
 trace, spilled prefixes, a throttle, a fixed budget), the model and its formats, and this
 CPU's kernels. `plain_memory` then makes the memory plan: the plain path needs every layer
 and the LM head in DRAM beside room for a context, and keeps the embedding table too where
-it fits (else its rows come from flash)."""
+it fits (else its rows come from flash); `plain_context`, once it has loaded, the context."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
 from lever_actors.config import EngineConfig
-from lever_actors.device.manifest import Manifest
+from lever_actors.device.manifest import DTYPE_SIZES, Manifest
 from lever_actors.errors import ConfigError
 from lever_actors.model import kernel_build
 from lever_actors.model.plain_model import unsupported
 from lever_actors.model.sampling import Sampling
+from lever_actors.model.shapes import position_bytes
 from lever_actors.plain_target import embed_bytes, plain_formats
-from lever_actors.plan.memory import MemoryPlan, Reading, memory_plan
+from lever_actors.plan.context import Context, plan_context
+from lever_actors.plan.memory import MemoryPlan, memory_plan, read_process
 
 
 class PlainPlan(NamedTuple):
@@ -53,17 +55,25 @@ def refusal(config: EngineConfig, manifest: Manifest, sampling: Sampling) -> str
     return ""
 
 
-def plain_memory(
-    config: EngineConfig, manifest: Manifest, reading: Reading
-) -> tuple[PlainPlan | None, str]:
-    """The memory plan of the plain path beside what `reading` saw, or None and why not."""
+def plain_memory(config: EngineConfig, manifest: Manifest) -> tuple[PlainPlan | None, str]:
+    """The memory plan of the plain path beside what the process holds now, or None and why
+    not."""
     try:  # room for the context the request may fill beside the target
-        memory = memory_plan(config, manifest, reading, draft=0)
+        memory = memory_plan(config, manifest, read_process(), draft=0)
     except ConfigError as error:
         return None, str(error)
     if memory.budget < manifest.file_bytes - embed_bytes(manifest):
         return None, f"{memory}: the layers and the LM head would stream"
     return PlainPlan(memory, memory.budget >= manifest.file_bytes), ""
+
+
+def plain_context(config: EngineConfig, manifest: Manifest) -> Context:
+    """Once the target is in: the context a request may fill (ctx_size, else what the memory
+    left holds, at most the model's)."""
+    reading = read_process()
+    kv_bytes = position_bytes(manifest.args, DTYPE_SIZES[manifest.dtype])
+    args = manifest.args
+    return plan_context(config.ctx_size, args.max_seq_len, kv_bytes, reading.limit, reading.process)
 
 
 def _integer_matrices(manifest: Manifest) -> bool:
