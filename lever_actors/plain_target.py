@@ -38,8 +38,7 @@ class PlainTarget:
             raise
         self.bytes_read = self.reader.stats.bytes_read
         embed = _embedding(extents["embed"]["embed"]) if embed_resident else self._streamed()
-        head = extents["embed" if args.tie_embeddings else "lm_head"]
-        head_matrix = head["embed" if args.tie_embeddings else "lm_head"]
+        head_matrix = extents["lm_head"]["lm_head"]  # plain_formats refused a tied head
         layers = [_layer(extents[layer_key(i)]) for i in range(args.n_layers)]
         final_norm = extents["final_norm"]["final_norm"]
         assert isinstance(head_matrix, plain.Matrix) and isinstance(final_norm, np.ndarray)
@@ -79,6 +78,8 @@ def plain_formats(manifest: Manifest) -> str:
     multiplies quantized matrices only."""
     if manifest.dtype != "bfloat16":
         return f"the plain path computes in bf16, not {manifest.dtype}"
+    if manifest.args.tie_embeddings:
+        return "an LM head tied to the embedding table runs on torch"
     for extent in manifest.extents:
         for entry in extent.tensors:
             if entry.format == "dense" and len(entry.shape) == 2 and entry.name != "embed":

@@ -13,7 +13,7 @@ from lever_actors.channels.messages import TokenEvent
 from lever_actors.channels.stats import decode_phase, decode_rate, per_step, prefill_rate
 from lever_actors.checkpoints.load import load_checkpoint
 from lever_actors.cli.engine_config import engine_config
-from lever_actors.cli.generate_output import Summary, TextPrinter
+from lever_actors.cli.generate_output import Summary, TextPrinter, summary_of
 from lever_actors.config import EngineConfig, check_request_size
 from lever_actors.device.layout import DTYPE_NAMES
 from lever_actors.device.memory import peak_rss_bytes
@@ -24,7 +24,6 @@ from lever_actors.model.transformer import Transformer
 from lever_actors.options import GenerationOptions
 from lever_actors.progress import ProgressLine
 from lever_actors.sizes import format_bytes
-from lever_actors.text.finish import finish_reason
 
 
 def generate_in_memory(
@@ -56,21 +55,7 @@ def generate_in_memory(
         tokens.append(token)
         printer.push(token)
     printer.close()
-    ended = finish_reason(
-        end_token=bool(tokens) and tokens[-1] in tokenizer.eos_ids,
-        generated=len(tokens),
-        max_new_tokens=options.max_new_tokens,
-    )
-    return Summary(
-        prompt_tokens=len(ids),
-        generated_tokens=len(tokens),
-        finish_reason=ended,
-        first_token_seconds=first - started,
-        prefill_tokens_per_second=decode_rate(len(ids), first - started),
-        decode_tokens_per_second=decode_rate(len(tokens) - 1, time.perf_counter() - first),
-        peak_rss_bytes=peak_rss_bytes(),
-        seed=options.sampling.reported_seed,
-    )
+    return summary_of(len(ids), tokens, tokenizer.eos_ids, options, started, first)
 
 
 def generate_with_engine(

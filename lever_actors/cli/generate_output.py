@@ -4,12 +4,18 @@ stderr at the end (`Summary`), whichever path decoded."""
 from __future__ import annotations
 
 import sys
+import time
+from typing import Any
 
 import msgspec
 
 from lever_actors.channels.messages import FinishReason
+from lever_actors.channels.stats import decode_rate
 from lever_actors.checkpoints.tokenizer import Tokenizer
+from lever_actors.device.memory import peak_rss_bytes
+from lever_actors.options import GenerationOptions
 from lever_actors.sizes import format_bytes
+from lever_actors.text.finish import finish_reason
 
 
 class Summary(msgspec.Struct, omit_defaults=True):
@@ -53,6 +59,36 @@ class Summary(msgspec.Struct, omit_defaults=True):
         if self.seed is not None:
             parts.append(f"seed {self.seed}")
         return "; ".join(parts)
+
+
+def summary_of(
+    prompt: int,
+    tokens: list[int],
+    eos_ids: frozenset[int],
+    options: GenerationOptions,
+    started: float,
+    first: float,
+    **figures: Any,
+) -> Summary:
+    """The Summary of one request whose `tokens` came after a `prompt` of that many tokens,
+    the first at `first` (perf_counter) after it started at `started`; `figures` are the
+    pipeline's."""
+    ended = finish_reason(
+        end_token=bool(tokens) and tokens[-1] in eos_ids,
+        generated=len(tokens),
+        max_new_tokens=options.max_new_tokens,
+    )
+    return Summary(
+        prompt_tokens=prompt,
+        generated_tokens=len(tokens),
+        finish_reason=ended,
+        first_token_seconds=first - started,
+        prefill_tokens_per_second=decode_rate(prompt, first - started),
+        decode_tokens_per_second=decode_rate(len(tokens) - 1, time.perf_counter() - first),
+        peak_rss_bytes=peak_rss_bytes(),
+        seed=options.sampling.reported_seed,
+        **figures,
+    )
 
 
 def _rate_of(rate: float | None, template: str) -> str:

@@ -13,15 +13,14 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from lever_actors.channels.stats import decode_rate
 from lever_actors.checkpoints.fetch import REAL_MODELS
 from lever_actors.checkpoints.layout_cache import is_current, is_gguf, layout_path
 from lever_actors.checkpoints.tokenizer import Tokenizer, layout_tokenizer
 from lever_actors.cli.engine_options import engine_flags
-from lever_actors.cli.generate_output import Summary, TextPrinter
+from lever_actors.cli.generate_output import Summary, TextPrinter, summary_of
 from lever_actors.config import EngineConfig, check_request_size
 from lever_actors.device.manifest import Manifest, read_manifest
-from lever_actors.device.memory import peak_rss_bytes, return_freed_heap
+from lever_actors.device.memory import return_freed_heap
 from lever_actors.errors import ConfigError
 from lever_actors.logs import get_logger
 from lever_actors.model.plain_model import greedy
@@ -29,7 +28,6 @@ from lever_actors.options import GenerationOptions
 from lever_actors.plain_target import PlainTarget
 from lever_actors.plan.plain import PlainPlan, plain_context, plain_memory, refusal
 from lever_actors.sizes import format_bytes
-from lever_actors.text.finish import finish_reason
 
 log = get_logger(__name__)
 
@@ -152,23 +150,8 @@ def _decode(
             break
         pending = [token]
     printer.close()
-    ended = finish_reason(
-        end_token=tokens[-1] in tokenizer.eos_ids,
-        generated=len(tokens),
-        max_new_tokens=options.max_new_tokens,
-    )
-    return Summary(
-        prompt_tokens=len(ids),
-        generated_tokens=len(tokens),
-        finish_reason=ended,
-        first_token_seconds=first - decoding,
-        prefill_tokens_per_second=decode_rate(len(ids), first - decoding),
-        decode_tokens_per_second=decode_rate(len(tokens) - 1, time.perf_counter() - first),
-        peak_rss_bytes=peak_rss_bytes(),
-        seed=None,
-        steps=len(tokens),
-        tokens_per_step=1.0,
-        from_draft=0,
-        bytes_read_per_token=0,
+    return summary_of(
+        len(ids), tokens, tokenizer.eos_ids, options, decoding, first,
+        steps=len(tokens), tokens_per_step=1.0, from_draft=0, bytes_read_per_token=0,
         load_seconds=loaded,
-    )
+    )  # fmt: skip

@@ -4,9 +4,9 @@ streamed by rows."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 
@@ -28,21 +28,15 @@ class FlashStore(LayoutReader):
     """A layout's reads as torch's weights: whole extents, rows of the embedding table, and
     the LM head streamed by rows (the reader beneath checks every byte, as LayoutReader)."""
 
-    def __init__(
-        self,
-        directory: Path,
-        *,
-        throttle: str = "none",
-        verify: bool = True,
-        direct: bool = True,
-    ) -> None:
-        super().__init__(directory, throttle=throttle, verify=verify, direct=direct)
-        # reads the next part of a streamed tensor while the caller uses this one
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flash-stream")
+    @functools.cached_property
+    def _reader(self) -> ThreadPoolExecutor:
+        """Reads the next part of a streamed tensor while the caller uses this one."""
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="flash-stream")
 
     def close(self) -> None:
         """Idempotent."""
-        self._reader.shutdown()
+        if "_reader" in self.__dict__:  # started by a stream
+            self._reader.shutdown()
         super().close()
 
     def read_extent(
