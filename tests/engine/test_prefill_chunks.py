@@ -18,6 +18,7 @@ from lever_actors.engine import Engine
 from lever_actors.model import layers
 from lever_actors.model.layers import rows_per_chunk
 from lever_actors.model.placement import chain_placement, tree_placement
+from lever_actors.model.shapes import CHUNK_BYTES
 from lever_actors.model.transformer import Transformer
 from lever_actors.model.tree import TokenTree
 from lever_actors.testing import bf16_engine_cases, engine_cases, reference_tokens
@@ -71,7 +72,7 @@ def test_chunks_are_sized_to_the_temporaries_of_a_layer():
     real = msgspec.structs.replace(TINY_ARGS, ffn_dim=8960, n_heads=12)
     rows = rows_per_chunk(real, 1600)
     assert 100 < rows < 300  # about 180 KiB a row: 32 MiB's worth
-    assert 4 * rows * (3 * 8960 + 12 * 1600) <= layers.CHUNK_BYTES
+    assert 4 * rows * (3 * 8960 + 12 * 1600) <= CHUNK_BYTES
     assert rows_per_chunk(real, 10**9) == 1
 
 

@@ -172,8 +172,8 @@ def test_requests_are_checked_before_any_model_loads(
     def load(*args, **kwargs):
         raise AssertionError("a model loaded before the request was checked")
 
-    monkeypatch.setattr("lever_actors.cli.generate.load_checkpoint", load)
-    monkeypatch.setattr("lever_actors.cli.generate.Engine.open", load)
+    monkeypatch.setattr("lever_actors.cli.generate_engine.load_checkpoint", load)
+    monkeypatch.setattr("lever_actors.cli.generate_engine.Engine.open", load)
     monkeypatch.chdir(tmp_path)
     Path("m.json").write_text(json.dumps([{"role": "robot", "content": "t1"}]))
     where = ["--model", "m"] if path == "in-memory" else ["--target", "t", "--draft", "d"]
