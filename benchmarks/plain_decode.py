@@ -7,7 +7,9 @@ whether their tokens agree (they must: the kernels and roundings are the same).
     .venv/bin/python benchmarks/plain_decode.py [--prompt-tokens 200] [--tokens 64] [--runs 3]
                                                 [--out benchmarks/results/plain-decode.json]
 
-Run it on a quiet machine: both paths use every core."""
+Both paths run in this one process, each with its own OpenMP team (torch's and the plain
+library's), so its timings are rough: benchmarks/native_start.py times the two apart. Run it
+on a quiet machine: both paths use every core."""
 
 from __future__ import annotations
 

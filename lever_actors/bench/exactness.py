@@ -1,6 +1,7 @@
-"""`lever-actors check-exact`: every speculative policy against one-token greedy decoding of
-the same flash layout, token for token, on real prompts (repetitive prose among them, where
-near-ties are common). Any divergence is printed and makes the audit fail."""
+"""`lever-actors check-exact`: every speculative policy, and the plain path's one-token greedy
+(no torch in its arithmetic), against one-token greedy decoding of the same flash layout,
+token for token, on real prompts (repetitive prose among them, where near-ties are common).
+Any divergence is printed and makes the audit fail."""
 
 from __future__ import annotations
 
@@ -22,9 +23,13 @@ from lever_actors.device.manifest import read_manifest
 from lever_actors.draft import DraftModel, load_draft
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError
+from lever_actors.model import plain
+from lever_actors.model.plain_model import greedy
 from lever_actors.model.sequential import sequential_cached
 from lever_actors.model.transformer import Transformer
+from lever_actors.plain_target import PlainTarget
 
+PLAIN = "plain"
 # name -> EngineConfig fields; static:8,8 (72 nodes) and gain-cost trees go past every row
 # count at which a BLAS kernel may switch
 POLICIES: dict[str, dict[str, Any]] = {
@@ -38,6 +43,7 @@ POLICIES: dict[str, dict[str, Any]] = {
     "lookup": {"tree": "lookup"},  # copies from the text alone, no draft model
     # trees, a trial of copies from the third step, kept for good (later prompts copy)
     "gaincost-switch": {"tree": "gaincost", "switch_at": 3},
+    PLAIN: {},  # no engine: one-token greedy on the plain path (plain_target.py)
 }
 
 # continued as raw text: repetition makes the target's top two tokens close
@@ -109,9 +115,14 @@ def check_exact(
         )
         _say(f"one-token greedy {prompt.name}: {len(expected[prompt.name])} tokens")
     del reference, checkpoint
-    draft = load_draft(str(draft_path), draft_dtype)
     divergences = []
-    for policy in policies:
+    if PLAIN in policies and not plain.available():
+        _say("plain: not run, this CPU cannot run the plain kernels")
+    elif PLAIN in policies:
+        found = _run_plain(layout, prompts, max_new_tokens, stop_ids)
+        divergences += _compared(PLAIN, prompts, found, expected)
+    draft = load_draft(str(draft_path), draft_dtype)
+    for policy in (p for p in policies if p != PLAIN):
         config = EngineConfig(
             target=str(layout),
             draft=str(draft_path),
@@ -121,16 +132,51 @@ def check_exact(
             **POLICIES[policy],
         )
         found = trio.run(_run_policy, config, draft, prompts, max_new_tokens, parallel > 1)
-        for prompt in prompts:
-            got, want = found[prompt.name], expected[prompt.name]
-            if got != want:
-                common = min(len(got), len(want))
-                at = next((i for i in range(common) if got[i] != want[i]), common)
-                divergences.append(
-                    Divergence(prompt.name, policy, at, want[at : at + 5], got[at : at + 5])
-                )
-        _say(f"{policy}: {sum(d.policy == policy for d in divergences)} divergences")
+        divergences += _compared(policy, prompts, found, expected)
     return divergences
+
+
+def _compared(
+    policy: str,
+    prompts: Sequence[Prompt],
+    found: dict[str, list[int]],
+    expected: dict[str, list[int]],
+) -> list[Divergence]:
+    """Where `policy`'s tokens part from one-token greedy's, prompt by prompt."""
+    divergences = []
+    for prompt in prompts:
+        got, want = found[prompt.name], expected[prompt.name]
+        if got != want:
+            common = min(len(got), len(want))
+            at = next((i for i in range(common) if got[i] != want[i]), common)
+            divergences.append(
+                Divergence(prompt.name, policy, at, want[at : at + 5], got[at : at + 5])
+            )
+    _say(f"{policy}: {len(divergences)} divergences")
+    return divergences
+
+
+def _run_plain(
+    layout: Path, prompts: Sequence[Prompt], max_new_tokens: int, stop_ids: frozenset[int]
+) -> dict[str, list[int]]:
+    """Each prompt's one-token greedy decoding on the plain path, one after another."""
+    target = PlainTarget(layout)
+    model, tokens = target.model, {}
+    try:
+        for prompt in prompts:
+            started = time.perf_counter()
+            cache = model.new_cache(len(prompt.tokens) + max_new_tokens)
+            pending, got = prompt.tokens, list[int]()
+            while len(got) < max_new_tokens and not (got and got[-1] in stop_ids):
+                hidden = model.forward(pending, cache)
+                cache.commit(len(pending))
+                got += greedy(model.logits(hidden[-1:]))
+                pending = got[-1:]
+            tokens[prompt.name] = got
+            _say(f"  plain {prompt.name}: {len(got)} tokens, {time.perf_counter() - started:.1f} s")
+    finally:
+        target.close()
+    return tokens
 
 
 async def _run_policy(

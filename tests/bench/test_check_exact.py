@@ -6,12 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from lever_actors.bench import exactness
 from lever_actors.bench.exactness import Prompt, check_exact
 from lever_actors.config import DramBudget
 from lever_actors.errors import ConfigError
-from lever_actors.testing.checkpoints import TINY_ARGS, model_pair
+from lever_actors.model import plain
+from lever_actors.testing.checkpoints import TINY_ARGS, bf16_args, model_pair
 
 PROMPTS = [Prompt("a", [5, 6, 7, 8]), Prompt("b", [1, 2, 3]), Prompt("c", [9, 9, 4, 2, 7])]
 
@@ -60,3 +62,21 @@ def test_a_divergence_names_the_prompt_policy_and_first_token(pair, monkeypatch)
 def test_parallel_below_one_is_refused(pair):
     with pytest.raises(ConfigError, match="parallel = 0: expected >= 1"):
         audit(pair, parallel=0)
+
+
+@pytest.mark.skipif(not plain.available(), reason="this CPU cannot run the plain kernels")
+def test_the_plain_path_is_audited_beside_the_policies(capsys):
+    quantized = model_pair(bf16_args(), "identical", dtype=torch.bfloat16, weights="q4k")
+    found = check_exact(
+        Path(quantized.target),
+        Path(quantized.draft),
+        PROMPTS,
+        policies=["plain", "chain-4"],
+        max_new_tokens=12,
+        dram_budget=DramBudget("all"),
+        draft_dtype="bfloat16",
+    )
+    assert found == []
+    err = capsys.readouterr().err
+    assert "plain: 0 divergences" in err and "chain-4: 0 divergences" in err
+    assert err.count("  plain ") == len(PROMPTS)
