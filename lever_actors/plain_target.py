@@ -7,6 +7,7 @@ target.py's FlashTarget computes on torch, bit for bit."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,9 @@ from lever_actors.model.formats import K_INPUTS, LAYER_MATRICES, Q4K_OUTPUTS, Q4
 from lever_actors.model.plain_model import DenseRows, Int4Rows, Model, Weights, decode_int4_rows
 
 Array = np.ndarray | plain.Matrix | Int4Rows  # a tensor as the plain path holds it
+# extents read at once: the real target (1.06 GiB) loaded in 0.58-0.66 s on two threads, one
+# at a time 0.66-0.81 s (2-core EPYC, 2026-12-06)
+LOADERS = 2
 
 
 class PlainTarget:
@@ -31,8 +35,12 @@ class PlainTarget:
         self.manifest: Manifest = self.reader.manifest
         args = self.manifest.args
         keys = [e.key for e in self.manifest.extents if embed_resident or e.key != "embed"]
-        try:
-            extents = {key: _load(self.reader, self.manifest.extent(key)) for key in keys}
+        try:  # two at a time: one read's faults and hashing beside another's transfer
+            with ThreadPoolExecutor(LOADERS, thread_name_prefix="plain-load") as loaders:
+                loaded = loaders.map(
+                    lambda key: _load(self.reader, self.manifest.extent(key)), keys
+                )
+                extents = dict(zip(keys, loaded, strict=True))
         except BaseException:
             self.reader.close()
             raise
