@@ -1,0 +1,86 @@
+"""Whether a request runs on the plain path (plan/plain.py): each refusal names its reason,
+and the memory plan keeps the layers and the LM head, the embedding table where it fits."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from lever_actors.config import EngineConfig
+from lever_actors.device.manifest import read_manifest
+from lever_actors.model import kernel_build
+from lever_actors.model.args import RopeScaling
+from lever_actors.model.sampling import GREEDY, Sampling
+from lever_actors.plan import plain
+from lever_actors.plan.memory import MemoryPlan
+from lever_actors.testing import model_pair
+from lever_actors.testing.checkpoints import bf16_args
+
+
+def layout(weights: str = "q4k", **args):
+    model = msgspec.structs.replace(bf16_args(), **args)
+    return model_pair(model, "identical", dtype=torch.bfloat16, weights=weights).target
+
+
+@pytest.fixture(scope="module")
+def q4k():
+    return layout()
+
+
+def config(target, **fields) -> EngineConfig:
+    return EngineConfig(target=str(target), **{"plan": "ar", **fields})
+
+
+@pytest.mark.parametrize(
+    ("fields", "sampling", "why"),
+    [
+        ({"plan": "lookup"}, GREEDY, "only the plan ar runs without torch"),
+        ({}, Sampling(temperature=0.5, seed=1), "seeded sampling draws torch's noise"),
+        ({"trace": "t.msgpack", "throttle": "ufs4.0"}, GREEDY, "trace, throttle asks for"),
+        ({"dram_budget": "all"}, GREEDY, "dram_budget asks for the engine"),
+        ({}, GREEDY, ""),
+    ],
+)
+def test_a_refusal_names_what_asks_for_the_engine(q4k, fields, sampling, why):
+    manifest = read_manifest(q4k)
+    found = plain.refusal(config(q4k, **fields), manifest, sampling)
+    assert found.startswith(why) if why else found == ""
+
+
+def test_models_and_formats_the_plain_path_cannot_run_are_refused():
+    llama3 = layout(rope_scaling=RopeScaling("llama3", factor=8.0))
+    assert "llama3's rope scaling" in plain.refusal(config(llama3), read_manifest(llama3), GREEDY)
+    dense = layout("dense")
+    assert "is a dense matrix" in plain.refusal(config(dense), read_manifest(dense), GREEDY)
+
+
+def test_amx_keeps_int8_matrices_on_its_tiles(monkeypatch):
+    q8 = layout("q8")
+    supported = kernel_build.supported
+    monkeypatch.setattr(
+        kernel_build,
+        "supported",
+        lambda isas=kernel_build.ISAS: (
+            (kernel_build.AMX, "") if kernel_build.AMX in isas else supported(isas)
+        ),
+    )
+    assert "AMX's tiles" in plain.refusal(config(q8), read_manifest(q8), GREEDY)
+
+
+@pytest.mark.parametrize(
+    ("spare", "planned"), [(1 << 30, (True, True)), (-1, (True, False)), (None, None)]
+)
+def test_the_memory_plan_keeps_the_layers_and_the_table_where_it_fits(
+    q4k, monkeypatch, spare, planned
+):
+    manifest = read_manifest(q4k)
+    table = manifest.extent("embed").nbytes
+    budget = {1 << 30: manifest.file_bytes, -1: manifest.file_bytes - table}.get(spare, 0)
+    made = MemoryPlan(1 << 33, 0, 0, 0, 1024, 1 << 20, budget, True)
+    monkeypatch.setattr(plain, "memory_plan", lambda *args, **kwargs: made)
+    found, why = plain.plain_memory(config(q4k), manifest)
+    if planned is None:
+        assert found is None and why.endswith("the layers and the LM head would stream")
+    else:
+        assert found is not None and (True, found.embed_resident) == planned
