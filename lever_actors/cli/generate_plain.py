@@ -103,7 +103,7 @@ def generate_plain(
     resident = run.plan.embed_resident
     target = PlainTarget(run.layout, embed_resident=resident, verify=args.verify)
     try:
-        return _decode(target, run, args, prompt, messages, options, started)
+        return _decode(target, run, prompt, messages, options, started)
     finally:
         target.close()
 
@@ -111,7 +111,6 @@ def generate_plain(
 def _decode(
     target: PlainTarget,
     run: PlainRun,
-    args: argparse.Namespace,
     prompt: str | None,
     messages: list[dict] | None,
     options: GenerationOptions,
@@ -136,8 +135,8 @@ def _decode(
     printer = TextPrinter(tokenizer, ids)
     cache = model.new_cache(len(ids) + options.max_new_tokens)
     tokens: list[int] = []
-    pending, first = ids, started
-    decoding = time.perf_counter()
+    pending = ids
+    decoding = first = time.perf_counter()
     while len(tokens) < options.max_new_tokens:
         hidden = model.forward(pending, cache)
         cache.commit(len(pending))

@@ -4,7 +4,7 @@ masks a model's logits by it.
 
 The target's choice at a position takes the mask of the grammar's state after the tokens
 before it: the mask keeps the allowed tokens' logits and sets the rest to -inf before any
-temperature, filtering or noise (sampling.py). Sequential decoding does the same one token
+temperature, filtering or noise (choosing.py). Sequential decoding does the same one token
 at a time, so a tree whose accepted path is chosen under the masks along it commits the
 same tokens, whatever the draft proposed. The draft proposes under the same masks (a copy
 of the matcher, `allowed_after` its nodes' paths), only so that it proposes what the

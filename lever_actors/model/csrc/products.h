@@ -11,7 +11,7 @@
 
 namespace lever {
 
-enum Format : int64_t { INT4, INT8, Q6K, Q4K };  // model/fused.py's format codes
+enum Format : int64_t { INT4, INT8, Q6K, Q4K };  // model/formats.py's FORMAT_CODES
 
 struct MatrixRef {
   int64_t fmt;         // a Format
