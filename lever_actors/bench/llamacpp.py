@@ -57,6 +57,7 @@ from lever_actors.bench.llamacpp_output import (
 )
 from lever_actors.bench.modes import Decoded, ModeFailed
 from lever_actors.bench.results import ModeInfo
+from lever_actors.checkpoints.gguf_tokenizer import tokenizer_from_gguf
 from lever_actors.checkpoints.tokenizer import Tokenizer, layout_tokenizer
 from lever_actors.device.manifest import MANIFEST_NAME, read_manifest
 from lever_actors.model.sampling import Sampling
@@ -111,7 +112,7 @@ def load_tokenizer(path: Path) -> Tokenizer:
     elif path.is_dir() and (path / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_file(path / "tokenizer.json")
     elif path.suffix == ".gguf":
-        tokenizer = Tokenizer.from_gguf(gguf.GGUFReader(str(path)), path)
+        tokenizer = tokenizer_from_gguf(gguf.GGUFReader(str(path)), path)
     if tokenizer is None:
         raise ModeFailed(f"unavailable: {path} has no tokenizer to write the prompts as text")
     return tokenizer

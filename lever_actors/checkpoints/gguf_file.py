@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType
 
 from lever_actors.checkpoints.checkpoint import Checkpoint, check_layer_count
+from lever_actors.checkpoints.gguf_tokenizer import tokenizer_from_gguf
 from lever_actors.checkpoints.quantize import (
     ROW_WISE_FORMATS,
     check_choice,
@@ -340,7 +341,7 @@ def _tokenizer(reader: gguf.GGUFReader, path: Path) -> Tokenizer | None:
     if "tokenizer.ggml.model" not in reader.fields:
         return None
     try:
-        tokenizer = Tokenizer.from_gguf(reader, path)
+        tokenizer = tokenizer_from_gguf(reader, path)
     except CheckpointError:
         raise
     except (*_READER_ERRORS, AttributeError) as cause:

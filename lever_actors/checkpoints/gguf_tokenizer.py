@@ -16,6 +16,7 @@ import gguf
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
+from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.errors import CheckpointError
 
 # Pre-tokenizer split patterns, applied in order, keyed by GGUF `tokenizer.ggml.pre`.
@@ -261,3 +262,8 @@ _BUILDERS: dict[str, Callable[[_Metadata, _Vocab], tuple[tokenizers.Tokenizer, b
     "gpt2": _byte_level_bpe,
     "llama": _sentencepiece_bpe,
 }
+
+
+def tokenizer_from_gguf(reader: gguf.GGUFReader, source: Path) -> Tokenizer:
+    """The tokenizer rebuilt from a GGUF's `tokenizer.ggml.*` metadata."""
+    return Tokenizer(**read_gguf_tokenizer(reader, source)._asdict(), source=str(source))

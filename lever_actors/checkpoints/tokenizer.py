@@ -12,13 +12,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import gguf
 import llguidance
 import tokenizers
 from jinja2 import TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from lever_actors.checkpoints.gguf_tokenizer import read_gguf_tokenizer
 from lever_actors.device.manifest import Manifest
 from lever_actors.errors import CheckpointError, ConfigError, LeverError
 from lever_actors.logs import get_logger
@@ -99,11 +97,6 @@ class Tokenizer:
             vocab_size=backend.get_vocab_size(with_added_tokens=True),
             source=str(path.parent),
         )
-
-    @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader, source: Path) -> Tokenizer:
-        """The tokenizer rebuilt from `tokenizer.ggml.*` metadata (see gguf_tokenizer)."""
-        return cls(**read_gguf_tokenizer(reader, source)._asdict(), source=str(source))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; BOS is prepended only where the model's config asks for it,

@@ -10,7 +10,7 @@ import pytest
 import tokenizers
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 
-from lever_actors.checkpoints.gguf_tokenizer import _QWEN2_SPLIT
+from lever_actors.checkpoints.gguf_tokenizer import _QWEN2_SPLIT, tokenizer_from_gguf
 from lever_actors.checkpoints.tokenizer import Tokenizer, user_turn
 from lever_actors.errors import CheckpointError
 
@@ -99,7 +99,7 @@ def _write_vocab_gguf(
 def gguf_tokenizer(bpe: Vocab, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     path = tmp_path_factory.mktemp("gguf") / "vocab.gguf"
     _write_vocab_gguf(path, *bpe)
-    return Tokenizer.from_gguf(gguf.GGUFReader(path), path)
+    return tokenizer_from_gguf(gguf.GGUFReader(path), path)
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +212,7 @@ def test_stream_decoder_holds_partial_characters(tok: Tokenizer) -> None:
 def test_gguf_bos_added_when_asked(bpe: Vocab, tmp_path: Path) -> None:
     path = tmp_path / "bos.gguf"
     _write_vocab_gguf(path, *bpe, add_bos=True)
-    tok = Tokenizer.from_gguf(gguf.GGUFReader(path), path)
+    tok = tokenizer_from_gguf(gguf.GGUFReader(path), path)
     assert tok.encode("hi")[0] == tok.bos_id == bpe[0].index("<|endoftext|>")
 
 
@@ -221,7 +221,7 @@ def test_unsupported_tokenizer_model(bpe: Vocab, tmp_path: Path, model: str) -> 
     path = tmp_path / f"{model}.gguf"
     _write_vocab_gguf(path, *bpe, model=model)
     with pytest.raises(CheckpointError) as err:
-        Tokenizer.from_gguf(gguf.GGUFReader(path), path)
+        tokenizer_from_gguf(gguf.GGUFReader(path), path)
     assert str(err.value) == (
         f"{path}: unsupported tokenizer.ggml.model {model!r}; "
         "supported: gpt2 (byte-level BPE), llama (SentencePiece BPE)"
@@ -245,7 +245,7 @@ def test_smollm_splits_every_digit(tmp_path: Path) -> None:
     assert {"1 2", "Ġ 1"} <= set(merges)
     path = tmp_path / "smollm.gguf"
     _write_vocab_gguf(path, tokens + SPECIALS + USER_DEFINED, merges, pre="smollm")
-    ours = Tokenizer.from_gguf(gguf.GGUFReader(path), path)
+    ours = tokenizer_from_gguf(gguf.GGUFReader(path), path)
     smollm = trained
     smollm.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre]

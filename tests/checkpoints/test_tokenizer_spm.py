@@ -12,7 +12,7 @@ import gguf
 import pytest
 import sentencepiece
 
-from lever_actors.checkpoints.gguf_tokenizer import merges_from_scores
+from lever_actors.checkpoints.gguf_tokenizer import merges_from_scores, tokenizer_from_gguf
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.errors import CheckpointError, ConfigError
 from tests.spm import CONTROL, GEMMA_TEMPLATE, STYLES, USER_DEFINED, metadata, train, write_fields
@@ -46,7 +46,7 @@ WHOLE = [
 
 
 def _read(path: Path) -> Tokenizer:
-    return Tokenizer.from_gguf(gguf.GGUFReader(path), path)
+    return tokenizer_from_gguf(gguf.GGUFReader(path), path)
 
 
 class Case:
