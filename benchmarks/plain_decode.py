@@ -113,18 +113,11 @@ def torch_decode(model: Transformer, ids: list[int], new: int) -> dict:
 
 
 def plain_decode(model: plain_model.Model, ids: list[int], new: int) -> dict:
-    cache = model.new_cache(len(ids) + new)
-    pending, tokens = ids, []
+    stream = plain_model.greedy_stream(model, ids, new)
     started = time.perf_counter()
-    prefilled = started
-    for _ in range(new):
-        hidden = model.forward(pending, cache)
-        cache.commit(len(pending))
-        [token] = plain_model.greedy(model.logits(hidden[-1:]))
-        if not tokens:
-            prefilled = time.perf_counter()
-        tokens.append(token)
-        pending = [token]
+    first = next(stream)
+    prefilled = time.perf_counter()
+    tokens = [first, *stream]
     return timed(tokens, len(ids), started, prefilled, time.perf_counter())
 
 

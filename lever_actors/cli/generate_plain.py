@@ -23,7 +23,7 @@ from lever_actors.device.manifest import Manifest, read_manifest
 from lever_actors.device.memory import return_freed_heap
 from lever_actors.errors import ConfigError
 from lever_actors.logs import get_logger
-from lever_actors.model.plain_model import greedy
+from lever_actors.model.plain_model import greedy_stream
 from lever_actors.options import GenerationOptions
 from lever_actors.plain_target import PlainTarget
 from lever_actors.plan.plain import PlainPlan, plain_context, plain_memory, refusal
@@ -133,21 +133,13 @@ def _decode(
     print(run.plan.memory, file=sys.stderr)
     print("plan: ar on the plain kernels (no torch)", file=sys.stderr)
     printer = TextPrinter(tokenizer, ids)
-    cache = model.new_cache(len(ids) + options.max_new_tokens)
     tokens: list[int] = []
-    pending = ids
     decoding = first = time.perf_counter()
-    while len(tokens) < options.max_new_tokens:
-        hidden = model.forward(pending, cache)
-        cache.commit(len(pending))
-        [token] = greedy(model.logits(hidden[-1:]))
+    for token in greedy_stream(model, ids, options.max_new_tokens, tokenizer.eos_ids):
         if not tokens:
             first = time.perf_counter()
         tokens.append(token)
         printer.push(token)
-        if token in tokenizer.eos_ids:
-            break
-        pending = [token]
     printer.close()
     return summary_of(
         len(ids), tokens, tokenizer.eos_ids, options, decoding, first,

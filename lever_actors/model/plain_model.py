@@ -10,7 +10,7 @@ table dense in bf16 or in int4rows; rope without llama3's scaling.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -187,6 +187,27 @@ class Model:
 def greedy(logits: np.ndarray) -> list[int]:
     """Each row's argmax over bf16 logits [n, vocab] (the first of equals, as torch's)."""
     return float32_of(logits).argmax(-1).tolist()
+
+
+def greedy_stream(
+    model: Model,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    stop_ids: Container[int] = frozenset(),
+) -> Iterator[int]:
+    """One-token greedy decoding after `prompt`, yielding each token as it comes, up to
+    `max_new_tokens` or a token of `stop_ids` (yielded too): model/sequential.py's
+    `sequential_stream`, greedy, on the plain path."""
+    cache = model.new_cache(len(prompt) + max_new_tokens)
+    pending = list(prompt)
+    for _ in range(max_new_tokens):
+        hidden = model.forward(pending, cache)
+        cache.commit(len(pending))
+        [token] = greedy(model.logits(hidden[-1:]))
+        yield token
+        if token in stop_ids:
+            return
+        pending = [token]
 
 
 def unsupported(args: ModelArgs) -> str:

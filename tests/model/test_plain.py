@@ -15,6 +15,7 @@ from lever_actors.errors import ConfigError
 from lever_actors.model import fused, native, plain, plain_from_torch, plain_model
 from lever_actors.model.frequencies import shared_inverse_frequencies
 from lever_actors.model.placement import chain_placement, tree_placement
+from lever_actors.model.plain_from_torch import bits, matrix
 from lever_actors.model.rope import Rope
 from lever_actors.model.sequential import sequential_cached
 from lever_actors.model.tree import TokenTree
@@ -24,16 +25,6 @@ from tests.model.test_fused import needs_avx2, quantized_model
 from tests.model.test_native import int8_meaning, needs_native, weight
 
 ROWS = (1, 2, 3, 5, 8, 17, 33)  # one-token decoding, tiles of 4 and 8 and what is left
-
-
-def bits(t: torch.Tensor) -> np.ndarray:
-    """A bf16 or float16 tensor as the numpy uint16 array of its bits."""
-    return t.contiguous().view(torch.int16).numpy().view(np.uint16)
-
-
-def matrix(q) -> plain.Matrix:
-    """A QuantizedWeight as the plain kernels take it (every format's scales are 16-bit)."""
-    return plain.Matrix(q.fmt, q.shape, q.data.numpy(), bits(q.scales))
 
 
 def bf16(shape: tuple[int, ...], seed: int, spread: float = 1.0) -> torch.Tensor:
@@ -238,15 +229,15 @@ def test_the_plain_model_gives_the_torch_models_bits_through_a_prompt_a_tree_and
 def test_plain_greedy_decoding_gives_the_torch_models_tokens():
     theirs = quantized_model("q4k")
     ours, prompt = plain_of(theirs), [3, 14, 15, 92, 65]
-    room, tokens = ours.new_cache(64), []
-    pending = prompt
-    for _ in range(24):
-        hidden = ours.forward(pending, room)
-        room.commit(len(pending))
-        [token] = plain_model.greedy(ours.logits(hidden[-1:]))
-        tokens.append(token)
-        pending = [token]
+    tokens = list(plain_model.greedy_stream(ours, prompt, 24))
     assert tokens == sequential_cached(theirs, prompt, 24)
+    stop = frozenset({tokens[5]})  # ends on its first stop token, which it yields
+    stopped = list(plain_model.greedy_stream(ours, prompt, 24, stop))
+    assert (
+        stopped
+        == sequential_cached(theirs, prompt, 24, stop)
+        == tokens[: tokens.index(tokens[5]) + 1]
+    )
 
 
 def test_int4_rows_decode_as_torchs_decode_rows():
