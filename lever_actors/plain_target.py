@@ -13,9 +13,17 @@ from pathlib import Path
 import numpy as np
 
 from lever_actors.device.manifest import Extent, Manifest, TensorEntry, layer_key
-from lever_actors.device.reads import AlignedBuffer, LayoutReader
+from lever_actors.device.reads import LayoutReader
 from lever_actors.model import plain
-from lever_actors.model.formats import K_INPUTS, LAYER_MATRICES, Q4K_OUTPUTS, Q4K_RECORD, Q6K_BYTES
+from lever_actors.model.formats import (
+    GROUP,
+    LAYER_MATRICES,
+    Q4K_OUTPUTS,
+    Q4K_RECORD,
+    ROW_MATRIX_FORMATS,
+    q4k_blocks_of,
+    row_bytes,
+)
 from lever_actors.model.plain_model import DenseRows, Int4Rows, Model, Weights, decode_int4_rows
 
 Array = np.ndarray | plain.Matrix | Int4Rows  # a tensor as the plain path holds it
@@ -97,9 +105,8 @@ def plain_formats(manifest: Manifest) -> str:
 
 
 def _load(reader: LayoutReader, extent: Extent) -> dict[str, Array]:
-    """One extent read into its own buffer (4 KiB pages: see AlignedBuffer) and checked."""
-    buffer = AlignedBuffer(extent.nbytes, huge=False)
-    reader.read_bytes(extent, buffer)
+    """One extent read into its own buffer and checked, its tensors viewed in place."""
+    buffer = reader.load_bytes(extent)
     return {
         t.name: _tensor(t, buffer.array[t.offset : t.offset + t.nbytes]) for t in extent.tensors
     }
@@ -116,8 +123,8 @@ def _tensor(entry: TensorEntry, raw: np.ndarray) -> Array:
     if entry.format == "int4rows":
         return Int4Rows(raw.reshape(entry.shape[0], -1), entry.shape[1])
     out, inputs = entry.shape
-    if entry.format in ("int8", "q6k"):  # rows of values, then rows of scales
-        values = inputs if entry.format == "int8" else inputs // K_INPUTS * Q6K_BYTES
+    if entry.format in ROW_MATRIX_FORMATS:  # rows of values, then rows of scales
+        values, _ = row_bytes(entry.format, inputs)
         data: np.ndarray = raw[: out * values].reshape(out, values)
         scales: np.ndarray = raw[out * values :].view(np.uint16).reshape(out, -1)
         if entry.format == "int8":
@@ -125,13 +132,13 @@ def _tensor(entry: TensorEntry, raw: np.ndarray) -> Array:
         return plain.Matrix(entry.format, (out, inputs), data, scales)
     if entry.format == "q4k":
         records = out // Q4K_OUTPUTS
-        split = records * -(-inputs // K_INPUTS) * Q4K_RECORD
+        split = records * q4k_blocks_of(inputs) * Q4K_RECORD
         data = raw[:split].reshape(records, -1)
         return plain.Matrix(
             "q4k", (out, inputs), data, raw[split:].view(np.uint16).reshape(records, -1)
         )
     split = out * inputs // 2  # int4: the packing, then (scale, zero) per group
-    pairs = raw[split:].view(np.uint16).reshape(inputs // 32, out, 2)
+    pairs = raw[split:].view(np.uint16).reshape(inputs // GROUP, out, 2)
     return plain.Matrix("int4", (out, inputs), raw[:split].reshape(out, -1), pairs)
 
 

@@ -49,7 +49,8 @@ class FlashStore(LayoutReader):
 
     def load_extent(self, extent: Extent) -> dict[str, Weight]:
         """Read an extent into its own new buffer, for weights that stay resident."""
-        return self.read_extent(extent, AlignedBuffer(extent.nbytes, huge=False))
+        buffer = self.load_bytes(extent)
+        return {t.name: tensor_of(buffer, t) for t in extent.tensors}
 
     def read_rows(self, extent: Extent, rows: list[int]) -> torch.Tensor:
         """Rows of a 2-D single-tensor extent (the embedding table), each by its own small read

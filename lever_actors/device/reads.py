@@ -131,6 +131,13 @@ class LayoutReader:
         if check:
             self.check_extent(extent, buffer)
 
+    def load_bytes(self, extent: Extent) -> AlignedBuffer:
+        """Blocking: an extent read and checked into its own new buffer, for weights that stay
+        resident (4 KiB pages: see AlignedBuffer)."""
+        buffer = AlignedBuffer(extent.nbytes, huge=False)
+        self.read_bytes(extent, buffer)
+        return buffer
+
     def check_extent(self, extent: Extent, buffer: AlignedBuffer) -> None:
         """Blocking: every tensor of the extent read into `buffer` against its checksum (when
         this store verifies); a mismatch is a CorruptLayoutError."""
