@@ -13,7 +13,7 @@ from lever_actors.channels.messages import TokenEvent
 from lever_actors.channels.stats import decode_phase, decode_rate, per_step, prefill_rate
 from lever_actors.checkpoints.load import load_checkpoint
 from lever_actors.cli.engine_config import engine_config
-from lever_actors.cli.generate_output import Summary, TextPrinter, summary_of
+from lever_actors.cli.generate_output import Summary, streamed
 from lever_actors.config import EngineConfig, check_request_size
 from lever_actors.device.layout import DTYPE_NAMES
 from lever_actors.device.memory import peak_rss_bytes
@@ -43,19 +43,10 @@ def generate_in_memory(
     check_request_size(len(ids), options.max_new_tokens, checkpoint.args.max_seq_len)
     model = Transformer(checkpoint.args, checkpoint.weights)
     print(f"loaded {args.model.name} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
-    printer = TextPrinter(tokenizer, ids)
-    started = first = time.perf_counter()
-    tokens: list[int] = []
     stream = sequential_stream(
         model, ids, options.max_new_tokens, tokenizer.eos_ids, options.sampling
     )
-    for token in stream:
-        if not tokens:
-            first = time.perf_counter()
-        tokens.append(token)
-        printer.push(token)
-    printer.close()
-    return summary_of(len(ids), tokens, tokenizer.eos_ids, options, started, first)
+    return streamed(stream, tokenizer, ids, options)
 
 
 def generate_with_engine(

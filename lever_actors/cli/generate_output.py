@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from collections.abc import Iterator
 
 import msgspec
 
@@ -61,18 +61,33 @@ class Summary(msgspec.Struct, omit_defaults=True):
         return "; ".join(parts)
 
 
-def summary_of(
+def streamed(
+    stream: Iterator[int], tokenizer: Tokenizer, prompt: list[int], options: GenerationOptions
+) -> Summary:
+    """Each token of `stream` (decoding after `prompt`) written to stdout as it comes, and
+    their Summary, timed from this call: the first token's wait includes the prefill."""
+    printer = TextPrinter(tokenizer, prompt)
+    tokens: list[int] = []
+    started = first = time.perf_counter()
+    for token in stream:
+        if not tokens:
+            first = time.perf_counter()
+        tokens.append(token)
+        printer.push(token)
+    printer.close()
+    return _summary_of(len(prompt), tokens, tokenizer.eos_ids, options, started, first)
+
+
+def _summary_of(
     prompt: int,
     tokens: list[int],
     eos_ids: frozenset[int],
     options: GenerationOptions,
     started: float,
     first: float,
-    **figures: Any,
 ) -> Summary:
     """The Summary of one request whose `tokens` came after a `prompt` of that many tokens,
-    the first at `first` (perf_counter) after it started at `started`; `figures` are the
-    pipeline's."""
+    the first at `first` (perf_counter) after it started at `started`."""
     ended = finish_reason(
         end_token=bool(tokens) and tokens[-1] in eos_ids,
         generated=len(tokens),
@@ -87,7 +102,6 @@ def summary_of(
         decode_tokens_per_second=decode_rate(len(tokens) - 1, time.perf_counter() - first),
         peak_rss_bytes=peak_rss_bytes(),
         seed=options.sampling.reported_seed,
-        **figures,
     )
 
 

@@ -13,11 +13,13 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+import msgspec
+
 from lever_actors.checkpoints.fetch import REAL_MODELS
 from lever_actors.checkpoints.layout_cache import is_current, is_gguf, layout_path
 from lever_actors.checkpoints.tokenizer import Tokenizer, layout_tokenizer
 from lever_actors.cli.engine_options import engine_flags
-from lever_actors.cli.generate_output import Summary, TextPrinter, summary_of
+from lever_actors.cli.generate_output import Summary, streamed
 from lever_actors.config import EngineConfig, check_request_size
 from lever_actors.device.manifest import Manifest, read_manifest
 from lever_actors.device.memory import return_freed_heap
@@ -132,17 +134,13 @@ def _decode(
     )
     print(run.plan.memory, file=sys.stderr)
     print("plan: ar on the plain kernels (no torch)", file=sys.stderr)
-    printer = TextPrinter(tokenizer, ids)
-    tokens: list[int] = []
-    decoding = first = time.perf_counter()
-    for token in greedy_stream(model, ids, options.max_new_tokens, tokenizer.eos_ids):
-        if not tokens:
-            first = time.perf_counter()
-        tokens.append(token)
-        printer.push(token)
-    printer.close()
-    return summary_of(
-        len(ids), tokens, tokenizer.eos_ids, options, decoding, first,
-        steps=len(tokens), tokens_per_step=1.0, from_draft=0, bytes_read_per_token=0,
+    stream = greedy_stream(model, ids, options.max_new_tokens, tokenizer.eos_ids)
+    summary = streamed(stream, tokenizer, ids, options)
+    return msgspec.structs.replace(  # a pass a token, all of it in DRAM
+        summary,
+        steps=summary.generated_tokens,
+        tokens_per_step=1.0,
+        from_draft=0,
+        bytes_read_per_token=0,
         load_seconds=loaded,
-    )  # fmt: skip
+    )
