@@ -25,25 +25,19 @@ import msgspec
 import trio
 
 from lever_actors.bench.isolation import CgroupSupport, MemoryCgroup, evict_from_page_cache
-from lever_actors.bench.modes import (
-    Decoded,
-    EngineMode,
-    EngineSpec,
-    MemoryARSpec,
-    Mode,
-    ModeFailed,
-    describe,
-)
-from lever_actors.bench.plan import ModeSpec, PlannedMode, open_in_process
+from lever_actors.bench.mode import Decoded, Mode, ModeFailed, describe
+from lever_actors.bench.opening import open_in_process
 from lever_actors.bench.results import ModeInfo
+from lever_actors.bench.specs import EngineSpec, MemoryARSpec, ModeSpec, PlannedMode
 from lever_actors.bench.together import Together, decode_together
 from lever_actors.device.memory import anonymous_rss_bytes, file_rss_bytes, peak_rss_bytes
 from lever_actors.model.sampling import Sampling
 from lever_actors.sizes import format_bytes
 from lever_actors.threads import one_stream_environ
 
-# The child's program. It waits for Open before it imports this module (and torch with it):
-# by then the harness has moved it into its cgroup, which is then charged for every import.
+# The child's program. It waits for Open before it imports this module (and, for a mode that
+# computes on torch, torch with it): by then the harness has moved it into its cgroup, which
+# is then charged for every import.
 CHILD_PROGRAM = """
 import os, sys
 protocol_out = os.fdopen(os.dup(1), "wb", buffering=0)
@@ -86,7 +80,7 @@ class Opened(msgspec.Struct, frozen=True, tag="opened"):
 
     peak_rss_bytes: int
     # the mode's ModeInfo after opening: what it found (a note, an engine's plan and budget)
-    # and, for an engine, this process's resident memory before the first request
+    # and this process's resident memory before the first request
     info: ModeInfo
 
 
@@ -165,10 +159,8 @@ async def _answer(mode: Mode, request: Decode | DecodeTogether) -> Result | Toge
 
 
 def idle_info(mode: Mode) -> ModeInfo:
-    """An open mode's info; an engine's with this process's RssAnon and RssFile now, once
-    open and before its first request."""
-    if not isinstance(mode, EngineMode):
-        return mode.info
+    """An open mode's info with this process's RssAnon and RssFile now, once open and before
+    its first request."""
     return msgspec.structs.replace(
         mode.info,
         idle_anon_rss_bytes=anonymous_rss_bytes(),

@@ -49,8 +49,8 @@ from lever_actors.bench.llamaserver import (
     running_server,
     server_command,
 )
-from lever_actors.bench.modes import EngineSpec, describe
-from lever_actors.bench.plan import BenchOptions, PlannedMode, plan_llamacpp, plan_modes
+from lever_actors.bench.mode import describe
+from lever_actors.bench.plan import BenchOptions, plan_llamacpp, plan_modes
 from lever_actors.bench.results import (
     ConcurrencyResults,
     ConcurrencyRun,
@@ -58,6 +58,7 @@ from lever_actors.bench.results import (
     Machine,
     Round,
 )
+from lever_actors.bench.specs import EngineSpec, PlannedMode
 from lever_actors.bench.together import DecodesTogether, Together
 from lever_actors.sizes import compact_bytes, parse_bytes
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 
 from lever_actors.bench.class_summary import class_figures
-from lever_actors.bench.modes import Decoded, Mode, describe
+from lever_actors.bench.mode import Decoded, Mode, describe
 from lever_actors.bench.results import BenchResults, Machine, PromptRun
 from lever_actors.bench.summary import (
     compute_summary,

@@ -55,7 +55,7 @@ from lever_actors.bench.llamacpp_output import (
     parse_speculative_timings,
     without_colors,
 )
-from lever_actors.bench.modes import Decoded, ModeFailed
+from lever_actors.bench.mode import Decoded, ModeFailed
 from lever_actors.bench.results import ModeInfo
 from lever_actors.checkpoints.gguf_tokenizer import tokenizer_from_gguf
 from lever_actors.checkpoints.tokenizer import Tokenizer, layout_tokenizer

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from lever_actors.bench.modes import ModeFailed
+from lever_actors.bench.mode import ModeFailed
 
 END_OF_TEXT = " [end of text]\n"  # llama-completion's mark of an end-of-generation token
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -27,7 +27,7 @@ import trio
 
 from lever_actors.bench.isolation import MemoryCgroup
 from lever_actors.bench.llamacpp import LlamaCppSpec, failure, in_cgroup
-from lever_actors.bench.modes import ModeFailed
+from lever_actors.bench.mode import ModeFailed
 from lever_actors.bench.together import at_once
 from lever_actors.threads import one_stream_environ
 

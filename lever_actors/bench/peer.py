@@ -25,23 +25,14 @@ import torch
 import trio
 
 from lever_actors.bench.isolation import evict_from_page_cache, storage_read_bytes
-from lever_actors.bench.modes import Decoded, ModeFailed
+from lever_actors.bench.mode import Decoded, ModeFailed
 from lever_actors.bench.results import ModeInfo
+from lever_actors.bench.specs import PeerSpec
 from lever_actors.checkpoints.export import export_hf
 from lever_actors.device.layout import DTYPE_NAMES
 from lever_actors.device.manifest import MANIFEST_NAME
 from lever_actors.model.sampling import Sampling
 from lever_actors.progress import ProgressLine
-
-
-class PeerSpec(msgspec.Struct, frozen=True, tag="peer"):
-    model: str  # an HF directory, or a .gguf file (transformers dequantizes it)
-    dtype: str
-    max_memory_bytes: int | None = None  # DRAM for the target's weights; None: all
-    offload_folder: str | None = None
-    assistant: str | None = None  # HF directory of the draft
-    assistant_dtype: str | None = None
-    evict: tuple[str, ...] = ()  # files and folders to drop from DRAM before each prompt
 
 
 class PeerHF:

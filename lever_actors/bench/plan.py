@@ -15,16 +15,18 @@ import gguf
 import msgspec
 
 from lever_actors.bench import llamacpp_build
-from lever_actors.bench.llamacpp import (
-    DEFAULT_DRAFT_MAX,
-    DEFAULT_THREADS,
-    LlamaCppMode,
-    LlamaCppSpec,
-)
-from lever_actors.bench.modes import EngineMode, EngineSpec, MemoryAR, MemoryARSpec, Mode
-from lever_actors.bench.peer import PeerHF, PeerSpec, hf_export_for
+from lever_actors.bench.llamacpp import DEFAULT_DRAFT_MAX, DEFAULT_THREADS, LlamaCppSpec
+from lever_actors.bench.peer import hf_export_for
 from lever_actors.bench.results import ModeInfo
-from lever_actors.bench.summary import LLAMACPP_FAMILIES
+from lever_actors.bench.specs import (
+    EngineSpec,
+    MemoryARSpec,
+    ModeSpec,
+    PeerSpec,
+    PlainSpec,
+    PlannedMode,
+)
+from lever_actors.bench.summary import LLAMACPP_FAMILIES, PLAIN_FAMILIES
 from lever_actors.config import (
     DEFAULT_MAX_NEW_TOKENS,
     DRAFT_VOCABULARY,
@@ -36,7 +38,7 @@ from lever_actors.config import (
 )
 from lever_actors.device.layout import DTYPE_NAMES
 from lever_actors.device.manifest import MANIFEST_NAME, Manifest, read_manifest
-from lever_actors.draft import DraftModel, load_draft
+from lever_actors.draft import load_draft
 from lever_actors.errors import ConfigError
 from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.paths import default_cache_dir
@@ -63,9 +65,9 @@ PEER_FAMILIES = ("peer-memory", "peer-offload", "peer-assisted")
 # memory-ar-dense: memory-resident AR on the target's GGUF dequantized to bf16, beside the
 # quantized layout's memory-ar
 MEMORY_RESIDENT = ("memory-ar", "memory-ar-dense", "peer-memory")
-MODES = (*MEMORY_RESIDENT, *ENGINE_FAMILIES, *PEER_FAMILIES, *LLAMACPP_FAMILIES)
+MODES = (*MEMORY_RESIDENT, *ENGINE_FAMILIES, *PLAIN_FAMILIES, *PEER_FAMILIES, *LLAMACPP_FAMILIES)
 ISOLATE = ("none", "peers", "all")
-DRAFTLESS = ("flash-ar", "flash-ar-no-verify", "lever-lookup", "lever-ar")
+DRAFTLESS = ("flash-ar", "flash-ar-no-verify", "lever-lookup", "lever-ar", *PLAIN_FAMILIES)
 NEEDS_DRAFT = tuple(
     f for f in (*ENGINE_FAMILIES, "peer-assisted", "llamacpp-spec") if f not in DRAFTLESS
 )
@@ -175,14 +177,6 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
         return recorded | {"budgets": [str(b) for b in self.budgets]}
 
 
-ModeSpec = MemoryARSpec | EngineSpec | PeerSpec | LlamaCppSpec
-
-
-class PlannedMode(msgspec.Struct, frozen=True):
-    info: ModeInfo
-    spec: ModeSpec
-
-
 def engine_variants(options: BenchOptions, family: str) -> list[tuple[str, str | None, dict]]:
     """(mode name, tree, EngineConfig fields) for an engine family. Conventional SD runs with
     the pruner and the gain-cost policy off; the Lever ablations turn one policy off each."""
@@ -275,6 +269,9 @@ def plan_modes(options: BenchOptions, target: Path, draft: Path | None) -> list[
         if family in MEMORY_RESIDENT:
             spec = _memory_resident(family, target, manifest, dtype, cache)
             planned.append(PlannedMode(info(family, family, full_bytes), spec))
+        elif family in PLAIN_FAMILIES:  # it plans its own memory: the whole target, or nothing
+            assert manifest is not None
+            planned.append(PlannedMode(info(family, family, full_bytes, 0), _plain_spec(target)))
         elif family in LLAMACPP_FAMILIES:
             spec = plan_llamacpp(options, family, target, draft)
             model_bytes = _size(spec.model)
@@ -353,12 +350,21 @@ def _plan_under_limits(
                 continue
             if family in PEER_FAMILIES:
                 raise ConfigError(f"--limits does not run the transformers peer {family}")
+            if family in PLAIN_FAMILIES:
+                mode = ModeInfo(name=f"{family}@{label}", family=family, **under)
+                planned.append(PlannedMode(mode, _plain_spec(target)))
+                continue
             assert manifest is not None
             for name, tree, fields in engine_variants(options, family):
                 chosen = {"plan": "auto"} if family == "lever" else {}  # ablations keep theirs
                 variant = (name, tree, fields | chosen)
                 planned.append(_engine_mode(options, target, draft, family, variant, auto, under))
     return planned
+
+
+def _plain_spec(target: Path) -> PlainSpec:
+    """The plain path on `target`'s layout, planning its memory as `generate --plan ar` does."""
+    return PlainSpec(EngineConfig(target=str(target), draft=None, plan="ar"))
 
 
 def _memory_resident(
@@ -500,28 +506,6 @@ def _size(path: str) -> int:
         return Path(path).stat().st_size
     except OSError:
         return 0
-
-
-def open_in_process(planned: PlannedMode, drafts: dict[tuple[str, str], DraftModel] | None) -> Mode:
-    """The Mode of a planned mode, to run in this process; engine modes share the drafts in
-    `drafts` ((path, dtype) -> loaded draft), loading each once. Without `drafts` (a child
-    process of one mode) an engine loads its draft on its own compute unit: a draft loaded
-    on this thread would start a second OpenMP team, and every team then sleeps after
-    each product (device/units.py)."""
-    spec, info = planned.spec, planned.info
-    if isinstance(spec, MemoryARSpec):
-        return MemoryAR(info, spec)
-    if isinstance(spec, LlamaCppSpec):
-        return LlamaCppMode(info, spec)
-    if isinstance(spec, PeerSpec):
-        return PeerHF(info, spec)
-    config = spec.config
-    if config.draft is None or drafts is None:
-        return EngineMode(info, spec)
-    key = (config.draft, config.draft_dtype)
-    if key not in drafts:
-        drafts[key] = load_draft(config.draft, config.draft_dtype)
-    return EngineMode(info, spec, drafts[key])
 
 
 def weight_bytes(path: Path, dtype: str) -> int:

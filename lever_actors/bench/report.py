@@ -21,6 +21,7 @@ from lever_actors.bench.results import (
 from lever_actors.bench.summary import (
     LLAMACPP_FAMILIES,
     OFFLOADED_PEERS,
+    PLAIN_FAMILIES,
     SD_FAMILIES,
     SWEEP_LINES,
     sweep_rates,
@@ -102,6 +103,8 @@ def limits_lines(results: BenchResults) -> str:
         ("Lever / llama.cpp", llamacpp),
         ("Lever / flash-AR", flash_ar),
         ("Lever / best SD", SD_FAMILIES),
+        ("plain path", PLAIN_FAMILIES),
+        ("plain / llama.cpp", PLAIN_FAMILIES),
         ("Lever peak GiB: process RSS, cgroup", ()),
         ("Lever's plan", ()),
     ]
@@ -121,6 +124,8 @@ def limits_lines(results: BenchResults) -> str:
                 ratio(f.lever, f.llamacpp_best),
                 ratio(f.lever, f.flash_ar),
                 ratio(f.lever, f.best_sd),
+                rate(f.plain),
+                ratio(f.plain, f.llamacpp_best),
                 ", ".join(peaks),
                 f.plan or "—",
             ]

@@ -10,10 +10,10 @@ import math
 import os
 import platform
 from datetime import UTC, datetime
+from importlib.metadata import version
 from pathlib import Path
 
 import msgspec
-import torch
 
 from lever_actors.bench.isolation import probe_cgroup
 from lever_actors.channels.stats import decode_rate
@@ -43,7 +43,7 @@ class Machine(msgspec.Struct, frozen=True):
         return cls(
             cpu=cpu_name(),
             cores=os.cpu_count() or 0,
-            torch_version=str(torch.__version__),
+            torch_version=version("torch"),  # without importing it
             python_version=platform.python_version(),
             date=datetime.now(UTC).strftime("%Y-%m-%d"),
             memory_bytes=_memory_bytes(),
@@ -142,6 +142,7 @@ class LimitFigures(msgspec.Struct, frozen=True, omit_defaults=True):
     files it read included), and its cgroup's (what the limit counted)."""
 
     lever: float | None = None
+    plain: float | None = None  # the plain path (lever-plain): one token a pass, no torch
     flash_ar: float | None = None
     best_sd: float | None = None
     llamacpp_best: float | None = None

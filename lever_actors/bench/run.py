@@ -20,14 +20,9 @@ from lever_actors.bench.concurrency import parallel_runs
 from lever_actors.bench.harness import Workload, run_bench
 from lever_actors.bench.isolation import CgroupSupport, probe_cgroup
 from lever_actors.bench.llamacpp import LlamaCppMode, LlamaCppSpec
-from lever_actors.bench.modes import Mode
-from lever_actors.bench.plan import (
-    BenchOptions,
-    PlannedMode,
-    gguf_of,
-    open_in_process,
-    plan_modes,
-)
+from lever_actors.bench.mode import Mode
+from lever_actors.bench.opening import open_in_process
+from lever_actors.bench.plan import BenchOptions, gguf_of, plan_modes
 from lever_actors.bench.plots import write_plots
 from lever_actors.bench.report import ReportError, output_paths, render_markdown
 from lever_actors.bench.results import (
@@ -39,6 +34,7 @@ from lever_actors.bench.results import (
     SweepResults,
     write_results,
 )
+from lever_actors.bench.specs import PlannedMode
 from lever_actors.config import DramBudget
 from lever_actors.device.disk_profile import DiskProfile, profile_disk
 from lever_actors.device.manifest import MANIFEST_NAME, WEIGHTS_NAME, read_manifest

@@ -25,6 +25,8 @@ from lever_actors.sizes import parse_bytes
 SD_FAMILIES = ("sd-chain", "sd-static")
 OFFLOADED_PEERS = ("peer-offload", "peer-assisted")  # the peers that read from flash
 LLAMACPP_FAMILIES = ("llamacpp-ar", "llamacpp-spec")  # llama.cpp's programs (bench/llamacpp.py)
+# the plain path (#63): `generate --plan ar` without torch (bench/plain_mode.py)
+PLAIN_FAMILIES = ("lever-plain",)
 BASELINES = ("flash_ar", "best_sd", "memory_ar", "peer", "llamacpp")
 SWEEP_LINES = ("flash-AR", "best SD", "Lever")
 _LINE_FAMILIES = {"flash-AR": ("flash-ar",), "best SD": SD_FAMILIES, "Lever": ("lever",)}
@@ -213,6 +215,7 @@ def limit_summary(
     figures = {
         limit: LimitFigures(
             lever=fastest(limit, ("lever",)),
+            plain=fastest(limit, PLAIN_FAMILIES),
             flash_ar=fastest(limit, ("flash-ar",)),
             best_sd=fastest(limit, SD_FAMILIES),
             llamacpp_best=fastest(limit, LLAMACPP_FAMILIES),

@@ -13,7 +13,7 @@ from typing import Protocol
 import msgspec
 import trio
 
-from lever_actors.bench.modes import Decoded, Mode
+from lever_actors.bench.mode import Decoded, Mode
 from lever_actors.bench.results import ModeInfo
 from lever_actors.model.sampling import Sampling
 

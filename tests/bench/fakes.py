@@ -6,7 +6,7 @@ import time
 from contextlib import AsyncExitStack
 
 from lever_actors.bench.harness import PromptSet
-from lever_actors.bench.modes import Decoded
+from lever_actors.bench.mode import Decoded
 from lever_actors.bench.results import ModeInfo
 
 SETS = [PromptSet("a", [[1, 2], [3, 4]]), PromptSet("b", [[5, 6], [7, 8]])]

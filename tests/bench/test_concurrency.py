@@ -40,7 +40,7 @@ from lever_actors.bench.harness import PromptSet, Workload
 from lever_actors.bench.isolation import probe_cgroup
 from lever_actors.bench.llamacpp import LlamaCppSpec
 from lever_actors.bench.llamaserver import complete_together, healthy, server_command
-from lever_actors.bench.modes import ModeFailed
+from lever_actors.bench.mode import ModeFailed
 from lever_actors.bench.plan import BenchOptions
 from lever_actors.bench.report import output_paths, render_markdown
 from lever_actors.bench.results import (

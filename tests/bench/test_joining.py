@@ -11,7 +11,7 @@ from lever_actors.bench.joining import (
     joining_figures,
     step_times,
 )
-from lever_actors.bench.modes import Decoded
+from lever_actors.bench.mode import Decoded
 from lever_actors.bench.together import Together
 
 

@@ -14,10 +14,11 @@ from PIL import Image
 
 from lever_actors.bench import plan, plots
 from lever_actors.bench.harness import run_bench
-from lever_actors.bench.modes import Decoded, EngineSpec
+from lever_actors.bench.mode import Decoded
 from lever_actors.bench.plan import BenchOptions, plan_modes
 from lever_actors.bench.report import limits_lines, output_paths, readme_section
 from lever_actors.bench.results import ModeInfo, read_results, write_results
+from lever_actors.bench.specs import EngineSpec
 from lever_actors.cli.bench import options_from_args
 from lever_actors.errors import ConfigError
 from tests.bench.fakes import SETS, FakeMode

@@ -29,7 +29,7 @@ from lever_actors.bench.llamacpp_output import (
     parse_completion_timings,
     parse_speculative_timings,
 )
-from lever_actors.bench.modes import ModeFailed
+from lever_actors.bench.mode import ModeFailed
 from lever_actors.bench.plan import BenchOptions, plan_modes
 from lever_actors.bench.report import render_markdown
 from lever_actors.bench.results import ModeInfo

@@ -1,0 +1,66 @@
+"""Ours on the plain path (#63): the target's layout held in DRAM without torch
+(plain_target.py), greedy decoding one token a pass on our plain kernels, as `generate
+--plan ar` runs it. It opens only where `generate` would take the plain path for the same
+config (plan/plain.py decides), else fails with the reason; in a child process under a
+memory limit, nothing it loads is torch."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import msgspec
+import trio
+
+from lever_actors.bench.mode import Decoded, ModeFailed, stamped
+from lever_actors.bench.results import ModeInfo
+from lever_actors.bench.specs import PlainSpec
+from lever_actors.config import check_request_size
+from lever_actors.device.manifest import read_manifest
+from lever_actors.errors import ConfigError
+from lever_actors.model.plain_model import greedy_stream
+from lever_actors.model.sampling import GREEDY, Sampling
+from lever_actors.plain_target import PlainTarget
+from lever_actors.plan.plain import plain_context, plain_memory, refusal
+
+
+class PlainMode:
+    def __init__(self, info: ModeInfo, spec: PlainSpec) -> None:
+        self.info = info
+        self.config = spec.config
+
+    async def open(self, stack: AsyncExitStack) -> None:
+        self.target = await trio.to_thread.run_sync(self._load)
+        stack.callback(self.target.close)
+
+    def _load(self) -> PlainTarget:
+        manifest = read_manifest(Path(self.config.target))
+        why = refusal(self.config, manifest, GREEDY)
+        plan = None
+        if not why:
+            plan, why = plain_memory(self.config, manifest)
+        if plan is None:
+            raise ModeFailed(f"the plain path does not run it: {why}")
+        target = PlainTarget(Path(self.config.target), embed_resident=plan.embed_resident)
+        self.context = plain_context(self.config, manifest)
+        self.info = msgspec.structs.replace(
+            self.info, plan="ar", plan_auto=False, budget_bytes=plan.memory.budget
+        )
+        return target
+
+    async def decode(
+        self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int], sampling: Sampling
+    ) -> Decoded:
+        if not sampling.greedy:
+            raise ModeFailed("the plain path decodes greedily")
+        context = self.context
+        try:
+            check_request_size(len(prompt), max_new_tokens, context.tokens, context.why)
+        except ConfigError as error:
+            raise ModeFailed(str(error)) from None
+        stats = self.target.reader.stats
+        before = stats.bytes_read
+        stream = greedy_stream(self.target.model, prompt, max_new_tokens, stop_ids)
+        decoded = await trio.to_thread.run_sync(stamped, stream)
+        decoded.bytes_read = stats.bytes_read - before  # the embedding's rows, if streamed
+        return decoded
