@@ -1,16 +1,20 @@
 """A planned mode opened in this process. Torch-free itself: a child process of the plain
 path (bench/child.py) opens its mode here and never loads torch; the modes that compute on
-torch are imported only where one is opened."""
+torch are imported only where one is opened. Lever's auto plan takes the plain path where
+`generate`'s would (plan/plain.py), under the memory the child finds."""
 
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lever_actors.bench.llamacpp import LlamaCppMode, LlamaCppSpec
 from lever_actors.bench.mode import Mode
 from lever_actors.bench.plain_mode import PlainMode
-from lever_actors.bench.specs import MemoryARSpec, PeerSpec, PlainSpec, PlannedMode
+from lever_actors.bench.specs import EngineSpec, MemoryARSpec, PeerSpec, PlainSpec, PlannedMode
+from lever_actors.device.manifest import read_manifest
+from lever_actors.plan.plain import plain_plan
 
 if TYPE_CHECKING:  # torch's
     from lever_actors.draft import DraftModel
@@ -24,7 +28,13 @@ def open_in_process(planned: PlannedMode, drafts: dict[tuple[str, str], DraftMod
     each product (device/units.py)."""
     spec, info = planned.spec, planned.info
     if isinstance(spec, PlainSpec):
-        return PlainMode(info, spec)
+        return PlainMode(info, spec.config)
+    if isinstance(spec, EngineSpec) and spec.config.plan == "auto":
+        # as `generate` decides: the plain path where the draft cannot join the whole target
+        manifest = read_manifest(Path(spec.config.target))
+        plain, _ = plain_plan(spec.config, manifest, spec.sampling)
+        if plain is not None:
+            return PlainMode(info, spec.config, plain)
     if isinstance(spec, LlamaCppSpec):
         return LlamaCppMode(info, spec)
     modes = importlib.import_module("lever_actors.bench.modes")  # torch's, loaded only now

@@ -1,8 +1,9 @@
 """Ours on the plain path (#63): the target's layout held in DRAM without torch
-(plain_target.py), greedy decoding one token a pass on our plain kernels, as `generate
---plan ar` runs it. It opens only where `generate` would take the plain path for the same
-config (plan/plain.py decides), else fails with the reason; in a child process under a
-memory limit, nothing it loads is torch."""
+(plain_target.py), greedy decoding one token a pass on our plain kernels, as `generate`
+runs it with `--plan ar` (lever-plain), or with `auto` where the draft does not fit beside
+the whole target (lever, bench/opening.py). It opens only where `generate` would take the
+plain path for the same config (plan/plain.py decides), else fails with the reason; in a
+child process under a memory limit, nothing it loads is torch."""
 
 from __future__ import annotations
 
@@ -14,20 +15,22 @@ import trio
 
 from lever_actors.bench.mode import Decoded, ModeFailed, stamped
 from lever_actors.bench.results import ModeInfo
-from lever_actors.bench.specs import PlainSpec
-from lever_actors.config import check_request_size
+from lever_actors.config import EngineConfig, check_request_size
 from lever_actors.device.manifest import read_manifest
 from lever_actors.errors import ConfigError
 from lever_actors.model.plain_model import greedy_stream
 from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.plain_target import PlainTarget
-from lever_actors.plan.plain import plain_context, plain_memory, refusal
+from lever_actors.plan.plain import PlainPlan, plain_context, plain_plan
 
 
 class PlainMode:
-    def __init__(self, info: ModeInfo, spec: PlainSpec) -> None:
+    """`plan`: the plain path's plan where it was made already (auto's choice)."""
+
+    def __init__(self, info: ModeInfo, config: EngineConfig, plan: PlainPlan | None = None) -> None:
         self.info = info
-        self.config = spec.config
+        self.config = config
+        self.plan = plan
 
     async def open(self, stack: AsyncExitStack) -> None:
         self.target = await trio.to_thread.run_sync(self._load)
@@ -35,16 +38,16 @@ class PlainMode:
 
     def _load(self) -> PlainTarget:
         manifest = read_manifest(Path(self.config.target))
-        why = refusal(self.config, manifest, GREEDY)
-        plan = None
-        if not why:
-            plan, why = plain_memory(self.config, manifest)
+        plan, why = (self.plan, "") if self.plan else plain_plan(self.config, manifest, GREEDY)
         if plan is None:
             raise ModeFailed(f"the plain path does not run it: {why}")
         target = PlainTarget(Path(self.config.target), embed_resident=plan.embed_resident)
         self.context = plain_context(self.config, manifest)
         self.info = msgspec.structs.replace(
-            self.info, plan="ar", plan_auto=False, budget_bytes=plan.memory.budget
+            self.info,
+            plan="ar",
+            plan_auto=self.config.plan == "auto",
+            budget_bytes=plan.memory.budget,
         )
         return target
 

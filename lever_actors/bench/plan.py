@@ -404,7 +404,7 @@ def _engine_mode(
         throttle=options.throttle,
         **facts,
     )
-    return PlannedMode(mode, EngineSpec(config))
+    return PlannedMode(mode, EngineSpec(config, options.sampling))
 
 
 def _engine_config(

@@ -63,8 +63,9 @@ def _run_and_why(
     if layout is None:
         return None, "the target is not converted yet"
     manifest = read_manifest(layout)
+    draft = _draft(args)
     try:
-        config = EngineConfig(target=str(layout), draft=None, **engine_flags(args))
+        config = EngineConfig(target=str(layout), draft=draft, **engine_flags(args))
     except ConfigError as error:  # the engine's config (the draft's flags) says what is wrong
         return None, str(error)
     why = refusal(config, manifest, options.sampling)
@@ -78,6 +79,14 @@ def _run_and_why(
     if plan is None:
         return None, why
     return PlainRun(layout, manifest, config, tokenizer, plan), ""
+
+
+def _draft(args: argparse.Namespace) -> str | None:
+    """The draft the engine would load: --draft's, else with the real target the real
+    draft (an auto plan weighs whether it fits beside the whole target)."""
+    if args.draft is not None:
+        return str(args.draft)
+    return str(args.cache_dir / REAL_MODELS["draft"].file_name) if args.target is None else None
 
 
 def _converted(args: argparse.Namespace) -> Path | None:
@@ -133,7 +142,12 @@ def _decode(
         file=sys.stderr,
     )
     print(run.plan.memory, file=sys.stderr)
-    print("plan: ar on the plain kernels (no torch)", file=sys.stderr)
+    chosen = (
+        " (auto: the draft does not fit beside the whole target)"
+        if run.config.plan == "auto"
+        else ""
+    )
+    print(f"plan: ar on the plain kernels, without torch{chosen}", file=sys.stderr)
     stream = greedy_stream(model, ids, options.max_new_tokens, tokenizer.eos_ids)
     summary = streamed(stream, tokenizer, ids, options)
     return msgspec.structs.replace(  # a pass a token, all of it in DRAM

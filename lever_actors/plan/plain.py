@@ -1,15 +1,22 @@
 """Whether a request runs on the plain path, without torch (plain_target.py), or on the
 engine: decided in two steps, since the second counts the tokenizer the first lets load.
 
-`refusal` looks at what is known before anything loads: the plan asked for (`ar` alone), the
-sampling (greedy: seeded sampling draws torch's noise), the config's engine-only work (a
-trace, spilled prefixes, a throttle, a fixed budget), the model and its formats, and this
-CPU's kernels. `plain_memory` then makes the memory plan: the plain path needs every layer
-and the LM head in DRAM beside room for a context, and keeps the embedding table too where
-it fits (else its rows come from flash); `plain_context`, once it has loaded, the context."""
+`refusal` looks at what is known before anything loads: the plan asked for (`ar` or
+`auto`), the sampling (greedy: seeded sampling draws torch's noise), the config's
+engine-only work (a trace, spilled prefixes, a throttle, a fixed budget, requests at
+once), the model and its formats, and this CPU's kernels. `plain_memory` then makes the
+memory plan: the plain path needs every layer and the LM head in DRAM beside room for a
+context, and keeps the embedding table too where it fits (else its rows come from flash).
+Under `auto` the plain path runs, one token a pass, only where the draft cannot sit beside
+the whole target in the engine: there the engine's trees would stream layers, and its
+lookup and ar hold no more than the plain path, which decodes faster for want of torch's
+fixed memory and the actors' hand-offs (29.9 against 26.9 tok/s resident,
+benchmarks/results/native.json); where the draft fits, the engine's cost model chooses.
+`plain_context`, once it has loaded, the context."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import NamedTuple
 
 from lever_actors.config import EngineConfig
@@ -19,9 +26,16 @@ from lever_actors.model import kernel_build
 from lever_actors.model.plain_model import unsupported
 from lever_actors.model.sampling import Sampling
 from lever_actors.model.shapes import position_bytes
+from lever_actors.paths import path_bytes
 from lever_actors.plain_target import embed_bytes, plain_formats
 from lever_actors.plan.context import Context, plan_context
-from lever_actors.plan.memory import MemoryPlan, memory_plan, read_process
+from lever_actors.plan.memory import MemoryPlan, Reading, memory_plan, read_process
+
+# what the engine's process holds beyond the plain path's: torch, the actors and their
+# modules, 203 against 38 MiB anonymous and 133 against 30 MiB of libraries (the real
+# target, a 2-core EPYC, benchmarks/results/native.json)
+ENGINE_PROCESS_BYTES = 165 * 2**20
+ENGINE_LIBRARIES = 103 * 2**20
 
 
 class PlainPlan(NamedTuple):
@@ -31,8 +45,8 @@ class PlainPlan(NamedTuple):
 
 def refusal(config: EngineConfig, manifest: Manifest, sampling: Sampling) -> str:
     """Why the plain path cannot run this request, or '' where it may (memory allowing)."""
-    if config.plan != "ar":
-        return "only the plan ar runs without torch"
+    if config.plan not in ("ar", "auto"):
+        return f"the plan {config.plan} runs on the engine" if config.plan else "a tree given"
     if not sampling.greedy:
         return "seeded sampling draws torch's noise"
     engine_only = {
@@ -40,6 +54,7 @@ def refusal(config: EngineConfig, manifest: Manifest, sampling: Sampling) -> str
         "prompt_cache_dir": config.prompt_cache_dir is not None,
         "throttle": config.throttle != "none",
         "dram_budget": config.dram_budget.kind != "auto",
+        "parallel": config.parallel is not None,  # requests at once: the engine batches them
     }
     asked = [name for name, given in engine_only.items() if given]
     if asked:
@@ -55,16 +70,51 @@ def refusal(config: EngineConfig, manifest: Manifest, sampling: Sampling) -> str
     return ""
 
 
+def plain_plan(
+    config: EngineConfig, manifest: Manifest, sampling: Sampling
+) -> tuple[PlainPlan | None, str]:
+    """Both steps at once, where no tokenizer loads between them (the bench's ids): the
+    plain path's plan, or None and why the engine runs the request."""
+    why = refusal(config, manifest, sampling)
+    return (None, why) if why else plain_memory(config, manifest)
+
+
 def plain_memory(config: EngineConfig, manifest: Manifest) -> tuple[PlainPlan | None, str]:
     """The memory plan of the plain path beside what the process holds now, or None and why
     not."""
+    reading = read_process()
     try:  # room for the context the request may fill beside the target
-        memory = memory_plan(config, manifest, read_process(), draft=0)
+        memory = memory_plan(config, manifest, reading, draft=0)
     except ConfigError as error:
         return None, str(error)
     if memory.budget < manifest.file_bytes - embed_bytes(manifest):
         return None, f"{memory}: the layers and the LM head would stream"
+    if config.plan == "auto" and config.draft is not None:
+        why = _draft_fits(config, manifest, reading)
+        if why:
+            return None, why
     return PlainPlan(memory, memory.budget >= manifest.file_bytes), ""
+
+
+def _draft_fits(config: EngineConfig, manifest: Manifest, reading: Reading) -> str:
+    """Why auto leaves the request to the engine: its memory plan, its process holding torch
+    and the engine as well, keeps the draft beside the whole target (or the draft is not
+    fetched yet); '' where it does not."""
+    assert config.draft is not None
+    engine = Reading(
+        reading.limit, reading.process + ENGINE_PROCESS_BYTES, reading.libraries + ENGINE_LIBRARIES
+    )
+    try:
+        held = path_bytes(Path(config.draft))
+    except OSError:
+        return f"auto: the draft {config.draft} is not there yet"
+    try:
+        beside = memory_plan(config, manifest, engine, draft=held)
+    except ConfigError:
+        return ""
+    if beside.budget < manifest.file_bytes:
+        return ""
+    return f"auto: the engine holds the draft beside the whole target ({beside})"
 
 
 def plain_context(config: EngineConfig, manifest: Manifest) -> Context:

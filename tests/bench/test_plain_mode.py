@@ -7,17 +7,19 @@ from __future__ import annotations
 from contextlib import AsyncExitStack
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
 from lever_actors.bench.child import ChildMode
 from lever_actors.bench.harness import PromptSet, Workload
 from lever_actors.bench.mode import ModeFailed
+from lever_actors.bench.opening import open_in_process
 from lever_actors.bench.plan import BenchOptions, plan_modes
 from lever_actors.bench.report import limits_lines
 from lever_actors.bench.run import bench
 from lever_actors.device.manifest import read_manifest
-from lever_actors.model.sampling import GREEDY
+from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.testing import model_pair
 from lever_actors.testing.checkpoints import bf16_args
 from tests.model.test_native import needs_native
@@ -87,3 +89,36 @@ async def test_a_layout_the_plain_path_does_not_run_fails_with_the_reason(tiny_p
             ModeFailed, match="the plain path does not run it: the plain path computes in bf16"
         ):
             await ChildMode(planned).open(stack)
+
+
+@needs_native
+def test_levers_auto_plan_takes_the_plain_path_where_the_draft_cannot_join_the_target(
+    quantized, tmp_path
+):
+    draft = tmp_path / "draft.gguf"  # as big as the limit: never beside the whole target
+    with open(draft, "wb") as sparse:
+        sparse.truncate(1 << 30)
+    workload = Workload(quantized.target, draft, [PROMPTS], frozenset())
+    results = bench(_options(tmp_path, modes=("memory-ar", "lever"), limits=("1GiB",)), workload)
+    lever = next(m for m in results.modes if m.name == "lever@1GiB")
+    assert lever.plan == "ar" and lever.plan_auto and lever.family == "lever"
+    assert all(r.failed is None for r in results.runs)
+    assert results.summary.min_agreement == 1.0
+    assert results.summary.limits["1GiB"].plan == "ar"
+
+
+@needs_native
+def test_auto_opens_the_engine_where_the_draft_fits_or_the_requests_sample(quantized, tmp_path):
+    small = model_pair(bf16_args(), "identical", dtype=torch.bfloat16, weights="q4k").draft
+    options = _options(tmp_path, modes=("lever",), limits=("8GiB",))
+    [fits] = plan_modes(options, quantized.target, small)
+    huge = tmp_path / "draft"
+    with open(huge, "wb") as sparse:
+        sparse.truncate(1 << 42)  # 4 TiB: no machine here holds it
+    [alone] = plan_modes(options, quantized.target, huge)
+    sampled = msgspec.structs.replace(alone.spec, sampling=Sampling(temperature=0.7, seed=1))
+    opened = [
+        type(open_in_process(planned, drafts=None)).__name__
+        for planned in (fits, alone, msgspec.structs.replace(alone, spec=sampled))
+    ]
+    assert opened == ["EngineMode", "PlainMode", "EngineMode"]
