@@ -113,7 +113,7 @@ def torch_decode(model: Transformer, ids: list[int], new: int) -> dict:
 
 
 def plain_decode(model: plain_model.Model, ids: list[int], new: int) -> dict:
-    stream = plain_model.greedy_stream(model, ids, new)
+    stream = plain_model.token_stream(model, ids, new)
     started = time.perf_counter()
     first = next(stream)
     prefilled = time.perf_counter()

@@ -12,7 +12,7 @@ import torch
 
 from lever_actors.checkpoints.load import load_checkpoint
 from lever_actors.errors import CorruptLayoutError
-from lever_actors.model.plain_model import greedy_stream
+from lever_actors.model.plain_model import token_stream
 from lever_actors.model.sequential import sequential_cached
 from lever_actors.model.transformer import Transformer
 from lever_actors.plain_target import PlainTarget, embed_bytes
@@ -36,7 +36,7 @@ def test_the_plain_target_decodes_the_torch_models_tokens(layout, embed_resident
     theirs = sequential_cached(Transformer(checkpoint.args, checkpoint.weights), PROMPT, 12)
     target = PlainTarget(layout, embed_resident=embed_resident)
     try:
-        assert list(greedy_stream(target.model, PROMPT, 12)) == theirs
+        assert list(token_stream(target.model, PROMPT, 12)) == theirs
         whole = target.manifest.file_bytes
         assert target.bytes_read == (
             whole if embed_resident else whole - embed_bytes(target.manifest)

@@ -8,7 +8,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 import trio
 
 from lever_actors.actors.jitter import Jitter
@@ -117,7 +117,7 @@ class Drafter:
         self.builder: TreeBuilder | None = None  # the last tree's
         self.growth: GainCostGrowth | None = None  # the last tree's, when gain-cost
         self.carried: TreeBuilder | None = None  # the next tree, when the commit hit a run node
-        self.chooser = Chooser(policy.sampling, noise_dtype=torch.float32)  # ranks only
+        self.chooser = Chooser(policy.sampling, noise_dtype=np.float32)  # ranks only
         self.drafting = policy.spec  # how the draft proposes, where a trial of copies ends
         self.step_spec = policy.spec  # how the last tree was proposed
         # the committed text, where copies are proposed or may be from a later step on

@@ -153,7 +153,7 @@ def parallel_lever(
     assert isinstance(planned.spec, EngineSpec)  # lever is an engine mode
     config = msgspec.structs.replace(planned.spec.config, parallel=parallel)
     info = msgspec.structs.replace(planned.info, name=f"lever x{parallel}@{planned.info.limit}")
-    return PlannedMode(info, msgspec.structs.replace(planned.spec, config=config))
+    return PlannedMode(info, EngineSpec(config))
 
 
 async def run_ours(

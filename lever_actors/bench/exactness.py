@@ -24,7 +24,7 @@ from lever_actors.draft import DraftModel, load_draft
 from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError
 from lever_actors.model import plain
-from lever_actors.model.plain_model import greedy_stream
+from lever_actors.model.plain_model import token_stream
 from lever_actors.model.sequential import sequential_cached
 from lever_actors.model.transformer import Transformer
 from lever_actors.plain_target import PlainTarget
@@ -165,7 +165,7 @@ def _run_plain(
     try:
         for prompt in prompts:
             started = time.perf_counter()
-            got = list(greedy_stream(model, prompt.tokens, max_new_tokens, stop_ids))
+            got = list(token_stream(model, prompt.tokens, max_new_tokens, stop_ids))
             tokens[prompt.name] = got
             _say(f"  plain {prompt.name}: {len(got)} tokens, {time.perf_counter() - started:.1f} s")
     finally:

@@ -32,7 +32,7 @@ def open_in_process(planned: PlannedMode, drafts: dict[tuple[str, str], DraftMod
     if isinstance(spec, EngineSpec) and spec.config.plan == "auto":
         # as `generate` decides: the plain path where the draft cannot join the whole target
         manifest = read_manifest(Path(spec.config.target))
-        plain, _ = plain_plan(spec.config, manifest, spec.sampling)
+        plain, _ = plain_plan(spec.config, manifest)
         if plain is not None:
             return PlainMode(info, spec.config, plain)
     if isinstance(spec, LlamaCppSpec):

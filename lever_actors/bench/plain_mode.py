@@ -1,5 +1,5 @@
 """Ours on the plain path (#63): the target's layout held in DRAM without torch
-(plain_target.py), greedy decoding one token a pass on our plain kernels, as `generate`
+(plain_target.py), decoding one token a pass (greedy or seeded) on our plain kernels, as `generate`
 runs it with `--plan ar` (lever-plain), or with `auto` where the draft does not fit beside
 the whole target (lever, bench/opening.py). It opens only where `generate` would take the
 plain path for the same config (plan/plain.py decides), else fails with the reason; in a
@@ -18,8 +18,8 @@ from lever_actors.bench.results import ModeInfo
 from lever_actors.config import EngineConfig, check_request_size
 from lever_actors.device.manifest import read_manifest
 from lever_actors.errors import ConfigError
-from lever_actors.model.plain_model import greedy_stream
-from lever_actors.model.sampling import GREEDY, Sampling
+from lever_actors.model.plain_model import token_stream
+from lever_actors.model.sampling import Sampling
 from lever_actors.plain_target import PlainTarget
 from lever_actors.plan.plain import PlainPlan, plain_context, plain_plan
 
@@ -38,7 +38,7 @@ class PlainMode:
 
     def _load(self) -> PlainTarget:
         manifest = read_manifest(Path(self.config.target))
-        plan, why = (self.plan, "") if self.plan else plain_plan(self.config, manifest, GREEDY)
+        plan, why = (self.plan, "") if self.plan else plain_plan(self.config, manifest)
         if plan is None:
             raise ModeFailed(f"the plain path does not run it: {why}")
         target = PlainTarget(Path(self.config.target), embed_resident=plan.embed_resident)
@@ -54,8 +54,6 @@ class PlainMode:
     async def decode(
         self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int], sampling: Sampling
     ) -> Decoded:
-        if not sampling.greedy:
-            raise ModeFailed("the plain path decodes greedily")
         context = self.context
         try:
             check_request_size(len(prompt), max_new_tokens, context.tokens, context.why)
@@ -63,7 +61,7 @@ class PlainMode:
             raise ModeFailed(str(error)) from None
         stats = self.target.reader.stats
         before = stats.bytes_read
-        stream = greedy_stream(self.target.model, prompt, max_new_tokens, stop_ids)
+        stream = token_stream(self.target.model, prompt, max_new_tokens, stop_ids, sampling)
         decoded = await trio.to_thread.run_sync(stamped, stream)
         decoded.bytes_read = stats.bytes_read - before  # the embedding's rows, if streamed
         return decoded

@@ -404,7 +404,7 @@ def _engine_mode(
         throttle=options.throttle,
         **facts,
     )
-    return PlannedMode(mode, EngineSpec(config, options.sampling))
+    return PlannedMode(mode, EngineSpec(config))
 
 
 def _engine_config(

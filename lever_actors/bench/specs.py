@@ -9,7 +9,6 @@ import msgspec
 from lever_actors.bench.llamacpp import LlamaCppSpec
 from lever_actors.bench.results import ModeInfo
 from lever_actors.config import EngineConfig
-from lever_actors.model.sampling import GREEDY, Sampling
 
 
 class MemoryARSpec(msgspec.Struct, frozen=True, tag="memory-ar"):
@@ -19,8 +18,6 @@ class MemoryARSpec(msgspec.Struct, frozen=True, tag="memory-ar"):
 
 class EngineSpec(msgspec.Struct, frozen=True, tag="engine"):
     config: EngineConfig
-    # how its requests choose tokens: a greedy auto plan may run on the plain path
-    sampling: Sampling = GREEDY
 
 
 class PlainSpec(msgspec.Struct, frozen=True, tag="plain"):

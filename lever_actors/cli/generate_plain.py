@@ -1,5 +1,5 @@
 """`generate --plan ar` without torch (#63): where the target's layout is converted, its
-model one the plain path runs (model/plain_model.py), the request greedy, and the target
+model one the plain path runs (model/plain_model.py), and the target
 fits in DRAM beside its context under the memory plan (its embedding table's rows read from
 flash where the table does not), the command reads the target and decodes one token a
 pass on our plain kernels, the same tokens the engine's `ar` gives, and never imports
@@ -25,7 +25,7 @@ from lever_actors.device.manifest import Manifest, read_manifest
 from lever_actors.device.memory import return_freed_heap
 from lever_actors.errors import ConfigError
 from lever_actors.logs import get_logger
-from lever_actors.model.plain_model import greedy_stream
+from lever_actors.model.plain_model import token_stream
 from lever_actors.options import GenerationOptions
 from lever_actors.plain_target import PlainTarget
 from lever_actors.plan.plain import PlainPlan, plain_context, plain_memory, refusal
@@ -68,7 +68,7 @@ def _run_and_why(
         config = EngineConfig(target=str(layout), draft=draft, **engine_flags(args))
     except ConfigError as error:  # the engine's config (the draft's flags) says what is wrong
         return None, str(error)
-    why = refusal(config, manifest, options.sampling)
+    why = refusal(config, manifest)
     if why:
         return None, why
     tokenizer = layout_tokenizer(layout, manifest)  # before the memory plan, which counts it
@@ -109,7 +109,7 @@ def generate_plain(
     messages: list[dict] | None,
     options: GenerationOptions,
 ) -> Summary:
-    """The request decoded greedily on the plain path, streamed to stdout."""
+    """The request decoded on the plain path (greedy or seeded), streamed to stdout."""
     started = time.perf_counter()
     resident = run.plan.embed_resident
     target = PlainTarget(run.layout, embed_resident=resident, verify=args.verify)
@@ -148,13 +148,15 @@ def _decode(
         else ""
     )
     print(f"plan: ar on the plain kernels, without torch{chosen}", file=sys.stderr)
-    stream = greedy_stream(model, ids, options.max_new_tokens, tokenizer.eos_ids)
+    stream = token_stream(model, ids, options.max_new_tokens, tokenizer.eos_ids, options.sampling)
+    read_before = target.reader.stats.bytes_read
     summary = streamed(stream, tokenizer, ids, options)
-    return msgspec.structs.replace(  # a pass a token, all of it in DRAM
+    read = target.reader.stats.bytes_read - read_before  # the embedding's rows, if streamed
+    return msgspec.structs.replace(  # a pass a token
         summary,
         steps=summary.generated_tokens,
         tokens_per_step=1.0,
         from_draft=0,
-        bytes_read_per_token=0,
+        bytes_read_per_token=read // max(summary.generated_tokens, 1),
         load_seconds=loaded,
     )

@@ -19,7 +19,9 @@ import numpy as np
 from lever_actors.errors import ConfigError
 from lever_actors.model import plain
 from lever_actors.model.args import ModelArgs
+from lever_actors.model.drawing import drawn, gumbel
 from lever_actors.model.frequencies import shared_inverse_frequencies
+from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.model.shapes import rows_per_chunk
 
 GROUP = 32  # inputs per int4rows scale and zero (model/quantized.py)
@@ -189,21 +191,31 @@ def greedy(logits: np.ndarray) -> list[int]:
     return float32_of(logits).argmax(-1).tolist()
 
 
-def greedy_stream(
+def chosen(logits: np.ndarray, sampling: Sampling, position: int) -> int:
+    """logits: [1, vocab] bf16 -> the token at absolute `position`, chosen as the engine's
+    model/choosing.py chooses it: the argmax, or drawn with the noise of (seed, position)."""
+    if sampling.greedy:
+        return greedy(logits)[0]
+    scaled = float32_of(logits[0]).astype(np.float64) / sampling.temperature
+    return drawn(scaled, sampling, gumbel(sampling.seed, position, scaled.size))
+
+
+def token_stream(
     model: Model,
     prompt: Sequence[int],
     max_new_tokens: int,
     stop_ids: Container[int] = frozenset(),
+    sampling: Sampling = GREEDY,
 ) -> Iterator[int]:
-    """One-token greedy decoding after `prompt`, yielding each token as it comes, up to
+    """One-token decoding after `prompt`, yielding each token as it comes, up to
     `max_new_tokens` or a token of `stop_ids` (yielded too): model/sequential.py's
-    `sequential_stream`, greedy, on the plain path."""
+    `sequential_stream` on the plain path, greedy or seeded."""
     cache = model.new_cache(len(prompt) + max_new_tokens)
     pending = list(prompt)
     for _ in range(max_new_tokens):
         hidden = model.forward(pending, cache)
         cache.commit(len(pending))
-        [token] = greedy(model.logits(hidden[-1:]))
+        token = chosen(model.logits(hidden[-1:]), sampling, cache.length)
         yield token
         if token in stop_ids:
             return

@@ -1,18 +1,17 @@
-"""Whether a request runs on the plain path, without torch (plain_target.py), or on the
-engine: decided in two steps, since the second counts the tokenizer the first lets load.
+"""Whether a request runs on the plain path, without torch (plain_target.py), or on the engine:
+decided in two steps, since the second counts the tokenizer the first lets load.
 
-`refusal` looks at what is known before anything loads: the plan asked for (`ar` or
-`auto`), the sampling (greedy: seeded sampling draws torch's noise), the config's
-engine-only work (a trace, spilled prefixes, a throttle, a fixed budget, requests at
-once), the model and its formats, and this CPU's kernels. `plain_memory` then makes the
-memory plan: the plain path needs every layer and the LM head in DRAM beside room for a
-context, and keeps the embedding table too where it fits (else its rows come from flash).
-Under `auto` the plain path runs, one token a pass, only where the draft cannot sit beside
-the whole target in the engine: there the engine's trees would stream layers, and its
-lookup and ar hold no more than the plain path, which decodes faster for want of torch's
-fixed memory and the actors' hand-offs (29.9 against 26.9 tok/s resident,
-benchmarks/results/native.json); where the draft fits, the engine's cost model chooses.
-`plain_context`, once it has loaded, the context."""
+`refusal` looks at what is known before anything loads: the plan asked for (`ar` or `auto`;
+greedy or seeded, which draws as the engine does), the config's engine-only work (a trace,
+spilled prefixes, a throttle, a fixed budget, requests at once), the model and its formats,
+and this CPU's kernels. `plain_memory` then makes the memory plan: the plain path needs
+every layer and the LM head in DRAM beside room for a context, and keeps the embedding table
+too where it fits (else its rows come from flash). Under `auto` the plain path runs, one
+token a pass, only where the draft cannot sit beside the whole target in the engine: there
+the engine's trees would stream layers, and its lookup and ar hold no more than the plain
+path, which decodes faster for want of torch's fixed memory and the actors' hand-offs (29.9
+against 26.9 tok/s resident, benchmarks/results/native.json); where the draft fits, the
+engine's cost model chooses. `plain_context`, once it has loaded, the context."""
 
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ from lever_actors.device.manifest import DTYPE_SIZES, Manifest
 from lever_actors.errors import ConfigError
 from lever_actors.model import kernel_build
 from lever_actors.model.plain_model import unsupported
-from lever_actors.model.sampling import Sampling
 from lever_actors.model.shapes import position_bytes
 from lever_actors.paths import path_bytes
 from lever_actors.plain_target import embed_bytes, plain_formats
@@ -43,12 +41,10 @@ class PlainPlan(NamedTuple):
     embed_resident: bool  # else the embedding table's rows are read from flash
 
 
-def refusal(config: EngineConfig, manifest: Manifest, sampling: Sampling) -> str:
+def refusal(config: EngineConfig, manifest: Manifest) -> str:
     """Why the plain path cannot run this request, or '' where it may (memory allowing)."""
     if config.plan not in ("ar", "auto"):
         return f"the plan {config.plan} runs on the engine" if config.plan else "a tree given"
-    if not sampling.greedy:
-        return "seeded sampling draws torch's noise"
     engine_only = {
         "trace": config.trace is not None,
         "prompt_cache_dir": config.prompt_cache_dir is not None,
@@ -70,12 +66,10 @@ def refusal(config: EngineConfig, manifest: Manifest, sampling: Sampling) -> str
     return ""
 
 
-def plain_plan(
-    config: EngineConfig, manifest: Manifest, sampling: Sampling
-) -> tuple[PlainPlan | None, str]:
+def plain_plan(config: EngineConfig, manifest: Manifest) -> tuple[PlainPlan | None, str]:
     """Both steps at once, where no tokenizer loads between them (the bench's ids): the
     plain path's plan, or None and why the engine runs the request."""
-    why = refusal(config, manifest, sampling)
+    why = refusal(config, manifest)
     return (None, why) if why else plain_memory(config, manifest)
 
 

@@ -48,14 +48,17 @@ def run(capsys, layout, *flags: str) -> tuple[str, str]:
 
 
 @needs_plain
-def test_the_plain_path_streams_the_engines_tokens(capsys, layout, monkeypatch):
-    out, err = run(capsys, layout)
+@pytest.mark.parametrize("sampling", [[], ["--temperature", "1.5", "--seed", "3"]])
+def test_the_plain_path_streams_the_engines_tokens(capsys, layout, monkeypatch, sampling):
+    out, err = run(capsys, layout, *sampling)
     assert "plan: ar on the plain kernels, without torch" in err
-    assert out == text_of(reference_tokens(layout, PROMPT, NEW)) + "\n"
+    greedy = text_of(reference_tokens(layout, PROMPT, NEW)) + "\n"
+    assert (out == greedy) == (not sampling)
     figures = stats(err)
     assert figures["generated_tokens"] == NEW and figures["tokens_per_step"] == 1.0
+    assert figures["bytes_read_per_token"] == 0  # the whole layout in DRAM
     monkeypatch.setattr(generate_plain, "_run_and_why", lambda *a: (None, "asked for"))
-    on_engine, err = run(capsys, layout)
+    on_engine, err = run(capsys, layout, *sampling)
     assert "generate runs on the engine: asked for" in err
     assert on_engine == out
 
@@ -76,7 +79,6 @@ def test_the_plain_path_imports_no_torch(layout):
 @pytest.mark.parametrize(
     ("flags", "why"),
     [
-        (["--temperature", "0.7", "--seed", "1"], "seeded sampling draws torch's noise"),
         (["--plan", "lookup"], "the plan lookup runs on the engine"),
         (["--dram-budget", "all"], "dram_budget asks for the engine"),
     ],
@@ -110,6 +112,7 @@ def test_where_the_table_does_not_fit_its_rows_come_from_flash_and_the_tokens_st
     streamed, err = run(capsys, layout)
     assert "the embedding's rows read from flash" in err
     assert streamed == resident
+    assert stats(err)["bytes_read_per_token"] > 0
     monkeypatch.setattr(  # less than the layers and head: the engine's
         plain_module,
         "memory_plan",

@@ -8,12 +8,14 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
 from lever_actors.checkpoints.hf import load_hf
 from lever_actors.errors import ConfigError
-from lever_actors.model.choosing import NUCLEUS_HEAD, Chooser, filtered, gumbel, logprobs
+from lever_actors.model.choosing import Chooser, logprobs
+from lever_actors.model.drawing import NUCLEUS_HEAD, filtered, gumbel
 from lever_actors.model.sampling import GREEDY, MIN_TEMPERATURE, Sampling, seed_or_drawn
 from lever_actors.model.sequential import sequential_cached, sequential_reference
 from lever_actors.model.transformer import Transformer
@@ -82,9 +84,9 @@ def test_a_seed_is_drawn_only_when_none_is_given():
 
 
 def test_noise_depends_on_seed_and_position_alone():
-    assert torch.equal(gumbel(5, 11, 100), gumbel(5, 11, 100))
-    assert not torch.equal(gumbel(5, 11, 100), gumbel(5, 12, 100))
-    assert not torch.equal(gumbel(5, 11, 100), gumbel(6, 11, 100))
+    assert np.array_equal(gumbel(5, 11, 100), gumbel(5, 11, 100))
+    assert not np.array_equal(gumbel(5, 11, 100), gumbel(5, 12, 100))
+    assert not np.array_equal(gumbel(5, 11, 100), gumbel(6, 11, 100))
 
 
 def test_a_rows_token_does_not_depend_on_its_batch():
@@ -102,24 +104,39 @@ def test_cached_noise_is_the_noise_of_its_position():
     positions = torch.tensor([5, 6, 5, 7])  # 5 is evicted by 7 after its second use
     scores = chooser.draft_scores(logits, positions)
     for row, position in zip(scores, positions.tolist(), strict=True):
-        assert torch.equal(row, gumbel(9, position, 30).float())  # a draft ranks in float32
+        assert torch.equal(row, noise32(9, position, 30))  # a draft ranks in float32
     again = chooser.draft_scores(logits[:1], torch.tensor([5]))[0]
-    assert torch.equal(again, gumbel(9, 5, 30).float())
+    assert torch.equal(again, noise32(9, 5, 30))
+
+
+def noise32(seed: int, position: int, vocab: int) -> torch.Tensor:
+    return torch.from_numpy(gumbel(seed, position, vocab)).float()
 
 
 def test_the_nucleus_of_a_flat_distribution_is_sorted_whole():
     """Past NUCLEUS_HEAD tokens the head does not hold top_p's mass: the slow path."""
     vocab = NUCLEUS_HEAD * 4
-    flat = torch.zeros(vocab, dtype=torch.float64)
-    kept = torch.isfinite(filtered(flat, Sampling(temperature=1, top_p=0.5)))
+    flat = np.zeros(vocab)
+    kept = np.isfinite(filtered(flat, Sampling(temperature=1, top_p=0.5)))
     count = int(kept.sum())
     assert vocab // 2 <= count <= vocab // 2 + 1  # the last one as the running sum rounds
     assert kept[:count].all()  # ties go to the lower ids, as a stable sort orders them
 
 
+def test_the_nucleus_takes_equals_by_id_where_they_straddle_its_head():
+    """One likely token (the last id), then thousands of equals: top_p reaches into the
+    equals, which are kept from the lowest id up whichever of them the head sorted."""
+    vocab = 3 * NUCLEUS_HEAD
+    probs = np.full(vocab, 0.5 / (vocab - 1))
+    probs[-1] = 0.5
+    sampling = Sampling(temperature=1, top_p=0.5 + 10.5 * probs[0])
+    kept = np.isfinite(filtered(np.log(probs), sampling))
+    assert np.flatnonzero(kept).tolist() == [*range(11), vocab - 1]
+
+
 def test_filters_keep_what_they_promise():
-    logits = torch.log(torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05], dtype=torch.float64))
-    kept = lambda **f: torch.isfinite(filtered(logits, Sampling(temperature=1, **f))).tolist()  # noqa: E731
+    logits = np.log([0.4, 0.3, 0.15, 0.1, 0.05])
+    kept = lambda **f: np.isfinite(filtered(logits, Sampling(temperature=1, **f))).tolist()  # noqa: E731
     assert kept(top_k=2) == [True, True, False, False, False]
     assert kept(top_p=0.7) == [True, True, False, False, False]  # 0.4 + 0.3 reaches 0.7
     assert kept(top_p=0.71) == [True, True, True, False, False]
@@ -213,4 +230,4 @@ def test_the_chi_square_test_rejects_a_sampler_at_the_wrong_temperature(model):
 def test_the_noise_of_fewer_tokens_is_the_first_of_the_whole_vocabularys():
     # a draft proposing from the first ids alone (draft_vocabulary) ranks them with the
     # noise the target draws for those ids
-    assert torch.equal(gumbel(3, 17, 65_536), gumbel(3, 17, 151_936)[:65_536])
+    assert np.array_equal(gumbel(3, 17, 65_536), gumbel(3, 17, 151_936)[:65_536])

@@ -11,7 +11,6 @@ from lever_actors.config import EngineConfig
 from lever_actors.device.manifest import read_manifest
 from lever_actors.model import kernel_build
 from lever_actors.model.args import RopeScaling
-from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.plan import plain
 from lever_actors.plan.memory import MemoryPlan, Reading
 from lever_actors.testing import model_pair
@@ -33,27 +32,27 @@ def config(target, **fields) -> EngineConfig:
 
 
 @pytest.mark.parametrize(
-    ("fields", "sampling", "why"),
+    ("fields", "why"),
     [
-        ({"plan": "lookup"}, GREEDY, "the plan lookup runs on the engine"),
-        ({"plan": "auto"}, GREEDY, ""),
-        ({}, Sampling(temperature=0.5, seed=1), "seeded sampling draws torch's noise"),
-        ({"trace": "t.msgpack", "throttle": "ufs4.0"}, GREEDY, "trace, throttle asks for"),
-        ({"dram_budget": "all"}, GREEDY, "dram_budget asks for the engine"),
-        ({}, GREEDY, ""),
+        ({"plan": "lookup"}, "the plan lookup runs on the engine"),
+        ({"plan": "auto"}, ""),
+        ({"trace": "t.msgpack", "throttle": "ufs4.0"}, "trace, throttle asks for"),
+        ({"dram_budget": "all"}, "dram_budget asks for the engine"),
+        ({"parallel": 4}, "parallel asks for the engine"),
+        ({}, ""),
     ],
 )
-def test_a_refusal_names_what_asks_for_the_engine(q4k, fields, sampling, why):
+def test_a_refusal_names_what_asks_for_the_engine(q4k, fields, why):
     manifest = read_manifest(q4k)
-    found = plain.refusal(config(q4k, **fields), manifest, sampling)
+    found = plain.refusal(config(q4k, **fields), manifest)
     assert found.startswith(why) if why else found == ""
 
 
 def test_models_and_formats_the_plain_path_cannot_run_are_refused():
     llama3 = layout(rope_scaling=RopeScaling("llama3", factor=8.0))
-    assert "llama3's rope scaling" in plain.refusal(config(llama3), read_manifest(llama3), GREEDY)
+    assert "llama3's rope scaling" in plain.refusal(config(llama3), read_manifest(llama3))
     dense = layout("dense")
-    assert "is a dense matrix" in plain.refusal(config(dense), read_manifest(dense), GREEDY)
+    assert "is a dense matrix" in plain.refusal(config(dense), read_manifest(dense))
 
 
 def test_amx_keeps_int8_matrices_on_its_tiles(monkeypatch):
@@ -66,7 +65,7 @@ def test_amx_keeps_int8_matrices_on_its_tiles(monkeypatch):
             (kernel_build.AMX, "") if kernel_build.AMX in isas else supported(isas)
         ),
     )
-    assert "AMX's tiles" in plain.refusal(config(q8), read_manifest(q8), GREEDY)
+    assert "AMX's tiles" in plain.refusal(config(q8), read_manifest(q8))
 
 
 @pytest.mark.parametrize(
