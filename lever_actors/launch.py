@@ -1,21 +1,29 @@
 """The `lever-actors` console entry point: OpenMP's thread policy (threads.py), set before the
-CLI loads torch, because OpenMP reads it only once, when it loads."""
+CLI loads torch or the plain kernels, because OpenMP reads it only once, when it loads."""
 
 import atexit
 import importlib
 import os
 import sys
 import threading
+from collections.abc import Callable
 from typing import NoReturn
 
-from lever_actors.threads import asks_only_help, idle_cores, thread_policy
+from lever_actors.threads import (
+    asks_only_help,
+    defer_policy,
+    defers_policy,
+    idle_cores,
+    thread_policy,
+)
 
 # what the CLI imports that loads no OpenMP runtime: imported while the probe watches
 BEFORE_OPENMP = ("trio", "msgspec", "lever_actors.cli")
 
 
-def _probe_while_importing() -> int | None:
-    """The idle-core probe (0.3 s, mostly asleep) on a thread, these imports meanwhile."""
+def _probe_while_importing() -> Callable[[], int | None]:
+    """The idle-core probe (0.3 s, mostly asleep) started on a thread, these imports
+    meanwhile -> a call that waits for its finding."""
     found: list[int | None] = [None]
 
     def probe() -> None:
@@ -25,13 +33,26 @@ def _probe_while_importing() -> int | None:
     thread.start()
     for module in BEFORE_OPENMP:
         importlib.import_module(module)
-    thread.join()
-    return found[0]
+
+    def finding() -> int | None:
+        thread.join()
+        return found[0]
+
+    return finding
 
 
-_quick = "OMP_NUM_THREADS" in os.environ or asks_only_help(sys.argv[1:])
-_probed = None if _quick else _probe_while_importing()
-os.environ.update(thread_policy(os.environ, _probed, os.cpu_count() or 1, sys.argv[1:]))
+def _set_policy(free: int | None) -> None:
+    os.environ.update(thread_policy(os.environ, free, os.cpu_count() or 1, sys.argv[1:]))
+
+
+if "OMP_NUM_THREADS" in os.environ or asks_only_help(sys.argv[1:]):
+    _set_policy(None)
+else:
+    _finding = _probe_while_importing()
+    if defers_policy(sys.argv[1:]):  # the probe runs on while generate reads its inputs
+        defer_policy(lambda: _set_policy(_finding()))
+    else:
+        _set_policy(_finding())
 
 from lever_actors.cli import main  # noqa: E402  (after the thread policy, which torch reads on load)
 

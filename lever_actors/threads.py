@@ -15,18 +15,23 @@ OpenMP reads them only once, when it loads. Values the user set are kept.
 - A core counts as taken only when at least 3/4 busy in each of three 0.1 s windows, so
   that a process that has just exited (freeing its memory) does not count. The probe runs
   beside the imports that start no OpenMP team (launch.py), its own process's time left
-  out, and not at all for a request for help or the version.
+  out, and not at all for a request for help or the version. For `generate` it runs on
+  while the request reads its tokenizer and weights: the policy is set when OpenMP is
+  about to load (`settle_policy`: the plain kernels' library, or torch's engine).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 WINDOWS = 3  # a neighbour counts only if busy in every one: a process that is just
 WINDOW_SECONDS = 0.1  # exiting (freeing its memory) is busy in the first window only
 TAKEN = 0.75  # of a core's time busy, for the core to count as taken
+_pending: list[Callable[[], None]] = []  # the policy launch.py left to set (settle_policy)
+_pending_lock = threading.Lock()
 # names the variables set only because the command may run two compute units
 # (comma-separated), so that a child process computing with one team can go without them
 PIPELINE_ONLY = "LEVER_ACTORS_PIPELINE_ONLY"
@@ -114,3 +119,24 @@ def one_stream_environ(environ: Mapping[str, str]) -> dict[str, str]:
     baseline, a peer, the engine with one unit): without what was set for two units only."""
     dropped = {PIPELINE_ONLY, *environ.get(PIPELINE_ONLY, "").split(",")}
     return {k: v for k, v in environ.items() if k not in dropped}
+
+
+def defer_policy(settle: Callable[[], None]) -> None:
+    """launch.py's, for a command that loads OpenMP only after reading its inputs: `settle`
+    sets the policy when `settle_policy` is first called."""
+    with _pending_lock:
+        _pending.append(settle)
+
+
+def settle_policy() -> None:
+    """Before OpenMP loads: the policy launch.py deferred, set now (a no-op where none is
+    pending, as in a library user's process)."""
+    with _pending_lock:
+        while _pending:
+            _pending.pop()()
+
+
+def defers_policy(argv: list[str]) -> bool:
+    """Whether the command reads its inputs before any OpenMP team loads (`generate`: its
+    tokenizer and, on the plain path, its weights), so the probe may run on meanwhile."""
+    return next((arg for arg in argv if not arg.startswith("-")), None) == "generate"

@@ -7,10 +7,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from lever_actors.launch import BEFORE_OPENMP
+from lever_actors.model import plain
 from lever_actors.threads import (
     PIPELINE_ONLY,
     cores_left,
+    defers_policy,
     idle_cores,
     one_stream_environ,
     thread_policy,
@@ -134,3 +138,25 @@ def test_the_console_script_ends_with_mains_code_its_output_and_atexit_handlers(
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 3
     assert done.stdout == "x" * 100000 + "thread done\natexit ran\n"
+
+
+@pytest.mark.skipif(not plain.available(), reason="this CPU cannot run the plain kernels")
+def test_generate_sets_the_policy_only_as_openmp_loads_with_the_plain_kernels():
+    """The probe runs on while generate reads its tokenizer and weights."""
+    code = (
+        "import os, sys; sys.argv = ['lever-actors', '-v', *sys.argv[1:]]; "
+        "import lever_actors.launch; print(os.environ.get('OMP_WAIT_POLICY', '-')); "
+        "from lever_actors.model import plain; plain.available(); "
+        "print(os.environ.get('OMP_WAIT_POLICY', '-'))"
+    )
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}
+    done = subprocess.run(
+        [sys.executable, "-c", code, *PIPELINE], env=clean, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["-", "PASSIVE"]  # two units sleep their idle threads
+
+
+def test_only_generate_defers_its_policy():
+    assert defers_policy(["-v", "generate", "--chat", "hi"])
+    assert not defers_policy(["serve", "generate"]) and not defers_policy([])

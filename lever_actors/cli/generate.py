@@ -25,6 +25,7 @@ from lever_actors.config import DEFAULT_MAX_NEW_TOKENS, check_prompt
 from lever_actors.errors import ConfigError
 from lever_actors.model.sampling import seed_or_drawn
 from lever_actors.options import GenerationOptions
+from lever_actors.threads import settle_policy
 
 DTYPES = ("float32", "bfloat16", "float64")  # --model computes in one of these
 DEFAULT_CHAT = "Write a Python function that returns the n-th Fibonacci number."
@@ -91,6 +92,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if plain is not None:
         summary = generate_plain(plain, args, prompt, messages, options)
     else:  # torch's paths, loaded only here: the plain one never imports torch
+        settle_policy()  # OpenMP loads with torch
         on_torch = importlib.import_module("lever_actors.cli.generate_engine")
         run = on_torch.generate_in_memory if args.model else on_torch.generate_with_engine
         summary = run(args, prompt, messages, options)

@@ -31,6 +31,7 @@ from lever_actors.model.formats import (
     Q6K_BYTES,
 )
 from lever_actors.model.kernel_build import AVX2, AVX512_VNNI, CSRC
+from lever_actors.threads import settle_policy
 
 SOURCE = CSRC / "plain.cpp"
 ABI = 4  # csrc/plain.cpp's lever_plain_abi()
@@ -62,6 +63,7 @@ def library() -> ctypes.CDLL:
         raise KernelsUnavailable(f"no plain kernels: {why}")
     flags = kernel_build.flags(isa)
     path = kernel_build.library_path(f"plain-{isa.name}", SOURCE, flags)
+    settle_policy()  # OpenMP loads with the library
     try:
         built = kernel_build.built(path, functools.partial(_compile, flags), f"plain {isa.name}")
         lib = ctypes.CDLL(str(built))
