@@ -1,9 +1,9 @@
 """Ours on the plain path (#63): the target's layout held in DRAM without torch
-(plain_target.py), decoding one token a pass (greedy or seeded) on our plain kernels, as `generate`
-runs it with `--plan ar` (lever-plain), or with `auto` where the draft does not fit beside
-the whole target (lever, bench/opening.py). It opens only where `generate` would take the
-plain path for the same config (plan/plain.py decides), else fails with the reason; in a
-child process under a memory limit, nothing it loads is torch."""
+(plain_target.py), decoding one token a pass (greedy or seeded) on our plain kernels, as
+`generate` runs it with `--plan ar` (lever-plain), or with `auto` where the draft does not
+fit beside the whole target (lever, bench/opening.py). It opens only where `generate` would
+take the plain path for the same config (plan/plain.py decides), else fails with the reason;
+in a child process under a memory limit, nothing it loads is torch."""
 
 from __future__ import annotations
 

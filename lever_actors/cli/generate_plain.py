@@ -1,9 +1,9 @@
-"""`generate --plan ar` without torch (#63): where the target's layout is converted, its
-model one the plain path runs (model/plain_model.py), and the target
-fits in DRAM beside its context under the memory plan (its embedding table's rows read from
-flash where the table does not), the command reads the target and decodes one token a
-pass on our plain kernels, the same tokens the engine's `ar` gives, and never imports
-torch. Anything else goes to the engine; plan/plain.py decides, and -v says why."""
+"""`generate --plan ar` without torch (#63): where the target's layout is converted, its model
+one the plain path runs (model/plain_model.py), and the target fits in DRAM beside its
+context under the memory plan (its embedding table's rows read from flash where the table
+does not), the command reads the target and decodes one token a pass on our plain kernels,
+the same tokens the engine's `ar` gives, and never imports torch. Anything else goes to the
+engine; plan/plain.py decides, and -v says why."""
 
 from __future__ import annotations
 
@@ -148,8 +148,8 @@ def _decode(
         else ""
     )
     print(f"plan: ar on the plain kernels, without torch{chosen}", file=sys.stderr)
-    stream = token_stream(model, ids, options.max_new_tokens, tokenizer.eos_ids, options.sampling)
     read_before = target.reader.stats.bytes_read
+    stream = token_stream(model, ids, options.max_new_tokens, tokenizer.eos_ids, options.sampling)
     summary = streamed(stream, tokenizer, ids, options)
     read = target.reader.stats.bytes_read - read_before  # the embedding's rows, if streamed
     return msgspec.structs.replace(  # a pass a token
