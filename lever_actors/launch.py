@@ -9,13 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import NoReturn
 
-from lever_actors.threads import (
-    asks_only_help,
-    defer_policy,
-    defers_policy,
-    idle_cores,
-    thread_policy,
-)
+from lever_actors.threads import asks_only_help, defer_policy, idle_cores, thread_policy
 
 # what the CLI imports that loads no OpenMP runtime: imported while the probe watches
 BEFORE_OPENMP = ("trio", "msgspec", "lever_actors.cli")
@@ -49,7 +43,9 @@ if "OMP_NUM_THREADS" in os.environ or asks_only_help(sys.argv[1:]):
     _set_policy(None)
 else:
     _finding = _probe_while_importing()
-    if defers_policy(sys.argv[1:]):  # the probe runs on while generate reads its inputs
+    from lever_actors.cli.commands import command_in  # imported beside the probe
+
+    if command_in(sys.argv[1:]) == "generate":  # the probe runs on while it reads its inputs
         defer_policy(lambda: _set_policy(_finding()))
     else:
         _set_policy(_finding())

@@ -134,9 +134,3 @@ def settle_policy() -> None:
     with _pending_lock:
         while _pending:
             _pending.pop()()
-
-
-def defers_policy(argv: list[str]) -> bool:
-    """Whether the command reads its inputs before any OpenMP team loads (`generate`: its
-    tokenizer and, on the plain path, its weights), so the probe may run on meanwhile."""
-    return next((arg for arg in argv if not arg.startswith("-")), None) == "generate"
