@@ -1,7 +1,8 @@
 """Ours on the plain path (#63): the target's layout held in DRAM without torch
-(plain_target.py), decoding one token a pass (greedy or seeded) on our plain kernels, as
-`generate` runs it with `--plan ar` (lever-plain), or with `auto` where the draft does not
-fit beside the whole target (lever, bench/opening.py). It opens only where `generate` would
+(plain_target.py), decoding on our plain kernels (greedy or seeded) as `generate` runs it:
+one token a pass with `--plan ar` (lever-plain), copies from the text verified beside it
+with `auto` where the draft does not fit beside the whole target (lever,
+bench/opening.py). It opens only where `generate` would
 take the plain path for the same config (plan/plain.py decides), else fails with the reason;
 in a child process under a memory limit, nothing it loads is torch."""
 
@@ -22,6 +23,7 @@ from lever_actors.model.plain_model import token_stream
 from lever_actors.model.sampling import Sampling
 from lever_actors.plain_target import PlainTarget
 from lever_actors.plan.plain import PlainPlan, plain_context, plain_plan
+from lever_actors.policy.plain_copies import CopyProposer
 
 
 class PlainMode:
@@ -43,9 +45,10 @@ class PlainMode:
             raise ModeFailed(f"the plain path does not run it: {why}")
         target = PlainTarget(Path(self.config.target), embed_resident=plan.embed_resident)
         self.context = plain_context(self.config, manifest)
+        self.copies = plan.copies
         self.info = msgspec.structs.replace(
             self.info,
-            plan="ar",
+            plan=plan.name,
             plan_auto=self.config.plan == "auto",
             budget_bytes=plan.memory.budget,
         )
@@ -61,7 +64,11 @@ class PlainMode:
             raise ModeFailed(str(error)) from None
         stats = self.target.reader.stats
         before = stats.bytes_read
-        stream = token_stream(self.target.model, prompt, max_new_tokens, stop_ids, sampling)
+        copies = CopyProposer(self.copies) if self.copies else None
+        stream = token_stream(self.target.model, prompt, max_new_tokens, stop_ids, sampling, copies)
         decoded = await trio.to_thread.run_sync(stamped, stream)
         decoded.bytes_read = stats.bytes_read - before  # the embedding's rows, if streamed
+        if copies:  # several tokens a pass
+            decoded.steps = copies.passes
+            decoded.first_step_tokens = copies.committed[0]
         return decoded

@@ -1,8 +1,9 @@
-"""`generate --plan ar` without torch (#63): where the target's layout is converted, its model
-one the plain path runs (model/plain_model.py), and the target fits in DRAM beside its
-context under the memory plan (its embedding table's rows read from flash where the table
-does not), the command reads the target and decodes one token a pass on our plain kernels,
-the same tokens the engine's `ar` gives, and never imports torch. Anything else goes to the
+"""`generate --plan ar` or `lookup` without torch (#63): where the target's layout is
+converted, its model one the plain path runs (model/plain_model.py), and the target fits in
+DRAM beside its context under the memory plan (its embedding table's rows read from flash
+where the table does not), the command reads the target and decodes on our plain kernels,
+one token a pass or with copies from the text verified beside it, the same tokens the
+engine gives, and never imports torch. Anything else goes to the
 engine; plan/plain.py decides, and -v says why."""
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from lever_actors.model.plain_model import token_stream
 from lever_actors.options import GenerationOptions
 from lever_actors.plain_target import PlainTarget
 from lever_actors.plan.plain import PlainPlan, plain_context, plain_memory, refusal
+from lever_actors.policy.plain_copies import CopyProposer
 from lever_actors.sizes import format_bytes
 
 log = get_logger(__name__)
@@ -147,16 +149,20 @@ def _decode(
         if run.config.plan == "auto"
         else ""
     )
-    print(f"plan: ar on the plain kernels, without torch{chosen}", file=sys.stderr)
+    print(f"plan: {run.plan.name} on the plain kernels, without torch{chosen}", file=sys.stderr)
     read_before = target.reader.stats.bytes_read
-    stream = token_stream(model, ids, options.max_new_tokens, tokenizer.eos_ids, options.sampling)
+    copies = CopyProposer(run.plan.copies) if run.plan.copies else None
+    stream = token_stream(
+        model, ids, options.max_new_tokens, tokenizer.eos_ids, options.sampling, copies
+    )
     summary = streamed(stream, tokenizer, ids, options)
     read = target.reader.stats.bytes_read - read_before  # the embedding's rows, if streamed
-    return msgspec.structs.replace(  # a pass a token
+    steps = copies.passes if copies else summary.generated_tokens
+    return msgspec.structs.replace(
         summary,
-        steps=summary.generated_tokens,
-        tokens_per_step=1.0,
-        from_draft=0,
+        steps=steps,
+        tokens_per_step=summary.generated_tokens / max(steps, 1),
+        from_draft=copies.taken if copies else 0,
         bytes_read_per_token=read // max(summary.generated_tokens, 1),
         load_seconds=loaded,
     )

@@ -10,6 +10,7 @@ table dense in bf16 or in int4rows; rope without llama3's scaling.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -200,26 +201,61 @@ def chosen(logits: np.ndarray, sampling: Sampling, position: int) -> int:
     return drawn(scaled, sampling, gumbel(sampling.seed, position, scaled.size))
 
 
+class Proposer(Protocol):
+    """Tokens a pass verifies beyond the one it computes: what may follow the text
+    (policy/plain_copies.py's copies)."""
+
+    cap: int  # most tokens proposed at once
+
+    def proposed(self, committed: Sequence[int]) -> list[int]:
+        """The tokens to verify after the text, extended first by those `committed` since
+        the last call."""
+        ...
+
+    def verified(self, rows: int, proposed: int, taken: int, seconds: float) -> None:
+        """A pass of `rows` rows verified `proposed` tokens in `seconds`; the first `taken`
+        held."""
+        ...
+
+
 def token_stream(
     model: Model,
     prompt: Sequence[int],
     max_new_tokens: int,
     stop_ids: Container[int] = frozenset(),
     sampling: Sampling = GREEDY,
+    proposer: Proposer | None = None,
 ) -> Iterator[int]:
-    """One-token decoding after `prompt`, yielding each token as it comes, up to
-    `max_new_tokens` or a token of `stop_ids` (yielded too): model/sequential.py's
-    `sequential_stream` on the plain path, greedy or seeded."""
-    cache = model.new_cache(len(prompt) + max_new_tokens)
-    pending = list(prompt)
-    for _ in range(max_new_tokens):
-        hidden = model.forward(pending, cache)
-        cache.commit(len(pending))
-        token = chosen(model.logits(hidden[-1:]), sampling, cache.length)
-        yield token
-        if token in stop_ids:
-            return
-        pending = [token]
+    """Decoding after `prompt`, yielding each token as it comes, up to `max_new_tokens` or a
+    token of `stop_ids` (yielded too): model/sequential.py's `sequential_stream` on the plain
+    path, greedy or seeded. With a `proposer`, a pass also verifies its tokens after the
+    one it computes, each row giving the bits it gives alone: a proposed token is taken
+    while it is the token chosen at its place, so the tokens are those of one a pass."""
+    cache = model.new_cache(len(prompt) + max_new_tokens + (proposer.cap if proposer else 0))
+    pending, committed = list(prompt), list(prompt)
+    made = 0
+    while True:
+        proposed = proposer.proposed(committed) if proposer else []
+        started = time.perf_counter()
+        hidden = model.forward([*pending, *proposed], cache)
+        cache.commit(len(pending))  # the proposed tokens' slots stay pending
+        logits = model.logits(hidden[len(pending) - 1 :])  # [1 + proposed, vocab]
+        committed = []
+        for row, guess in enumerate([*proposed, None]):
+            committed.append(chosen(logits[row : row + 1], sampling, cache.length + row))
+            if committed[-1] != guess:
+                break
+        taken = len(committed) - 1
+        if proposer:
+            rows = len(pending) + len(proposed)
+            proposer.verified(rows, len(proposed), taken, time.perf_counter() - started)
+        cache.keep(range(taken))
+        for token in committed:
+            yield token
+            made += 1
+            if token in stop_ids or made == max_new_tokens:
+                return
+        pending = committed[-1:]
 
 
 def unsupported(args: ModelArgs) -> str:

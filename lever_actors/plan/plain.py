@@ -1,17 +1,18 @@
 """Whether a request runs on the plain path, without torch (plain_target.py), or on the engine:
 decided in two steps, since the second counts the tokenizer the first lets load.
 
-`refusal` looks at what is known before anything loads: the plan asked for (`ar` or `auto`;
-greedy or seeded, which draws as the engine does), the config's engine-only work (a trace,
-spilled prefixes, a throttle, a fixed budget, requests at once), the model and its formats,
-and this CPU's kernels. `plain_memory` then makes the memory plan: the plain path needs
-every layer and the LM head in DRAM beside room for a context, and keeps the embedding table
-too where it fits (else its rows come from flash). Under `auto` the plain path runs, one
-token a pass, only where the draft cannot sit beside the whole target in the engine: there
-the engine's trees would stream layers, and its lookup and ar hold no more than the plain
-path, which decodes faster for want of torch's fixed memory and the actors' hand-offs (29.9
-against 26.9 tok/s resident, benchmarks/results/native.json); where the draft fits, the
-engine's cost model chooses. `plain_context`, once it has loaded, the context."""
+`refusal` looks at what is known before anything loads: the plan asked for (`ar`, `lookup`
+or `auto`; greedy or seeded, which draws as the engine does), the config's engine-only work
+(a trace, spilled prefixes, a throttle, a fixed budget, requests at once), the model and its
+formats, and this CPU's kernels. `plain_memory` then makes the memory plan: the plain path
+needs every layer and the LM head in DRAM beside room for a context, and keeps the embedding
+table too where it fits (else its rows come from flash). Under `auto` the plain path runs,
+with copies from the text where they pay (policy/plain_copies.py), only where the draft
+cannot sit beside the whole target in the engine: there the engine's trees would stream
+layers, and its lookup and ar hold no more than the plain path, which decodes faster for
+want of torch's fixed memory and the actors' hand-offs (29.9 against 26.9 tok/s resident,
+benchmarks/results/native.json); where the draft fits, the engine's cost model chooses.
+`plain_context`, once it has loaded, the context."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from lever_actors.paths import path_bytes
 from lever_actors.plain_target import embed_bytes, plain_formats
 from lever_actors.plan.context import Context, plan_context
 from lever_actors.plan.memory import MemoryPlan, Reading, memory_plan, read_process
+from lever_actors.policy import plain_copies
 
 # what the engine's process holds beyond the plain path's: torch, the actors and their
 # modules, 203 against 38 MiB anonymous and 133 against 30 MiB of libraries (the real
@@ -39,11 +41,16 @@ ENGINE_LIBRARIES = 103 * 2**20
 class PlainPlan(NamedTuple):
     memory: MemoryPlan  # room for a context beside the target
     embed_resident: bool  # else the embedding table's rows are read from flash
+    copies: int  # most copies from the text a pass verifies (lookup, auto); 0: one token
+
+    @property
+    def name(self) -> str:
+        return "lookup" if self.copies else "ar"
 
 
 def refusal(config: EngineConfig, manifest: Manifest) -> str:
     """Why the plain path cannot run this request, or '' where it may (memory allowing)."""
-    if config.plan not in ("ar", "auto"):
+    if config.plan not in ("ar", "lookup", "auto"):
         return f"the plan {config.plan} runs on the engine" if config.plan else "a tree given"
     engine_only = {
         "trace": config.trace is not None,
@@ -87,7 +94,13 @@ def plain_memory(config: EngineConfig, manifest: Manifest) -> tuple[PlainPlan | 
         why = _draft_fits(config, manifest, reading)
         if why:
             return None, why
-    return PlainPlan(memory, memory.budget >= manifest.file_bytes), ""
+    copies = 0 if config.plan == "ar" else _copies_cap(config)
+    return PlainPlan(memory, memory.budget >= manifest.file_bytes, copies), ""
+
+
+def _copies_cap(config: EngineConfig) -> int:
+    """The copies a pass may verify: `--tree lookup:CAP`'s cap, else the plain path's."""
+    return config.tree.cap if config.tree.kind == "lookup" else plain_copies.CAP
 
 
 def _draft_fits(config: EngineConfig, manifest: Manifest, reading: Reading) -> str:

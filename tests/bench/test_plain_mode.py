@@ -100,10 +100,10 @@ def test_levers_auto_plan_takes_the_plain_path_where_the_draft_cannot_join_the_t
     workload = Workload(quantized.target, draft, [PROMPTS], frozenset())
     results = bench(_options(tmp_path, modes=("memory-ar", "lever"), limits=("1GiB",)), workload)
     lever = next(m for m in results.modes if m.name == "lever@1GiB")
-    assert lever.plan == "ar" and lever.plan_auto and lever.family == "lever"
+    assert lever.plan == "lookup" and lever.plan_auto and lever.family == "lever"
     assert all(r.failed is None for r in results.runs)
     assert results.summary.min_agreement == 1.0
-    assert results.summary.limits["1GiB"].plan == "ar"
+    assert results.summary.limits["1GiB"].plan == "lookup"
 
 
 @needs_native

@@ -1,6 +1,7 @@
-"""`generate --plan ar` without torch (cli/generate_plain.py): on a tiny quantized layout it
-streams the tokens the engine's `ar` streams, in a process that never imports torch; where
-the plain path cannot run a request, the engine does, and says why under -v."""
+"""`generate --plan ar` and `lookup` without torch (cli/generate_plain.py): on a tiny
+quantized layout it streams the tokens the engine's `ar` streams, in a process that never
+imports torch; where the plain path cannot run a request, the engine does, and says why
+under -v."""
 
 from __future__ import annotations
 
@@ -64,6 +65,17 @@ def test_the_plain_path_streams_the_engines_tokens(capsys, layout, monkeypatch, 
 
 
 @needs_plain
+@pytest.mark.parametrize("sampling", [[], ["--temperature", "1.5", "--seed", "3"]])
+def test_lookup_on_the_plain_path_streams_the_tokens_of_one_a_pass(capsys, layout, sampling):
+    one, _ = run(capsys, layout, *sampling)
+    copied, err = run(capsys, layout, "--plan", "lookup", *sampling)
+    assert "plan: lookup on the plain kernels, without torch" in err
+    assert copied == one
+    figures = stats(err)
+    assert figures["steps"] * figures["tokens_per_step"] == pytest.approx(NEW)
+
+
+@needs_plain
 def test_the_plain_path_imports_no_torch(layout):
     code = (
         "import sys; from lever_actors.cli import main; "
@@ -79,7 +91,7 @@ def test_the_plain_path_imports_no_torch(layout):
 @pytest.mark.parametrize(
     ("flags", "why"),
     [
-        (["--plan", "lookup"], "the plan lookup runs on the engine"),
+        (["--throttle", "ufs4.0"], "throttle asks for the engine"),
         (["--dram-budget", "all"], "dram_budget asks for the engine"),
     ],
 )

@@ -13,6 +13,7 @@ from lever_actors.model import kernel_build
 from lever_actors.model.args import RopeScaling
 from lever_actors.plan import plain
 from lever_actors.plan.memory import MemoryPlan, Reading
+from lever_actors.policy import plain_copies
 from lever_actors.testing import model_pair
 from lever_actors.testing.checkpoints import bf16_args
 
@@ -34,7 +35,8 @@ def config(target, **fields) -> EngineConfig:
 @pytest.mark.parametrize(
     ("fields", "why"),
     [
-        ({"plan": "lookup"}, "the plan lookup runs on the engine"),
+        ({"plan": "trees"}, "the plan trees runs on the engine"),
+        ({"plan": "lookup"}, ""),
         ({"plan": "auto"}, ""),
         ({"trace": "t.msgpack", "throttle": "ufs4.0"}, "trace, throttle asks for"),
         ({"dram_budget": "all"}, "dram_budget asks for the engine"),
@@ -108,4 +110,19 @@ def test_auto_leaves_the_request_to_the_engine_where_its_draft_fits_beside_the_t
     if draft_bytes is None:
         assert reason.endswith("is not there yet")
     no_draft = plain.plain_memory(config(q4k, plan="auto"), read_manifest(q4k))
-    assert no_draft[0] is not None  # the engine's auto would choose lookup or ar: ours is ar
+    assert no_draft[0] is not None  # the engine's auto would choose lookup or ar: ours copies
+
+
+@pytest.mark.parametrize(
+    ("fields", "copies"),
+    [
+        ({}, 0),
+        ({"plan": "lookup"}, plain_copies.CAP),
+        ({"plan": "lookup", "tree": "lookup:5"}, 5),
+        ({"plan": "auto"}, plain_copies.CAP),
+    ],
+)
+def test_lookup_and_auto_copy_from_the_text_and_ar_takes_one_token_a_pass(q4k, fields, copies):
+    found, _ = plain.plain_memory(config(q4k, **fields), read_manifest(q4k))
+    assert found is not None and found.copies == copies
+    assert found.name == ("lookup" if copies else "ar")
