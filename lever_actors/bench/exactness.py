@@ -1,7 +1,8 @@
-"""`lever-actors check-exact`: every speculative policy, and the plain path's one-token greedy
-(no torch in its arithmetic), against one-token greedy decoding of the same flash layout,
-token for token, on real prompts (repetitive prose among them, where near-ties are common).
-Any divergence is printed and makes the audit fail."""
+"""`lever-actors check-exact`: every speculative policy, and the plain path's greedy (no
+torch in its arithmetic; one token a pass, and with copies from the text), against one-token
+greedy decoding of the same flash layout, token for token, on real prompts (repetitive prose
+among them, where near-ties are common). Any divergence is printed and makes the audit
+fail."""
 
 from __future__ import annotations
 
@@ -25,11 +26,15 @@ from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError
 from lever_actors.model import plain
 from lever_actors.model.plain_model import token_stream
+from lever_actors.model.sampling import GREEDY
 from lever_actors.model.sequential import sequential_cached
 from lever_actors.model.transformer import Transformer
 from lever_actors.plain_target import PlainTarget
+from lever_actors.policy.plain_copies import CopyProposer
 
 PLAIN = "plain"
+PLAIN_LOOKUP = "plain-lookup"
+PLAIN_POLICIES = (PLAIN, PLAIN_LOOKUP)
 # name -> EngineConfig fields; static:8,8 (72 nodes) and gain-cost trees go past every row
 # count at which a BLAS kernel may switch
 POLICIES: dict[str, dict[str, Any]] = {
@@ -44,6 +49,7 @@ POLICIES: dict[str, dict[str, Any]] = {
     # trees, a trial of copies from the third step, kept for good (later prompts copy)
     "gaincost-switch": {"tree": "gaincost", "switch_at": 3},
     PLAIN: {},  # no engine: one-token greedy on the plain path (plain_target.py)
+    PLAIN_LOOKUP: {},  # the plain path's copies from the text (policy/plain_copies.py)
 }
 
 # continued as raw text: repetition makes the target's top two tokens close
@@ -116,13 +122,14 @@ def check_exact(
         _say(f"one-token greedy {prompt.name}: {len(expected[prompt.name])} tokens")
     del reference, checkpoint
     divergences = []
-    if PLAIN in policies and not plain.available():
-        _say("plain: not run, this CPU cannot run the plain kernels")
-    elif PLAIN in policies:
-        found = _run_plain(layout, prompts, max_new_tokens, stop_ids)
-        divergences += _compared(PLAIN, prompts, found, expected)
+    for policy in (p for p in policies if p in PLAIN_POLICIES):
+        if not plain.available():
+            _say(f"{policy}: not run, this CPU cannot run the plain kernels")
+            continue
+        found = _run_plain(layout, prompts, max_new_tokens, stop_ids, policy == PLAIN_LOOKUP)
+        divergences += _compared(policy, prompts, found, expected)
     draft = load_draft(str(draft_path), draft_dtype)
-    for policy in (p for p in policies if p != PLAIN):
+    for policy in (p for p in policies if p not in PLAIN_POLICIES):
         config = EngineConfig(
             target=str(layout),
             draft=str(draft_path),
@@ -157,17 +164,24 @@ def _compared(
 
 
 def _run_plain(
-    layout: Path, prompts: Sequence[Prompt], max_new_tokens: int, stop_ids: frozenset[int]
+    layout: Path,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int,
+    stop_ids: frozenset[int],
+    copies: bool,
 ) -> dict[str, list[int]]:
-    """Each prompt's one-token greedy decoding on the plain path, one after another."""
+    """Each prompt's greedy decoding on the plain path (with copies from the text, or one
+    token a pass), one after another."""
     target = PlainTarget(layout)
     model, tokens = target.model, {}
     try:
         for prompt in prompts:
             started = time.perf_counter()
-            got = list(token_stream(model, prompt.tokens, max_new_tokens, stop_ids))
-            tokens[prompt.name] = got
-            _say(f"  plain {prompt.name}: {len(got)} tokens, {time.perf_counter() - started:.1f} s")
+            proposer = CopyProposer() if copies else None
+            stream = token_stream(model, prompt.tokens, max_new_tokens, stop_ids, GREEDY, proposer)
+            got = tokens[prompt.name] = list(stream)
+            seconds = time.perf_counter() - started
+            _say(f"  plain {prompt.name}: {len(got)} tokens, {seconds:.1f} s")
     finally:
         target.close()
     return tokens

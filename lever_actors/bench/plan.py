@@ -9,7 +9,7 @@ import json
 import math
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import gguf
 import msgspec
@@ -271,7 +271,9 @@ def plan_modes(options: BenchOptions, target: Path, draft: Path | None) -> list[
             planned.append(PlannedMode(info(family, family, full_bytes), spec))
         elif family in PLAIN_FAMILIES:  # it plans its own memory: the whole target, or nothing
             assert manifest is not None
-            planned.append(PlannedMode(info(family, family, full_bytes, 0), _plain_spec(target)))
+            planned.append(
+                PlannedMode(info(family, family, full_bytes, 0), _plain_spec(target, family))
+            )
         elif family in LLAMACPP_FAMILIES:
             spec = plan_llamacpp(options, family, target, draft)
             model_bytes = _size(spec.model)
@@ -352,7 +354,7 @@ def _plan_under_limits(
                 raise ConfigError(f"--limits does not run the transformers peer {family}")
             if family in PLAIN_FAMILIES:
                 mode = ModeInfo(name=f"{family}@{label}", family=family, **under)
-                planned.append(PlannedMode(mode, _plain_spec(target)))
+                planned.append(PlannedMode(mode, _plain_spec(target, family)))
                 continue
             assert manifest is not None
             for name, tree, fields in engine_variants(options, family):
@@ -362,9 +364,11 @@ def _plan_under_limits(
     return planned
 
 
-def _plain_spec(target: Path) -> PlainSpec:
-    """The plain path on `target`'s layout, planning its memory as `generate --plan ar` does."""
-    return PlainSpec(EngineConfig(target=str(target), draft=None, plan="ar"))
+def _plain_spec(target: Path, family: str) -> PlainSpec:
+    """The plain path on `target`'s layout, planning its memory as `generate --plan ar` (or
+    `lookup`, for lever-plain-lookup) does."""
+    plan: Literal["ar", "lookup"] = "lookup" if family == "lever-plain-lookup" else "ar"
+    return PlainSpec(EngineConfig(target=str(target), draft=None, plan=plan))
 
 
 def _memory_resident(

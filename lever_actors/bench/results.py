@@ -142,7 +142,7 @@ class LimitFigures(msgspec.Struct, frozen=True, omit_defaults=True):
     files it read included), and its cgroup's (what the limit counted)."""
 
     lever: float | None = None
-    plain: float | None = None  # the plain path (lever-plain): one token a pass, no torch
+    plain: float | None = None  # the plain path, no torch: the faster of ar and lookup
     flash_ar: float | None = None
     best_sd: float | None = None
     llamacpp_best: float | None = None

@@ -25,8 +25,9 @@ from lever_actors.sizes import parse_bytes
 SD_FAMILIES = ("sd-chain", "sd-static")
 OFFLOADED_PEERS = ("peer-offload", "peer-assisted")  # the peers that read from flash
 LLAMACPP_FAMILIES = ("llamacpp-ar", "llamacpp-spec")  # llama.cpp's programs (bench/llamacpp.py)
-# the plain path (#63): `generate --plan ar` without torch (bench/plain_mode.py)
-PLAIN_FAMILIES = ("lever-plain",)
+# the plain path (#63), without torch (bench/plain_mode.py): `generate --plan ar` and
+# `--plan lookup` (copies from the text verified beside each pass)
+PLAIN_FAMILIES = ("lever-plain", "lever-plain-lookup")
 BASELINES = ("flash_ar", "best_sd", "memory_ar", "peer", "llamacpp")
 SWEEP_LINES = ("flash-AR", "best SD", "Lever")
 _LINE_FAMILIES = {"flash-AR": ("flash-ar",), "best SD": SD_FAMILIES, "Lever": ("lever",)}

@@ -71,12 +71,13 @@ def test_the_plain_path_is_audited_beside_the_policies(capsys):
         Path(quantized.target),
         Path(quantized.draft),
         PROMPTS,
-        policies=["plain", "chain-4"],
+        policies=["plain", "plain-lookup", "chain-4"],
         max_new_tokens=12,
         dram_budget=DramBudget("all"),
         draft_dtype="bfloat16",
     )
     assert found == []
     err = capsys.readouterr().err
-    assert "plain: 0 divergences" in err and "chain-4: 0 divergences" in err
-    assert err.count("  plain ") == len(PROMPTS)
+    for policy in ("plain", "plain-lookup", "chain-4"):
+        assert f"\n{policy}: 0 divergences" in err
+    assert err.count("  plain ") == 2 * len(PROMPTS)

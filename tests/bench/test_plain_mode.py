@@ -67,6 +67,18 @@ def test_the_plain_path_decodes_memory_ars_tokens_under_each_limit(quantized, tm
 
 
 @needs_native
+def test_the_plain_paths_copies_decode_memory_ars_tokens(quantized, tmp_path):
+    options = _options(tmp_path, modes=("memory-ar", "lever-plain-lookup"), limits=("1GiB",))
+    results = bench(options, quantized)
+    info = next(m for m in results.modes if m.name == "lever-plain-lookup@1GiB")
+    assert info.plan == "lookup" and not info.plan_auto
+    assert all(r.failed is None for r in results.runs)
+    assert results.summary.min_agreement == 1.0
+    runs = [r for r in results.runs if r.mode == info.name]
+    assert all(1 <= r.steps <= r.new_tokens for r in runs)
+
+
+@needs_native
 async def test_the_plain_paths_child_never_loads_torch(quantized, tmp_path):
     [planned] = plan_modes(_options(tmp_path, modes=("lever-plain",)), quantized.target, None)
     async with AsyncExitStack() as stack:
