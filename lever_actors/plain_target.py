@@ -7,13 +7,12 @@ target.py's FlashTarget computes on torch, bit for bit."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from lever_actors.device.manifest import Extent, Manifest, TensorEntry, layer_key
-from lever_actors.device.reads import LayoutReader
+from lever_actors.device.reads import AlignedBuffer, LayoutReader
 from lever_actors.model import plain
 from lever_actors.model.formats import (
     GROUP,
@@ -27,9 +26,6 @@ from lever_actors.model.formats import (
 from lever_actors.model.plain_model import DenseRows, Int4Rows, Model, Weights, decode_int4_rows
 
 Array = np.ndarray | plain.Matrix | Int4Rows  # a tensor as the plain path holds it
-# extents read at once: the real target (1.06 GiB) loaded in 0.58-0.66 s on two threads, one
-# at a time 0.66-0.81 s (2-core EPYC, 2026-12-06)
-LOADERS = 2
 
 
 class PlainTarget:
@@ -42,16 +38,13 @@ class PlainTarget:
         self.reader = LayoutReader(directory, verify=verify)
         self.manifest: Manifest = self.reader.manifest
         args = self.manifest.args
-        keys = [e.key for e in self.manifest.extents if embed_resident or e.key != "embed"]
-        try:  # two at a time: one read's faults and hashing beside another's transfer
-            with ThreadPoolExecutor(LOADERS, thread_name_prefix="plain-load") as loaders:
-                loaded = loaders.map(
-                    lambda key: _load(self.reader, self.manifest.extent(key)), keys
-                )
-                extents = dict(zip(keys, loaded, strict=True))
+        wanted = [e for e in self.manifest.extents if embed_resident or e.key != "embed"]
+        try:
+            buffers = self.reader.load_all(wanted)
         except BaseException:
             self.reader.close()
             raise
+        extents = {e.key: _tensors(e, b) for e, b in zip(wanted, buffers, strict=True)}
         self.bytes_read = self.reader.stats.bytes_read
         embed = _embedding(extents["embed"]["embed"]) if embed_resident else self._streamed()
         head_matrix = extents["lm_head"]["lm_head"]  # plain_formats refused a tied head
@@ -104,9 +97,8 @@ def plain_formats(manifest: Manifest) -> str:
     return ""
 
 
-def _load(reader: LayoutReader, extent: Extent) -> dict[str, Array]:
-    """One extent read into its own buffer and checked, its tensors viewed in place."""
-    buffer = reader.load_bytes(extent)
+def _tensors(extent: Extent, buffer: AlignedBuffer) -> dict[str, Array]:
+    """An extent's tensors, viewed in place in the buffer it was read into."""
     return {
         t.name: _tensor(t, buffer.array[t.offset : t.offset + t.nbytes]) for t in extent.tensors
     }

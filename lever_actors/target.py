@@ -29,7 +29,8 @@ Resident = dict[str, dict[str, Weight]]  # the plan's resident extents, as read:
 def read_resident(store: FlashStore, plan: ResidencyPlan) -> Resident:
     """Blocking: the extents `plan` holds in DRAM, each read (and checked) into its own
     buffer. No torch computation: it may run on any thread, beside another load."""
-    return {key: store.load_extent(store.manifest.extent(key)) for key in plan.resident}
+    extents = [store.manifest.extent(key) for key in plan.resident]
+    return dict(zip(plan.resident, store.load_extents(extents), strict=True))
 
 
 class FlashTarget:
@@ -68,9 +69,9 @@ class FlashTarget:
     def hold(self, plan: ResidencyPlan) -> None:
         """Blocking: the layers `plan` holds that this target streams, read (and checked)
         into DRAM, then resident from the next pass on; the ring stays as it is."""
-        for i in self.plan.streamed_layers:
-            if i not in plan.streamed_layers:
-                self.resident_layers[i] = self.store.load_extent(self.manifest.layer(i))
+        held = [i for i in self.plan.streamed_layers if i not in plan.streamed_layers]
+        loaded = self.store.load_extents([self.manifest.layer(i) for i in held])
+        self.resident_layers.update(zip(held, loaded, strict=True))
         self.plan = plan
 
     def new_cache(self, capacity: int) -> KVCache:

@@ -17,7 +17,8 @@ def load_flash_layout(directory: Path, dtype: torch.dtype) -> Checkpoint:
     store = FlashStore(directory)
     try:
         manifest = store.manifest
-        extents = {e.key: store.load_extent(e) for e in manifest.extents}
+        loaded = store.load_extents(manifest.extents)
+        extents = {e.key: tensors for e, tensors in zip(manifest.extents, loaded, strict=True)}
     finally:
         store.close()
     embed = extents["embed"]["embed"]

@@ -5,7 +5,7 @@ streamed by rows."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -49,8 +49,16 @@ class FlashStore(LayoutReader):
 
     def load_extent(self, extent: Extent) -> dict[str, Weight]:
         """Read an extent into its own new buffer, for weights that stay resident."""
-        buffer = self.load_bytes(extent)
-        return {t.name: tensor_of(buffer, t) for t in extent.tensors}
+        return self.load_extents([extent])[0]
+
+    def load_extents(self, extents: Sequence[Extent]) -> list[dict[str, Weight]]:
+        """Read extents into their own new buffers (`load_all`), for weights that stay
+        resident."""
+        buffers = self.load_all(extents)
+        return [
+            {t.name: tensor_of(b, t) for t in e.tensors}
+            for e, b in zip(extents, buffers, strict=True)
+        ]
 
     def read_rows(self, extent: Extent, rows: list[int]) -> torch.Tensor:
         """Rows of a 2-D single-tensor extent (the embedding table), each by its own small read

@@ -54,6 +54,18 @@ def test_layout_round_trips_every_tensor(hf_dir, layout):
     assert torch.equal(rows, original.embed[[5, 0, 96]])
 
 
+def test_extents_loaded_together_equal_each_loaded_alone(layout):
+    store = FlashStore(layout)
+    extents = list(store.manifest.extents)
+    alone = [store.load_extent(e) for e in extents]
+    read = store.stats.bytes_read
+    together = store.load_extents(extents)
+    assert store.stats.bytes_read - read == sum(e.nbytes for e in extents) == read
+    for one, other in zip(alone, together, strict=True):
+        assert one.keys() == other.keys()
+        assert all(torch.equal(one[name], other[name]) for name in one)
+
+
 def test_reads_bypass_the_page_cache(layout):
     store = FlashStore(layout)
     assert store.mode == "o_direct"  # /tmp here is ext4, which takes O_DIRECT
