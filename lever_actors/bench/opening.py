@@ -30,7 +30,7 @@ def open_in_process(planned: PlannedMode, drafts: dict[tuple[str, str], DraftMod
     if isinstance(spec, PlainSpec):
         return PlainMode(info, spec.config)
     if isinstance(spec, EngineSpec) and spec.config.plan == "auto":
-        # as `generate` decides: the plain path where the draft cannot join the whole target
+        # as `generate` decides: the plain path wherever it holds the whole target
         manifest = read_manifest(Path(spec.config.target))
         plain, _ = plain_plan(spec.config, manifest)
         if plain is not None:

@@ -1,8 +1,8 @@
 """Ours on the plain path (#63): the target's layout held in DRAM without torch
 (plain_target.py), decoding on our plain kernels (greedy or seeded) as `generate` runs it:
 one token a pass with `--plan ar` (lever-plain), copies from the text verified beside each
-pass with `--plan lookup` (lever-plain-lookup) and with `auto` where the draft does not fit
-beside the whole target (lever, bench/opening.py). It opens only where `generate` would
+pass with `--plan lookup` (lever-plain-lookup) and with `auto` wherever it holds the whole
+target (lever, bench/opening.py). It opens only where `generate` would
 take the plain path for the same config (plan/plain.py decides), else fails with the reason;
 in a child process under a memory limit, nothing it loads is torch."""
 

@@ -144,11 +144,7 @@ def _decode(
         file=sys.stderr,
     )
     print(run.plan.memory, file=sys.stderr)
-    chosen = (
-        " (auto: the draft does not fit beside the whole target)"
-        if run.config.plan == "auto"
-        else ""
-    )
+    chosen = " (auto: the whole target in DRAM)" if run.config.plan == "auto" else ""
     print(f"plan: {run.plan.name} on the plain kernels, without torch{chosen}", file=sys.stderr)
     read_before = target.reader.stats.bytes_read
     copies = CopyProposer(run.plan.copies) if run.plan.copies else None

@@ -7,16 +7,16 @@ or `auto`; greedy or seeded, which draws as the engine does), the config's engin
 formats, and this CPU's kernels. `plain_memory` then makes the memory plan: the plain path
 needs every layer and the LM head in DRAM beside room for a context, and keeps the embedding
 table too where it fits (else its rows come from flash). Under `auto` the plain path runs,
-with copies from the text where they pay (policy/plain_copies.py), only where the draft
-cannot sit beside the whole target in the engine: there the engine's trees would stream
-layers, and its lookup and ar hold no more than the plain path, which decodes faster for
-want of torch's fixed memory and the actors' hand-offs (29.9 against 26.9 tok/s resident,
-benchmarks/results/native.json); where the draft fits, the engine's cost model chooses.
-`plain_context`, once it has loaded, the context."""
+with copies from the text where they pay (policy/plain_copies.py), wherever it holds every
+layer and the LM head: there the engine's trees, the draft beside the whole target, ran
+slower than the plain path on code, chat and prose alike (under 2 and 3 GiB,
+benchmarks/results/memory-curve-any-text-epyc.json), and its lookup and ar hold no more
+and decode slower for torch's fixed memory and the actors' hand-offs. Where the layers
+would stream, the engine's cost model chooses (a draft's trees pay while flash paces the
+pass). `plain_context`, once it has loaded, the context."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import NamedTuple
 
 from lever_actors.config import EngineConfig
@@ -25,17 +25,10 @@ from lever_actors.errors import ConfigError
 from lever_actors.model import kernel_build
 from lever_actors.model.plain_model import unsupported
 from lever_actors.model.shapes import position_bytes
-from lever_actors.paths import path_bytes
 from lever_actors.plain_target import embed_bytes, plain_formats
 from lever_actors.plan.context import Context, plan_context
-from lever_actors.plan.memory import MemoryPlan, Reading, memory_plan, read_process
+from lever_actors.plan.memory import MemoryPlan, memory_plan, read_process
 from lever_actors.policy import plain_copies
-
-# what the engine's process holds beyond the plain path's: torch, the actors and their
-# modules, 203 against 38 MiB anonymous and 133 against 30 MiB of libraries (the real
-# target, a 2-core EPYC, benchmarks/results/native.json)
-ENGINE_PROCESS_BYTES = 165 * 2**20
-ENGINE_LIBRARIES = 103 * 2**20
 
 
 class PlainPlan(NamedTuple):
@@ -90,10 +83,6 @@ def plain_memory(config: EngineConfig, manifest: Manifest) -> tuple[PlainPlan | 
         return None, str(error)
     if memory.budget < manifest.file_bytes - embed_bytes(manifest):
         return None, f"{memory}: the layers and the LM head would stream"
-    if config.plan == "auto" and config.draft is not None:
-        why = _draft_fits(config, manifest, reading)
-        if why:
-            return None, why
     copies = 0 if config.plan == "ar" else _copies_cap(config)
     return PlainPlan(memory, memory.budget >= manifest.file_bytes, copies), ""
 
@@ -101,27 +90,6 @@ def plain_memory(config: EngineConfig, manifest: Manifest) -> tuple[PlainPlan | 
 def _copies_cap(config: EngineConfig) -> int:
     """The copies a pass may verify: `--tree lookup:CAP`'s cap, else the plain path's."""
     return config.tree.cap if config.tree.kind == "lookup" else plain_copies.CAP
-
-
-def _draft_fits(config: EngineConfig, manifest: Manifest, reading: Reading) -> str:
-    """Why auto leaves the request to the engine: its memory plan, its process holding torch
-    and the engine as well, keeps the draft beside the whole target (or the draft is not
-    fetched yet); '' where it does not."""
-    assert config.draft is not None
-    engine = Reading(
-        reading.limit, reading.process + ENGINE_PROCESS_BYTES, reading.libraries + ENGINE_LIBRARIES
-    )
-    try:
-        held = path_bytes(Path(config.draft))
-    except OSError:
-        return f"auto: the draft {config.draft} is not there yet"
-    try:
-        beside = memory_plan(config, manifest, engine, draft=held)
-    except ConfigError:
-        return ""
-    if beside.budget < manifest.file_bytes:
-        return ""
-    return f"auto: the engine holds the draft beside the whole target ({beside})"
 
 
 def plain_context(config: EngineConfig, manifest: Manifest) -> Context:

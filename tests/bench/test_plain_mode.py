@@ -119,13 +119,11 @@ def test_levers_auto_plan_takes_the_plain_path_where_the_draft_cannot_join_the_t
 
 
 @needs_native
-def test_auto_opens_the_engine_where_the_draft_fits(quantized, tmp_path):
+def test_auto_opens_the_plain_path_wherever_it_holds_the_target(quantized, tiny_pair, tmp_path):
     small = model_pair(bf16_args(), "identical", dtype=torch.bfloat16, weights="q4k").draft
     options = _options(tmp_path, modes=("lever",), limits=("8GiB",))
-    [fits] = plan_modes(options, quantized.target, small)
-    huge = tmp_path / "draft"
-    with open(huge, "wb") as sparse:
-        sparse.truncate(1 << 42)  # 4 TiB: no machine here holds it
-    [alone] = plan_modes(options, quantized.target, huge)
-    opened = [type(open_in_process(planned, drafts=None)).__name__ for planned in (fits, alone)]
-    assert opened == ["EngineMode", "PlainMode"]
+    [fits] = plan_modes(options, quantized.target, small)  # the draft fits beside it too
+    target, draft = tiny_pair  # float32: the plain path computes in bf16
+    [float32] = plan_modes(options, target, draft)
+    opened = [type(open_in_process(planned, drafts=None)).__name__ for planned in (fits, float32)]
+    assert opened == ["PlainMode", "EngineMode"]
