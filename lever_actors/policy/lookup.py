@@ -6,7 +6,7 @@ rounds pay for; the target verifies them like any node, so the output is unchang
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 MATCH = 3  # tokens a path's end must share with an earlier place in the text
 LOOKUP_RANK = -1  # a tree node's draft rank when it was copied, not drafted
@@ -35,6 +35,29 @@ class ContextIndex:
         end = [*self.tokens[-MATCH:], *path][-MATCH:]
         at = self._after.get(tuple(end)) if len(end) == MATCH else None
         return None if at is None else self.tokens[at]
+
+
+def copies_that_pay(
+    context: ContextIndex, rate: float, cap: int, pass_rate: Callable[[int, float], float]
+) -> list[int]:
+    """The copies after the text's end worth verifying in one pass: each taken while the
+    pass's expected tokens per unit of its time improve. Each copy is accepted with `rate`
+    given its parent was; `pass_rate(n, tokens)` prices a pass verifying n copies that is
+    expected to commit `tokens` (its own token among them)."""
+    copies: list[int] = []
+    reach, expected = 1.0, 0.0  # the chance every copy so far is accepted; their sum
+    best = pass_rate(0, 1.0)
+    while len(copies) < cap:
+        token = context.follower(copies)
+        if token is None:
+            break
+        gain = reach * rate
+        score = pass_rate(len(copies) + 1, 1 + expected + gain)
+        if score <= best:
+            break
+        copies.append(token)
+        reach, expected, best = gain, expected + gain, score
+    return copies
 
 
 def copied_tokens_per_step(text: Sequence[int], start: int, cap: int) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lever_actors.policy.lookup import LOOKUP_PRIOR, ContextIndex
+from lever_actors.policy.lookup import LOOKUP_PRIOR, ContextIndex, copies_that_pay
 
 CAP = 16  # most copies a pass verifies
 # a row's time beside a one-row pass, before any pass is timed: two rows took 1.17x one,
@@ -40,21 +40,12 @@ class CopyProposer:
         """The copies to verify after the text, extended first by the tokens `committed`
         since the last call (the prompt, then each pass's tokens)."""
         self.index.extend(committed)
-        rate = self.acceptance()
-        copies: list[int] = []
-        reach, expected = 1.0, 0.0  # the chance every copy so far is taken; their sum
-        best = 1.0  # a one-row pass: its token, in one pass's time
-        while len(copies) < self.cap:
-            token = self.index.follower(copies)
-            if token is None:
-                break
-            gain = reach * rate
-            score = (1 + expected + gain) / (1 + self.row_cost * (len(copies) + 1))
-            if score <= best:
-                break
-            copies.append(token)
-            reach, expected, best = gain, expected + gain, score
-        return copies
+        return copies_that_pay(
+            self.index,
+            self.acceptance(),
+            self.cap,
+            lambda n, tokens: tokens / (1 + self.row_cost * n),  # in one-row passes' time
+        )
 
     @property
     def passes(self) -> int:
