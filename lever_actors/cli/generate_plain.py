@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -28,22 +29,54 @@ from lever_actors.errors import ConfigError
 from lever_actors.logs import get_logger
 from lever_actors.model.plain_model import token_stream
 from lever_actors.options import GenerationOptions
+from lever_actors.paths import file_inside
 from lever_actors.plain_target import PlainTarget
-from lever_actors.plan.plain import PlainPlan, plain_context, plain_memory, refusal
+from lever_actors.plan.plain import (
+    PlainPlan,
+    plain_context,
+    plain_memory,
+    refusal,
+    tokenizer_peak_bytes,
+)
 from lever_actors.policy.plain_copies import CopyProposer
 from lever_actors.sizes import format_bytes
 
 log = get_logger(__name__)
 
 
+class TargetLoad:
+    """The plain target read on a thread of its own from construction on, so that the
+    tokenizer parses meanwhile (at most two loads at once; `result` waits for it)."""
+
+    def __init__(self, layout: Path, *, embed_resident: bool, verify: bool) -> None:
+        self.started = time.perf_counter()
+        self.embed_resident = embed_resident
+        pool = ThreadPoolExecutor(1, thread_name_prefix="plain-load")
+        self._target = pool.submit(
+            PlainTarget, layout, embed_resident=embed_resident, verify=verify
+        )
+        pool.shutdown(wait=False)  # its thread ends with the load
+
+    def result(self) -> PlainTarget:
+        """Blocking: the target, once read and checked (its load's error, if it failed)."""
+        return self._target.result()
+
+    def discard(self) -> None:
+        """Blocking: the target, once read, let go of (the engine runs the request instead)."""
+        if self._target.exception() is None:
+            self._target.result().close()
+
+
 class PlainRun(NamedTuple):
-    """What the plain path runs: the layout, its manifest and tokenizer, and the plan."""
+    """What the plain path runs: the layout, its manifest and tokenizer, the plan, and the
+    target's load where it began beside the tokenizer's parse (else None)."""
 
     layout: Path
     manifest: Manifest
     config: EngineConfig
     tokenizer: Tokenizer
     plan: PlainPlan
+    load: TargetLoad | None
 
 
 def plain_run(args: argparse.Namespace, options: GenerationOptions) -> PlainRun | None:
@@ -73,14 +106,46 @@ def _run_and_why(
     why = refusal(config, manifest)
     if why:
         return None, why
-    tokenizer = layout_tokenizer(layout, manifest)  # before the memory plan, which counts it
-    if tokenizer is None:
-        return None, "the layout has no tokenizer"
-    return_freed_heap()  # the parse's temporaries: 100 MiB of the real target's 146
-    plan, why = plain_memory(config, manifest)
+    load = _load_beside_the_parse(config, manifest, layout, args.verify)
+    try:
+        tokenizer = layout_tokenizer(layout, manifest)  # before the plan, which counts it
+        if tokenizer is None:
+            raise _Refused("the layout has no tokenizer")
+        return_freed_heap()  # the parse's temporaries: 100 MiB of the real target's 146
+        placed = load.result().bytes_read if load else 0
+        plan, why = plain_memory(config, manifest, placed=placed)
+        if plan is None:
+            raise _Refused(why)
+    except _Refused as refused:
+        if load is not None:
+            load.discard()
+        return None, str(refused)
+    except BaseException:  # a tokenizer that cannot be read, say: its error, once read
+        if load is not None:
+            load.discard()
+        raise
+    if load is not None:  # its table stays as it was read, resident or from flash
+        plan = plan._replace(embed_resident=load.embed_resident)
+    return PlainRun(layout, manifest, config, tokenizer, plan, load), ""
+
+
+class _Refused(Exception):
+    """The engine runs the request: why."""
+
+
+def _load_beside_the_parse(
+    config: EngineConfig, manifest: Manifest, layout: Path, verify: bool
+) -> TargetLoad | None:
+    """The target's load, begun now, where the limit holds the whole target beside the
+    tokenizer's parse at its peak (about a second less to the first token); else None,
+    and the target loads once the tokenizer is in."""
+    if manifest.tokenizer is None:
+        return None
+    json = file_inside(layout, manifest.tokenizer, "manifest tokenizer")
+    plan, _ = plain_memory(config, manifest, coming=tokenizer_peak_bytes(json))
     if plan is None:
-        return None, why
-    return PlainRun(layout, manifest, config, tokenizer, plan), ""
+        return None
+    return TargetLoad(layout, embed_resident=plan.embed_resident, verify=verify)
 
 
 def _draft(args: argparse.Namespace) -> str | None:
@@ -112,11 +177,12 @@ def generate_plain(
     options: GenerationOptions,
 ) -> Summary:
     """The request decoded on the plain path (greedy or seeded), streamed to stdout."""
-    started = time.perf_counter()
-    resident = run.plan.embed_resident
-    target = PlainTarget(run.layout, embed_resident=resident, verify=args.verify)
+    load = run.load or TargetLoad(
+        run.layout, embed_resident=run.plan.embed_resident, verify=args.verify
+    )
+    target = load.result()
     try:
-        return _decode(target, run, prompt, messages, options, started)
+        return _decode(target, run, prompt, messages, options, load.started)
     finally:
         target.close()
 

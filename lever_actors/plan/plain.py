@@ -17,7 +17,10 @@ pass). `plain_context`, once it has loaded, the context."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import NamedTuple
+
+import msgspec
 
 from lever_actors.config import EngineConfig
 from lever_actors.device.manifest import DTYPE_SIZES, Manifest
@@ -73,10 +76,14 @@ def plain_plan(config: EngineConfig, manifest: Manifest) -> tuple[PlainPlan | No
     return (None, why) if why else plain_memory(config, manifest)
 
 
-def plain_memory(config: EngineConfig, manifest: Manifest) -> tuple[PlainPlan | None, str]:
-    """The memory plan of the plain path beside what the process holds now, or None and why
-    not."""
+def plain_memory(
+    config: EngineConfig, manifest: Manifest, *, coming: int = 0, placed: int = 0
+) -> tuple[PlainPlan | None, str]:
+    """The memory plan of the plain path beside what the process holds now and `coming`
+    bytes it will soon hold beside the target (a tokenizer's parse), less `placed` bytes of
+    the target's weights it already holds, or None and why not."""
     reading = read_process()
+    reading = msgspec.structs.replace(reading, process=reading.process + coming - placed)
     try:  # room for the context the request may fill beside the target
         memory = memory_plan(config, manifest, reading, draft=0)
     except ConfigError as error:
@@ -85,6 +92,16 @@ def plain_memory(config: EngineConfig, manifest: Manifest) -> tuple[PlainPlan | 
         return None, f"{memory}: the layers and the LM head would stream"
     copies = 0 if config.plan == "ar" else _copies_cap(config)
     return PlainPlan(memory, memory.budget >= manifest.file_bytes, copies), ""
+
+
+# parsing a tokenizer.json peaks this many times its size above the process before it:
+# Qwen2.5's 10.9 MB 179 MiB (16.4x, 45 MiB kept), with room for another vocabulary's shape
+PARSE_PEAK_PER_FILE_BYTE = 20
+
+
+def tokenizer_peak_bytes(tokenizer_json: Path) -> int:
+    """What parsing `tokenizer_json` adds to the process at its peak, by its size."""
+    return PARSE_PEAK_PER_FILE_BYTE * tokenizer_json.stat().st_size
 
 
 def _copies_cap(config: EngineConfig) -> int:

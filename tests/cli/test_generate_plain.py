@@ -132,3 +132,57 @@ def test_where_the_table_does_not_fit_its_rows_come_from_flash_and_the_tokens_st
     )
     _, err = run(capsys, layout)
     assert "the layers and the LM head would stream" in err
+
+
+def _order(monkeypatch) -> list[str]:
+    """What begins first as generate runs: the target's load or the tokenizer's parse."""
+    seen: list[str] = []
+    load, parse = generate_plain.TargetLoad.__init__, generate_plain.layout_tokenizer
+
+    def loading(self, *args, **kwargs):
+        seen.append("load")
+        load(self, *args, **kwargs)
+
+    def parsing(*args):
+        seen.append("parse")
+        return parse(*args)
+
+    monkeypatch.setattr(generate_plain.TargetLoad, "__init__", loading)
+    monkeypatch.setattr(generate_plain, "layout_tokenizer", parsing)
+    return seen
+
+
+@needs_plain
+def test_the_target_reads_beside_the_tokenizers_parse_where_the_limit_holds_both(
+    capsys, layout, monkeypatch
+):
+    seen = _order(monkeypatch)
+    beside, _ = run(capsys, layout)
+    assert seen == ["load", "parse"]
+    seen.clear()
+    monkeypatch.setattr(plain_module, "PARSE_PEAK_PER_FILE_BYTE", 1 << 40)  # no room for it
+    after, err = run(capsys, layout)
+    assert seen == ["parse", "load"]
+    assert "plan: ar on the plain kernels" in err and after == beside
+
+
+@needs_plain
+def test_a_target_read_beside_the_parse_is_let_go_where_the_engine_runs_after_all(
+    capsys, layout, monkeypatch
+):
+    plans = iter([True, False])  # room beside the parse, then none once the tokenizer is in
+    plan = plain_module.memory_plan
+    budget = {True: 1 << 40, False: 0}
+    monkeypatch.setattr(
+        plain_module,
+        "memory_plan",
+        lambda *a, **k: msgspec.structs.replace(plan(*a, **k), budget=budget[next(plans, False)]),
+    )
+    closed = []
+    close = generate_plain.PlainTarget.close
+    monkeypatch.setattr(
+        generate_plain.PlainTarget, "close", lambda self: closed.append(1) or close(self)
+    )
+    out, err = run(capsys, layout)
+    assert "the layers and the LM head would stream" in err and closed == [1]
+    assert out == text_of(reference_tokens(layout, PROMPT, NEW)) + "\n"

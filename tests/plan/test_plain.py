@@ -12,7 +12,7 @@ from lever_actors.device.manifest import read_manifest
 from lever_actors.model import kernel_build
 from lever_actors.model.args import RopeScaling
 from lever_actors.plan import plain
-from lever_actors.plan.memory import MemoryPlan
+from lever_actors.plan.memory import MemoryPlan, Reading
 from lever_actors.policy import plain_copies
 from lever_actors.testing import model_pair
 from lever_actors.testing.checkpoints import bf16_args
@@ -110,3 +110,14 @@ def test_lookup_and_auto_copy_from_the_text_and_ar_takes_one_token_a_pass(q4k, f
     found, _ = plain.plain_memory(config(q4k, **fields), read_manifest(q4k))
     assert found is not None and found.copies == copies
     assert found.name == ("lookup" if copies else "ar")
+
+
+def test_the_memory_plan_counts_what_is_coming_and_leaves_out_the_weights_placed(q4k, monkeypatch):
+    seen = []
+    made = MemoryPlan(1 << 33, 0, 0, 0, 1024, 1 << 20, 1 << 40, True)
+    monkeypatch.setattr(plain, "read_process", lambda: Reading(1 << 33, 100 << 20, 0))
+    monkeypatch.setattr(
+        plain, "memory_plan", lambda c, m, reading, **k: seen.append(reading) or made
+    )
+    plain.plain_memory(config(q4k), read_manifest(q4k), coming=30 << 20, placed=50 << 20)
+    assert [r.process for r in seen] == [80 << 20]
