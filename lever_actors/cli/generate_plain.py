@@ -46,7 +46,7 @@ log = get_logger(__name__)
 
 class TargetLoad:
     """The plain target read on a thread of its own from construction on, so that the
-    tokenizer parses meanwhile (at most two loads at once; `result` waits for it)."""
+    tokenizer may parse meanwhile; `result` waits for it."""
 
     def __init__(self, layout: Path, *, embed_resident: bool, verify: bool) -> None:
         self.started = time.perf_counter()
@@ -116,13 +116,11 @@ def _run_and_why(
         plan, why = plain_memory(config, manifest, placed=placed)
         if plan is None:
             raise _Refused(why)
-    except _Refused as refused:
+    except BaseException as error:  # the engine's, or a tokenizer that cannot be read
         if load is not None:
             load.discard()
-        return None, str(refused)
-    except BaseException:  # a tokenizer that cannot be read, say: its error, once read
-        if load is not None:
-            load.discard()
+        if isinstance(error, _Refused):
+            return None, str(error)
         raise
     if load is not None:  # its table stays as it was read, resident or from flash
         plan = plan._replace(embed_resident=load.embed_resident)
@@ -137,7 +135,7 @@ def _load_beside_the_parse(
     config: EngineConfig, manifest: Manifest, layout: Path, verify: bool
 ) -> TargetLoad | None:
     """The target's load, begun now, where the limit holds the whole target beside the
-    tokenizer's parse at its peak (about a second less to the first token); else None,
+    tokenizer's parse at its peak (the real pair's first token 0.5 s sooner); else None,
     and the target loads once the tokenizer is in."""
     if manifest.tokenizer is None:
         return None
