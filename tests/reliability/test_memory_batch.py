@@ -1,4 +1,4 @@
-"""Several long prompts at once under a memory limit (#64, E1): for each `--parallel`, a
+"""Several long prompts at once under a memory limit (#64, E1): alone and three at once, a
 server in a child process under a cgroup limit answers three long prompts sent together,
 never killed, each answer the same text whatever the parallel. The model is KV-heavy (a
 token's KV is 320 KiB, target and draft), so the requests' KV and the prefix cache take
@@ -79,5 +79,5 @@ def answers_under_the_limit(kv_heavy, parallel: int) -> list[list]:
 def test_long_prompts_at_once_under_a_limit_are_never_killed_and_answer_alike(kv_heavy):
     alone = answers_under_the_limit(kv_heavy, 1)
     assert [status for status, _ in alone] == [200] * len(PROMPTS)
-    for parallel in (2, 3):
-        assert answers_under_the_limit(kv_heavy, parallel) == alone
+    # three at once hold the most KV beside the prefix cache; two sat between (CI's time)
+    assert answers_under_the_limit(kv_heavy, 3) == alone
