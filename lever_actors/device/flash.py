@@ -45,20 +45,17 @@ class FlashStore(LayoutReader):
         """Blocking: one sequential read of the whole extent; tensors are views into `buffer`.
         With `check=False` the caller must `check_extent` before it uses them."""
         self.read_bytes(extent, buffer, check=check)
-        return {t.name: tensor_of(buffer, t) for t in extent.tensors}
+        return tensors_of(extent, buffer)
 
     def load_extent(self, extent: Extent) -> dict[str, Weight]:
         """Read an extent into its own new buffer, for weights that stay resident."""
-        return self.load_extents([extent])[0]
+        return tensors_of(extent, self.load_bytes(extent))
 
     def load_extents(self, extents: Sequence[Extent]) -> list[dict[str, Weight]]:
         """Read extents into their own new buffers (`load_all`), for weights that stay
         resident."""
         buffers = self.load_all(extents)
-        return [
-            {t.name: tensor_of(b, t) for t in e.tensors}
-            for e, b in zip(extents, buffers, strict=True)
-        ]
+        return [tensors_of(e, b) for e, b in zip(extents, buffers, strict=True)]
 
     def read_rows(self, extent: Extent, rows: list[int]) -> torch.Tensor:
         """Rows of a 2-D single-tensor extent (the embedding table), each by its own small read
@@ -128,6 +125,11 @@ class FlashStore(LayoutReader):
                     f"bytes at byte {extent.offset + entry.offset} (the file is corrupt; "
                     "convert again)"
                 )
+
+
+def tensors_of(extent: Extent, buffer: AlignedBuffer) -> dict[str, Weight]:
+    """An extent's tensors, viewed in place in the buffer it was read into."""
+    return {t.name: tensor_of(buffer, t) for t in extent.tensors}
 
 
 def tensor_of(buffer: AlignedBuffer, entry: TensorEntry, base: int = 0) -> Weight:
