@@ -107,28 +107,29 @@ def _run_and_why(
     if why:
         return None, why
     load = _load_beside_the_parse(config, manifest, layout, args.verify)
+    run: PlainRun | None = None
     try:
-        tokenizer = layout_tokenizer(layout, manifest)  # before the plan, which counts it
-        if tokenizer is None:
-            raise _Refused("the layout has no tokenizer")
-        return_freed_heap()  # the parse's temporaries: 100 MiB of the real target's 146
-        placed = load.result().bytes_read if load else 0
-        plan, why = plain_memory(config, manifest, placed=placed)
-        if plan is None:
-            raise _Refused(why)
-    except BaseException as error:  # the engine's, or a tokenizer that cannot be read
-        if load is not None:
+        run, why = _after_the_parse(layout, manifest, config, load)
+        return run, why
+    finally:
+        if run is None and load is not None:  # the engine's after all, or the parse failed
             load.discard()
-        if isinstance(error, _Refused):
-            return None, str(error)
-        raise
+
+
+def _after_the_parse(
+    layout: Path, manifest: Manifest, config: EngineConfig, load: TargetLoad | None
+) -> tuple[PlainRun | None, str]:
+    tokenizer = layout_tokenizer(layout, manifest)  # before the plan, which counts it
+    if tokenizer is None:
+        return None, "the layout has no tokenizer"
+    return_freed_heap()  # the parse's temporaries: 100 MiB of the real target's 146
+    placed = load.result().bytes_read if load else 0
+    plan, why = plain_memory(config, manifest, placed=placed)
+    if plan is None:
+        return None, why
     if load is not None:  # its table stays as it was read, resident or from flash
         plan = plan._replace(embed_resident=load.embed_resident)
     return PlainRun(layout, manifest, config, tokenizer, plan, load), ""
-
-
-class _Refused(Exception):
-    """The engine runs the request: why."""
 
 
 def _load_beside_the_parse(
