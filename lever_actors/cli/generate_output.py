@@ -31,7 +31,7 @@ class Summary(msgspec.Struct, omit_defaults=True):
     seed: int | None
     steps: int | None = None  # the pipeline's figures
     tokens_per_step: float | None = None
-    from_draft: int | None = None
+    from_draft: int | None = None  # proposed tokens taken: the draft's, or copies from the text
     bytes_read_per_token: int | None = None
     load_seconds: float | None = None  # the engine's start, models and policies
     cached_tokens: int | None = None  # the prompt's, whose KV the prompt cache held
@@ -46,7 +46,7 @@ class Summary(msgspec.Struct, omit_defaults=True):
         if self.steps is not None:
             parts.append(
                 f"{self.steps} steps ({self.tokens_per_step:.2f} per step, "
-                f"{self.from_draft} from the draft)"
+                f"{self.from_draft} proposed)"
             )
         parts += [
             f"first token after {self.first_token_seconds:.2f} s"
