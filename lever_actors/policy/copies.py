@@ -27,5 +27,5 @@ def copied_chain(
         context,
         calibrator.copy_acceptance(),
         cap,
-        lambda n, tokens: cost.pass_rate(n_chain + n, [], tokens, beside),
+        lambda n, tokens: cost.pass_rate(n_chain + n, [], tokens, beside, n_chain),
     )

@@ -383,7 +383,8 @@ class GainCostGrowth:
 
     def _objective(self, nodes: int, expected: float, rounds: list[int]) -> float:
         tokens = 1 + expected  # the bonus token always comes
-        return self.cost.pass_rate(self.root + 1 + nodes, rounds, tokens, self.beside)
+        chain = self.root + 1
+        return self.cost.pass_rate(chain + nodes, rounds, tokens, self.beside, chain)
 
     async def grow(self, cap: int, run: RunBatch) -> None:
         builder = self.builder

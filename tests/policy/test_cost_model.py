@@ -228,3 +228,13 @@ def test_a_batchs_draft_rounds_cost_what_their_rows_together_do():
     assert cost.pass_rate(3, [2, 1], 2.0, beside) == pytest.approx(16.0 / seconds)
     alone = cost.draft(2) + cost.draft(1) + cost.pass_compute_seconds(3) + 2.0 * 0.001
     assert cost.pass_rate(3, [2, 1], 2.0) == pytest.approx(2.0 / alone)
+
+
+def test_a_prompts_rows_are_the_passs_whatever_the_tree_so_nodes_are_priced_beside_them():
+    """Compute-bound and linear in rows: a tree below a 100-token chain (a prefill) is
+    priced as below one token, each node at what it adds; with the prompt's rows in the
+    rate, any node would raise it."""
+    cost = model(streamed=0, head=0)
+    below_one = cost.pass_rate(1 + 5, [4], 3.0)
+    assert cost.pass_rate(100 + 5, [4], 3.0, chain=100) == pytest.approx(below_one)
+    assert cost.pass_rate(100 + 5, [4], 3.0) < below_one / 4  # the old price

@@ -106,6 +106,17 @@ def test_the_tree_shrinks_as_verification_gets_dearer(draft):
     assert sizes[0] > sizes[1] > sizes[2], sizes
 
 
+def test_below_a_prompt_a_node_must_pay_as_below_one_token(draft):
+    """Where compute paces the pass and a node costs more than it is likely to save, the
+    tree below a short chain has none, and so has the one below a 102-token prompt (priced
+    with the prompt's rows in the pass's rate, 13 nodes looked worth it)."""
+    cost, calibrator = costs(io=0.0, verify_per_node=0.008), AcceptanceCalibrator()
+    for chain in (PROMPT, PROMPT * 17):
+        recorded = Recorded(draft, chain)
+        trio.run(grow_gain_cost, recorded.builder, cost, calibrator, 64, recorded.run)
+        assert recorded.draft_nodes == 0, len(chain)
+
+
 def test_fewer_rounds_where_the_target_often_refuses_first_choices(draft):
     """Another round is run on the hope that a child of the best new node is accepted as
     often as first choices have been: where the target refuses them, the rounds stop
