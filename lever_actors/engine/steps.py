@@ -108,7 +108,7 @@ async def run_steps(
             read_seconds=reads.read_seconds - read_seconds_before,
         )
         request.steps.append(stats)
-        place.last = Beside(0, stats.tree_nodes, emitted)
+        place.last = Beside(0, _rows_from_now_on(verdict), emitted)
         if policies.cost is not None:
             policies.cost.observe(stats)
         then = follower.after_step(request.steps, request.prompt, request.tokens)
@@ -203,3 +203,11 @@ class Emitter:
             top_logprobs=alternatives,
             parallel=parallel,
         )
+
+
+def _rows_from_now_on(verdict: Verdict) -> int:
+    """The rows of the step's tree as its next passes will have them, below a one-token
+    chain: a prompt's rows come once (counted beside the others' next trees, they made
+    any node of theirs look cheap)."""
+    chain = len(verdict.accepted) - sum(verdict.from_draft)
+    return verdict.stats.tree_nodes - chain + 1

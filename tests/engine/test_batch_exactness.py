@@ -24,6 +24,7 @@ import lever_actors.actors.drafter as drafter_module
 import lever_actors.actors.verifier as verifier_module
 from lever_actors.config import EngineConfig
 from lever_actors.engine import Engine
+from lever_actors.engine.batch import Batch
 from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.options import GenerationOptions
 from lever_actors.policy.schedule import PrefillChunks
@@ -204,6 +205,39 @@ async def test_requests_that_arrive_together_share_passes_and_stay_exact():
             config.target, arrival.prompt, arrival.max_new_tokens, sampling=arrival.sampling
         )
         assert results[index].tokens == expected, index
+
+
+async def test_trees_are_sized_beside_the_others_trees_not_their_prompts(monkeypatch):
+    """Two 40-token prompts at once under trees of at most 8 nodes: after the first step,
+    each tree is priced beside the other's tree as its next pass will have it (at most 9
+    rows), not beside the other's prompt; both texts are their sequential decodings."""
+    pair = model_pair(TINY_ARGS, "perturbed", 0)
+    config = EngineConfig(
+        target=str(pair.target), draft=str(pair.draft), tree="gaincost:8", parallel=2
+    )
+    prompts = [[(3 * i) % 29 + 1 for i in range(40)], [(5 * i) % 31 + 1 for i in range(40)]]
+    besides: list = []
+    beside = Batch.beside
+
+    def recorded(self, place):
+        besides.append(beside(self, place))
+        return besides[-1]
+
+    monkeypatch.setattr(Batch, "beside", recorded)
+    results: dict[int, object] = {}
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(config) as engine:
+
+            async def run(index: int) -> None:
+                results[index] = await engine.generate(prompts[index], max_new_tokens=12)
+
+            async with trio.open_nursery() as nursery:
+                for index in range(2):
+                    nursery.start_soon(run, index)
+    together = [b for b in besides if b.requests == 1 and b.rows]
+    assert together and max(b.rows for b in together) <= 9, together
+    for index, prompt in enumerate(prompts):
+        assert results[index].tokens == reference_tokens(config.target, prompt, 12), index
 
 
 @pytest.mark.parametrize("tree", ["gaincost", "lookup"])
