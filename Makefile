@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/python -m pip install --quiet -c constraints.txt
 CORE := $(VENV)/.installed-core
 DEV := $(VENV)/.installed-dev
 ARGS ?=
-# two test processes: the suite is mostly single-threaded Python, and CI has two cores
+# two test processes (CI has two cores), the idle one taking tests queued for the other
 TEST_WORKERS ?= 2
 
 .PHONY: demo test lint bench
@@ -28,7 +28,7 @@ demo: $(CORE)
 	$(VENV)/bin/lever-actors generate $(ARGS)
 
 test: $(DEV)
-	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) $(ARGS)
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
 lint: $(DEV)
 	$(VENV)/bin/ruff check lever_actors tests benchmarks
