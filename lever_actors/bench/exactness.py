@@ -67,7 +67,7 @@ REPETITIVE_PROSE = (
 
 
 class Prompt(msgspec.Struct, frozen=True):
-    name: str  # e.g. "prose-0", "humaneval-3"
+    name: str  # e.g. "repetitive-0", "prose-1", "humaneval-3"
     tokens: list[int]
 
 
@@ -82,7 +82,8 @@ class Divergence(msgspec.Struct, frozen=True):
 def audit_prompts(tokenizer: Tokenizer, texts: dict[str, list[str]], count: int) -> list[Prompt]:
     """`count` prompts taken in turn from the prose continuations and each prompt set (chat
     template applied to the sets' prompts, as `generate` does), while each lasts."""
-    sources = [[(f"prose-{i}", t, False) for i, t in enumerate(REPETITIVE_PROSE)]]
+    # named apart from the prose set's prompts: a name keys its tokens and its reference
+    sources = [[(f"repetitive-{i}", t, False) for i, t in enumerate(REPETITIVE_PROSE)]]
     sources += [[(f"{name}-{i}", t, True) for i, t in enumerate(ts)] for name, ts in texts.items()]
     in_turn = [item for row in itertools.zip_longest(*sources) for item in row if item]
     if len(in_turn) < count:

@@ -81,3 +81,25 @@ def test_the_plain_path_is_audited_beside_the_policies(capsys):
     for policy in ("plain", "plain-lookup", "chain-4"):
         assert f"\n{policy}: 0 divergences" in err
     assert err.count("  plain ") == 2 * len(PROMPTS)
+
+
+class _Words:
+    """A tokenizer stand-in: a token a character; chat turns wrapped in brackets."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return "[" + messages[-1]["content"] + "]"
+
+
+def test_each_audit_prompt_has_a_name_of_its_own_beside_the_prose_set():
+    """Names key the tokens found and their reference: the repetitive continuations and
+    the prose set's passages must not share one (they did: prose-0 was compared with the
+    other prose-0's reference, a divergence that was not)."""
+    texts = {"prose": ["a passage", "another"], "humaneval": ["def f():"]}
+    prompts = exactness.audit_prompts(_Words(), texts, 6)
+    assert len({p.name for p in prompts}) == 6
+    by_name = {p.name: p.tokens for p in prompts}
+    assert by_name["prose-0"] == _Words().encode("[a passage]")
+    assert by_name["repetitive-0"] == _Words().encode(exactness.REPETITIVE_PROSE[0])
