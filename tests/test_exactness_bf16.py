@@ -39,7 +39,7 @@ from lever_actors.testing import (
 KERNEL_ROWS = 32
 
 
-@settings(max_examples=max(1, settings.default.max_examples // 15))  # ci: 6
+@settings(max_examples=max(1, settings.default.max_examples // 15))  # ci: 4
 @given(case=bf16_engine_cases())
 async def test_engine_in_bf16_equals_sequential_reference_in_bf16(case):
     result = await assert_matches_sequential(case.engine_config(), case.prompt, case.max_new_tokens)
@@ -48,7 +48,7 @@ async def test_engine_in_bf16_equals_sequential_reference_in_bf16(case):
     event(f"a tree after the prompt's of more than {KERNEL_ROWS} nodes: {largest > KERNEL_ROWS}")
 
 
-@settings(max_examples=max(1, settings.default.max_examples // 20))  # ci: 4
+@settings(max_examples=max(1, settings.default.max_examples // 20))  # ci: 3
 @given(case=bf16_engine_cases(sampling=samplings()))
 async def test_seeded_sampling_in_bf16_equals_sequential_sampling_in_bf16(case):
     await assert_matches_sequential(
@@ -56,7 +56,7 @@ async def test_seeded_sampling_in_bf16_equals_sequential_sampling_in_bf16(case):
     )
 
 
-@settings(max_examples=max(1, settings.default.max_examples // 20))  # ci: 4
+@settings(max_examples=max(1, settings.default.max_examples // 20))  # ci: 3
 @given(case=bf16_engine_cases(sampling=st.one_of(st.just(GREEDY), samplings())), grammar=grammars())
 async def test_constrained_decoding_in_bf16_equals_sequential_constrained_decoding(case, grammar):
     await assert_matches_sequential(

@@ -179,9 +179,10 @@ def test_a_sampled_run_agrees_token_for_token_and_peers_refuse_it(
     reference) on every token, in this process and in children (there, Lever alone: a child
     a mode, each importing torch); the peer cannot sample."""
     sampling = Sampling(temperature=0.9, top_p=0.9, seed=11)
-    ours_modes = ("memory-ar", "flash-ar", "sd-chain", "lever")
-    if isolate == "all":
-        ours_modes = ("memory-ar", "lever")
+    in_children = isolate == "all"
+    ours_modes = (
+        ("memory-ar", "lever") if in_children else ("memory-ar", "flash-ar", "sd-chain", "lever")
+    )
     options = BenchOptions(
         modes=(*ours_modes, "peer-memory"),
         budgets=("50%",),

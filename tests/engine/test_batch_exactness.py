@@ -150,7 +150,7 @@ async def test_each_request_equals_its_sequential_decoding_whatever_runs_beside_
     assert_each_sequential(config.target, schedule, seen)
 
 
-@settings(max_examples=max(1, settings.default.max_examples // 15))  # ci: 6
+@settings(max_examples=max(1, settings.default.max_examples // 15))  # ci: 4
 @given(case=bf16_engine_cases(), parallel=st.integers(2, 4), chunk=CHUNK_ROWS, data=st.data())
 async def test_in_bf16_and_quantized_each_request_equals_its_sequential_decoding(
     case, parallel, chunk, data
