@@ -75,18 +75,20 @@ class Chooser:
 
 def top_logprobs(logits: torch.Tensor, k: int) -> list[tuple[tuple[int, float], ...]]:
     """logits: [n, vocab] -> each row's `k` most likely tokens and their log-probabilities
-    (float64, before temperature and filtering), most likely first."""
-    top = torch.topk(torch.log_softmax(logits.double(), dim=-1), k, dim=-1)
+    (float64, before temperature and filtering, as `logprobs` gives them), most likely first."""
+    wide = logits.double()
+    top = torch.topk(wide, k, dim=-1)
+    values = top.values - torch.logsumexp(wide, -1, keepdim=True)
     return [
-        tuple(zip(ids, values, strict=True))
-        for ids, values in zip(top.indices.tolist(), top.values.tolist(), strict=True)
+        tuple(zip(ids, row, strict=True))
+        for ids, row in zip(top.indices.tolist(), values.tolist(), strict=True)
     ]
 
 
 def logprobs(logits: torch.Tensor, tokens: list[int]) -> list[float]:
     """logits: [n, vocab] -> the model's log-probability of tokens[i] under row i (float64,
-    before temperature and filtering)."""
-    return [
-        float(torch.log_softmax(row.double(), dim=-1)[token])
-        for row, token in zip(logits, tokens, strict=True)
-    ]
+    before temperature and filtering): the logit less its row's log-sum-exp, with no whole
+    log-softmax row (which took 2 ms of a 70 ms step over Qwen's 151,936 ids)."""
+    wide = logits.double()
+    chosen = wide[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)]
+    return (chosen - torch.logsumexp(wide, -1)).tolist()

@@ -66,6 +66,9 @@ CHUNK_BYTES = 32 << 20
 # The LM head multiplies in blocks of this many vocabulary rows, resident or streamed from
 # flash a few blocks at a time alike, so both give the same logits bit for bit.
 HEAD_ROWS = 4096
+# where a head's blocks may be larger (model/layers.py: head_block), one product's logits
+# take at most this many bytes (bf16) beside the whole pass's
+HEAD_TEMP_BYTES = 8 << 20
 
 
 def rows_per_chunk(args: ModelArgs, keys: int) -> int:
