@@ -63,8 +63,9 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 CHUNK_BYTES = 32 << 20
 
 
-# The LM head multiplies in blocks of this many vocabulary rows, resident or streamed from
-# flash a few blocks at a time alike, so both give the same logits bit for bit.
+# The LM head streams from flash in whole blocks of this many vocabulary rows, and torch's
+# dense products take it block by block, resident or streamed alike, so both give the same
+# logits bit for bit (ours sum each logit alone: model/layers.py, head_block).
 HEAD_ROWS = 4096
 # where a head's blocks may be larger (model/layers.py: head_block), one product's logits
 # take at most this many bytes (bf16) beside the whole pass's
