@@ -124,9 +124,11 @@ class Passes(Generic[Seated, Tree, Round]):
 
 
 # a joining prompt takes at least this many rows a pass, so that it gets on even beside
-# requests whose steps are short
+# requests whose steps are short; where no cost model prices the rows (one token a pass, a
+# static tree) its first chunk takes this many, and later ones what the rows added taught
 LEAST_CHUNK_ROWS = 16
-# ... and this many a pass where no cost model prices the rows (a static tree's engine)
+# a draft catching up beside other requests takes this many rows a round where no cost
+# model prices them (actors/drafter.py)
 UNPRICED_CHUNK_ROWS = 64
 # the step's time and the chunks' pace move this share toward each pass: recent ones count
 STEP_WEIGHT = 0.3
@@ -141,13 +143,17 @@ class PrefillChunks:
     not yet made a step with no prompt beside them (requests that came at once: the
     first to start would only slow the others' start)."""
 
-    verify: Callable[[int], float] | None  # seconds of a pass's compute, by its rows
+    # seconds of a pass's compute, by its rows (None: unpriced, a row's cost learned instead)
+    verify: Callable[[int], float] | None
     # the decoding requests' step: seconds from the start of one of their passes to the
     # next, learned from passes with no prompt in them (0: none yet)
     step_seconds: float = 0.0
     # what a prompt's rows added to the step, against what `verify` prices them at: their
     # draft's catching up and a pass's narrow products cost more than a pass's share
     pace: float = 1.0
+    # without `verify`: seconds a prompt's row added to the step, as seen (None: none yet;
+    # 64 rows a pass, unpriced, held 3 requests' next tokens 1.2-1.7 s against a 0.27 s step)
+    row_seconds: float | None = None
 
     def rows(self, decoding_rows: int, wanted: int) -> int | None:
         """The prompts' rows this pass may take beside `decoding_rows` of decoding
@@ -155,7 +161,10 @@ class PrefillChunks:
         if decoding_rows == 0 or self.step_seconds == 0:
             return None
         if self.verify is None:
-            return UNPRICED_CHUNK_ROWS
+            if self.row_seconds is None:
+                return LEAST_CHUNK_ROWS
+            within = self.step_seconds / self.row_seconds if self.row_seconds > 0 else wanted
+            return max(LEAST_CHUNK_ROWS, min(wanted, int(within)))
         verify, base = self.verify, self.verify(decoding_rows)
 
         def added(rows: int) -> float:  # what the prompt's rows add to the step
@@ -172,12 +181,19 @@ class PrefillChunks:
 
     def observe_chunk(self, seconds: float, decoding_rows: int, rows: int) -> None:
         """A step of the decoding requests with `rows` of a prompt beside their
-        `decoding_rows` took `seconds`: what the rows added teaches `pace`."""
-        if self.verify is None or self.step_seconds == 0:
+        `decoding_rows` took `seconds`: what the rows added teaches `pace` (without
+        `verify`, a row's own seconds)."""
+        if self.step_seconds == 0 or rows == 0:
+            return
+        added = max(seconds - self.step_seconds, 0.0)
+        if self.verify is None:
+            seen = added / rows
+            known = self.row_seconds
+            self.row_seconds = seen if known is None else known + STEP_WEIGHT * (seen - known)
             return
         priced = self.verify(decoding_rows + rows) - self.verify(decoding_rows)
         if priced > 0:
-            seen = max(seconds - self.step_seconds, 0.0) / priced
+            seen = added / priced
             self.pace += STEP_WEIGHT * (seen - self.pace)
 
     def forget(self) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from lever_actors.policy.schedule import (
     LEAST_CHUNK_ROWS,
-    UNPRICED_CHUNK_ROWS,
     Passes,
     Places,
     PrefillChunks,
@@ -152,9 +151,22 @@ def test_what_a_prompts_rows_added_to_the_step_corrects_their_price():
 def test_a_batch_that_empties_forgets_its_step():
     unpriced = PrefillChunks(None)
     unpriced.observe(0.1)
-    assert unpriced.rows(decoding_rows=4, wanted=5000) == UNPRICED_CHUNK_ROWS
+    assert unpriced.rows(decoding_rows=4, wanted=5000) == LEAST_CHUNK_ROWS
     unpriced.forget()  # the batch emptied
     assert unpriced.rows(decoding_rows=4, wanted=5000) is None
+
+
+def test_unpriced_rows_take_what_a_row_added_to_the_step_as_their_price():
+    chunks = PrefillChunks(None)  # one token a pass: no cost model
+    chunks.observe(270 * MS)
+    assert chunks.rows(decoding_rows=3, wanted=5000) == LEAST_CHUNK_ROWS  # nothing seen yet
+    chunks.observe_chunk(430 * MS, decoding_rows=3, rows=16)  # 10 ms a row
+    assert chunks.rows(decoding_rows=3, wanted=5000) == 27  # about one step's worth
+    assert chunks.rows(decoding_rows=3, wanted=20) == 20  # no more than wanted ...
+    chunks.observe_chunk(1350 * MS, decoding_rows=3, rows=27)  # 40 ms a row: 30% there
+    assert chunks.rows(decoding_rows=3, wanted=5000) == LEAST_CHUNK_ROWS  # ... but some
+    chunks.observe_chunk(270 * MS, decoding_rows=3, rows=16)  # free beside a flash-paced step
+    assert chunks.rows(decoding_rows=3, wanted=5000) == 20
 
 
 def test_a_tree_goes_in_chunks_until_they_reach_its_last_committed_node():
