@@ -163,12 +163,16 @@ class PrefillChunks:
         if self.verify is None:
             if self.row_seconds is None:
                 return LEAST_CHUNK_ROWS
-            within = self.step_seconds / self.row_seconds if self.row_seconds > 0 else wanted
-            return max(LEAST_CHUNK_ROWS, min(wanted, int(within)))
-        verify, base = self.verify, self.verify(decoding_rows)
+            row = self.row_seconds
 
-        def added(rows: int) -> float:  # what the prompt's rows add to the step
-            return self.pace * (verify(decoding_rows + rows) - base)
+            def added(rows: int) -> float:  # what the prompt's rows add to the step
+                return row * rows
+
+        else:
+            verify, base = self.verify, self.verify(decoding_rows)
+
+            def added(rows: int) -> float:
+                return self.pace * (verify(decoding_rows + rows) - base)
 
         return rows_within(self.step_seconds, added, wanted)
 
