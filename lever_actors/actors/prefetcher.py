@@ -25,11 +25,11 @@ class PrefetchStats:
 
 
 class Prefetcher:
-    """Walks the layers in order, pass after pass: a resident layer is sent as is, a streamed
-    one is read into a free slot first. It waits only when every slot is in use, so reading
-    the next layers (of this pass or the next) overlaps the verifier's compute. A streamed
-    layer is checked against its checksums on a second thread while the next one is read,
-    and sent only once checked."""
+    """Walks the layers in order, pass after pass: resident layers are sent as they are, each
+    run of them in one message; a streamed one is read into a free slot first. It waits only
+    when every slot is in use, so reading the next layers (of this pass or the next) overlaps
+    the verifier's compute. A streamed layer is checked against its checksums on a second
+    thread while the next one is read, and sent only once checked."""
 
     def __init__(
         self, store: FlashStore, plan: ResidencyPlan, resident_layers: dict[int, LayerTensors]
@@ -66,17 +66,30 @@ class Prefetcher:
         async with outbox:
             try:
                 for pass_index in itertools.count():
+                    run: list[LayerTensors] = []  # resident layers not yet sent, from `first`
+                    first = 0
                     for layer in range(manifest.args.n_layers):
-                        slot = None
                         tensors = self.resident_layers.get(layer)
-                        if tensors is None:
-                            slot = await self._free_slot(free, inbox, len(slots))
-                            extent = manifest.extent(layer_key(layer))
-                            tensors = await trio.to_thread.run_sync(
-                                partial(self.store.read_extent, check=False), extent, slots[slot]
+                        if tensors is not None:
+                            first = first if run else layer
+                            run.append(tensors)
+                            continue
+                        if run:  # before waiting for a slot: the verifier may need them first
+                            await outbox.send(
+                                LayerWeights(step=pass_index, first=first, tensors=run, slot=None)
                             )
+                            run = []
+                        slot = await self._free_slot(free, inbox, len(slots))
+                        extent = manifest.extent(layer_key(layer))
+                        tensors = await trio.to_thread.run_sync(
+                            partial(self.store.read_extent, check=False), extent, slots[slot]
+                        )
                         await outbox.send(
-                            LayerWeights(step=pass_index, layer=layer, tensors=tensors, slot=slot)
+                            LayerWeights(step=pass_index, first=layer, tensors=[tensors], slot=slot)
+                        )
+                    if run:
+                        await outbox.send(
+                            LayerWeights(step=pass_index, first=first, tensors=run, slot=None)
                         )
             except (trio.BrokenResourceError, trio.EndOfChannel):
                 return  # the consumer is gone: stop streaming
@@ -90,7 +103,7 @@ class Prefetcher:
         async with inbox:
             async for layer in inbox:
                 if layer.slot is not None and self.store.verify:
-                    extent = self.store.manifest.extent(layer_key(layer.layer))
+                    extent = self.store.manifest.extent(layer_key(layer.first))
                     await trio.to_thread.run_sync(
                         self.store.check_extent, extent, slots[layer.slot]
                     )
@@ -98,7 +111,7 @@ class Prefetcher:
                     await outbox.send(layer)
                 except trio.BrokenResourceError:
                     return  # the verifier is gone: stop streaming
-                self.stats.layers_sent += 1
+                self.stats.layers_sent += len(layer.tensors)
 
     async def _free_slot(
         self, free: list[int], inbox: trio.MemoryReceiveChannel[SlotRelease], n_slots: int

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import trio
@@ -32,6 +33,7 @@ from lever_actors.model.kv_cache import KVCache
 from lever_actors.model.layers import Block, batch_layers_forward
 from lever_actors.model.placement import Placement, tree_placement
 from lever_actors.model.tree import TokenTree
+from lever_actors.model.weights import LayerTensors
 from lever_actors.policy.pruning import ProbeWhen, always
 from lever_actors.policy.schedule import Passes, PrefillChunks, chunk_end
 from lever_actors.policy.trees import run_rounds
@@ -167,6 +169,7 @@ class Verifier:
         self.jitter = jitter
         self.audit_every = audit_every  # every n-th step the pruner's drops still run in full
         self.passes = 0  # the next pass's index: the prefetcher's, on each layer
+        self.queued: list[_Layer] = []  # a run's layers that came before this job wanted them
 
     async def run(
         self,
@@ -425,21 +428,24 @@ class Verifier:
             return t.x
         return await self.unit.run(t.x.__getitem__, t.rows_of(nodes))
 
-    @staticmethod
     async def _layers_arrived(
-        layers: trio.MemoryReceiveChannel[LayerWeights], step: int, first: int, last: int
-    ) -> list[LayerWeights]:
+        self, layers: trio.MemoryReceiveChannel[LayerWeights], step: int, first: int, last: int
+    ) -> list[_Layer]:
         """Layer `first` of this pass (waiting for it), then those after it up to `last` that
         have already arrived, until one holds a slot: applied in one job, since a job per
         layer cost about 1 ms of thread handoff each (a resident 1-row pass, 28 layers:
         127-135 ms against 100). A job holds at most one slot, so the prefetcher can read
-        into the other meanwhile."""
-        arrived = [await layers.receive()]
+        into the other meanwhile. A run's layers past `last` wait in `queued`."""
+        if not self.queued:
+            self.queued = _layers(await layers.receive())
+        arrived = [self.queued.pop(0)]
         while arrived[-1].layer < last and arrived[-1].slot is None:
-            try:
-                arrived.append(layers.receive_nowait())
-            except trio.WouldBlock:
-                break
+            if not self.queued:
+                try:
+                    self.queued = _layers(layers.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            arrived.append(self.queued.pop(0))
         for expected, weights in enumerate(arrived, start=first):
             if (weights.step, weights.layer) != (step, expected):
                 raise RuntimeError(
@@ -473,6 +479,22 @@ class Verifier:
             t.would_drop = tuple(n for n in t.live if n not in kept)  # run them anyway
         else:
             t.live = kept
+
+
+class _Layer(NamedTuple):
+    """One layer of the prefetcher's runs (LayerWeights), as a job takes it."""
+
+    step: int
+    layer: int
+    tensors: LayerTensors
+    slot: int | None
+
+
+def _layers(message: LayerWeights) -> list[_Layer]:
+    return [
+        _Layer(message.step, layer, tensors, message.slot)
+        for layer, tensors in zip(message.layers, message.tensors, strict=True)
+    ]
 
 
 def _token_tree(message: DraftTree) -> TokenTree:

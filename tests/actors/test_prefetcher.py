@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import trio
@@ -37,9 +39,10 @@ async def test_slow_consumer_never_sees_more_slots_than_the_ring(layout, ring_sl
     async with trio.open_nursery() as nursery:
         await nursery.start(prefetcher.run, release_recv, layers_send)
         async with layers_recv, release_send:
-            for _ in range(3 * manifest.args.n_layers):
+            while len(received) < 3 * manifest.args.n_layers:
                 message = await layers_recv.receive()
-                received.append((message.step, message.layer, message.slot))
+                assert message.slot is None or len(message.tensors) == 1  # a slot holds one
+                received += [(message.step, layer, message.slot) for layer in message.layers]
                 if message.slot is not None:
                     assert message.slot not in held  # a slot is never handed out twice
                     held.add(message.slot)
@@ -71,3 +74,29 @@ async def test_closing_the_consumer_end_stops_the_prefetcher(layout):
             await layers_recv.aclose()
             await release_send.aclose()
     assert prefetcher.stats.layers_sent >= 1
+
+
+async def test_resident_layers_go_a_run_a_message_and_a_streamed_one_alone(layout):
+    manifest = read_manifest(layout)
+    n_layers = manifest.args.n_layers
+    budget = minimum_budget(manifest, 2) + 3 * manifest.layer(0).nbytes  # three layers resident
+    target = FlashTarget(layout, plan_residency(manifest, budget, 2))
+    prefetcher = Prefetcher(target.store, target.plan, target.resident_layers)
+    layers_send, layers_recv = trio.open_memory_channel[LayerWeights](n_layers)
+    release_send, release_recv = trio.open_memory_channel[SlotRelease](2)
+    messages: list[LayerWeights] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(prefetcher.run, release_recv, layers_send)
+        async with layers_recv, release_send:
+            while sum(len(m.tensors) for m in messages) < n_layers:
+                messages.append(await layers_recv.receive())
+                if messages[-1].slot is not None:
+                    await release_send.send(SlotRelease(step=0, slot=messages[-1].slot))
+    assert [layer for m in messages for layer in m.layers] == list(range(n_layers))
+    streamed = set(target.plan.streamed_layers)
+    assert len(streamed) == n_layers - 3
+    for m in messages:
+        assert (m.slot is None) == (m.first not in streamed)
+        assert len(m.tensors) == 1 or m.slot is None
+    # each run of resident layers whole: none follows another without a streamed one between
+    assert all(a.slot is not None or b.slot is not None for a, b in itertools.pairwise(messages))

@@ -177,8 +177,8 @@ class Wired:
             await self.layers.send(
                 LayerWeights(
                     step=step,
-                    layer=layer,
-                    tensors=self.target.resident_layers[layer],
+                    first=layer,
+                    tensors=[self.target.resident_layers[layer]],
                     slot=(10 + layer) if slots else None,
                 )
             )
@@ -187,6 +187,10 @@ class Wired:
         """One step with a probe: send the tree and layers, answer the probe."""
         await self.trees.send(tree)
         await self.send_layers(tree.step)
+        return await self.answered(tree, dropped)
+
+    async def answered(self, tree: DraftTree, dropped=()) -> tuple[ExitProbe, FinalHidden]:
+        """A step sent whole: answer its probe, take its final."""
         probe = await self.probes.receive()
         await self.prune_verdicts.send(PruneVerdict(step=tree.step, dropped=tuple(dropped)))
         final = await self.finals.receive()
@@ -239,6 +243,23 @@ async def test_layers_that_have_arrived_go_in_one_job_up_to_the_exit_layer(targe
     assert probe.layer == EXIT
     # the embedding with layers 0..EXIT; the rest
     assert wired.verifier.unit.jobs == 2
+    torch.testing.assert_close(final.hidden, direct(reference, [], tree), rtol=1e-10, atol=1e-10)
+
+
+async def test_a_run_of_resident_layers_is_split_at_the_exit_layer(target, reference):
+    wired = Wired(target)
+    tree = draft_tree(0, PROMPT)
+    with trio.fail_after(TIMEOUT):
+        async with wired.running():
+            for step in (0, 1):  # each pass's layers in one message, the next one's queued too
+                resident = [target.resident_layers[layer] for layer in range(N_LAYERS)]
+                await wired.layers.send(
+                    LayerWeights(step=step, first=0, tensors=resident, slot=None)
+                )
+            await wired.trees.send(tree)
+            probe, final = await wired.answered(tree)
+            assert wired.verifier.queued == []  # the pass took the rest of its run
+    assert probe.layer == EXIT and wired.verifier.unit.jobs == 2  # up to the exit layer; the rest
     torch.testing.assert_close(final.hidden, direct(reference, [], tree), rtol=1e-10, atol=1e-10)
 
 
@@ -365,8 +386,8 @@ async def test_a_layer_out_of_order_is_an_error(target, step, layer):
                 await wired.layers.send(
                     LayerWeights(
                         step=step,
-                        layer=layer,
-                        tensors=target.resident_layers[layer],
+                        first=layer,
+                        tensors=[target.resident_layers[layer]],
                         slot=None,
                     )
                 )

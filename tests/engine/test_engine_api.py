@@ -651,11 +651,12 @@ async def test_the_trace_holds_every_message_of_every_step_as_typed_structs(tiny
     assert seat.seat == leave.seat == 0 and seat.cache == "KVCache"  # objects: named only
     assert all(tree.seat == 0 for tree in by_type[DraftTree])
     layers = by_type[LayerWeights]
-    assert {m.layer for m in layers} == set(range(N_LAYERS))
     for m in layers:
-        assert m.tensors and all(is_tensor_summary(t) for t in m.tensors.values())
-        # one layer resident (the streamed ones spread through the pass), the rest streamed
-        assert (m.slot is None) == (m.layer == 1)
+        # one layer resident (the streamed ones spread through the pass), the rest streamed:
+        # each a message of its own
+        assert [m.first] == list(m.layers) and (m.slot is None) == (m.first == 1)
+        assert all(is_tensor_summary(t) for tensors in m.tensors for t in tensors.values())
+    assert {m.first for m in layers} == set(range(N_LAYERS))
     released = [m.slot for m in by_type[SlotRelease]]
     assert len(released) == (N_LAYERS - 1) * n_steps
 
