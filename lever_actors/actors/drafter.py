@@ -76,6 +76,8 @@ class Drafter:
     is added to it. With `ahead`, it also keeps growing the tree after sending it, until the
     commit comes, so that more of the target's next tokens are found run.
 
+    A prompt the draft would run for longer than a one-token step goes to the target alone
+    first, its first token not waiting for the draft, which runs it with the next tree.
     Beside other requests, a long text the draft has not seen (a joining prompt) is not
     run in one forward, which would hold up theirs: the step sends the chain alone (one
     token) and, until its commit comes, the draft catches up a chunk a round, each beside
@@ -124,6 +126,7 @@ class Drafter:
         self.context = ContextIndex(prompt) if self._copies_possible else None
         self.matcher = matcher
         self.catch_up = 0  # rows a round while the draft catches up with the text (0: it has)
+        self.fresh = True  # no step drafted yet: the prompt may go first (_prompt_first)
 
     async def run(
         self,
@@ -188,6 +191,18 @@ class Drafter:
         self.catch_up = 0
         return got[0]
 
+    def _prompt_first(self) -> bool:
+        """Whether the first step that would draft sends the text alone (a request's prompt),
+        the draft running it with the next tree: where that run costs more than a one-token
+        step, the first token comes that much sooner, for one more pass (the first tree's
+        tokens come a step later). A 318-token prompt's run took the draft 1.5 s beside a
+        65 ms step (the real pair, resident, 2-core EPYC)."""
+        cost = self.policy.cost
+        if cost is None or self.model is None:  # unpriced trees draft as they always did
+            return False
+        unseen = len(self.backlog) + len(self.chain) - self.unviewed
+        return cost.draft(unseen) > cost.step_seconds(1, [], 1.0)
+
     def _catch_up_rows(self, beside: Beside) -> int:
         """Tokens a round while the draft catches up with the text beside other requests:
         about one pass of theirs; 0 where what it has not seen fits one (or none of them
@@ -248,8 +263,12 @@ class Drafter:
             return self._chain_tree(request, copies, started)
         builder = self.carried
         self.carried = None
-        if builder is None and (rows := self._catch_up_rows(request.beside)):
+        prompt_first = self.fresh and self._prompt_first()
+        self.fresh = False
+        rows = self._catch_up_rows(request.beside) if builder is None else 0
+        if builder is None and (rows or prompt_first):
             # one token this step; the draft catches up while the target takes the chain
+            # (beside others, a chunk a round), or runs it with its next tree
             self.backlog += self.chain[self.unviewed :]
             self.unviewed = 0
             self.builder = self.growth = None

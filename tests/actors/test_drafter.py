@@ -385,3 +385,35 @@ async def test_a_gain_cost_tree_carries_over_without_drafting_ahead(draft, monke
     assert {first.tokens[n] for n in below} <= {
         second.tokens[n] for n, p in enumerate(second.parents) if p == 0
     }
+
+
+@pytest.mark.parametrize("draft_row, first", [(1.0, True), (1e-4, False)])
+async def test_the_prompt_goes_alone_first_where_the_draft_runs_it_dearer_than_a_step(
+    draft, draft_row, first
+):
+    """Where the draft's run of the prompt costs more than a one-token step, the first tree
+    is the prompt alone (its first token comes without waiting for the draft), and the
+    draft runs the prompt with the next tree, whose proposals continue the whole text."""
+    cost = CostModel(
+        flash_bandwidth=1e9,
+        streamed_bytes=0,
+        verify=Curve([1, 128], [0.05, 0.5]),
+        draft=Curve([1, 64], [draft_row, 64 * draft_row]),
+        project_seconds=0.01,
+    )
+    wired = gain_cost_drafter(draft, cost, ahead=False)
+    with trio.fail_after(TIMEOUT):
+        async with wired.running():
+            tree = await wired.draft(0, 4)
+            check_committed_chain(tree, PROMPT)
+            assert (len(tree.tokens) == len(PROMPT)) == first
+            if first:
+                assert tree.draft_rounds == ()
+                accepted = tuple(range(len(PROMPT)))
+                await wired.commits.send(Commit(step=0, accepted=accepted, next_tokens=(7,)))
+                tree = await wired.draft(1, 4)
+                check_committed_chain(tree, [7])
+                assert tree.draft_rounds[0] == len(PROMPT) + 1  # the prompt, then the token
+                greedy = sequential_reference(draft, [*PROMPT, 7], 1)
+                children = TokenTree(tree.tokens, tree.parents).children(0)
+                assert greedy[0] in [tree.tokens[c] for c in children]
