@@ -90,7 +90,7 @@ class PlanSwitch:
     ) -> Prices | None:
         """Copies priced against a request's trees, where it is time to; else None."""
         cost = self.policies.cost
-        if self.trying or cost is None or not due(len(steps)):
+        if self.trying or cost is None or not due(steps):
             return None
         self.prices = predicted(
             cost,

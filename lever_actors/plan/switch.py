@@ -75,10 +75,17 @@ class Prices(msgspec.Struct, frozen=True):
         )
 
 
-def due(steps: int) -> bool:
-    """Whether copies may be tried after this many steps of trees: once FIRST_LOOK steps have
-    decoded after the first (which carries the prompt's prefill)."""
-    return steps == FIRST_LOOK + 1
+def prompt_steps(steps: Sequence[StepStats]) -> int:
+    """A request's first steps that carry its prompt, not its trees' pace: the first (the
+    target's prefill) and, where that one went without the draft (the prompt alone,
+    actors/drafter.py), the second, whose first draft forward runs the prompt."""
+    return 2 if steps and not steps[0].draft_rounds else 1
+
+
+def due(steps: Sequence[StepStats]) -> bool:
+    """Whether copies may be tried after these steps of trees: once FIRST_LOOK steps have
+    decoded after those that carry the prompt."""
+    return len(steps) == FIRST_LOOK + prompt_steps(steps)
 
 
 def rate(steps: Sequence[StepStats]) -> float:
@@ -88,7 +95,7 @@ def rate(steps: Sequence[StepStats]) -> float:
 
 
 def _trees_rate(steps: Sequence[StepStats]) -> float:
-    return rate(steps[1:])  # the first step carries the prompt's prefill
+    return rate(steps[prompt_steps(steps) :])
 
 
 def _grown(
@@ -129,7 +136,7 @@ def predicted(
     grown, copying = _grown(cost, manifest, residency, draft_bytes)
     nodes = round(tokens) + 1  # the committed token, and copies beyond those accepted
     copy_pass = copying.step_seconds(nodes, [], tokens)
-    decoded = steps[1:]
+    decoded = steps[prompt_steps(steps) :]
     copy_seconds = sum(
         (step.step_seconds - step.draft_seconds)
         * copy_pass

@@ -26,8 +26,26 @@ def test_copies_count_the_runs_a_repeating_text_would_have_given():
     assert copied_tokens_per_step([], 0, 4) == 1.0
 
 
-def test_copies_may_be_tried_once_four_steps_have_decoded_after_the_prefill():
-    assert [n for n in range(1, 40) if due(n)] == [5]
+def test_copies_may_be_tried_once_four_steps_have_decoded_after_the_prompts_steps():
+    steps = _steps(_cost(0), tokens=2, nodes=3, rounds=(2, 1)) * 2  # the first ran the prompt
+    assert [n for n in range(1, 10) if due(steps[:n])] == [5]
+    # the prompt went alone (no draft forward): the second step ran it in the draft
+    alone = [msgspec.structs.replace(steps[0], draft_rounds=()), *steps[1:]]
+    assert [n for n in range(1, 10) if due(alone[:n])] == [6]
+
+
+def test_the_trees_pace_leaves_out_the_step_that_ran_a_prompt_gone_alone_in_the_draft():
+    manifest, residency, layer, cost = _case()
+    steps = _steps(cost, tokens=2, nodes=15, rounds=(4, 4, 4, 3))
+    steps.append(steps[1])  # four steps of trees after the two that carry the prompt
+    prose = list(range(200))
+    alone = [
+        msgspec.structs.replace(steps[0], draft_rounds=()),
+        msgspec.structs.replace(steps[1], step_seconds=50 * steps[1].step_seconds),
+        *steps[2:],
+    ]
+    prices = predicted(cost, alone, prose, manifest, residency, draft_bytes=10 * layer, cap=16)
+    assert prices.trees == pytest.approx(2 / steps[2].step_seconds)
 
 
 def _cost(streamed: int) -> CostModel:
