@@ -76,8 +76,9 @@ class Drafter:
     is added to it. With `ahead`, it also keeps growing the tree after sending it, until the
     commit comes, so that more of the target's next tokens are found run.
 
-    A prompt the draft would run for longer than a one-token step goes to the target alone
-    first, its first token not waiting for the draft, which runs it with the next tree.
+    A request alone whose prompt the draft would run for longer than a one-token step sends
+    it to the target first, its first token not waiting for the draft, which runs it with
+    the next tree.
     Beside other requests, a long text the draft has not seen (a joining prompt) is not
     run in one forward, which would hold up theirs: the step sends the chain alone (one
     token) and, until its commit comes, the draft catches up a chunk a round, each beside
@@ -191,15 +192,18 @@ class Drafter:
         self.catch_up = 0
         return got[0]
 
-    def _prompt_first(self) -> bool:
+    def _prompt_first(self, beside: Beside) -> bool:
         """Whether the first step that would draft sends the text alone (a request's prompt),
         the draft running it with the next tree: where that run costs more than a one-token
         step, the first token comes that much sooner, for one more pass (the first tree's
         tokens come a step later). A 318-token prompt's run took the draft 1.5 s beside a
-        65 ms step (the real pair, resident, 2-core EPYC)."""
+        65 ms step (the real pair, resident, 2-core EPYC). Alone only: beside requests
+        decoding, the draft catches up in chunks instead (_catch_up_rows); for requests that
+        came together, which request's first token came early varied from run to run
+        either way (4 at once under 3 GiB), so they draft as they did."""
         cost = self.policy.cost
-        if cost is None or self.model is None:  # unpriced trees draft as they always did
-            return False
+        if cost is None or self.model is None or beside.requests:
+            return False  # unpriced trees, or requests beside, draft as they always did
         unseen = len(self.backlog) + len(self.chain) - self.unviewed
         return cost.draft(unseen) > cost.step_seconds(1, [], 1.0)
 
@@ -263,7 +267,7 @@ class Drafter:
             return self._chain_tree(request, copies, started)
         builder = self.carried
         self.carried = None
-        prompt_first = self.fresh and self._prompt_first()
+        prompt_first = self.fresh and self._prompt_first(request.beside)
         self.fresh = False
         rows = self._catch_up_rows(request.beside) if builder is None else 0
         if builder is None and (rows or prompt_first):

@@ -13,7 +13,7 @@ import trio
 
 from lever_actors.actors.drafter import Drafter, DrafterInbox, DraftPolicy
 from lever_actors.actors.jitter import Jitter
-from lever_actors.channels.messages import Commit, DraftRequest, DraftTree
+from lever_actors.channels.messages import Beside, Commit, DraftRequest, DraftTree
 from lever_actors.checkpoints.hf import load_hf
 from lever_actors.config import TreeSpec
 from lever_actors.device.units import ComputeUnit
@@ -417,3 +417,20 @@ async def test_the_prompt_goes_alone_first_where_the_draft_runs_it_dearer_than_a
                 greedy = sequential_reference(draft, [*PROMPT, 7], 1)
                 children = TokenTree(tree.tokens, tree.parents).children(0)
                 assert greedy[0] in [tree.tokens[c] for c in children]
+
+
+async def test_a_prompt_beside_other_requests_is_not_sent_first(draft):
+    cost = CostModel(
+        flash_bandwidth=1e9,
+        streamed_bytes=0,
+        verify=Curve([1, 128], [0.05, 0.5]),
+        draft=Curve([1, 64], [1.0, 64.0]),  # the draft's run of the prompt: dear
+        project_seconds=0.01,
+    )
+    wired = gain_cost_drafter(draft, cost, ahead=False)
+    with trio.fail_after(TIMEOUT):
+        async with wired.running():
+            await wired.requests.send(DraftRequest(step=0, max_nodes=4, beside=Beside(1)))
+            tree = await wired.trees.receive()
+    check_committed_chain(tree, PROMPT)
+    assert len(tree.tokens) > len(PROMPT)  # it drafted at once, as beside requests it did
