@@ -71,7 +71,8 @@ class Prefetcher:
                     for layer in range(manifest.args.n_layers):
                         tensors = self.resident_layers.get(layer)
                         if tensors is not None:
-                            first = first if run else layer
+                            if not run:
+                                first = layer
                             run.append(tensors)
                             continue
                         if run:  # before waiting for a slot: the verifier may need them first

@@ -95,7 +95,7 @@ class LayerWeights(Message, frozen=True):
     held the event loop, and with it the unit's next job, ~1.3 ms a resident pass)."""
 
     first: int
-    tensors: list[dict[str, Any]]  # a layer's each; a slot's views are valid until it is released
+    tensors: list[dict[str, Any]]  # per layer, in order; a slot's valid until it is released
     slot: int | None  # None for resident layers, which need no release
 
     @property
