@@ -192,6 +192,11 @@ class Drafter:
         self.catch_up = 0
         return got[0]
 
+    @property
+    def _unseen(self) -> int:
+        """Committed tokens in our view that the draft has not run."""
+        return len(self.backlog) + len(self.chain) - self.unviewed
+
     def _prompt_first(self, beside: Beside) -> bool:
         """Whether the first step that would draft sends the text alone (a request's prompt),
         the draft running it with the next tree: where that run costs more than a one-token
@@ -204,14 +209,13 @@ class Drafter:
         cost = self.policy.cost
         if cost is None or self.model is None or beside.requests:
             return False  # unpriced trees, or requests beside, draft as they always did
-        unseen = len(self.backlog) + len(self.chain) - self.unviewed
-        return cost.draft(unseen) > cost.step_seconds(1, [], 1.0)
+        return cost.draft(self._unseen) > cost.step_seconds(1, [], 1.0)
 
     def _catch_up_rows(self, beside: Beside) -> int:
         """Tokens a round while the draft catches up with the text beside other requests:
         about one pass of theirs; 0 where what it has not seen fits one (or none of them
         decodes yet)."""
-        unseen = len(self.backlog) + len(self.chain) - self.unviewed
+        unseen = self._unseen
         if beside.rows == 0:  # alone, or beside requests that came with it: none decodes yet
             return 0
         cost = self.policy.cost
@@ -267,10 +271,11 @@ class Drafter:
             return self._chain_tree(request, copies, started)
         builder = self.carried
         self.carried = None
-        prompt_first = self.fresh and self._prompt_first(request.beside)
-        self.fresh = False
-        rows = self._catch_up_rows(request.beside) if builder is None else 0
-        if builder is None and (rows or prompt_first):
+        fresh, self.fresh = self.fresh, False
+        if builder is None and (
+            (rows := self._catch_up_rows(request.beside))
+            or (fresh and self._prompt_first(request.beside))
+        ):
             # one token this step; the draft catches up while the target takes the chain
             # (beside others, a chunk a round), or runs it with its next tree
             self.backlog += self.chain[self.unviewed :]

@@ -66,32 +66,31 @@ class Prefetcher:
         async with outbox:
             try:
                 for pass_index in itertools.count():
-                    run: list[LayerTensors] = []  # resident layers not yet sent, from `first`
-                    first = 0
-                    for layer in range(manifest.args.n_layers):
-                        tensors = self.resident_layers.get(layer)
-                        if tensors is not None:
-                            if not run:
-                                first = layer
-                            run.append(tensors)
-                            continue
-                        if run:  # before waiting for a slot: the verifier may need them first
+                    # each run of resident layers whole, sent before the next streamed one
+                    # waits for a slot (the verifier may need them first)
+                    for resident, run in itertools.groupby(
+                        range(manifest.args.n_layers), key=self.resident_layers.__contains__
+                    ):
+                        layers = list(run)
+                        if resident:
+                            tensors = [self.resident_layers[layer] for layer in layers]
                             await outbox.send(
-                                LayerWeights(step=pass_index, first=first, tensors=run, slot=None)
+                                LayerWeights(
+                                    step=pass_index, first=layers[0], tensors=tensors, slot=None
+                                )
                             )
-                            run = []
-                        slot = await self._free_slot(free, inbox, len(slots))
-                        extent = manifest.extent(layer_key(layer))
-                        tensors = await trio.to_thread.run_sync(
-                            partial(self.store.read_extent, check=False), extent, slots[slot]
-                        )
-                        await outbox.send(
-                            LayerWeights(step=pass_index, first=layer, tensors=[tensors], slot=slot)
-                        )
-                    if run:
-                        await outbox.send(
-                            LayerWeights(step=pass_index, first=first, tensors=run, slot=None)
-                        )
+                            continue
+                        for layer in layers:
+                            slot = await self._free_slot(free, inbox, len(slots))
+                            extent = manifest.extent(layer_key(layer))
+                            read = await trio.to_thread.run_sync(
+                                partial(self.store.read_extent, check=False), extent, slots[slot]
+                            )
+                            await outbox.send(
+                                LayerWeights(
+                                    step=pass_index, first=layer, tensors=[read], slot=slot
+                                )
+                            )
             except (trio.BrokenResourceError, trio.EndOfChannel):
                 return  # the consumer is gone: stop streaming
 
