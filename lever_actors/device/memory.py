@@ -60,8 +60,7 @@ def memory_limit_bytes(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs
     """What this process may hold in all: the tightest memory limit of its cgroups (v2
     memory.max, v1 memory.limit_in_bytes, each up to the hierarchy's root), and at most
     what the machine has free beside what we hold (MemAvailable + our anonymous RSS)."""
-    free = _available_bytes(proc) + anonymous_rss_bytes()
-    return min([free, *(limit for limit, _, _ in _cgroup_limits(proc, cgroups))])
+    return min([_free_bytes(proc), *(limit for limit, _, _ in _cgroup_limits(proc, cgroups))])
 
 
 def charged_file_bytes(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> int:
@@ -70,13 +69,17 @@ def charged_file_bytes(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs
     the cgroup that read it first, so libraries another process loaded cost this limit
     nothing (under a bench's fresh cgroup, 5 of torch's 81 MiB)."""
     mapped = file_rss_bytes()
-    free = _available_bytes(proc) + anonymous_rss_bytes()
     binding = min(_cgroup_limits(proc, cgroups), default=None, key=lambda found: found[0])
-    if binding is None or binding[0] >= free:
+    if binding is None or binding[0] >= _free_bytes(proc):
         return mapped
     _, directory, key = binding
     charged = _stat_field(directory / "memory.stat", key)
     return mapped if charged is None else min(mapped, charged)
+
+
+def _free_bytes(proc: Path) -> int:
+    """What the machine has free beside what we hold: MemAvailable + our anonymous RSS."""
+    return _available_bytes(proc) + anonymous_rss_bytes()
 
 
 def _cgroup_limits(proc: Path, cgroups: Path) -> list[tuple[int, Path, str]]:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from lever_actors.config import EngineConfig
+from lever_actors.device import memory as device_memory
 from lever_actors.device.memory import (
-    anonymous_rss_bytes,
     charged_file_bytes,
     file_rss_bytes,
     memory_limit_bytes,
@@ -49,7 +49,9 @@ def fake_system(tmp_path: Path, cgroup: str, files: dict[str, str]) -> tuple[Pat
     return proc, cgroups
 
 
-def test_the_memory_limit_is_the_tightest_cgroup_limit_above_us(tmp_path):
+def test_the_memory_limit_is_the_tightest_cgroup_limit_above_us(tmp_path, monkeypatch):
+    # our anonymous RSS held still: the process's own moves by a page between two reads
+    monkeypatch.setattr(device_memory, "anonymous_rss_bytes", lambda: 300 * MiB)
     v2 = fake_system(
         tmp_path / "v2",
         "0::/user/app\n",
@@ -63,10 +65,12 @@ def test_the_memory_limit_is_the_tightest_cgroup_limit_above_us(tmp_path):
     )
     assert memory_limit_bytes(*v1) == 900 * MiB
     free = fake_system(tmp_path / "none", "0::/\n", {})
-    assert memory_limit_bytes(*free) == 4000000 * 1024 + anonymous_rss_bytes()
+    assert memory_limit_bytes(*free) == 4000000 * 1024 + 300 * MiB
 
 
-def test_libraries_count_only_as_far_as_the_binding_limit_is_charged_for_them(tmp_path):
+def test_libraries_count_only_as_far_as_the_binding_limit_is_charged_for_them(
+    tmp_path, monkeypatch
+):
     """A page stays charged to the cgroup that read it first: libraries another process
     loaded cost this limit nothing, and the plan gives their memory to the weights."""
     v1 = fake_system(
@@ -78,6 +82,8 @@ def test_libraries_count_only_as_far_as_the_binding_limit_is_charged_for_them(tm
         },
     )
     assert file_rss_bytes() > MiB  # this process's libraries
+    # held still from here: the process's own pages move between two reads
+    monkeypatch.setattr(device_memory, "file_rss_bytes", lambda: 200 * MiB)
     assert charged_file_bytes(*v1) == MiB
     v2 = fake_system(
         tmp_path / "v2",
@@ -86,7 +92,7 @@ def test_libraries_count_only_as_far_as_the_binding_limit_is_charged_for_them(tm
     )
     assert charged_file_bytes(*v2) == 4096
     # no limit, or one looser than what the machine has free: every mapped page counts
-    assert charged_file_bytes(*fake_system(tmp_path / "none", "0::/\n", {})) == file_rss_bytes()
+    assert charged_file_bytes(*fake_system(tmp_path / "none", "0::/\n", {})) == 200 * MiB
 
 
 @pytest.fixture(scope="module")
