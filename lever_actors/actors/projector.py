@@ -110,7 +110,7 @@ class Projector:
             draft_seconds=message.draft_seconds,
             io_wait_seconds=final.io_wait_seconds,
             verify_seconds=final.verify_seconds,
-            project_seconds=time.perf_counter() - started,
+            project_seconds=final.project_seconds + time.perf_counter() - started,
             pass_rows=final.pass_rows,
             parallel=final.parallel,
             passes=final.passes,

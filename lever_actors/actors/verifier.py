@@ -374,14 +374,14 @@ class Verifier:
         rows = sum(t.end - t.start for t in batch)
         finishing = [t for t in batch if t.finishing]
         projected: list[dict[int, torch.Tensor]] = [{} for _ in finishing]
+        projecting = 0.0  # the head's, apart from the layers' compute: priced apart
         if self.project_chains and finishing:
-            projected, seconds = await self.unit.run_timed(
+            projected, projecting = await self.unit.run_timed(
                 _chains_projected, self.target, finishing
             )
-            compute += seconds
         gone = left
         for t, logits in zip(finishing, projected, strict=True):
-            final = await self._final(t, io_wait, compute, rows, len(batch), logits)
+            final = await self._final(t, (io_wait, compute, projecting), rows, len(batch), logits)
             try:
                 await t.occupant.finals.send(final)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -393,13 +393,14 @@ class Verifier:
     async def _final(
         self,
         t: _Tree,
-        io_wait: float,
-        compute: float,
+        seconds: tuple[float, float, float],
         rows: int,
         requests: int,
         logits: dict[int, torch.Tensor],
     ) -> FinalHidden:
-        """A tree's last-layer hidden states with the pass's figures."""
+        """A tree's last-layer hidden states with the pass's figures: its `seconds` waiting
+        for layers, computing them and projecting the chains."""
+        io_wait, compute, projecting = seconds
         pruned = t.end - t.start - len(t.live)
         return FinalHidden(
             step=t.message.step,
@@ -409,6 +410,7 @@ class Verifier:
             hidden=await self._rows(t, t.live),
             io_wait_seconds=io_wait,
             verify_seconds=compute,
+            project_seconds=projecting,
             pruned=pruned,
             saved_node_layers=pruned * (self.target.args.n_layers - 1 - (self.exit_layer or 0)),
             probe_seconds=t.probe_seconds,

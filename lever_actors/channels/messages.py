@@ -133,6 +133,7 @@ class FinalHidden(Message, frozen=True):
     hidden: Any  # torch.Tensor [len(nodes), d_model]
     io_wait_seconds: float
     verify_seconds: float  # the pass's compute: its jobs' own time on the unit, not their waits
+    project_seconds: float  # the pass's projection of the predicted chains (0: none)
     pruned: int  # nodes that skipped the layers after the exit layer
     saved_node_layers: int  # node-layer computations pruning saved
     probe_seconds: float  # the pruner's round trip at the exit layer (0: no probe)
@@ -163,8 +164,8 @@ class StepStats(msgspec.Struct, frozen=True):
     draft_rounds: tuple[int, ...]  # nodes in each draft forward
     draft_seconds: float
     io_wait_seconds: float
-    verify_seconds: float  # the pass's compute: its jobs' own time on the unit, not their waits
-    project_seconds: float
+    verify_seconds: float  # the pass's layers' compute: its jobs' own time, not their waits
+    project_seconds: float  # the LM head's: the pass's chains and the walk's
     new_tokens: int = 0  # emitted to the user: accepted draft tokens + the bonus token
     step_seconds: float = 0.0  # request for the tree to the last token emitted
     bytes_read: int = 0  # from flash during the step, by every reader

@@ -41,8 +41,11 @@ class Shape(msgspec.Struct, frozen=True):
 # 64 tokens each, and one under a 1.25 GiB limit), means over steps. Trees grow where flash
 # paces the pass, since nodes then cost little; copies pay only where the text repeats
 # itself (4.9 tokens a pass on one prompt, 1.0-1.05 on the others: the median is priced).
+# Resident trees: the mean of a code, a chat and a prose prompt's (3.3, 1.9 and 2.1 tokens
+# a pass; 2-core EPYC, 2026-12-07, 128 tokens each), since code's alone priced them above
+# the copies that ran 1.1-1.3x as fast on each of the three.
 SHAPES: dict[tuple[PlanName, bool], Shape] = {  # (plan, flash paces the pass)
-    ("trees", False): Shape(tokens=2.6, nodes=3, rounds=(2, 1)),
+    ("trees", False): Shape(tokens=2.4, nodes=3, rounds=(2, 1)),
     ("trees", True): Shape(tokens=5.0, nodes=15, rounds=(4, 4, 4, 3)),
     ("lookup", False): Shape(tokens=1.05, nodes=1),
     ("lookup", True): Shape(tokens=1.05, nodes=2),
@@ -53,6 +56,12 @@ SHAPES: dict[tuple[PlanName, bool], Shape] = {  # (plan, flash paces the pass)
 # hand-off between threads, the sampler, the event loop): a resident one-token step took
 # 52 ms where the profile priced its pass and projection at 42
 STEP_OVERHEAD_SECONDS = 0.010
+# trees run each request's prompt through the draft too (a 347-token prompt took the draft
+# 1.6 s beside a 128-token answer's 8 s, resident, 2-core EPYC): priced as if a prompt were
+# as long as its answer, each row at a DRAFT_PREFILL_ROWS-row forward's share, which
+# projects every row (9.4 ms a row there: twice that prompt's, an upper bound)
+PROMPT_ROWS_PER_TOKEN = 1.0
+DRAFT_PREFILL_ROWS = 32
 
 
 class DecodePlan(msgspec.Struct, frozen=True):
@@ -179,9 +188,14 @@ def _cost(
 
 
 def _rate(cost: CostModel, plan: PlanName, together: int) -> float:
-    """Tokens per second of a pass of `together` requests whose steps take `plan`'s shape."""
+    """Tokens per second of a pass of `together` requests whose steps take `plan`'s shape,
+    with the draft's run of their prompts where the plan drafts."""
     paced = cost.io_bound(together * SHAPES[plan, True].nodes)
     shape = SHAPES[plan, paced]
     others = together - 1
     beside = Beside(others, others * shape.nodes, others * shape.tokens)
-    return cost.pass_rate(shape.nodes, list(shape.rounds), shape.tokens, beside)
+    rate = cost.pass_rate(shape.nodes, list(shape.rounds), shape.tokens, beside)
+    if not shape.rounds:
+        return rate
+    prefill_row = cost.draft(DRAFT_PREFILL_ROWS) / DRAFT_PREFILL_ROWS
+    return 1 / (1 / rate + PROMPT_ROWS_PER_TOKEN * prefill_row)

@@ -51,15 +51,15 @@ def profile_costs(
         for n in DRAFT_SIZES:
             drafting.append(_best_time(partial(_draft_forward, draft, n)))
             tick()
+    # each pass reads the head once, whatever its rows (from flash where it streams, else
+    # from DRAM): 8 rows against 1 tell the products per node apart from the read
     hidden = torch.zeros(1, target.args.d_model, dtype=target.dtype)
-    project = _best_time(lambda: target.logits(hidden))
-    head_bytes = 0
-    if target.lm_head is None:
-        # a streamed head: each pass reads it once, whatever its rows; 8 rows against 1
-        # tell the products per node apart from the read
-        eight = _best_time(lambda: target.logits(hidden.expand(8, -1)))
-        project = max((eight - project) / 7, 0.0)
-        head_bytes = target.manifest.extent(head_key(target.manifest)).nbytes
+    one = _best_time(lambda: target.logits(hidden))
+    eight = _best_time(lambda: target.logits(hidden.expand(8, -1)))
+    project = max((eight - one) / 7, 0.0)
+    head_pass, head_bytes = one - project, 0
+    if target.lm_head is None:  # the read is priced from the flash bandwidth
+        head_pass, head_bytes = 0.0, target.manifest.extent(head_key(target.manifest)).nbytes
     tick()
     streamed = sum(target.manifest.layer(i).nbytes for i in target.plan.streamed_layers)
     return CostModel(
@@ -68,6 +68,7 @@ def profile_costs(
         verify=Curve(list(VERIFY_SIZES), verify),
         draft=Curve(list(DRAFT_SIZES), drafting) if draft else Curve([1], [0.0]),
         project_seconds=project,
+        head_pass_seconds=head_pass,
         head_bytes=head_bytes,
     )
 

@@ -301,6 +301,7 @@ async def test_drafting_ahead_only_beside_a_pass_that_flash_paces(
         verify=Curve([1, 128], [0.002, 0.256]),
         draft=Curve([1, 64], [0.01, 0.02]),
         project_seconds=1e-4,
+        head_pass_seconds=0.0,
         contention=0.0,
     )
     wired = gain_cost_drafter(draft, cost, ahead=True)
@@ -324,6 +325,7 @@ async def test_the_commit_ends_the_round_drafted_ahead_in_flight(draft, monkeypa
         verify=Curve([1, 128], [0.002, 0.256]),
         draft=Curve([1, 64], [0.01, 0.02]),
         project_seconds=1e-4,
+        head_pass_seconds=0.0,
         contention=0.0,
     )
     original, in_flight, layers = TreeBuilder.run, threading.Event(), []
@@ -361,6 +363,7 @@ async def test_a_gain_cost_tree_carries_over_without_drafting_ahead(draft, monke
         verify=Curve([1, 128], [1.0, 1.0]),
         draft=Curve([1, 64], [1e-4, 1e-4]),
         project_seconds=1e-6,
+        head_pass_seconds=0.0,
     )
     wired = gain_cost_drafter(draft, cost, ahead=False)
     chains = calls_of(monkeypatch, "run_chain")
@@ -400,6 +403,7 @@ async def test_the_prompt_goes_alone_first_where_the_draft_runs_it_dearer_than_a
         verify=Curve([1, 128], [0.05, 0.5]),
         draft=Curve([1, 64], [draft_row, 64 * draft_row]),
         project_seconds=0.01,
+        head_pass_seconds=0.0,
     )
     wired = gain_cost_drafter(draft, cost, ahead=False)
     with trio.fail_after(TIMEOUT):
@@ -426,6 +430,7 @@ async def test_a_prompt_beside_other_requests_is_not_sent_first(draft):
         verify=Curve([1, 128], [0.05, 0.5]),
         draft=Curve([1, 64], [1.0, 64.0]),  # the draft's run of the prompt: dear
         project_seconds=0.01,
+        head_pass_seconds=0.0,
     )
     wired = gain_cost_drafter(draft, cost, ahead=False)
     with trio.fail_after(TIMEOUT):

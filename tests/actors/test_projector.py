@@ -88,6 +88,7 @@ def final_hidden(
         hidden=hidden[live],
         io_wait_seconds=0.5,
         verify_seconds=0.75,
+        project_seconds=0.25,
         pruned=len(t) - len(live),
         saved_node_layers=3 * (len(t) - len(live)),
         probe_seconds=0.0,
@@ -221,7 +222,8 @@ async def test_verdict_walks_the_argmax_path_projecting_each_accepted_node_once(
     assert verdict.stats.tree_nodes == len(tree.tokens) and verdict.stats.live_nodes == len(
         tree.tokens
     )
-    assert verdict.stats.project_seconds >= 0
+    # the pass's chains' projection, and the walk's own on top
+    assert verdict.stats.project_seconds >= 0.25
     # timings and pruning figures pass through from the verifier and the drafter
     assert (verdict.stats.io_wait_seconds, verdict.stats.verify_seconds) == (0.5, 0.75)
     assert verdict.stats.draft_seconds == 0.25

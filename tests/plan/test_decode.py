@@ -20,6 +20,7 @@ from lever_actors.plan import memory as memory_module
 from lever_actors.plan.context import room_bytes
 from lever_actors.plan.decode import DecodePlan, choose_plan, given_plan, planned_config
 from lever_actors.plan.memory import FEWEST_AUTO_CONTEXT
+from lever_actors.policy.cost_model import Curve
 from lever_actors.testing import TINY_ARGS, assert_matches_sequential, model_pair
 
 PROCESS, LIBRARIES = 200 << 20, 80 << 20
@@ -149,3 +150,20 @@ def test_trees_chosen_copy_from_the_fewest_requests_at_once_whose_copies_are_pri
     rates["trees"] = lambda n: 1.0  # copies chosen: nothing to switch
     _, plan = choose_plan(config_of(pair, plan="auto"), manifest, False)
     assert plan.name == "lookup" and plan.copies_from is None
+
+
+def test_trees_pay_for_the_drafts_run_of_each_prompt(pair, monkeypatch):
+    """A drafting plan's rate counts a draft prefill row per token decoded; the others not.
+    Rounds of one or two nodes cost nothing here, a 32-row forward 0.1 s a row."""
+    under(monkeypatch, 8 << 30)
+    config, manifest = config_of(pair, plan="auto"), read_manifest(pair.target)
+    _, plan = choose_plan(config, manifest, False)
+    dear = Curve([1, 2, decode_plan.DRAFT_PREFILL_ROWS], [1e-9, 2e-9, 3.2])
+    monkeypatch.setattr(decode_plan, "draft_curve", lambda config, figures: dear)
+    _, priced = choose_plan(config, manifest, False)
+    assert priced.predicted["trees"] < 10  # at most a token per 0.1 s prompt row
+    for name in ("lookup", "ar"):
+        assert priced.predicted[name] == plan.predicted[name]
+    monkeypatch.setattr(decode_plan, "PROMPT_ROWS_PER_TOKEN", 0.0)
+    _, unpriced = choose_plan(config, manifest, False)
+    assert unpriced.predicted["trees"] > 10 * priced.predicted["trees"]

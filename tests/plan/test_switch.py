@@ -55,6 +55,7 @@ def _cost(streamed: int) -> CostModel:
         verify=Curve([1, 16], [0.01, 0.04]),
         draft=Curve([1, 16], [0.005, 0.01]),
         project_seconds=0.001,
+        head_pass_seconds=0.0,
     )
 
 

@@ -14,6 +14,7 @@ def model(bandwidth: float = 1.0 * GB, streamed: int = 1 * GB, head: int = GB //
         verify=Curve([1, 64], [0.1, 0.6]),
         draft=Curve([1, 8], [0.05, 0.1]),
         project_seconds=0.001,
+        head_pass_seconds=0.0,
         head_bytes=head,
     )
 
@@ -80,12 +81,27 @@ def test_a_streamed_head_beside_resident_layers_learns_the_bandwidth_from_its_re
     """No layer streams, so start-up measured no bandwidth; the head's reads give one."""
     cost = model(float("inf"), streamed=0)
     resident_head = model(float("inf"), streamed=0, head=0)
-    # before any read, a streamed head still projects every node, not the expected path
+    # before any read, a streamed head still projects every node, not the expected path;
+    # and its reads slow the layers' compute beside them
     extra = cost.step_seconds(9, [1], 1.0) - resident_head.step_seconds(9, [1], 1.0)
-    assert extra == pytest.approx(8 * cost.project_seconds)
+    assert extra == pytest.approx(8 * cost.project_seconds + cost.contention * cost.verify(9))
     cost.observe(step(4, io_wait=0.0, verify=0.1, read=(GB // 4, 0.5)))
     assert cost.flash_bandwidth == pytest.approx(0.5 * GB)
     assert cost.head_read_seconds == pytest.approx(0.5)
+
+
+def test_everything_resident_a_pass_reads_the_head_once_and_nothing_slows_its_compute():
+    """Nothing streamed, no reads contend with the compute; the head's pass over its weights
+    is paid once a step, its products once per token along the path."""
+    resident = msgspec.structs.replace(
+        model(streamed=0, head=0), head_pass_seconds=0.01, overhead_seconds=0.002
+    )
+    assert resident.pass_compute_seconds(4) == resident.verify(4)
+    one, three = resident.step_seconds(4, [], 1.0), resident.step_seconds(4, [], 3.0)
+    assert one == pytest.approx(resident.verify(4) + 0.01 + 0.001 + 0.002)
+    assert three - one == pytest.approx(2 * resident.project_seconds)
+    streaming = model(streamed=GB, head=0)
+    assert streaming.pass_compute_seconds(4) == pytest.approx(1.2 * streaming.verify(4))
 
 
 def curve() -> Curve:

@@ -19,6 +19,7 @@ COST = CostModel(
     verify=Curve([1, 2], [0.1, 0.2]),
     draft=Curve([1], [0.01]),
     project_seconds=0.001,
+    head_pass_seconds=0.0,
 )
 
 

@@ -36,6 +36,7 @@ def costs(*, io: float, verify_per_node: float, draft: float = 0.01) -> CostMode
         verify=Curve([1, 128], [verify_per_node, 128 * verify_per_node]),
         draft=Curve([1, 64], [draft, 2 * draft]),
         project_seconds=1e-4,
+        head_pass_seconds=0.0,
         contention=0.0,
     )
 
