@@ -11,7 +11,7 @@ import trio
 from lever_actors.actors.jitter import Jitter
 from lever_actors.channels.messages import FinalHidden, StepStats, Verdict
 from lever_actors.device.units import ComputeUnit
-from lever_actors.model.choosing import Chooser, logprobs, top_logprobs
+from lever_actors.model.choosing import Chooser, RowLogprobs
 from lever_actors.model.matcher import Matcher, masked
 from lever_actors.model.sampling import GREEDY, Sampling
 from lever_actors.model.tree import TokenTree
@@ -115,15 +115,15 @@ class Projector:
             parallel=final.parallel,
             passes=final.passes,
         )
-        emitted = torch.stack([logits[n] for n in path])
+        emitted = RowLogprobs(torch.stack([logits[n] for n in path]))
         return Verdict(
             step=message.step,
             accepted=tuple(accepted),
             tokens=tuple(tokens),
             from_draft=tuple(from_draft),
-            logprobs=tuple(logprobs(emitted, tokens)),
+            logprobs=tuple(emitted.of(tokens)),
             stats=stats,
-            top_logprobs=tuple(top_logprobs(emitted, self.top)) if self.top else (),
+            top_logprobs=tuple(emitted.top(self.top)) if self.top else (),
         )
 
     def _project(

@@ -15,7 +15,7 @@ import torch
 
 from lever_actors.checkpoints.hf import load_hf
 from lever_actors.errors import ConfigError
-from lever_actors.model.choosing import Chooser, logprobs, top_logprobs
+from lever_actors.model.choosing import Chooser, RowLogprobs
 from lever_actors.model.drawing import NUCLEUS_HEAD, filtered, gumbel
 from lever_actors.model.sampling import GREEDY, MIN_TEMPERATURE, Sampling, seed_or_drawn
 from lever_actors.model.sequential import sequential_cached, sequential_reference
@@ -149,17 +149,17 @@ def test_filters_keep_what_they_promise():
 def test_logprobs_are_the_models_own_log_softmax():
     logits = torch.randn(3, 10, dtype=torch.float64)
     expected = [float(torch.log_softmax(logits[i], -1)[t]) for i, t in enumerate([4, 0, 9])]
-    assert logprobs(logits, [4, 0, 9]) == pytest.approx(expected, rel=1e-12, abs=1e-12)
-    assert logprobs(logits[:0], []) == []
+    assert RowLogprobs(logits).of([4, 0, 9]) == pytest.approx(expected, rel=1e-12, abs=1e-12)
+    assert RowLogprobs(logits[:0]).of([]) == []
 
 
 def test_top_logprobs_are_the_most_likely_tokens_as_logprobs_gives_them():
     logits = torch.randn(2, 10, dtype=torch.float64)
-    top = top_logprobs(logits, 3)
+    top = RowLogprobs(logits).top(3)
     for row, alternatives in zip(logits, top, strict=True):
         ids = [token for token, _ in alternatives]
         assert ids == row.argsort(descending=True)[:3].tolist()
-        assert [value for _, value in alternatives] == logprobs(row.expand(3, -1), ids)
+        assert [value for _, value in alternatives] == RowLogprobs(row.expand(3, -1)).of(ids)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2**64 - 1])
