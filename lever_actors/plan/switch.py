@@ -23,7 +23,7 @@ from lever_actors.channels.messages import StepStats
 from lever_actors.device.budget import ResidencyPlan, grown_residency
 from lever_actors.device.manifest import Manifest
 from lever_actors.policy.cost_model import CostModel
-from lever_actors.policy.lookup import copied_tokens_per_step
+from lever_actors.policy.lookup import CopySteps, copy_steps
 
 FIRST_LOOK = 4  # steps of trees decoded before copies may be tried
 TRIAL_STEPS = 4  # steps of copies tried
@@ -110,12 +110,12 @@ def _grows(grown: ResidencyPlan, residency: ResidencyPlan) -> bool:
     return grown.streamed_layers != residency.streamed_layers
 
 
-def copy_tokens(text: Sequence[int], cap: int) -> float:
-    """Tokens a step of copies (up to `cap`) commits on the text's recent part, counted on
-    the text itself."""
+def copies_on(text: Sequence[int], cap: int) -> CopySteps:
+    """Tokens a step of copies (up to `cap`) commits on the text's recent part, and nodes it
+    verifies, counted on the text itself."""
     window = text[-TEXT_WINDOW:]
     counted = min(COUNTED, len(window) // 2)
-    return copied_tokens_per_step(window, len(window) - counted, cap)
+    return copy_steps(window, len(window) - counted, cap)
 
 
 def predicted(
@@ -132,9 +132,8 @@ def predicted(
     scaled by what `cost` prices a pass of copies at against its pass. A ratio, so an error
     in the cost model's level (its profile measured on a busier or quieter machine) cancels;
     a difference let an overpriced tree price copies up to twice as fast as they ran."""
-    tokens = copy_tokens(text, cap)
+    tokens, nodes = copies_on(text, cap)
     grown, copying = _grown(cost, manifest, residency, draft_bytes)
-    nodes = round(tokens) + 1  # the committed token, and copies beyond those accepted
     copy_pass = copying.step_seconds(nodes, [], tokens)
     decoded = steps[prompt_steps(steps) :]
     copy_seconds = sum(
@@ -169,6 +168,6 @@ def tried(
         + copying.step_seconds(step.tree_nodes, [], step.new_tokens)
         for step in copies
     )
-    tokens = min(sum(step.new_tokens for step in copies), copy_tokens(text, cap) * len(copies))
+    tokens = min(sum(step.new_tokens for step in copies), copies_on(text, cap).tokens * len(copies))
     copies_rate = tokens / seconds if seconds > 0 else math.inf
     return Prices(_trees_rate(trees), copies_rate, grown, _grows(grown, residency))

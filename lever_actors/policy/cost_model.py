@@ -121,7 +121,7 @@ class CostModel(msgspec.Struct):
     def head_read_seconds(self) -> float:
         return self.head_bytes / self.flash_bandwidth if self.head_bytes else 0.0
 
-    def pass_compute_seconds(self, nodes: int) -> float:
+    def pass_compute_seconds(self, nodes: float) -> float:
         """Verification compute of a pass over `nodes`, slowed by the reads beside it (none
         where nothing is read: everything resident, a one-token step priced 85.6 ms against
         65 run, 2-core EPYC)."""
@@ -140,7 +140,7 @@ class CostModel(msgspec.Struct):
         most = (self.pass_compute_seconds(nodes) - self.pass_compute_seconds(1)) * share_after_exit
         return most > self.probe_seconds
 
-    def step_seconds(self, nodes: int, draft_rounds: list[int], expected_tokens: float) -> float:
+    def step_seconds(self, nodes: float, draft_rounds: list[int], expected_tokens: float) -> float:
         """Predicted step time: drafting, then verification overlapped with its flash reads,
         then projection along the expected accepted path in one pass over the head (or, with
         a streamed head, of every node in its one read)."""

@@ -7,6 +7,7 @@ rounds pay for; the target verifies them like any node, so the output is unchang
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 MATCH = 3  # tokens a path's end must share with an earlier place in the text
 LOOKUP_RANK = -1  # a tree node's draft rank when it was copied, not drafted
@@ -60,22 +61,35 @@ def copies_that_pay(
     return copies
 
 
-def copied_tokens_per_step(text: Sequence[int], start: int, cap: int) -> float:
-    """Tokens a step of copies alone (plan lookup) would have committed on `text` from
-    `start` on, had every copy been verified: each step commits the run of copies that
-    matches the text, then one token of the target's own. Teacher-forced, so it is read off
-    a prompt before any step runs; 1.0 where the text never repeats itself."""
+class CopySteps(NamedTuple):
+    """What steps of copies alone would have done on a text: per step, on average."""
+
+    tokens: float  # committed: the run of copies the text matched, then the target's own
+    nodes: float  # verified: the last committed token's row, and every copy proposed
+
+
+def copy_steps(text: Sequence[int], start: int, cap: int) -> CopySteps:
+    """Steps of copies alone (plan lookup) on `text` from `start` on, had every copy found
+    been verified: each step commits the run of copies that matches the text, then one
+    token of the target's own; a copy that did not match was verified too. Teacher-forced,
+    so it is read off a prompt before any step runs; one token and one node a step where
+    the text never repeats itself."""
     index = ContextIndex(text[:start])
-    steps, at = 0, start
+    steps, nodes, at = 0, 0, start
     while at < len(text):
         copies: list[int] = []
+        missed = 0
         while len(copies) < cap and at + len(copies) < len(text):
             token = index.follower(copies)
             if token != text[at + len(copies)]:
+                missed = int(token is not None)
                 break
             copies.append(token)
         taken = min(len(copies) + 1, len(text) - at)
         index.extend(text[at : at + taken])
         at += taken
         steps += 1
-    return (len(text) - start) / steps if steps else 1.0
+        nodes += 1 + len(copies) + missed
+    if not steps:
+        return CopySteps(1.0, 1.0)
+    return CopySteps((len(text) - start) / steps, nodes / steps)

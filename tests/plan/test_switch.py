@@ -11,19 +11,21 @@ from lever_actors.device.budget import minimum_budget, plan_residency
 from lever_actors.device.manifest import read_manifest
 from lever_actors.plan.switch import MARGIN, SURE, TRIAL_BAR, due, predicted, tried
 from lever_actors.policy.cost_model import CostModel, Curve
-from lever_actors.policy.lookup import copied_tokens_per_step
+from lever_actors.policy.lookup import CopySteps, copy_steps
 from lever_actors.testing.checkpoints import TINY_ARGS, flash_layout, tiny_checkpoint
 
 
 def test_copies_count_the_runs_a_repeating_text_would_have_given():
-    assert copied_tokens_per_step([1, 2, 3, 4, 5, 6, 7, 8], 0, 8) == 1.0  # no repeats
+    assert copy_steps([1, 2, 3, 4, 5, 6, 7, 8], 0, 8) == CopySteps(1.0, 1.0)  # no repeats
     # the text repeats itself from token 10 on: once its end matches three earlier tokens,
     # a step takes the whole run of copies that follows, up to the cap
     text = list(range(10)) * 2
-    assert copied_tokens_per_step(text, 13, 16) == 7.0  # one step: the last 7 tokens
-    assert copied_tokens_per_step(text, 13, 4) == 7 / 2  # four copies and its own, then 2
-    assert copied_tokens_per_step(text, 10, 16) == 10 / 4  # 3 steps of one before matching
-    assert copied_tokens_per_step([], 0, 4) == 1.0
+    assert copy_steps(text, 13, 16) == CopySteps(7.0, 8.0)  # one step: the last 7 tokens
+    assert copy_steps(text, 13, 4) == CopySteps(7 / 2, 8 / 2)  # four copies and its own, then 2
+    assert copy_steps(text, 10, 16) == CopySteps(10 / 4, 11 / 4)  # 3 of one before matching
+    assert copy_steps([], 0, 4) == CopySteps(1.0, 1.0)
+    # a copy found that the text does not follow is verified too: a node, no token
+    assert copy_steps([1, 2, 3, 4, 1, 2, 3, 5], 7, 4) == CopySteps(1.0, 2.0)
 
 
 def test_copies_may_be_tried_once_four_steps_have_decoded_after_the_prompts_steps():
@@ -164,3 +166,17 @@ def test_copies_are_kept_without_a_trial_only_where_the_draft_memory_would_hold_
     alone = predicted(_cost(0), steps, prose, manifest, resident, 10 * layer, 16)
     assert alone.copies > SURE * alone.trees  # priced far faster, but nothing grows:
     assert not alone.grows and not alone.copies_sure and alone.worth_a_trial  # tried first
+
+
+def test_copies_on_a_text_that_never_repeats_are_priced_as_one_node_passes():
+    """Where the text finds no copies, a step of them verifies its one row: priced so, not
+    as a pass of two (which priced copies on prose 0.8x as fast as they ran, resident)."""
+    manifest, _, _, _ = _case()
+    resident = plan_residency(manifest, 10**12)
+    cost = _cost(0)
+    steps = _steps(cost, tokens=2, nodes=15, rounds=(4, 4, 4, 3))
+    prose = list(range(200))
+    prices = predicted(cost, steps, prose, manifest, resident, draft_bytes=0, cap=16)
+    # each tree step as it ran, less its drafting, scaled to a one-node pass's price
+    assert prices.copies == pytest.approx(1 / cost.step_seconds(1, [], 1.0))
+    assert prices.copies > 1.1 / cost.step_seconds(2, [], 1.0)
