@@ -94,7 +94,7 @@ class CostModel(msgspec.Struct):
     draft: Curve  # one draft-model forward, by nodes in the batch
     project_seconds: float  # final norm + LM head products for one node, beyond the read
     # a pass over the resident head: its weights read from DRAM once, whatever its rows
-    # (11 ms of one row's 11.3 on the real pair, 2-core EPYC); 0 where the head streams
+    # (7.3 ms of one row's 11 on the real pair, 2-core EPYC); 0 where the head streams
     head_pass_seconds: float
     head_bytes: int = 0  # a head streamed from flash: read once per step
     overhead_seconds: float = 0.0  # per step, beyond the parts above (learned online)
