@@ -132,7 +132,7 @@ class FinalHidden(Message, frozen=True):
     nodes: tuple[int, ...]  # live node indices, in order
     hidden: Any  # torch.Tensor [len(nodes), d_model]
     io_wait_seconds: float
-    verify_seconds: float  # the pass's compute: its jobs' own time on the unit, not their waits
+    verify_seconds: float  # the pass's layers' compute: its jobs' own time, not their waits
     project_seconds: float  # the pass's projection of the predicted chains (0: none)
     pruned: int  # nodes that skipped the layers after the exit layer
     saved_node_layers: int  # node-layer computations pruning saved
