@@ -149,7 +149,9 @@ def concurrency_summary(runs: Sequence[ConcurrencyRun]) -> ConcurrencySummary:
         ttft_joining_busy_over_alone=max(
             (j.first_token_busy_s / j.first_token_alone_s for j in joined), default=None
         ),
-        joining_gap_over_step=max((j.gap_s / j.step_s for j in joined if j.step_s), default=None),
+        joining_gap_over_step=max(
+            (j.gap_s / j.step_s for j in joined if j.step_s and j.gap_s is not None), default=None
+        ),
         min_agreement=min(agreements) if agreements else None,
         aggregates=aggregates,
     )

@@ -6,7 +6,10 @@ their step before it.
 
 Every prompt has been decoded by then, and the engine keeps finished requests' KV for
 those that begin the same: the joining prompt goes without its first token alone, and
-without its first two beside the others, so that neither starts as any earlier text did."""
+without its first two beside the others, so that neither starts as any earlier text did;
+the running prompts go without their first token too, so that they prefill as they did in
+the round whose stamps time the join (reusing their KV, they would be further in, or done,
+when it came)."""
 
 from __future__ import annotations
 
@@ -36,8 +39,9 @@ async def run_joining(
     token's time alone, and the second run."""
     alone = await mode.decode_together([joining[1:]], 1, stop_ids, sampling)
     delay = join_delay(first_round, len(running))
+    fresh = [prompt[1:] for prompt in running]
     busy = await mode.decode_together(
-        [*running, joining[2:]], max_new_tokens, stop_ids, sampling, [0.0] * len(running) + [delay]
+        [*fresh, joining[2:]], max_new_tokens, stop_ids, sampling, [0.0] * len(running) + [delay]
     )
     return first_token_seconds(alone, 0), busy
 
@@ -80,7 +84,7 @@ def joining_figures(
         first_token_busy_s=first - came,
         running=last,
         step_s=statistics.median(before) if before else 0.0,
-        gap_s=max(during, default=0.0),
+        gap_s=max(during, default=None),  # None: none of them stepped while it came
     )
 
 

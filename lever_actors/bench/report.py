@@ -468,7 +468,7 @@ def concurrency_markdown(results: ConcurrencyResults) -> str:
             assert j is not None
             lines.append(
                 f"| {r.limit} | {j.running} | {j.prompt_tokens} | {j.first_token_alone_s:.2f} "
-                f"| {j.first_token_busy_s:.2f} | {j.step_s:.3f} | {j.gap_s:.3f} |"
+                f"| {j.first_token_busy_s:.2f} | {j.step_s:.3f} | {_num(j.gap_s, digits=3)} |"
             )
     failed = [
         f"- {r.engine} under {r.limit}, {r.parallel} at once: {_cell(r.failed)}"

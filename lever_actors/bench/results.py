@@ -261,7 +261,7 @@ class Joining(msgspec.Struct, frozen=True):
     first_token_busy_s: float  # with the others decoding beside it
     running: int  # the requests decoding when it came
     step_s: float  # their median time between steps before it came
-    gap_s: float  # the longest of theirs while it came in (to its first token)
+    gap_s: float | None  # the longest of theirs while it came in (to its first token)
 
 
 class ConcurrencyRun(msgspec.Struct, frozen=True, omit_defaults=True):

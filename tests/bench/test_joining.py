@@ -4,15 +4,18 @@ figures from the stamps of a run, without a model."""
 from __future__ import annotations
 
 import pytest
+import trio
 
 from lever_actors.bench.joining import (
     JOIN_AFTER_TOKENS,
     join_delay,
     joining_figures,
+    run_joining,
     step_times,
 )
 from lever_actors.bench.mode import Decoded
 from lever_actors.bench.together import Together
+from lever_actors.model.sampling import Sampling
 
 
 def test_a_steps_tokens_count_once():
@@ -43,3 +46,33 @@ def test_its_figures_are_its_first_tokens_time_and_the_others_gaps_meanwhile():
     assert j.first_token_busy_s == pytest.approx(0.53)
     assert j.step_s == pytest.approx(0.1)  # their median before it
     assert j.gap_s == pytest.approx(0.4)  # 2.0 to 2.4: the step it came in
+
+
+def test_with_none_of_them_decoding_when_it_came_their_gap_is_not_measured():
+    running = Decoded(list(range(5)), [1.0, 1.1, 1.2, 1.3, 1.4])  # done before it came
+    joined = Decoded([7], [2.55])
+    busy = Together([running, joined], started=[0.5, 2.0], ended=[1.4, 2.6])
+    j = joining_figures("code", 0, 300, alone_s=0.5, busy=busy)
+    assert j.step_s == pytest.approx(0.1)
+    assert j.gap_s is None
+
+
+def test_the_running_prompts_prefill_again_as_in_the_round_that_timed_the_join():
+    class Recording:
+        def __init__(self):
+            self.calls = []
+
+        async def decode_together(self, prompts, max_new_tokens, stop_ids, sampling, delays=()):
+            self.calls.append((prompts, list(delays)))
+            return Together(
+                [Decoded([1], [1.0]) for _ in prompts], [0.0] * len(prompts), [1.0] * len(prompts)
+            )
+
+    mode = Recording()
+    first = Decoded(list(range(20)), [10.0 + 0.1 * i for i in range(20)])
+    first_round = Together([first, first], started=[9.0, 9.0], ended=[12.0, 12.0])
+    trio.run(run_joining, mode, [[5, 6, 7]], first_round, [1, 2, 3, 4], 8, frozenset(), Sampling())
+    (alone, _), (busy, delays) = mode.calls
+    assert alone == [[2, 3, 4]]
+    assert busy == [[6, 7], [3, 4]]  # none begins as an earlier text did
+    assert delays == [0.0, pytest.approx(1.0 + 0.1 * (JOIN_AFTER_TOKENS - 1))]
