@@ -115,7 +115,8 @@ def plain_context(config: EngineConfig, manifest: Manifest) -> Context:
     reading = read_process()
     kv_bytes = position_bytes(manifest.args, DTYPE_SIZES[manifest.dtype])
     args = manifest.args
-    return plan_context(config.ctx_size, args.max_seq_len, kv_bytes, reading.limit, reading.process)
+    held = reading.process + reading.libraries
+    return plan_context(config.ctx_size, args.max_seq_len, kv_bytes, reading.limit, held)
 
 
 def _integer_matrices(manifest: Manifest) -> bool:

@@ -125,14 +125,17 @@ def finish(
     draft: Transformer | None,
 ) -> StartPlan:
     """Once the target and the policies are in: the context the memory left holds, and how
-    many requests may decode at once in it."""
+    many requests may decode at once in it. The libraries' pages count as the memory plan
+    counted them: the limit charges them, and code paged out under its pressure comes back
+    (left out, 4 requests at once under 1 GiB took 80 MiB more than was left, and were
+    killed)."""
     reading = read_process()
     context = plan_context(
         config.ctx_size,
         target.args.max_seq_len,
         kv_bytes_per_token(target, draft),
         reading.limit,
-        reading.process,
+        reading.process + memory.libraries,
     )
     return StartPlan(decode, memory, target.plan, context, parallel_of(config, context))
 

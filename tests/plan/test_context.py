@@ -113,12 +113,14 @@ async def test_a_request_beyond_ctx_size_is_refused_with_its_sizes(config):
     )
 
 
-async def test_a_context_the_memory_bounds_says_so(config, monkeypatch):
-    # bytes left after loading: the tiny weights fit, a step's temporaries and some context
+@pytest.mark.parametrize("libraries", [0, 3 * MiB])
+async def test_a_context_the_memory_bounds_says_so(config, monkeypatch, libraries):
+    # bytes left after loading: the tiny weights fit, a step's temporaries and some context;
+    # the libraries' pages the limit charges are not left (4 at once under 1 GiB were killed)
     room = TEMPORARY_BYTES + 100_000
     monkeypatch.setattr(memory_module, "anonymous_rss_bytes", lambda: 0)
-    monkeypatch.setattr(memory_module, "charged_file_bytes", lambda: 0)
-    monkeypatch.setattr(memory_module, "memory_limit_bytes", lambda: room)
+    monkeypatch.setattr(memory_module, "charged_file_bytes", lambda: libraries)
+    monkeypatch.setattr(memory_module, "memory_limit_bytes", lambda: room + libraries)
     fixed = EngineConfig(**{**_fields(config), "dram_budget": "all"})  # auto keeps room
     async with Engine.open(fixed) as engine:
         target, draft = engine.target, engine.draft
