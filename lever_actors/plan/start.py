@@ -125,17 +125,19 @@ def finish(
     draft: Transformer | None,
 ) -> StartPlan:
     """Once the target and the policies are in: the context the memory left holds, and how
-    many requests may decode at once in it. The libraries' pages count as the memory plan
-    counted them: the limit charges them, and code paged out under its pressure comes back
-    (left out, 4 requests at once under 1 GiB took 80 MiB more than was left, and were
-    killed)."""
+    many requests may decode at once in it. What is held counts as the memory plan counted
+    it where that is more than the process holds now: the target's ring slots are touched
+    by its first streamed pass, not before, and the libraries' pages the limit charges come
+    back when code paged out under its pressure runs (read from the process alone, 4
+    requests at once under 1 GiB found 193 MiB free where 112 were, and were killed)."""
     reading = read_process()
+    planned = memory.process + memory.draft + memory.budget
     context = plan_context(
         config.ctx_size,
         target.args.max_seq_len,
         kv_bytes_per_token(target, draft),
         reading.limit,
-        reading.process + memory.libraries,
+        max(reading.process, planned) + memory.libraries,
     )
     return StartPlan(decode, memory, target.plan, context, parallel_of(config, context))
 
