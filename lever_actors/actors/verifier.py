@@ -254,7 +254,8 @@ class Verifier:
 
     def _share_rows(self, batch: list[_Tree]) -> None:
         """Each tree's nodes in this pass: the decoding requests' whole, the prompts' within
-        the rows the scheduler gives them beside those, in seat order; and the decoding
+        the rows the scheduler gives them beside those, in seat order (or, beside requests
+        whose step is not known yet, the prompts it takes whole); and the decoding
         requests' step (with and without prompts beside them), learned from each pass up
         to the next."""
         joining = [t for t in batch if t.message.step == 0]
@@ -268,12 +269,22 @@ class Verifier:
                 self.chunks.observe(started - last)
             elif last_decoding:
                 self.chunks.observe_chunk(started - last, last_decoding, last_prompts)
-        rows = self.chunks.rows(decoding, sum(len(t.tree) - t.start for t in joining))
+        left = [len(t.tree) - t.start for t in joining]
+        rows = self.chunks.rows(decoding, sum(left))
+        waiting: set[int] = set()  # prompts that came together: some wait for the next pass
+        if rows is None:
+            requests = sum(1 for t in batch if t.message.step > 0)
+            now = self.chunks.together(requests, decoding, left)
+            waiting = {t.seat for t, whole in zip(joining, now, strict=True) if not whole}
         for t in batch:
             if t.message.step > 0:
                 t.end = len(t.tree)
                 continue
-            t.end = chunk_end(t.start, len(t.tree), t.message.n_committed, rows)
+            t.end = (
+                t.start
+                if t.seat in waiting
+                else chunk_end(t.start, len(t.tree), t.message.n_committed, rows)
+            )
             if rows is not None:
                 rows = max(0, rows - (t.end - t.start))
         self.last_pass = (started, decoding, sum(t.end - t.start for t in joining))

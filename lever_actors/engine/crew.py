@@ -134,7 +134,7 @@ class Crew:
             config.audit_every,
             p.probe_when,
             project_chains=not p.eager_projection,
-            chunks=PrefillChunks(_pass_seconds(p)),
+            chunks=PrefillChunks(_pass_compute_seconds(p), pass_seconds=_pass_seconds(p)),
         )
         # the verifier's unit, idle while it awaits the verdict; the policy is looked up at
         # each probe, since the crew outlives a swap (the engine's close lets go of the lens)
@@ -150,10 +150,16 @@ class Crew:
         return arrivals.send
 
 
-def _pass_seconds(p: Policies) -> Callable[[int], float] | None:
+def _pass_compute_seconds(p: Policies) -> Callable[[int], float] | None:
     """A pass's compute by its rows, as the cost model prices it (None without one)."""
     cost = p.cost
     return None if cost is None else cost.pass_compute_seconds
+
+
+def _pass_seconds(p: Policies) -> Callable[[int], float] | None:
+    """A pass's time by its rows, reads and head included, as the cost model prices it."""
+    cost = p.cost
+    return None if cost is None else lambda rows: cost.step_seconds(rows, [], 1.0)
 
 
 def jitters(config: EngineConfig, stream: int = 0) -> Iterator[Jitter]:

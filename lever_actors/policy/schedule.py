@@ -154,6 +154,9 @@ class PrefillChunks:
     # without `verify`: seconds a prompt's row added to the step, as seen (None: none yet;
     # 64 rows a pass, unpriced, held 3 requests' next tokens 1.2-1.7 s against a 0.27 s step)
     row_seconds: float | None = None
+    # seconds of a whole pass by its rows (reads, compute, head): which of the prompts that
+    # came together share a pass (None: all of them, in one)
+    pass_seconds: Callable[[int], float] | None = None
 
     def rows(self, decoding_rows: int, wanted: int) -> int | None:
         """The prompts' rows this pass may take beside `decoding_rows` of decoding
@@ -175,6 +178,29 @@ class PrefillChunks:
                 return self.pace * (verify(decoding_rows + rows) - base)
 
         return rows_within(self.step_seconds, added, wanted)
+
+    def together(self, decoding: int, decoding_rows: int, prompts: list[int]) -> list[bool]:
+        """Which of `prompts` (the rows each has left) a pass takes whole beside `decoding`
+        requests of `decoding_rows` whose step is not known yet (requests that came at once):
+        the shortest, then each next shortest while what its rows add to the pass, paid by
+        every request already in it, costs less than a pass of their own, paid by it and by
+        each prompt after it. Resident, so a short prompt's first token does not wait for
+        the long ones' rows (8 at once: seven first tokens came together after 10.6 s); where
+        a pass waits on its reads, prompts ride along under them."""
+        if self.pass_seconds is None or len(prompts) < 2:
+            return [True] * len(prompts)
+        price = self.pass_seconds
+        order = sorted(range(len(prompts)), key=lambda i: prompts[i])
+        own_pass = price(1)
+        rows, held = decoding_rows + prompts[order[0]], decoding + 1
+        taken = {order[0]}
+        for after, i in enumerate(order[1:], start=1):
+            added = price(rows + prompts[i]) - price(rows)
+            if held * added >= (len(order) - after) * own_pass:
+                break  # the longer ones after it would add more, for fewer
+            taken.add(i)
+            rows, held = rows + prompts[i], held + 1
+        return [i in taken for i in range(len(prompts))]
 
     def observe(self, seconds: float) -> None:
         """A step of the decoding requests with no prompt beside them took `seconds`."""

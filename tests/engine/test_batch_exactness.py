@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 import lever_actors.actors.drafter as drafter_module
 import lever_actors.actors.verifier as verifier_module
+import lever_actors.engine.crew as crew_module
 from lever_actors.config import EngineConfig
 from lever_actors.engine import Engine
 from lever_actors.engine.batch import Batch
@@ -285,6 +286,37 @@ async def test_a_prompt_joining_a_decoding_batch_comes_in_chunks_and_stalls_nobo
         assert first_forwards and max(first_forwards) <= 5
     assert [e.token for e in seen] == reference_tokens(config.target, running, 60)
     assert joined.tokens == reference_tokens(config.target, joining, 8)
+
+
+async def test_prompts_that_come_together_start_shortest_first_a_pass_each(monkeypatch):
+    """Priced at 8 ms a pass and 1 ms a row, a 4-token prompt and prompts of 60 and 61 that
+    come with it go through the layers a pass each, shortest first: the first token of each
+    comes from a pass beside those before it (not from one pass of all three); all three
+    texts are their sequential decodings."""
+    pair = model_pair(TINY_ARGS, "perturbed", 0)
+    config = EngineConfig(target=str(pair.target), tree="lookup", parallel=3)
+    prompts = {
+        "short": [5, 6, 7, 8],
+        "long": [(3 * i) % 29 + 1 for i in range(60)],
+        "longer": [(5 * i) % 31 + 1 for i in range(61)],
+    }
+    monkeypatch.setattr(crew_module, "_pass_seconds", lambda p: lambda rows: (8 + rows) / 1024)
+    results: dict[str, list] = {}
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(config) as engine:
+
+            async def run(name: str) -> None:
+                stream = engine.stream(prompts[name], max_new_tokens=30)
+                results[name] = [event async for event in stream]
+
+            async with trio.open_nursery() as nursery:
+                for name in prompts:
+                    nursery.start_soon(run, name)
+                    await trio.sleep(0)  # in this order
+    assert [results[name][0].parallel for name in prompts] == [1, 2, 3]
+    for name, prompt in prompts.items():
+        tokens = [e.token for e in results[name]]
+        assert tokens == reference_tokens(config.target, prompt, 30), name
 
 
 async def test_trees_copy_the_text_while_the_pass_has_as_many_requests_as_the_plan_says():

@@ -178,3 +178,23 @@ def test_a_tree_goes_in_chunks_until_they_reach_its_last_committed_node():
     assert chunk_end(90, size=108, committed=100, rows=30) == 108
     assert chunk_end(60, size=108, committed=100, rows=39) == 108
     assert chunk_end(60, size=108, committed=100, rows=0) == 60  # none this pass
+
+
+def test_prompts_that_came_together_go_shortest_first_each_pass_while_sharing_it_pays():
+    # resident: a pass is 8 ms and 1 ms a row, so a 300-row prompt holds others 300 ms
+    chunks = PrefillChunks(linear, pass_seconds=linear)
+    assert chunks.together(0, 0, [300, 40, 350]) == [False, True, False]
+    # beside the one decoding, the next shortest joins only where its rows cost the two in
+    # the pass less than a pass of its own costs it and those after it (2 x 5 < 2 x 9 ms)
+    assert chunks.together(1, 1, [4, 300, 5]) == [True, False, True]
+    assert chunks.together(0, 0, [7]) == [True]
+
+
+def test_where_a_pass_waits_on_its_reads_prompts_that_came_together_share_it():
+    def streamed(rows: float) -> float:  # 400 ms of reads under which 200 rows compute
+        return max(400 * MS, 2 * rows * MS) + 0.2 * min(400 * MS, 2 * rows * MS)
+
+    chunks = PrefillChunks(linear, pass_seconds=streamed)
+    assert chunks.together(0, 0, [120, 30, 60]) == [True, True, True]
+    # without a price they go together as before
+    assert PrefillChunks(linear).together(2, 2, [300, 40]) == [True, True]
