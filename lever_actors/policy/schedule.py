@@ -183,7 +183,7 @@ class PrefillChunks:
         """Which of `prompts` (the rows each has left) a pass takes whole beside `decoding`
         requests of `decoding_rows` whose step is not known yet (requests that came at once):
         the shortest, then each next shortest while what its rows add to the pass, paid by
-        every request already in it, costs less than a pass of their own, paid by it and by
+        every request already in it, costs less than a pass of its own, paid by it and by
         each prompt after it. Resident, so a short prompt's first token does not wait for
         the long ones' rows (8 at once: seven first tokens came together after 10.6 s); where
         a pass waits on its reads, prompts ride along under them."""
