@@ -72,7 +72,7 @@ def joining_figures(
     before: list[float] = []
     during: list[float] = []
     for decoded in busy.decoded[:last]:
-        steps = step_times(decoded.stamps)
+        steps = step_times(decoded.stamps, decoded.token_steps)
         gaps = list(zip(steps, steps[1:], strict=False))
         before += [b - a for a, b in gaps if b <= came][-STEPS_BEFORE:]
         during += [b - a for a, b in gaps if b > came and a < first]
@@ -88,9 +88,12 @@ def joining_figures(
     )
 
 
-def step_times(stamps: Sequence[float]) -> list[float]:
-    """When each step's tokens came: the first stamp of each run of stamps that came
-    together."""
+def step_times(stamps: Sequence[float], token_steps: Sequence[int] = ()) -> list[float]:
+    """When each step's tokens came: the first stamp of each step, by the step each token
+    names where the mode tells (a step's tokens may reach the reader further apart than
+    SAME_STEP_SECONDS on a busy loop), else of each run of stamps that came together."""
+    if token_steps:
+        return [t for i, t in enumerate(stamps) if i == 0 or token_steps[i] != token_steps[i - 1]]
     times: list[float] = []
     for stamp in stamps:
         if not times or stamp - times[-1] > SAME_STEP_SECONDS:

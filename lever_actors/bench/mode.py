@@ -21,6 +21,8 @@ class Decoded:
     stamps: list[float] = field(default_factory=list)  # perf_counter() as each token arrived
     bytes_read: int = 0  # from storage, while decoding this prompt
     steps: int = 0  # target passes (verification steps); 0 where a mode cannot count them
+    # per token, the engine's step that gave it (empty where a mode cannot tell)
+    token_steps: list[int] = field(default_factory=list)
     first_step_tokens: int = 1  # how many tokens the first step (with the prefill) produced
     peak_rss_bytes: int | None = None  # of the process that decoded, so far
     cgroup_peak_bytes: int | None = None  # of the cgroup it ran in, so far

@@ -71,6 +71,7 @@ class EngineMode:
             steps.append(event.step)
         decoded.bytes_read = stats.bytes_read - before
         decoded.steps = len(set(steps))
+        decoded.token_steps = steps
         decoded.first_step_tokens = steps.count(steps[0]) if steps else 1
         return decoded
 

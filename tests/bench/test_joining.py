@@ -20,6 +20,8 @@ from lever_actors.model.sampling import Sampling
 
 def test_a_steps_tokens_count_once():
     assert step_times([1.0, 1.00001, 1.2, 1.2, 1.5]) == [1.0, 1.2, 1.5]
+    # where the engine names each token's step, its tokens count once however far apart
+    assert step_times([1.0, 1.001, 1.2, 1.202, 1.5], [3, 3, 4, 4, 5]) == [1.0, 1.2, 1.5]
 
 
 def test_it_comes_once_the_running_requests_are_some_tokens_into_their_answers():
