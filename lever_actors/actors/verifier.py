@@ -273,8 +273,7 @@ class Verifier:
         rows = self.chunks.rows(decoding, sum(left))
         waiting: set[int] = set()  # prompts that came together: some wait for the next pass
         if rows is None:
-            requests = sum(1 for t in batch if t.message.step > 0)
-            now = self.chunks.together(requests, decoding, left)
+            now = self.chunks.together(len(batch) - len(joining), decoding, left)
             waiting = {t.seat for t, whole in zip(joining, now, strict=True) if not whole}
         for t in batch:
             if t.message.step > 0:
