@@ -71,6 +71,12 @@ class Batch:
         scheduler = self._scheduler
         return min(1.0, sum(scheduler.placed.values()) / scheduler.room_tokens)
 
+    @property
+    def free_tokens(self) -> int:
+        """The KV room the placed requests leave: the prefix cache's, read on this thread
+        and passed to its calls on the compute unit's."""
+        return self._scheduler.free_tokens
+
     @asynccontextmanager
     async def place(self, kv_tokens: int) -> AsyncIterator[Place]:
         """Wait in line for a place for a request that may fill `kv_tokens` of KV; hold it

@@ -188,7 +188,7 @@ class Engine:
         it then holds none of its weights (an engine of the real pair at 1 GiB kept 420 MB)."""
         self.switch.draft = None
         self.policies.prune = keep_everything  # the lens shares the target's LM head
-        self.prefixes = PrefixCache(0)
+        self.prefixes = PrefixCache(0, 0)
         self.target.close()
 
     async def generate(

@@ -58,11 +58,16 @@ NO_REUSE = Reuse(0, None)
 
 
 class PrefixCache:
-    """Prefixes of at most `capacity_bytes` in all; the least recently used go first, to
-    `spilled` where there is a directory for them (and all that are left at `close`)."""
+    """Prefixes of at most `capacity_bytes` in all, and at most what the requests decoding
+    leave of the KV room (`free_tokens`, of `token_bytes` each: target's and draft's, as the
+    batch read it when the call was made); the least recently used go first, to `spilled`
+    where there is a directory for them (and all that are left at `close`)."""
 
-    def __init__(self, capacity_bytes: int, spilled: KVFiles | None = None) -> None:
+    def __init__(
+        self, capacity_bytes: int, token_bytes: int, spilled: KVFiles | None = None
+    ) -> None:
         self.capacity_bytes = capacity_bytes
+        self.token_bytes = token_bytes
         self.spilled = spilled
         self._entries: OrderedDict[tuple[int, ...], CachedPrefix] = OrderedDict()
 
@@ -73,10 +78,11 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def claim(self, prompt: Sequence[int]) -> Reuse:
+    def claim(self, prompt: Sequence[int], free_tokens: int | None = None) -> Reuse:
         """The entry that shares the longest prefix with `prompt`, up to its last token (whose
         pass gives the first new token), in DRAM or else spilled. An entry the prompt extends
-        whole leaves DRAM: the request will store its longer text in its place."""
+        whole leaves DRAM: the request will store its longer text in its place. Then the
+        cache gives way to the request's KV, counted in `free_tokens` (None: no request's)."""
         tokens, shared = longest_shared(self._entries, prompt[:-1])
         best = self._entries[tokens] if tokens is not None else None
         if self.spilled is not None:
@@ -84,14 +90,12 @@ class PrefixCache:
             if tokens is not None and n > shared and (loaded := self.spilled.load(tokens)):
                 self._entries[loaded.tokens] = loaded
                 best, shared = loaded, n
-        if best is None:
-            return NO_REUSE
-        if shared == len(best.tokens):
+        if best is not None and shared == len(best.tokens):
             del self._entries[best.tokens]
-        else:
+        elif best is not None:
             self._entries.move_to_end(best.tokens)
-            self._fit()
-        return Reuse(shared, best)
+        self._fit(self._room(free_tokens))  # the reuse holds its entry, evicted or not
+        return NO_REUSE if best is None else Reuse(shared, best)
 
     def store(
         self,
@@ -99,14 +103,17 @@ class PrefixCache:
         target: KVCache,
         draft: KVCache | None,
         draft_start: int = 0,
+        free_tokens: int | None = None,
     ) -> None:
         """Keep the KV both caches hold of `tokens`' first positions (as many as both hold;
         the draft's cache holds them from `draft_start` on), dropping entries it extends
-        and then the least recently used until all fit; a prefix larger than the whole cache
-        is only spilled."""
+        and then the least recently used until all fit in what the requests decoding leave
+        (`free_tokens`: as claim's); a prefix larger than that is only spilled."""
         draft_end = draft_start + draft.length if draft else target.length
         length = min(target.length, draft_end, len(tokens))
-        if length == 0 or (self.capacity_bytes == 0 and self.spilled is None):
+        room = self._room(free_tokens)
+        if length == 0 or (room == 0 and self.spilled is None):
+            self._fit(room)
             return
         kept = tuple(tokens[:length])
         for old in [t for t in self._entries if kept[: len(t)] == t]:
@@ -118,11 +125,12 @@ class PrefixCache:
             drafted = draft.prefix(draft_length) if draft else None
             return CachedPrefix(kept, target.prefix(length), drafted, draft_start)
 
-        if size > self.capacity_bytes:
+        if size > room:
+            self._fit(room)
             if self.spilled is not None:
                 self.spilled.save(copied())
             return
-        self._fit(self.capacity_bytes - size)  # room first: the copy never lies beside a full cache
+        self._fit(room - size)  # room first: the copy never lies beside a full cache
         self._entries[kept] = copied()
 
     def close(self) -> None:
@@ -132,10 +140,15 @@ class PrefixCache:
                 self.spilled.save(entry)
         self._entries.clear()
 
-    def _fit(self, capacity: int | None = None) -> None:
-        """Let the least recently used go until the entries hold at most `capacity` bytes
-        (the cache's own by default)."""
-        capacity = self.capacity_bytes if capacity is None else capacity
+    def _room(self, free_tokens: int | None) -> int:
+        """The bytes the entries may hold: the cache's capacity, or less where the requests
+        decoding leave less of the KV room."""
+        if free_tokens is None:
+            return self.capacity_bytes
+        return min(self.capacity_bytes, free_tokens * self.token_bytes)
+
+    def _fit(self, capacity: int) -> None:
+        """Let the least recently used go until the entries hold at most `capacity` bytes."""
         while self.nbytes > capacity:
             _, entry = self._entries.popitem(last=False)
             if self.spilled is not None:
@@ -145,9 +158,9 @@ class PrefixCache:
 def open_prefix_cache(
     config: EngineConfig, context: Context, target: FlashTarget, draft: Transformer | None
 ) -> PrefixCache:
-    """Blocking: the engine's prefix cache, which holds at most what the context's memory
-    leaves it, with the prefixes spilled to `config.prompt_cache_dir` by earlier engines of
-    the same weights on this machine (their headers read)."""
+    """Blocking: the engine's prefix cache, which holds at most the context's KV room (less
+    what the requests decoding hold), with the prefixes spilled to `config.prompt_cache_dir`
+    by earlier engines of the same weights on this machine (their headers read)."""
     spilled = None
     if config.prompt_cache_dir is not None:
         key = cache_key(weights_identity(config, target) | {"dtypes": _dtypes(target, draft)})
@@ -156,7 +169,8 @@ def open_prefix_cache(
             KVShape.of(draft.args, draft.dtype) if draft is not None else None,
         )
         spilled = KVFiles(Path(config.prompt_cache_dir), key, SPILLED_PROMPT_CACHE, shapes)
-    return PrefixCache(min(config.prompt_cache, context.cache_bytes), spilled)
+    room_bytes = context.room_tokens * context.kv_bytes_per_token
+    return PrefixCache(min(config.prompt_cache, room_bytes), context.kv_bytes_per_token, spilled)
 
 
 def _dtypes(target: FlashTarget, draft: Transformer | None) -> list[str]:

@@ -57,7 +57,7 @@ async def run_request(
     verify_commits = ch.open("verify_commits", Commit, sizes.commits)
 
     target_cache, draft_cache = await npu.run(  # units.py: copies start a team
-        new_caches, request, prefixes, target, draft, config
+        new_caches, request, prefixes, target, draft, config, crew.batch.free_tokens
     )
     leaving = LeaveSeat(step=-1, seat=place.seat, done=trio.Event())
     left = False
@@ -110,8 +110,13 @@ async def run_request(
                     await _first_of(leaving.done, place.crew)
     await leaving.done.wait()  # the verifier has kept the last accepted path
     place.crew = None  # no failure of the crew concerns it now
-    await npu.run(
-        prefixes.store, request.text_tokens, target_cache, drafter.cache, request.draft_start
+    await npu.run(  # its place still held: the copy lies beside its KV
+        prefixes.store,
+        request.text_tokens,
+        target_cache,
+        drafter.cache,
+        request.draft_start,
+        crew.batch.free_tokens,
     )
 
 

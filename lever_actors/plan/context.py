@@ -14,10 +14,11 @@ from lever_actors.sizes import format_bytes
 
 # Of the memory left after loading, less a step's temporaries (a layer's are bounded by
 # model/shapes.py's CHUNK_BYTES; a 318-token prompt's pass took 48 MiB, trimmed after): the
-# share a request's KV may fill, and the share the prefix cache may hold
+# share one request's KV may fill (its context), and the share the KV of the requests
+# decoding at once and the prefix cache's entries fill together, the cache giving way
 TEMPORARY_BYTES = CHUNK_BYTES
 KV_SHARE = 0.5
-CACHE_SHARE = 0.25
+POOL_SHARE = 0.75
 
 
 def room_bytes(kv_bytes_per_token: int, tokens: int) -> int:
@@ -42,15 +43,12 @@ class Context(msgspec.Struct, frozen=True):
     asked: bool  # set by ctx_size, not derived from memory
 
     @property
-    def cache_bytes(self) -> int:
-        """The most the prefix cache may hold beside a request."""
-        return int(self.free_bytes * CACHE_SHARE)
-
-    @property
     def room_tokens(self) -> int:
-        """The KV the requests decoding at once may hold together, in tokens: what the memory
-        left after loading holds, or one whole context where that was asked for."""
-        return max(self.tokens, tokens_in(self.free_bytes, self.kv_bytes_per_token))
+        """The KV the requests decoding at once and the prefix cache may hold together, in
+        tokens: POOL_SHARE of the memory left after loading, or one whole context where that
+        was asked for. The cache holds what the requests' reservations leave."""
+        pool = int(max(self.free_bytes - TEMPORARY_BYTES, 0) * POOL_SHARE)
+        return max(self.tokens, pool // max(self.kv_bytes_per_token, 1))
 
     @property
     def why(self) -> str:

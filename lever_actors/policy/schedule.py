@@ -36,6 +36,11 @@ class Places:
     line: deque[tuple[int, int]] = field(default_factory=deque)  # (ticket, KV it may fill)
     _seats: itertools.count = field(default_factory=itertools.count)
 
+    @property
+    def free_tokens(self) -> int:
+        """The KV room the placed requests leave (the prefix cache's, engine/prefix_cache.py)."""
+        return max(0, self.room_tokens - sum(self.placed.values()))
+
     def join(self, ticket: int, kv_tokens: int) -> list[tuple[int, int]]:
         """A request enters the line."""
         self.line.append((ticket, kv_tokens))
@@ -56,7 +61,7 @@ class Places:
         while self.line:
             ticket, kv_tokens = self.line[0]
             full = len(self.placed) >= self.parallel
-            if self.placed and (full or sum(self.placed.values()) + kv_tokens > self.room_tokens):
+            if self.placed and (full or kv_tokens > self.free_tokens):
                 break
             self.line.popleft()
             seat = next(self._seats)

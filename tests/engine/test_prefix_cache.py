@@ -132,8 +132,11 @@ def cache_of(tokens: list[int]) -> KVCache:
     return cache
 
 
+TOKEN_BYTES = cache_of([0]).prefix_bytes(1)  # a position's KV in cache_of's caches
+
+
 def test_claim_takes_the_longest_shared_prefix_up_to_the_prompts_last_token():
-    prefixes = PrefixCache(2**20)
+    prefixes = PrefixCache(2**20, TOKEN_BYTES)
     prefixes.store([1, 2, 3, 4], cache_of([1, 2, 3, 4]), None)
     prefixes.store([1, 9], cache_of([1, 9]), None)
     reuse = prefixes.claim([1, 2, 3])
@@ -147,7 +150,7 @@ def test_claim_takes_the_longest_shared_prefix_up_to_the_prompts_last_token():
 
 
 def test_a_prompt_that_extends_an_entry_takes_it_out():
-    prefixes = PrefixCache(2**20)
+    prefixes = PrefixCache(2**20, TOKEN_BYTES)
     prefixes.store([1, 2], cache_of([1, 2]), None)
     assert prefixes.claim([1, 2, 3]).tokens == 2
     assert len(prefixes) == 0
@@ -155,7 +158,7 @@ def test_a_prompt_that_extends_an_entry_takes_it_out():
 
 
 def test_store_keeps_what_both_caches_hold_and_drops_entries_it_extends():
-    prefixes = PrefixCache(2**20)
+    prefixes = PrefixCache(2**20, TOKEN_BYTES)
     prefixes.store([5, 6], cache_of([5, 6]), None)
     prefixes.store([5, 6, 7, 8, 9], cache_of([5, 6, 7, 8]), cache_of([5, 6, 7]))
     assert len(prefixes) == 1
@@ -163,7 +166,7 @@ def test_store_keeps_what_both_caches_hold_and_drops_entries_it_extends():
 
 
 def test_a_draft_viewing_the_text_from_later_on_keeps_its_part_and_continues_it():
-    prefixes = PrefixCache(2**20)
+    prefixes = PrefixCache(2**20, TOKEN_BYTES)
     text = [5, 6, 7, 8, 9, 10]
     prefixes.store(text, cache_of(text), cache_of(text[2:]), draft_start=2)
     reuse = prefixes.claim([*text, 11])
@@ -204,7 +207,7 @@ async def test_a_long_prompt_is_prefilled_in_the_draft_from_its_window_alone():
 def test_the_least_recently_used_go_first_and_a_prefix_too_large_is_not_kept():
     one = cache_of([1, 2, 3])
     size = one.prefix(3).nbytes
-    prefixes = PrefixCache(2 * size)
+    prefixes = PrefixCache(2 * size, TOKEN_BYTES)
     prefixes.store([1, 2, 3], one, None)
     prefixes.store([4, 5, 6], cache_of([4, 5, 6]), None)
     prefixes.claim([1, 2, 0])  # used: [4, 5, 6] is now the least recent
@@ -212,9 +215,31 @@ def test_the_least_recently_used_go_first_and_a_prefix_too_large_is_not_kept():
     assert prefixes.nbytes <= 2 * size
     assert prefixes.claim([4, 5, 6, 0]).tokens == 0
     assert prefixes.claim([1, 2, 3, 0]).tokens == 3
-    small = PrefixCache(size - 1)
+    small = PrefixCache(size - 1, TOKEN_BYTES)
     small.store([1, 2, 3], one, None)
     assert len(small) == 0
+
+
+def test_the_cache_gives_way_to_the_requests_decoding():
+    """The requests' KV and the prefix cache share one room: a claim or a store leaves the
+    entries at most what the placed requests leave of it (`free_tokens`), the least
+    recently used going first; a reuse keeps its entry's KV even where it is let go of."""
+    prefixes = PrefixCache(2**20, TOKEN_BYTES)
+    for text in ([1, 2, 3, 4], [5, 6, 7], [8, 9, 10]):
+        prefixes.store(text, cache_of(text), None)
+    assert prefixes.claim([11, 12, 13], free_tokens=6).tokens == 0
+    assert len(prefixes) == 2 and prefixes.nbytes == 6 * TOKEN_BYTES  # [1, 2, 3, 4] went
+    reuse = prefixes.claim([5, 6, 0], free_tokens=0)
+    assert len(prefixes) == 0
+    restored = KVCache(TINY_ARGS, 8, torch.float64)
+    reuse.restore(restored)
+    assert restored.keys[0, 0, : restored.length, 0].tolist() == [5.0, 6.0]
+    prefixes.store([1, 2], cache_of([1, 2]), None)
+    prefixes.store([3, 4, 5], cache_of([3, 4, 5]), None, free_tokens=3)
+    assert prefixes.claim([3, 4, 5, 0]).tokens == 3 and len(prefixes) == 0  # [1, 2] went
+    prefixes.store([1, 2], cache_of([1, 2]), None)
+    prefixes.store([3, 4, 5], cache_of([3, 4, 5]), None, free_tokens=2)  # larger: not kept
+    assert len(prefixes) == 1 and prefixes.claim([1, 2, 0]).tokens == 2
 
 
 def test_a_store_makes_room_before_it_copies(monkeypatch):
@@ -224,7 +249,7 @@ def test_a_store_makes_room_before_it_copies(monkeypatch):
     full = cache_of([1, 2, 3])
     size = full.prefix(3).nbytes
     assert full.prefix_bytes(3) == size
-    prefixes = PrefixCache(size)
+    prefixes = PrefixCache(size, TOKEN_BYTES)
     prefixes.store([1, 2, 3], full, None)
     held_while_copying = []
     copy = KVCache.prefix

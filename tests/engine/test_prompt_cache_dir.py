@@ -93,14 +93,18 @@ def test_a_longer_text_replaces_the_prefixes_it_extends_and_the_oldest_go_first(
 def test_the_dram_cache_spills_what_it_lets_go_of_and_claims_it_back(tmp_path):
     one = cache_of([1, 2, 3])
     size = one.prefix(3).nbytes
-    prefixes = PrefixCache(size, KVFiles(tmp_path, "key", 2**30, shapes(draft=False)))
+    prefixes = PrefixCache(
+        size, one.prefix_bytes(1), KVFiles(tmp_path, "key", 2**30, shapes(draft=False))
+    )
     prefixes.store([1, 2, 3], one, None)
     prefixes.store([4, 5, 6], cache_of([4, 5, 6]), None)  # [1, 2, 3] goes to the directory
     assert len(prefixes) == 1
     reuse = prefixes.claim([1, 2, 3, 7])
     assert reuse.tokens == 3 and reuse.prefix is not None
     assert torch.equal(reuse.prefix.target.keys, one.prefix(3).keys)
-    larger = PrefixCache(1, KVFiles(tmp_path, "large", 2**30, shapes(draft=False)))
+    larger = PrefixCache(
+        1, one.prefix_bytes(1), KVFiles(tmp_path, "large", 2**30, shapes(draft=False))
+    )
     larger.store([8, 9], cache_of([8, 9]), None)  # too large for DRAM: spilled alone
     assert len(larger) == 0 and larger.claim([8, 9, 1]).tokens == 2
 

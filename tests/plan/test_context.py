@@ -19,7 +19,7 @@ from lever_actors.engine import Engine
 from lever_actors.errors import ConfigError, ContextLengthError
 from lever_actors.model.shapes import position_bytes
 from lever_actors.plan import memory as memory_module
-from lever_actors.plan.context import CACHE_SHARE, KV_SHARE, TEMPORARY_BYTES, plan_context
+from lever_actors.plan.context import KV_SHARE, POOL_SHARE, TEMPORARY_BYTES, plan_context
 from lever_actors.testing import TINY_ARGS, model_pair
 
 MiB = 2**20
@@ -133,7 +133,9 @@ async def test_a_context_the_memory_bounds_says_so(config, monkeypatch, librarie
         )
         assert engine.context.kv_bytes_per_token == per_token
         assert engine.context.tokens == int((room - TEMPORARY_BYTES) * KV_SHARE) // per_token
-        assert engine.prefixes.capacity_bytes == int(room * CACHE_SHARE)
+        pool = int((room - TEMPORARY_BYTES) * POOL_SHARE) // per_token  # requests' and cache's
+        assert engine.context.room_tokens == pool
+        assert engine.prefixes.capacity_bytes == pool * per_token
         with pytest.raises(
             ContextLengthError, match=r"left of a .* memory limit holds; set ctx_size for more"
         ):

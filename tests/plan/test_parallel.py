@@ -15,6 +15,6 @@ def test_parallel_is_the_config_s_or_what_the_kv_room_holds():
     assert parallel_of(EngineConfig(target="t", parallel=3), context(0)) == 3
     auto = EngineConfig(target="t")
     assert parallel_of(auto, context(0)) == 1
-    # half of what a step's temporaries leave: 3,072 tokens
-    assert parallel_of(auto, context(TEMPORARY_BYTES + 2 * 3 * 1024 * 1024)) == 3
+    # three quarters of what a step's temporaries leave: 3,072 tokens
+    assert parallel_of(auto, context(TEMPORARY_BYTES + 4 * 1024 * 1024)) == 3
     assert parallel_of(auto, context(2**34)) == MAX_AUTO_PARALLEL

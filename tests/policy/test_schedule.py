@@ -30,12 +30,15 @@ def test_the_kv_room_holds_back_the_head_of_the_line_and_those_behind_it():
     assert places.join(1, 600) == [(1, 0)]
     assert places.join(2, 500) == []  # 1,100 would pass the room
     assert places.join(3, 100) == []  # it would fit, but it came later
+    assert places.free_tokens == 400  # the prefix cache's
     assert places.leave(0) == [(2, 1), (3, 2)]
+    assert places.free_tokens == 400
 
 
 def test_a_request_alone_always_fits():
     places = Places(parallel=1, room_tokens=10)
     assert places.join(1, 10_000) == [(1, 0)]
+    assert places.free_tokens == 0
 
 
 def test_one_leaving_the_line_lets_in_those_behind_it():
