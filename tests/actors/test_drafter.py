@@ -390,6 +390,40 @@ async def test_a_gain_cost_tree_carries_over_without_drafting_ahead(draft, monke
     }
 
 
+async def test_a_carried_tree_larger_than_the_next_trees_room_keeps_its_first_nodes(
+    draft, monkeypatch
+):
+    """Near a request's end its KV holds fewer nodes than a carried subtree (engine/state.py
+    tree_room): the next tree is that subtree's first `max_nodes`, a parent before its
+    children, and no more."""
+    cost = CostModel(  # a dear pass and cheap draft rounds: the tree grows deep
+        flash_bandwidth=1e9,
+        streamed_bytes=0,
+        verify=Curve([1, 128], [1.0, 1.0]),
+        draft=Curve([1, 64], [1e-4, 1e-4]),
+        project_seconds=1e-6,
+        head_pass_seconds=0.0,
+    )
+    wired = gain_cost_drafter(draft, cost, ahead=False)
+    with trio.fail_after(TIMEOUT):
+        async with wired.running():
+            first = await wired.draft(0, 16)
+            root = first.n_committed  # the first draft node: accept the chain alone
+            subtree = {root}
+            for n in range(root + 1, len(first.tokens)):
+                if first.parents[n] in subtree:
+                    subtree.add(n)
+            assert len(subtree) - 1 > 2  # more below it than the next tree's room
+            accepted = tuple(range(first.n_committed))
+            await wired.commits.send(
+                Commit(step=0, accepted=accepted, next_tokens=(first.tokens[root],))
+            )
+            second = await wired.draft(1, 2)
+    assert second.tokens[0] == first.tokens[root]
+    assert len(second.tokens) - second.n_committed == second.drafted_ahead == 2
+    assert all(p < n for n, p in enumerate(second.parents) if n >= second.n_committed)
+
+
 @pytest.mark.parametrize("draft_row, first", [(1.0, True), (1e-4, False)])
 async def test_the_prompt_goes_alone_first_where_the_draft_runs_it_dearer_than_a_step(
     draft, draft_row, first
