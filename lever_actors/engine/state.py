@@ -68,8 +68,8 @@ def new_caches(
     config: EngineConfig,
     free_tokens: int,
 ) -> tuple[KVCache, KVCache | None]:
-    """Blocking: the request's KV caches, target's and draft's, sized for its prompt, new
-    tokens and a tree, and started from the longest prefix `prefixes` holds (the draft's
+    """Blocking: the request's KV caches, target's and draft's, sized for its prompt and new
+    tokens (its trees fit in what is left: `tree_room`), and started from the longest prefix `prefixes` holds (the draft's
     from where its view begins, `request.draft_start`); the prefix cache first gives way to
     them (`free_tokens`: the KV room the placed requests leave, this one's counted)."""
     request.reuse = reuse = prefixes.claim(request.prompt, free_tokens)
