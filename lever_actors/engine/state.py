@@ -69,9 +69,10 @@ def new_caches(
     free_tokens: int,
 ) -> tuple[KVCache, KVCache | None]:
     """Blocking: the request's KV caches, target's and draft's, sized for its prompt and new
-    tokens (its trees fit in what is left: `tree_room`), and started from the longest prefix `prefixes` holds (the draft's
-    from where its view begins, `request.draft_start`); the prefix cache first gives way to
-    them (`free_tokens`: the KV room the placed requests leave, this one's counted)."""
+    tokens (its trees fit in what is left: `tree_room`), and started from the longest prefix
+    `prefixes` holds (the draft's from where its view begins, `request.draft_start`); the
+    prefix cache first gives way to them (`free_tokens`: the KV room the placed requests
+    leave, this one's counted)."""
     request.reuse = reuse = prefixes.claim(request.prompt, free_tokens)
     nodes = config.tree.max_nodes
     room = kv_tokens(request)
