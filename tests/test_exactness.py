@@ -149,16 +149,11 @@ async def test_requests_on_one_engine_each_equal_sequential_reference(case, data
 async def test_identical_draft_is_always_accepted(case):
     """Not exactness but its mirror: a draft equal to the target, seeing the whole text,
     proposes the target's own greedy path, so without pruning every step but the last takes
-    the whole fixed tree's depth, where the tokens still to come hold the whole tree (near
-    the end the tree is cut to them: engine/state.py tree_room). (A pruner may drop the
-    right branch: that costs speed, never output.)"""
+    the whole fixed tree's depth. (A pruner may drop the right branch: that costs speed,
+    never output.)"""
     result = await assert_matches_sequential(case.engine_config(), case.prompt, case.max_new_tokens)
-    spec = TreeSpec.parse(case.tree)
-    depth, left = len(spec.widths), case.max_new_tokens
-    for step in result.steps[:-1]:
-        if left >= spec.max_nodes:
-            assert step.new_tokens == depth + 1, result.steps
-        left -= step.new_tokens
+    depth = len(TreeSpec.parse(case.tree).widths)
+    assert [s.new_tokens for s in result.steps[:-1]] == [depth + 1] * (len(result.steps) - 1)
 
 
 async def test_trees_that_copy_from_the_text_keep_the_output_exact():

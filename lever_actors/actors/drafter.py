@@ -271,10 +271,6 @@ class Drafter:
             return self._chain_tree(request, copies, started)
         builder = self.carried
         self.carried = None
-        if builder is not None and len(builder.tokens) - builder.n_chain > request.max_nodes:
-            # near the request's end its KV holds fewer nodes than were carried: the first
-            # ones stay (a parent precedes its children)
-            builder = await self.npu.run(builder.rebase, [], 0, request.max_nodes)
         fresh, self.fresh = self.fresh, False
         if builder is None and (
             (rows := self._catch_up_rows(request.beside))

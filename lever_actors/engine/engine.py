@@ -341,7 +341,7 @@ class Engine:
         self, request: RequestState, events: trio.MemorySendChannel[TokenEvent]
     ) -> None:
         """Wait in line for a place in the batch, then run the request in it."""
-        async with self.batch.place(kv_tokens(request)) as place:
+        async with self.batch.place(kv_tokens(request, self.config)) as place:
             self.channels = ChannelSet(self.tracer)
             try:
                 with place.scope:  # cancelled where an actor the batch shares fails

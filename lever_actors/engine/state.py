@@ -68,14 +68,13 @@ def new_caches(
     config: EngineConfig,
     free_tokens: int,
 ) -> tuple[KVCache, KVCache | None]:
-    """Blocking: the request's KV caches, target's and draft's, sized for its prompt and new
-    tokens (its trees fit in what is left: `tree_room`), and started from the longest prefix
-    `prefixes` holds (the draft's from where its view begins, `request.draft_start`); the
-    prefix cache first gives way to them (`free_tokens`: the KV room the placed requests
-    leave, this one's counted)."""
+    """Blocking: the request's KV caches, target's and draft's, sized for its prompt, new
+    tokens and a tree, and started from the longest prefix `prefixes` holds (the draft's
+    from where its view begins, `request.draft_start`); the prefix cache first gives way to
+    them (`free_tokens`: the KV room the placed requests leave, this one's counted)."""
     request.reuse = reuse = prefixes.claim(request.prompt, free_tokens)
     nodes = config.tree.max_nodes
-    room = kv_tokens(request)
+    room = kv_tokens(request, config)
     target_cache = target.new_cache(room)
     reuse.restore(target_cache)
     draft_cache = None
@@ -88,18 +87,10 @@ def new_caches(
     return target_cache, draft_cache
 
 
-def kv_tokens(request: RequestState) -> int:
-    """The positions a request's KV caches hold at most: its prompt and new tokens (and the
-    bonus token and the chain's last); its trees fit in what its answer leaves
-    (`tree_room`), so that the batch's KV room reserves no tree beyond an answer's end."""
-    return len(request.prompt) + request.options.max_new_tokens + 2
-
-
-def tree_room(request: RequestState) -> int:
-    """The draft nodes a request's next tree may hold in its KV caches (`kv_tokens`): the
-    new tokens it has not emitted yet. Near its end the trees shrink; whatever the tree,
-    the tokens are the target's."""
-    return request.options.max_new_tokens - len(request.tokens)
+def kv_tokens(request: RequestState, config: EngineConfig) -> int:
+    """The positions a request's KV caches hold at most: its prompt, its new tokens and a
+    tree's nodes (and the bonus token and the chain's last, beyond the tree)."""
+    return len(request.prompt) + request.options.max_new_tokens + config.tree.max_nodes + 2
 
 
 def draft_view(reuse: Reuse, prompt_tokens: int, window: int | None) -> int:

@@ -28,7 +28,7 @@ from lever_actors.channels.stats import DecodePhase
 from lever_actors.checkpoints.tokenizer import Tokenizer
 from lever_actors.device.memory import return_freed_heap
 from lever_actors.engine.batch import Batch, Place
-from lever_actors.engine.state import RequestState, tree_room
+from lever_actors.engine.state import RequestState
 from lever_actors.engine.switching import PlanSwitch
 from lever_actors.errors import ConsumerStalledError
 from lever_actors.policy.setup import Policies
@@ -63,8 +63,9 @@ async def run_steps(
     for step in range(request.options.max_new_tokens):
         step_started = time.perf_counter()
         bytes_before, read_seconds_before = reads.bytes_read, reads.read_seconds
-        nodes = min(policies.spec.max_nodes, tree_room(request))
-        await requests.send(DraftRequest(step=step, max_nodes=nodes, beside=batch.beside(place)))
+        await requests.send(
+            DraftRequest(step=step, max_nodes=policies.spec.max_nodes, beside=batch.beside(place))
+        )
         verdict: Verdict = await verdicts.receive()
         request.scope.deadline = math.inf  # from the first token on, the deadline is soft
         finish: FinishReason | None = None

@@ -352,9 +352,12 @@ async def test_the_commit_ends_the_round_drafted_ahead_in_flight(draft, monkeypa
     check_committed_chain(second, [0])
 
 
-def deep_tree_cost() -> CostModel:
-    """A dear pass and cheap draft rounds: the tree grows deep."""
-    return CostModel(
+async def test_a_gain_cost_tree_carries_over_without_drafting_ahead(draft, monkeypatch):
+    """The target's next token is a node the draft ran below the accepted path's end: the
+    next tree starts from that node's subtree, with no forward to start it. The cache moves
+    its entries on a unit: an op on the event loop's thread would start a second OpenMP
+    team, and every team would then sleep after each product (device/units.py)."""
+    cost = CostModel(  # a dear pass and cheap draft rounds: the tree grows deep
         flash_bandwidth=1e9,
         streamed_bytes=0,
         verify=Curve([1, 128], [1.0, 1.0]),
@@ -362,14 +365,7 @@ def deep_tree_cost() -> CostModel:
         project_seconds=1e-6,
         head_pass_seconds=0.0,
     )
-
-
-async def test_a_gain_cost_tree_carries_over_without_drafting_ahead(draft, monkeypatch):
-    """The target's next token is a node the draft ran below the accepted path's end: the
-    next tree starts from that node's subtree, with no forward to start it. The cache moves
-    its entries on a unit: an op on the event loop's thread would start a second OpenMP
-    team, and every team would then sleep after each product (device/units.py)."""
-    wired = gain_cost_drafter(draft, deep_tree_cost(), ahead=False)
+    wired = gain_cost_drafter(draft, cost, ahead=False)
     chains = calls_of(monkeypatch, "run_chain")
     with trio.fail_after(TIMEOUT), OpsOnThisThread() as ops:
         async with wired.running():
@@ -392,32 +388,6 @@ async def test_a_gain_cost_tree_carries_over_without_drafting_ahead(draft, monke
     assert {first.tokens[n] for n in below} <= {
         second.tokens[n] for n, p in enumerate(second.parents) if p == 0
     }
-
-
-async def test_a_carried_tree_larger_than_the_next_trees_room_keeps_its_first_nodes(
-    draft, monkeypatch
-):
-    """Near a request's end its KV holds fewer nodes than a carried subtree (engine/state.py
-    tree_room): the next tree is that subtree's first `max_nodes`, a parent before its
-    children, and no more."""
-    wired = gain_cost_drafter(draft, deep_tree_cost(), ahead=False)
-    with trio.fail_after(TIMEOUT):
-        async with wired.running():
-            first = await wired.draft(0, 16)
-            root = first.n_committed  # the first draft node: accept the chain alone
-            subtree = {root}
-            for n in range(root + 1, len(first.tokens)):
-                if first.parents[n] in subtree:
-                    subtree.add(n)
-            assert len(subtree) - 1 > 2  # more below it than the next tree's room
-            accepted = tuple(range(first.n_committed))
-            await wired.commits.send(
-                Commit(step=0, accepted=accepted, next_tokens=(first.tokens[root],))
-            )
-            second = await wired.draft(1, 2)
-    assert second.tokens[0] == first.tokens[root]
-    assert len(second.tokens) - second.n_committed == second.drafted_ahead == 2
-    assert all(p < n for n, p in enumerate(second.parents) if n >= second.n_committed)
 
 
 @pytest.mark.parametrize("draft_row, first", [(1.0, True), (1e-4, False)])
