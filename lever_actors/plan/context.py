@@ -27,9 +27,10 @@ def room_bytes(kv_bytes_per_token: int, tokens: int) -> int:
     return TEMPORARY_BYTES + math.ceil(kv_bytes_per_token * tokens / KV_SHARE)
 
 
-def tokens_in(free: int, kv_bytes_per_token: int) -> int:
-    """The context `free` bytes after loading hold: room_bytes' inverse."""
-    return int(max(free - TEMPORARY_BYTES, 0) * KV_SHARE) // max(kv_bytes_per_token, 1)
+def tokens_in(free: int, kv_bytes_per_token: int, share: float = KV_SHARE) -> int:
+    """The tokens of KV `share` of `free` bytes after loading holds, less a step's
+    temporaries: at KV_SHARE, one context (room_bytes' inverse)."""
+    return int(max(free - TEMPORARY_BYTES, 0) * share) // max(kv_bytes_per_token, 1)
 
 
 class Context(msgspec.Struct, frozen=True):
@@ -47,8 +48,8 @@ class Context(msgspec.Struct, frozen=True):
         """The KV the requests decoding at once and the prefix cache may hold together, in
         tokens: POOL_SHARE of the memory left after loading, or one whole context where that
         was asked for. The cache holds what the requests' reservations leave."""
-        pool = int(max(self.free_bytes - TEMPORARY_BYTES, 0) * POOL_SHARE)
-        return max(self.tokens, pool // max(self.kv_bytes_per_token, 1))
+        pool = tokens_in(self.free_bytes, self.kv_bytes_per_token, POOL_SHARE)
+        return max(self.tokens, pool)
 
     @property
     def why(self) -> str:
