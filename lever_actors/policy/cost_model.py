@@ -166,15 +166,19 @@ class CostModel(msgspec.Struct):
         `expected_tokens`, verified with the rows of the requests `beside` it, whose tokens
         count too (a node slows every request in the pass). Their draft rounds run with
         ours, a forward for all, each as wide as ours is taken to be: a batch's round costs
-        what its rows together do (8 requests' rounds of 2 nodes: a forward of 16).
+        what its rows together do (8 requests' rounds of 2 nodes: a forward of 16), and our
+        share of it is ours of its rows, as every request takes the round its tokens pay
+        for. Charged the whole forward, no request's round paid beside three others' tokens:
+        their trees stopped at 1-1.5 rounds (alone 3-6), 5 nodes each (1 GiB, Zen 4).
 
         `chain`: the committed tokens among `nodes`. Beyond the first (a prompt's) their
         rows come whatever the tree: the step is priced as one of a one-token chain, each
         node at what it adds beside them. Priced with them, a prefill's rate was so low that
         any node raised it (a 128-token prompt's first tree grew 31 nodes, 0.9 s of rows)."""
-        rounds = [width * (1 + beside.requests) for width in draft_rounds]
+        sharers = 1 + beside.requests
+        drafting = sum(self.draft(width * sharers) for width in draft_rounds) / sharers
         tokens = expected_tokens + beside.tokens  # each request projects its own path
-        seconds = self.step_seconds(nodes + beside.rows, rounds, tokens)
+        seconds = self.step_seconds(nodes + beside.rows, [], tokens) + drafting
         if chain > 1:
             prompt = self.step_seconds(chain + beside.rows, [], 1.0)
             seconds -= prompt - self.step_seconds(1 + beside.rows, [], 1.0)

@@ -234,13 +234,15 @@ def test_a_profile_cached_before_curves_kept_one_reads_its_points_as_the_profile
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(read), type=Curve) == read
 
 
-def test_a_batchs_draft_rounds_cost_what_their_rows_together_do():
+def test_a_batchs_draft_round_costs_a_request_its_share_of_the_forward_all_run():
     """Eight requests drafting rounds of two nodes run one forward of 16 a round: a pass
-    beside seven others prices its rounds at the draft curve's 16, not one forward of 2
-    shared eight ways."""
+    beside seven others prices each of its rounds at an eighth of the draft curve's 16
+    (each request takes the round its own tokens pay for), not a forward of 2 shared eight
+    ways, nor the whole forward of 16 against its own tokens."""
     cost = model(streamed=0, head=0)
     beside = Beside(requests=7, rows=7 * 3, tokens=7 * 2.0)
-    seconds = cost.draft(16) + cost.draft(8) + cost.pass_compute_seconds(24) + 8 * 2.0 * 0.001
+    drafting = (cost.draft(16) + cost.draft(8)) / 8
+    seconds = drafting + cost.pass_compute_seconds(24) + 8 * 2.0 * 0.001
     assert cost.pass_rate(3, [2, 1], 2.0, beside) == pytest.approx(16.0 / seconds)
     alone = cost.draft(2) + cost.draft(1) + cost.pass_compute_seconds(3) + 2.0 * 0.001
     assert cost.pass_rate(3, [2, 1], 2.0) == pytest.approx(2.0 / alone)
