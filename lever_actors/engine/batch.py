@@ -25,7 +25,7 @@ class Place:
     """A request's place in the batch."""
 
     seat: int  # its number in the verifier's batch: in arrival order
-    kv_tokens: int  # the KV it may fill
+    kv_tokens: int  # the KV it may fill: what it asked, or less where the room had less
     # cancelled, with `failure` set, when an actor of the crew it joined fails
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     failure: BaseException | None = None
@@ -36,7 +36,6 @@ class Place:
 
 @dataclass
 class _Waiter:
-    kv_tokens: int
     admitted: trio.Event = field(default_factory=trio.Event)
     place: Place | None = None
 
@@ -78,12 +77,13 @@ class Batch:
         return self._scheduler.free_tokens
 
     @asynccontextmanager
-    async def place(self, kv_tokens: int) -> AsyncIterator[Place]:
-        """Wait in line for a place for a request that may fill `kv_tokens` of KV; hold it
-        for the block."""
-        ticket, waiter = next(self._tickets), _Waiter(kv_tokens)
+    async def place(self, kv_tokens: int, least_tokens: int | None = None) -> AsyncIterator[Place]:
+        """Wait in line for a place for a request that may fill `kv_tokens` of KV, or start
+        with as little as `least_tokens` where the room has no more; hold it for the
+        block."""
+        ticket, waiter = next(self._tickets), _Waiter()
         self._line[ticket] = waiter
-        self._seat(self._scheduler.join(ticket, kv_tokens))
+        self._seat(self._scheduler.join(ticket, kv_tokens, least_tokens))
         try:
             await waiter.admitted.wait()
         except BaseException:
@@ -129,7 +129,7 @@ class Batch:
         """The places the scheduler gave, taken by those waiting."""
         for ticket, seat in admitted:
             waiter = self._line.pop(ticket)
-            waiter.place = Place(seat, waiter.kv_tokens)
+            waiter.place = Place(seat, self._scheduler.placed[seat])
             self.places[seat] = waiter.place
             waiter.admitted.set()
             self._changed.set()

@@ -35,7 +35,7 @@ from lever_actors.engine.intake import Asked, take_in
 from lever_actors.engine.loading import LoadTimes, load
 from lever_actors.engine.prefix_cache import PrefixCache
 from lever_actors.engine.results import GenerationResult, result_of
-from lever_actors.engine.state import RequestState, kv_tokens
+from lever_actors.engine.state import LEAST_TREE_NODES, RequestState, kv_tokens
 from lever_actors.engine.switching import PlanSwitch
 from lever_actors.engine.wiring import run_request
 from lever_actors.errors import ConfigError, DeadlineError, EngineClosedError
@@ -340,8 +340,12 @@ class Engine:
     async def _run_placed(
         self, request: RequestState, events: trio.MemorySendChannel[TokenEvent]
     ) -> None:
-        """Wait in line for a place in the batch, then run the request in it."""
-        async with self.batch.place(kv_tokens(request, self.config)) as place:
+        """Wait in line for a place in the batch, then run the request in it: with a whole
+        tree's KV, or a smaller tree's where the room beside the others has no more."""
+        nodes = self.config.tree.max_nodes
+        least = kv_tokens(request, min(nodes, LEAST_TREE_NODES))
+        async with self.batch.place(kv_tokens(request, nodes), least) as place:
+            request.tree_nodes = place.kv_tokens - kv_tokens(request, 0)
             self.channels = ChannelSet(self.tracer)
             try:
                 with place.scope:  # cancelled where an actor the batch shares fails

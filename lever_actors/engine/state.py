@@ -25,6 +25,11 @@ from lever_actors.options import GenerationOptions
 from lever_actors.progress import Progress
 from lever_actors.target import FlashTarget
 
+# a request beside others starts with trees this small, where the room has no more, rather
+# than wait for a whole tree's: four at once under 1 GiB held 5-10 nodes a tree, and the
+# fourth, 38 tokens short of a 64-node tree's room, waited 29 s
+LEAST_TREE_NODES = 16
+
 
 @dataclass
 class RequestState:
@@ -43,6 +48,7 @@ class RequestState:
     tokens: list[int] = field(default_factory=list)  # emitted so far
     reuse: Reuse = NO_REUSE  # what it starts from, claimed when it starts running
     draft_start: int = 0  # the text's first token in the draft's view (its KV's first)
+    tree_nodes: int = 0  # the most draft nodes its trees hold: what its place's KV has room for
     deadline: float = math.inf  # on trio's clock: after it, the step that ends is the last
 
     def __post_init__(self) -> None:
@@ -73,8 +79,8 @@ def new_caches(
     from where its view begins, `request.draft_start`); the prefix cache first gives way to
     them (`free_tokens`: the KV room the placed requests leave, this one's counted)."""
     request.reuse = reuse = prefixes.claim(request.prompt, free_tokens)
-    nodes = config.tree.max_nodes
-    room = kv_tokens(request, config)
+    nodes = request.tree_nodes
+    room = kv_tokens(request, nodes)
     target_cache = target.new_cache(room)
     reuse.restore(target_cache)
     draft_cache = None
@@ -87,10 +93,10 @@ def new_caches(
     return target_cache, draft_cache
 
 
-def kv_tokens(request: RequestState, config: EngineConfig) -> int:
+def kv_tokens(request: RequestState, tree_nodes: int) -> int:
     """The positions a request's KV caches hold at most: its prompt, its new tokens and a
-    tree's nodes (and the bonus token and the chain's last, beyond the tree)."""
-    return len(request.prompt) + request.options.max_new_tokens + config.tree.max_nodes + 2
+    tree of `tree_nodes` (and the bonus token and the chain's last, beyond the tree)."""
+    return len(request.prompt) + request.options.max_new_tokens + tree_nodes + 2
 
 
 def draft_view(reuse: Reuse, prompt_tokens: int, window: int | None) -> int:

@@ -64,7 +64,11 @@ async def run_steps(
         step_started = time.perf_counter()
         bytes_before, read_seconds_before = reads.bytes_read, reads.read_seconds
         await requests.send(
-            DraftRequest(step=step, max_nodes=policies.spec.max_nodes, beside=batch.beside(place))
+            DraftRequest(
+                step=step,
+                max_nodes=min(policies.spec.max_nodes, request.tree_nodes),
+                beside=batch.beside(place),
+            )
         )
         verdict: Verdict = await verdicts.receive()
         request.scope.deadline = math.inf  # from the first token on, the deadline is soft

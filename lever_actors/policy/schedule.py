@@ -3,8 +3,9 @@ and the verifier tell these what arrived and do what they answer.
 
 - `Places`: which requests in line take places in the batch. In arrival order, the
   head of the line takes a place when fewer than `parallel` are placed and the KV it may
-  fill fits beside the placed ones' in the room (a request alone always fits: its size
-  was checked against the context).
+  fill fits beside the placed ones' in the room, whole or down to the least it may start
+  with (a smaller tree): as much as is free (a request alone always fits: its size was
+  checked against the context).
 - `Passes`: when the verifier's arrivals make a job of draft rounds (every seat still
   drafting has sent its round) and when they make a pass (every seat has sent its tree).
 - `PrefillChunks`, `chunk_end`: how much of a joining request's prompt a pass takes beside
@@ -33,7 +34,8 @@ class Places:
     parallel: int
     room_tokens: int
     placed: dict[int, int] = field(default_factory=dict)  # seat -> the KV it may fill
-    line: deque[tuple[int, int]] = field(default_factory=deque)  # (ticket, KV it may fill)
+    # (ticket, the KV it may fill, the least it may start with)
+    line: deque[tuple[int, int, int]] = field(default_factory=deque)
     _seats: itertools.count = field(default_factory=itertools.count)
 
     @property
@@ -41,9 +43,13 @@ class Places:
         """The KV room the placed requests leave (the prefix cache's, engine/prefix_cache.py)."""
         return max(0, self.room_tokens - sum(self.placed.values()))
 
-    def join(self, ticket: int, kv_tokens: int) -> list[tuple[int, int]]:
-        """A request enters the line."""
-        self.line.append((ticket, kv_tokens))
+    def join(
+        self, ticket: int, kv_tokens: int, least_tokens: int | None = None
+    ) -> list[tuple[int, int]]:
+        """A request enters the line: it may fill `kv_tokens`, and where they do not fit
+        beside the placed requests it takes what is free, `least_tokens` at least."""
+        least = kv_tokens if least_tokens is None else min(least_tokens, kv_tokens)
+        self.line.append((ticket, kv_tokens, least))
         return self._admit()
 
     def withdraw(self, ticket: int) -> list[tuple[int, int]]:
@@ -59,13 +65,13 @@ class Places:
     def _admit(self) -> list[tuple[int, int]]:
         admitted = []
         while self.line:
-            ticket, kv_tokens = self.line[0]
+            ticket, kv_tokens, least = self.line[0]
             full = len(self.placed) >= self.parallel
-            if self.placed and (full or kv_tokens > self.free_tokens):
+            if self.placed and (full or least > self.free_tokens):
                 break
             self.line.popleft()
             seat = next(self._seats)
-            self.placed[seat] = kv_tokens
+            self.placed[seat] = min(kv_tokens, self.free_tokens) if self.placed else kv_tokens
             admitted.append((ticket, seat))
         return admitted
 

@@ -96,6 +96,14 @@ async def test_a_request_alone_always_gets_a_place_whatever_its_kv():
             assert place.seat == 0 and batch.active == 1
 
 
+async def test_a_place_holds_what_the_room_had_where_it_had_less_than_asked():
+    batch = Batch(parallel=2, room_tokens=100)
+    with trio.fail_after(TIMEOUT):
+        async with batch.place(70) as first, batch.place(50, least_tokens=20) as second:
+            assert (first.kv_tokens, second.kv_tokens) == (70, 30)
+            assert batch.free_tokens == 0
+
+
 async def test_a_request_cancelled_in_line_leaves_it():
     batch = Batch(parallel=1, room_tokens=100)
     order: list = []

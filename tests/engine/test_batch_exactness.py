@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 import lever_actors.actors.drafter as drafter_module
 import lever_actors.actors.verifier as verifier_module
 import lever_actors.engine.crew as crew_module
+import lever_actors.engine.engine as engine_module
 from lever_actors.config import EngineConfig
 from lever_actors.engine import Engine
 from lever_actors.engine.batch import Batch
@@ -401,3 +402,43 @@ async def test_a_failing_draft_forward_fails_its_own_request_and_no_other(monkey
 
 class Broken(Exception):
     pass
+
+
+async def test_a_request_the_room_has_no_whole_tree_for_starts_beside_with_a_smaller_one(
+    monkeypatch,
+):
+    """A room of 134 tokens holds the first request's 92 (4 + 24 new + a 62-node tree + 2),
+    and 42 of the second's 79: it starts beside the first with trees of 25 nodes (42 less
+    its 3 + 12 + 2) where it would have waited for a whole one's; both texts are their
+    sequential decodings."""
+    pair = model_pair(TINY_ARGS, "perturbed", 0)
+    config = EngineConfig(
+        target=str(pair.target), draft=str(pair.draft), tree="static:2,2,2,2,2", parallel=2
+    )
+    monkeypatch.setattr(engine_module, "Batch", lambda parallel, room: Batch(parallel, 134))
+    trees: list[tuple[int, int]] = []  # (committed, draft nodes) of each tree sent
+    draft = drafter_module.Drafter.draft
+
+    async def recorded(self, request):
+        tree = await draft(self, request)
+        trees.append((tree.n_committed, len(tree.tokens) - tree.n_committed))
+        return tree
+
+    monkeypatch.setattr(drafter_module.Drafter, "draft", recorded)
+    asked = {"a": [5, 6, 7, 8], "b": [1, 2, 3]}
+    new = {"a": 24, "b": 12}
+    results: dict[str, object] = {}
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(config) as engine:
+
+            async def run(name: str) -> None:
+                results[name] = await engine.generate(asked[name], max_new_tokens=new[name])
+
+            async with trio.open_nursery() as nursery:
+                for name in asked:
+                    nursery.start_soon(run, name)
+                    await trio.sleep(0)  # in this order
+    assert {nodes for _, nodes in trees} == {25, 62}
+    assert max(s.parallel for s in results["b"].steps) == 2  # beside the first
+    for name, prompt in asked.items():
+        assert results[name].tokens == reference_tokens(config.target, prompt, new[name])

@@ -35,6 +35,18 @@ def test_the_kv_room_holds_back_the_head_of_the_line_and_those_behind_it():
     assert places.free_tokens == 400
 
 
+def test_a_request_takes_what_is_free_down_to_its_least_rather_than_wait():
+    places = Places(parallel=8, room_tokens=1000)
+    assert places.join(1, 600) == [(1, 0)]
+    assert places.join(2, 500, least_tokens=350) == [(2, 1)]  # 400 free: it takes them
+    assert places.placed == {0: 600, 1: 400}
+    assert places.join(3, 100, least_tokens=10) == []  # none free
+    assert places.leave(0) == [(3, 2)]
+    assert places.placed == {1: 400, 2: 100}  # all it asked: it fits whole
+    assert places.join(4, 600, least_tokens=550) == []  # 500 free, below its least
+    assert places.free_tokens == 500
+
+
 def test_a_request_alone_always_fits():
     places = Places(parallel=1, room_tokens=10)
     assert places.join(1, 10_000) == [(1, 0)]
