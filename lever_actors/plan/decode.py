@@ -23,7 +23,7 @@ from lever_actors.errors import ConfigError
 from lever_actors.paths import path_bytes
 from lever_actors.plan.memory import Reading, memory_plan, read_process
 from lever_actors.plan.parallel import MAX_AUTO_PARALLEL
-from lever_actors.policy.cost_model import CostModel
+from lever_actors.policy.cost_model import CostModel, Curve
 from lever_actors.policy.figures import draft_curve, target_figures
 
 PlanName = Literal["trees", "lookup", "ar"]
@@ -56,6 +56,11 @@ SHAPES: dict[tuple[PlanName, bool], Shape] = {  # (plan, flash paces the pass)
 # hand-off between threads, the sampler, the event loop): a resident one-token step took
 # 52 ms where the profile priced its pass and projection at 42
 STEP_OVERHEAD_SECONDS = 0.010
+# a draft round beyond its profiled forward (its hand-offs to the verifier's unit, its
+# placement and ranking): a resident code step's 1.8 rounds took 33 ms where the profile
+# priced 21 (2-core Zen 4; a bare forward of one node 10 ms, in the engine's unit too), and
+# priced without it trees were chosen where copies ran 1.13x as fast
+DRAFT_ROUND_OVERHEAD_SECONDS = 0.006
 # trees run each request's prompt through the draft too (a 347-token prompt took the draft
 # 1.6 s beside a 128-token answer's 8 s, resident, 2-core EPYC): priced as if a prompt were
 # as long as its answer, each row at a DRAFT_PREFILL_ROWS-row forward's share, which
@@ -183,7 +188,10 @@ def _cost(
         overhead_seconds=STEP_OVERHEAD_SECONDS,
     )
     if drafts:
-        cost.draft = draft_curve(config, figures)
+        forward = draft_curve(config, figures)
+        cost.draft = Curve(
+            forward.sizes, [s + DRAFT_ROUND_OVERHEAD_SECONDS for s in forward.seconds]
+        )
     return cost
 
 

@@ -154,7 +154,8 @@ def test_trees_chosen_copy_from_the_fewest_requests_at_once_whose_copies_are_pri
 
 def test_trees_pay_for_the_drafts_run_of_each_prompt(pair, monkeypatch):
     """A drafting plan's rate counts a draft prefill row per token decoded; the others not.
-    Rounds of one or two nodes cost nothing here, a 32-row forward 0.1 s a row."""
+    Rounds of one or two nodes cost only a round's overhead here, a 32-row forward 0.1 s a
+    row (and its round's overhead, shared by its rows)."""
     under(monkeypatch, 8 << 30)
     config, manifest = config_of(pair, plan="auto"), read_manifest(pair.target)
     _, plan = choose_plan(config, manifest, False)
@@ -167,5 +168,21 @@ def test_trees_pay_for_the_drafts_run_of_each_prompt(pair, monkeypatch):
     monkeypatch.setattr(decode_plan, "PROMPT_ROWS_PER_TOKEN", 0.0)
     _, unpriced = choose_plan(config, manifest, False)
     # a 0.1 s prompt row per token on top of the unpriced rate's seconds a token
-    expected = 1 / (1 / unpriced.predicted["trees"] + 0.1)
+    row = (3.2 + decode_plan.DRAFT_ROUND_OVERHEAD_SECONDS) / decode_plan.DRAFT_PREFILL_ROWS
+    expected = 1 / (1 / unpriced.predicted["trees"] + row)
     assert priced.predicted["trees"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_draft_round_is_priced_beyond_its_profiled_forward(pair, monkeypatch):
+    """Each draft round costs the plan DRAFT_ROUND_OVERHEAD_SECONDS beyond the profiled
+    forward (its hand-offs and ranking in the engine): dearer rounds lower the trees'
+    predicted rate and leave the plans that do not draft as they were."""
+    under(monkeypatch, 8 << 30)
+    config, manifest = config_of(pair, plan="auto"), read_manifest(pair.target)
+    monkeypatch.setattr(decode_plan, "DRAFT_ROUND_OVERHEAD_SECONDS", 0.0)
+    _, bare = choose_plan(config, manifest, False)
+    monkeypatch.setattr(decode_plan, "DRAFT_ROUND_OVERHEAD_SECONDS", 0.05)
+    _, dear = choose_plan(config, manifest, False)
+    assert dear.predicted["trees"] < bare.predicted["trees"]
+    for name in ("lookup", "ar"):
+        assert dear.predicted[name] == bare.predicted[name]
