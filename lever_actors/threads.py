@@ -26,6 +26,11 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import TypeVar
+
+import outcome
+
+T = TypeVar("T")
 
 WINDOWS = 3  # a neighbour counts only if busy in every one: a process that is just
 WINDOW_SECONDS = 0.1  # exiting (freeing its memory) is busy in the first window only
@@ -134,3 +139,20 @@ def settle_policy() -> None:
     with _pending_lock:
         while _pending:
             _pending.pop()()
+
+
+def on_a_thread_of_its_own(fn: Callable[..., T], *args: object) -> T:
+    """fn(*args) on a thread that ends with it; its result, or its exception raised here.
+    For torch work outside the engine (a GGUF's conversion on first use): an OpenMP team
+    that torch starts on a thread that lives on, as the main thread does, stays beside the
+    engine's, and libgomp then sleeps every team's threads between products (the resident
+    target decoded at 12-19 tok/s after a product on the main thread, 27-31 after one on a
+    thread that ended; Zen 4, 2026-12-08). The thread is a daemon, so that Ctrl-C ends the
+    process at once (the next run removes what a conversion half wrote)."""
+    done: list[outcome.Outcome[T]] = []
+    thread = threading.Thread(
+        target=lambda: done.append(outcome.capture(fn, *args)), name="own-team", daemon=True
+    )
+    thread.start()
+    thread.join()
+    return done[0].unwrap()

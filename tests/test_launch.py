@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -15,6 +16,7 @@ from lever_actors.threads import (
     PIPELINE_ONLY,
     cores_left,
     idle_cores,
+    on_a_thread_of_its_own,
     one_stream_environ,
     thread_policy,
 )
@@ -160,3 +162,19 @@ def test_only_generate_defers_its_policy():
     # --cache-dir's value is a path, never the command (cli/commands.py's command_in)
     argv = ["--cache-dir", "generate", "serve", "l", "--units", "split"]
     assert launched({}, argv)[0] == "PASSIVE"
+
+
+def test_work_on_a_thread_of_its_own_returns_or_raises_here_once_its_thread_ended():
+    ran_on: list[threading.Thread] = []
+
+    def work(value: int) -> int:
+        ran_on.append(threading.current_thread())
+        if value < 0:
+            raise ValueError(f"no {value}")
+        return value * 2
+
+    assert on_a_thread_of_its_own(work, 21) == 42
+    with pytest.raises(ValueError, match="^no -1$"):
+        on_a_thread_of_its_own(work, -1)
+    assert len(ran_on) == 2 and threading.current_thread() not in ran_on
+    assert not any(thread.is_alive() for thread in ran_on)

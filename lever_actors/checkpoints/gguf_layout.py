@@ -20,6 +20,7 @@ from lever_actors.checkpoints.layout_cache import (
 from lever_actors.config import Weights
 from lever_actors.paths import exclusive
 from lever_actors.progress import Progress
+from lever_actors.threads import on_a_thread_of_its_own
 
 
 def gguf_layout(
@@ -43,5 +44,6 @@ def gguf_layout(
             shutil.rmtree(layout)  # ours to replace: the cache is ours, the GGUF stays
         if not layout.is_dir():
             print(f"converting {gguf_path.name} to a {suffix} flash layout (once)", file=sys.stderr)
-            convert(gguf_path, layout, torch.bfloat16, progress, weights)
+            # its torch team ends with its thread: the engine that follows keeps the only one
+            on_a_thread_of_its_own(convert, gguf_path, layout, torch.bfloat16, progress, weights)
     return layout

@@ -5,6 +5,7 @@ edited file converts anew."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,19 @@ def test_generate_takes_a_gguf_target_as_it_is(tmp_path, conversions, capsys):
         assert main(["generate", *flags, "--max-new-tokens", str(NEW)]) == 0
     first, second = capsys.readouterr().out.splitlines()[-2:]
     assert first and first == second and len(conversions) == 1
+
+
+def test_a_conversion_runs_on_a_thread_that_ends_before_the_engine_opens(tmp_path, monkeypatch):
+    # a torch team left on the caller's thread would sleep the engine's between products
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    ran_on: list[threading.Thread] = []
+
+    def recorded(*args, **kwargs):
+        ran_on.append(threading.current_thread())
+        return convert(*args, **kwargs)
+
+    monkeypatch.setattr(gguf_layout, "convert", recorded)
+    model = write_gguf(tmp_path / "tiny.gguf", gguf_metadata(), gguf_tensors())
+    layout = gguf_layout.gguf_layout(model, tmp_path / "cache", None, "auto")
+    assert layout.is_dir() and len(ran_on) == 1
+    assert ran_on[0] is not threading.current_thread() and not ran_on[0].is_alive()
