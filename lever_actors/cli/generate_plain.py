@@ -1,14 +1,15 @@
 """`generate --plan ar` or `lookup` without torch (#63): where the target's layout is
-converted, its model one the plain path runs (model/plain_model.py), and the target fits in
-DRAM beside its context under the memory plan (its embedding table's rows read from flash
-where the table does not), the command reads the target and decodes on our plain kernels,
-one token a pass or with copies from the text verified beside it, the same tokens the
-engine gives, and never imports torch. Anything else goes to the
-engine; plan/plain.py decides, and -v says why."""
+converted (on a first run, first: only that loads torch), its model one the plain path runs
+(model/plain_model.py), and the target fits in DRAM beside its context under the memory plan
+(its embedding table's rows read from flash where the table does not), the command reads
+the target and decodes on our plain kernels, one token a pass or with copies from the text
+verified beside it, the same tokens the engine gives, and never imports torch. Anything
+else goes to the engine; plan/plain.py decides, and -v says why."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +41,7 @@ from lever_actors.plan.plain import (
 )
 from lever_actors.policy.plain_copies import CopyProposer
 from lever_actors.sizes import format_bytes
+from lever_actors.threads import settle_policy
 
 log = get_logger(__name__)
 
@@ -94,9 +96,9 @@ def _run_and_why(
 ) -> tuple[PlainRun | None, str]:
     if args.model is not None:
         return None, "--model holds a model in DRAM on torch"
-    layout = _converted(args)
+    layout = _converted(args) or _converted_now(args)
     if layout is None:
-        return None, "the target is not converted yet"
+        return None, "the target's layout is not current"
     manifest = read_manifest(layout)
     draft = _draft(args)
     try:
@@ -156,8 +158,8 @@ def _draft(args: argparse.Namespace) -> str | None:
 
 
 def _converted(args: argparse.Namespace) -> Path | None:
-    """The target's layout, where it is there and current (the engine converts one that
-    is not): --target's, or the real target's."""
+    """The target's layout, where it is there and current: --target's, or the real
+    target's."""
     if args.target is None:
         gguf = Path(REAL_MODELS["target"].file_name)
         layout = layout_path(gguf, args.cache_dir, args.target_weights, name=gguf.stem)
@@ -166,6 +168,19 @@ def _converted(args: argparse.Namespace) -> Path | None:
     else:
         layout = args.target
     return layout if is_current(layout) else None
+
+
+def _converted_now(args: argparse.Namespace) -> Path | None:
+    """The real target, or a GGUF --target, fetched and converted now, so that a first run
+    takes the plain path as later ones do: torch loads for the conversion alone, whose
+    products run on a thread that ends (checkpoints/gguf_layout.py). None for a layout
+    directory that is not current (the engine says why)."""
+    if args.target is not None and not is_gguf(args.target):
+        return None
+    settle_policy()  # OpenMP loads with torch
+    importlib.import_module("lever_actors.cli.engine_config").engine_config(args)
+    return_freed_heap()  # the conversion's temporaries, before the plan counts the process
+    return _converted(args)
 
 
 def generate_plain(

@@ -6,6 +6,7 @@ under -v."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -13,7 +14,8 @@ import msgspec
 import pytest
 import torch
 
-from lever_actors.cli import generate_plain, main
+from lever_actors.checkpoints.layout_cache import layout_path
+from lever_actors.cli import engine_config, generate_plain, main
 from lever_actors.model import plain
 from lever_actors.plain_target import embed_bytes
 from lever_actors.plan import plain as plain_module
@@ -186,3 +188,24 @@ def test_a_target_read_beside_the_parse_is_let_go_where_the_engine_runs_after_al
     out, err = run(capsys, layout)
     assert "the layers and the LM head would stream" in err and closed == [1]
     assert out == text_of(reference_tokens(layout, PROMPT, NEW)) + "\n"
+
+
+@needs_plain
+def test_a_first_run_converts_its_gguf_first_and_takes_the_plain_path(
+    capsys, layout, tmp_path, monkeypatch
+):
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF stands in for the file; the conversion below copies the layout")
+    conversions = []
+
+    def converted(args):  # what engine_config does to a GGUF target on first use
+        conversions.append(args.target)
+        shutil.copytree(layout, layout_path(model, args.cache_dir, args.target_weights))
+
+    monkeypatch.setattr(engine_config, "engine_config", converted)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    for _ in range(2):
+        out, err = run(capsys, model)
+        assert "plan: ar on the plain kernels, without torch" in err
+        assert out == text_of(reference_tokens(layout, PROMPT, NEW)) + "\n"
+    assert conversions == [model]
